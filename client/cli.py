@@ -1,0 +1,37 @@
+"""The ``psyswarm`` command line.
+
+Each command group lives in its own module under ``client.commands`` and registers itself here, so that
+``psyswarm --help`` stays fast: heavy libraries (torch, hivemind, solana) are imported inside commands.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+COMMAND_MODULES = (
+    "client.commands.config",
+)
+
+app = typer.Typer(
+    name="psyswarm",
+    help="Train one model across many untrusted machines: coordinator, pipeline workers and trainers.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Keep the CLI a group of commands even while only one is registered."""
+
+for _module in COMMAND_MODULES:
+    importlib.import_module(_module).register(app)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

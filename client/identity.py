@@ -1,0 +1,72 @@
+"""Contributor identity: an ed25519 keypair stored in Solana's keypair-file format.
+
+The same file that signs Solana transactions (``~/.config/solana/id.json``, a JSON list of 64 integers:
+secret seed followed by the public key) identifies a client to the TCP server, signs DHT records and
+result commitments, so a contributor has exactly one identity whichever backend a run uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from solders.keypair import Keypair
+from solders.pubkey import Pubkey
+from solders.signature import Signature
+
+DEFAULT_KEYPAIR_PATH = Path("~/.config/solana/id.json")
+
+
+class KeypairError(ValueError):
+    """A keypair file is missing or malformed; the message says which file and what to do."""
+
+
+def load_keypair(path: str | os.PathLike[str] = DEFAULT_KEYPAIR_PATH) -> Keypair:
+    """Read a Solana keypair file, checking that its public half matches its secret half."""
+    file = Path(path).expanduser()
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise KeypairError(
+            f"keypair file {file} does not exist; create one with `psyswarm keygen --outfile {file}`"
+        ) from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise KeypairError(f"keypair file {file} is not readable JSON: {exc}") from None
+    if not (isinstance(raw, list) and len(raw) == 64 and all(isinstance(b, int) and 0 <= b < 256 for b in raw)):
+        raise KeypairError(f"keypair file {file} must hold a JSON list of 64 byte values (Solana's format)")
+    try:
+        keypair = Keypair.from_bytes(bytes(raw))
+    except ValueError as exc:
+        raise KeypairError(f"keypair file {file}: the public key does not match the secret key ({exc})") from None
+    return keypair
+
+
+def save_keypair(keypair: Keypair, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+    """Write a keypair file readable only by its owner, refusing to replace an identity by accident."""
+    file = Path(path).expanduser()
+    if file.exists() and not overwrite:
+        raise KeypairError(f"{file} already exists; pass --force to replace it (its identity would be lost)")
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(file.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(list(bytes(keypair)), out)
+    os.replace(tmp, file)
+    return file
+
+
+def verify(pubkey: bytes | Pubkey, message: bytes, signature: bytes) -> bool:
+    """Check an ed25519 signature by ``pubkey`` over ``message``; malformed input is simply invalid.
+
+    Lengths are checked here because solders panics (a BaseException) on a wrongly sized key or signature.
+    """
+    if isinstance(pubkey, Pubkey):
+        key = pubkey
+    elif len(pubkey) == 32:
+        key = Pubkey.from_bytes(bytes(pubkey))
+    else:
+        return False
+    if len(signature) != 64:
+        return False
+    return Signature.from_bytes(bytes(signature)).verify(key, message)

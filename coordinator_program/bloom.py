@@ -1,0 +1,80 @@
+"""Witness bloom filters: pybloom-live's ``BloomFilter``, with parameters fixed by the run's config.
+
+A witness fills a participant filter with every client whose signed round record it verified, and a
+batch filter with every verified result commitment. The coordinator (here, and the C program on chain)
+tests membership from the raw bits alone, recomputing pybloom-live's bit positions: with 11-16 slices of
+fewer than 32,768 bits, the positions are the first ``slices`` little-endian u16 words of
+sha256(sha256(u32 0) ‖ key), each modulo the slice size, slice s starting at bit s × bits_per_slice, and
+bit b living in byte b // 8 at mask 1 << (b % 8) (the bit array is little-endian).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import struct
+
+from pybloom_live import BloomFilter
+
+from coordinator_program.config import Config
+
+SALT_PREFIX = hashlib.sha256(struct.pack("<I", 0)).digest()
+"""The 32 bytes pybloom-live's first salt has absorbed before the key; the program embeds this constant."""
+
+
+def participant_key(client_id: bytes) -> str:
+    """A client's key in a participant filter: its public key in lowercase hex.
+
+    A ``str`` key because pybloom-live hashes ``str(key)`` for anything that is not a string, which for
+    bytes would hash their Python repr.
+    """
+    return client_id.hex()
+
+
+def batch_key(commitment_hash: bytes) -> str:
+    """A result commitment's key in a batch filter: the commitment's SHA-256 in lowercase hex."""
+    return commitment_hash.hex()
+
+
+def new_filter(config: Config) -> BloomFilter:
+    """An empty pybloom-live filter with exactly the run's slice count and slice size."""
+    return filter_from_bytes(config, bytes(config.bloom_bytes))
+
+
+def filter_from_bytes(config: Config, raw: bytes) -> BloomFilter:
+    """Rebuild a pybloom-live filter from its raw bits (pybloom-live's own file format carries the
+    parameters, so no private attribute is touched)."""
+    if len(raw) != config.bloom_bytes:
+        raise ValueError(f"a filter of this run is {config.bloom_bytes} bytes, got {len(raw)}")
+    header = struct.pack(BloomFilter.FILE_FMT, 2.0 ** -config.bloom_slices, config.bloom_slices,
+                         config.bloom_bits_per_slice, config.max_clients, 0)
+    return BloomFilter.fromfile(io.BytesIO(header + raw))
+
+
+def filter_bytes(bloom: BloomFilter) -> bytes:
+    """The raw bits a witness instruction carries."""
+    return bloom.bitarray.tobytes()
+
+
+def bit_positions(key: str, slices: int, bits_per_slice: int) -> list[int]:
+    """Absolute bit positions pybloom-live sets for ``key`` (one per slice)."""
+    if not 1 <= slices <= 16:
+        raise ValueError("the raw check covers one SHA-256 digest: at most 16 slices")
+    words = struct.unpack("<16H", hashlib.sha256(SALT_PREFIX + key.encode()).digest())
+    return [s * bits_per_slice + words[s] % bits_per_slice for s in range(slices)]
+
+
+def contains_raw(raw: bytes, key: str, slices: int, bits_per_slice: int) -> bool:
+    """Membership from raw bits alone, as the program tests it."""
+    for bit in bit_positions(key, slices, bits_per_slice):
+        if not raw[bit >> 3] & (1 << (bit & 7)):
+            return False
+    return True
+
+
+def build_filter(config: Config, keys: list[str]) -> bytes:
+    """Raw bits of a filter holding ``keys`` (used by witnesses and tests)."""
+    bloom = new_filter(config)
+    for key in keys:
+        bloom.add(key, skip_check=True)
+    return filter_bytes(bloom)

@@ -1,0 +1,333 @@
+"""A run's configuration: the coordinator's rules, the model every client builds, and where it starts from.
+
+The encoded fields are integers and fixed strings only, because the C program validates exactly the same
+rules without floating point; friendlier inputs (a learning rate, a bloom error rate) are converted here
+when a ``state.toml`` is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from coordinator_program import limits
+from coordinator_program.errors import InvalidCheckpoint, InvalidConfig
+from coordinator_program.layout import (
+    U8,
+    U16,
+    U32,
+    U64,
+    Enum8,
+    Field,
+    FixedStr,
+    Struct,
+)
+
+BLOOM_MIN_SLICES = 11
+"""pybloom-live hashes with SHA-256 (which the program gets from ``sol_sha256``) for 11 to 16 slices of
+fewer than 32,768 bits; other sizes switch to hashes the program cannot compute."""
+BLOOM_MAX_SLICES = 16
+BLOOM_MAX_BITS_PER_SLICE = 2**15 - 1
+DEFAULT_BLOOM_ERROR_RATE = 0.0009
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The coordinator's rules for one run (times in seconds of the backend's clock)."""
+
+    min_clients: int = 4
+    max_clients: int = 64
+    witness_nodes: int = 2
+    witness_quorum: int = 1
+    num_stages: int = 3
+    bloom_slices: int = 11
+    bloom_bits_per_slice: int = 85
+    warmup_time: int = 10
+    max_round_train_time: int = 60
+    round_witness_time: int = 2
+    cooldown_time: int = 10
+    rounds_per_epoch: int = 10
+    total_steps: int = 100
+    global_batch_size: int = 32
+
+    @property
+    def bloom_bytes(self) -> int:
+        """Bytes of one witness filter: pybloom-live's bit array, rounded up to whole bytes."""
+        return (self.bloom_slices * self.bloom_bits_per_slice + 7) // 8
+
+
+CONFIG_LAYOUT = Struct(Config, [
+    Field("min_clients", U16),
+    Field("max_clients", U16),
+    Field("witness_nodes", U8),
+    Field("witness_quorum", U8),
+    Field("num_stages", U8),
+    Field("bloom_slices", U8),
+    Field("bloom_bits_per_slice", U16),
+    Field("warmup_time", U32),
+    Field("max_round_train_time", U32),
+    Field("round_witness_time", U32),
+    Field("cooldown_time", U32),
+    Field("rounds_per_epoch", U32),
+    Field("total_steps", U32),
+    Field("global_batch_size", U32),
+], doc="The coordinator's rules for one run; times in seconds.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What every client needs to build, train and average the same model."""
+
+    n_layers: int = 6
+    n_heads: int = 4
+    d_model: int = 128
+    seq_len: int = 128
+    microbatch_size: int = 8
+    learning_rate_micros: int = 1000
+    init_seed: int = 0
+    sparta_every: int = 20
+    sparta_partitions: int = 20
+    max_allowed_stale: int = 5
+    sync_phase1_steps: int = 400
+    sync_phase2_steps: int = 100
+    dataset: str = "stdlib"
+
+
+MODEL_LAYOUT = Struct(Model, [
+    Field("n_layers", U8),
+    Field("n_heads", U8),
+    Field("d_model", U16),
+    Field("seq_len", U16),
+    Field("microbatch_size", U16),
+    Field("learning_rate_micros", U32),
+    Field("init_seed", U64),
+    Field("sparta_every", U16),
+    Field("sparta_partitions", U16),
+    Field("max_allowed_stale", U16),
+    Field("sync_phase1_steps", U16),
+    Field("sync_phase2_steps", U16),
+    Field("dataset", FixedStr(limits.DATASET_BYTES)),
+], doc="The model and training hyperparameters every client shares.")
+
+
+class CheckpointKind(enum.IntEnum):
+    """Where a joining client gets the model's parameters."""
+
+    Fresh = 0  # initialise from Model.init_seed
+    Hub = 1  # a Hugging Face repo at a revision
+    P2P = 2  # from same-stage peers (set when an epoch ends)
+    Local = 3  # a directory every client can read (development runs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """The model's current source; ``stages_done`` has bit s set once stage s is saved there."""
+
+    kind: CheckpointKind = CheckpointKind.Fresh
+    stages_done: int = 0
+    repo: str = ""
+    revision: str = ""
+
+
+CHECKPOINT_LAYOUT = Struct(Checkpoint, [
+    Field("kind", Enum8(CheckpointKind)),
+    Field("stages_done", U16),
+    Field("repo", FixedStr(limits.REPO_BYTES)),
+    Field("revision", FixedStr(limits.REVISION_BYTES)),
+], doc="Where joiners download the model; stages_done is a bit mask of saved stages.")
+
+
+def _need(ok: bool, field: str, rule: str) -> None:
+    if not ok:
+        raise InvalidConfig(f"{field}: {rule}")
+
+
+def validate_config(c: Config) -> None:
+    """Reject a config that could not run, naming the first field at fault and the rule it breaks."""
+    _need(2 <= c.num_stages <= limits.MAX_STAGES, "num_stages", f"must be between 2 and {limits.MAX_STAGES}")
+    _need(1 <= c.max_clients <= limits.MAX_CLIENTS, "max_clients", f"must be between 1 and {limits.MAX_CLIENTS}")
+    _need(c.min_clients >= c.num_stages + 1, "min_clients",
+          "must be at least num_stages + 1 (a worker for every stage and one trainer)")
+    _need(c.min_clients <= c.max_clients, "min_clients", "must not exceed max_clients")
+    _need(1 <= c.witness_nodes <= limits.MAX_WITNESSES, "witness_nodes",
+          f"must be between 1 and {limits.MAX_WITNESSES}")
+    _need(c.witness_nodes <= c.max_clients, "witness_nodes", "must not exceed max_clients")
+    _need(1 <= c.witness_quorum <= c.witness_nodes, "witness_quorum", "must be between 1 and witness_nodes")
+    for name in ("warmup_time", "max_round_train_time", "round_witness_time", "cooldown_time",
+                 "rounds_per_epoch", "total_steps", "global_batch_size"):
+        _need(getattr(c, name) >= 1, name, "must be at least 1")
+    _need(BLOOM_MIN_SLICES <= c.bloom_slices <= BLOOM_MAX_SLICES, "bloom_slices",
+          f"must be between {BLOOM_MIN_SLICES} and {BLOOM_MAX_SLICES} (the SHA-256 range of pybloom-live)")
+    _need(1 <= c.bloom_bits_per_slice <= BLOOM_MAX_BITS_PER_SLICE, "bloom_bits_per_slice",
+          f"must be between 1 and {BLOOM_MAX_BITS_PER_SLICE}")
+    _need(c.bloom_bytes <= limits.MAX_BLOOM_BYTES, "bloom_bits_per_slice",
+          f"a filter of {c.bloom_bytes} bytes exceeds {limits.MAX_BLOOM_BYTES}: raise bloom_error_rate")
+
+
+def _printable(text: str) -> bool:
+    return all(0x20 <= ord(ch) <= 0x7E for ch in text)
+
+
+def validate_model(m: Model, c: Config) -> None:
+    """Reject a model the clients could not build or split into ``c.num_stages`` stages."""
+    _need(m.n_layers >= c.num_stages, "n_layers", "must be at least num_stages (a layer per stage)")
+    _need(m.n_heads >= 1, "n_heads", "must be at least 1")
+    _need(m.d_model >= 1 and m.d_model % m.n_heads == 0, "d_model", "must be a positive multiple of n_heads")
+    _need(m.seq_len >= 2, "seq_len", "must be at least 2")
+    for name in ("microbatch_size", "learning_rate_micros", "sparta_every", "sparta_partitions"):
+        _need(getattr(m, name) >= 1, name, "must be at least 1")
+    _need(m.dataset != "" and _printable(m.dataset), "dataset", "must be non-empty printable ASCII")
+
+
+def validate_checkpoint(cp: Checkpoint, num_stages: int) -> None:
+    """A starting checkpoint is fresh, or a complete Hub/Local one; P2P is only ever set by Cooldown."""
+    if cp.kind == CheckpointKind.Fresh:
+        ok = cp.repo == "" and cp.revision == "" and cp.stages_done == 0
+        if not ok:
+            raise InvalidCheckpoint("a fresh checkpoint has no repo, revision or saved stages")
+    elif cp.kind in (CheckpointKind.Hub, CheckpointKind.Local):
+        if cp.repo == "" or not _printable(cp.repo) or not _printable(cp.revision):
+            raise InvalidCheckpoint("a Hub or Local checkpoint needs a printable ASCII repo (and revision)")
+        if cp.stages_done != (1 << num_stages) - 1:
+            raise InvalidCheckpoint("a starting Hub or Local checkpoint must hold every stage")
+    else:
+        raise InvalidCheckpoint("a run cannot start from a P2P checkpoint")
+
+
+def bloom_params(capacity: int, error_rate: float) -> tuple[int, int]:
+    """(slices, bits per slice) that pybloom-live's ``BloomFilter(capacity, error_rate)`` uses."""
+    if not 0 < error_rate < 1:
+        raise InvalidConfig("bloom_error_rate: must be between 0 and 1")
+    from pybloom_live import BloomFilter
+
+    bloom = BloomFilter(capacity, error_rate)
+    return bloom.num_slices, bloom.bits_per_slice
+
+
+def predicted_false_positive_rate(config: Config, items: int) -> float:
+    """Chance that a non-member tests positive once ``items`` keys are in a filter (one key per slice)."""
+    fill = 1.0 - (1.0 - 1.0 / config.bloom_bits_per_slice) ** items
+    return fill ** config.bloom_slices
+
+
+def valid_run_id(run_id: str) -> bool:
+    """1-32 bytes of ``[A-Za-z0-9._-]``: a PDA seed, a file name and a URL path segment all at once."""
+    return (1 <= len(run_id.encode()) <= limits.RUN_ID_BYTES
+            and all(ch.isascii() and (ch.isalnum() or ch in "._-") for ch in run_id))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """Everything ``state.toml`` describes: a run id, its config, its model and its starting checkpoint."""
+
+    run_id: str
+    config: Config
+    model: Model
+    checkpoint: Checkpoint
+
+
+_CHECKPOINT_KINDS = {"fresh": CheckpointKind.Fresh, "hub": CheckpointKind.Hub, "local": CheckpointKind.Local}
+
+
+def _take_section(doc: dict[str, Any], section: str, cls: type, converters: dict[str, Any],
+                  derived: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Read one TOML table into constructor arguments, rejecting unknown keys and wrong types by name.
+
+    ``converters`` turn a friendly key into encoded fields; ``derived`` fields are computed, never given.
+    """
+    table = doc.get(section, {})
+    if not isinstance(table, dict):
+        raise InvalidConfig(f"[{section}] must be a table")
+    known = ({f.name for f in dataclasses.fields(cls)} - set(derived)) | set(converters)
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in known:
+            hint = difflib.get_close_matches(key, sorted(known), n=1)
+            suggestion = f"; did you mean '{hint[0]}'?" if hint else ""
+            raise InvalidConfig(f"{key}: unknown key in [{section}]{suggestion}")
+        if key in converters:
+            out.update(converters[key](value))
+            continue
+        default = getattr(cls, key)
+        if isinstance(default, int) and (isinstance(value, bool) or not isinstance(value, int)):
+            raise InvalidConfig(f"{key}: must be an integer, got {value!r}")
+        if isinstance(default, str) and not isinstance(value, str):
+            raise InvalidConfig(f"{key}: must be a string, got {value!r}")
+        out[key] = value
+    return out
+
+
+def _learning_rate(value: Any) -> dict[str, int]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 4294:
+        raise InvalidConfig(f"learning_rate: must be a number in (0, 4294), got {value!r}")
+    micros = round(value * 1_000_000)
+    if micros < 1 or not math.isclose(micros, value * 1_000_000, rel_tol=1e-6):
+        raise InvalidConfig(f"learning_rate: {value!r} is not a whole number of millionths")
+    return {"learning_rate_micros": micros}
+
+
+def parse_run_spec(doc: dict[str, Any]) -> RunSpec:
+    """Build and validate a RunSpec from a parsed ``state.toml``; errors name the key at fault."""
+    unknown = set(doc) - {"run_id", "config", "model", "checkpoint"}
+    if unknown:
+        raise InvalidConfig(f"{sorted(unknown)[0]}: unknown top-level key (expected run_id, [config], "
+                            "[model], [checkpoint])")
+    run_id = doc.get("run_id")
+    if not isinstance(run_id, str) or not valid_run_id(run_id):
+        raise InvalidConfig(f"run_id: must be 1-32 characters of [A-Za-z0-9._-], got {run_id!r}")
+
+    error_rate = {"rate": DEFAULT_BLOOM_ERROR_RATE}
+
+    def take_error_rate(value: Any) -> dict[str, int]:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidConfig(f"bloom_error_rate: must be a number, got {value!r}")
+        error_rate["rate"] = float(value)
+        return {}
+
+    config_args = _take_section(doc, "config", Config, {
+        "bloom_error_rate": take_error_rate}, derived=("bloom_slices", "bloom_bits_per_slice"))
+    max_clients = config_args.get("max_clients", Config.max_clients)
+    if not isinstance(max_clients, int) or not 1 <= max_clients <= limits.MAX_CLIENTS:
+        raise InvalidConfig(f"max_clients: must be between 1 and {limits.MAX_CLIENTS}")
+    slices, bits = bloom_params(max_clients, error_rate["rate"])
+    if not BLOOM_MIN_SLICES <= slices <= BLOOM_MAX_SLICES:
+        raise InvalidConfig(f"bloom_error_rate: gives {slices} slices; choose a rate between 2^-16 and 2^-10 "
+                            f"(0.0000153-0.00097) so the filter uses SHA-256, which the program can compute")
+    config = Config(**config_args, bloom_slices=slices, bloom_bits_per_slice=bits)
+    validate_config(config)
+
+    model = Model(**_take_section(doc, "model", Model, {
+        "learning_rate": _learning_rate}, derived=("learning_rate_micros",)))
+    validate_model(model, config)
+
+    def take_kind(value: Any) -> dict[str, Any]:
+        if value not in _CHECKPOINT_KINDS:
+            raise InvalidConfig(f"kind: must be one of {sorted(_CHECKPOINT_KINDS)}, got {value!r}")
+        return {"kind": _CHECKPOINT_KINDS[value]}
+
+    cp_args = _take_section(doc, "checkpoint", Checkpoint, {"kind": take_kind}, derived=("stages_done",))
+    if cp_args.get("kind", CheckpointKind.Fresh) != CheckpointKind.Fresh:
+        cp_args["stages_done"] = (1 << config.num_stages) - 1
+    checkpoint = Checkpoint(**cp_args)
+    try:
+        validate_checkpoint(checkpoint, config.num_stages)
+    except InvalidCheckpoint as exc:
+        raise InvalidConfig(f"[checkpoint]: {exc.detail}") from None
+    return RunSpec(run_id=run_id, config=config, model=model, checkpoint=checkpoint)
+
+
+def load_run_spec(path: str | Path) -> RunSpec:
+    """Read ``state.toml``; a missing file or a TOML syntax error is reported with the file's name."""
+    file = Path(path)
+    try:
+        doc = tomllib.loads(file.read_text())
+    except FileNotFoundError:
+        raise InvalidConfig(f"{file}: no such file") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise InvalidConfig(f"{file}: not a readable TOML file ({exc})") from None
+    return parse_run_spec(doc)

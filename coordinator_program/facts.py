@@ -1,0 +1,58 @@
+"""Figures derived from a run's config: what it costs on chain and how reliable its witness filters are.
+
+``psyswarm validate-config`` prints them, so a run's creator sees before launch whether a witness proof
+fits in one Solana transaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from solders.hash import Hash
+from solders.instruction import AccountMeta, Instruction
+from solders.message import Message
+from solders.pubkey import Pubkey
+from solders.transaction import Transaction
+
+from coordinator_program import limits
+from coordinator_program.config import Config, predicted_false_positive_rate
+from coordinator_program.instructions import Witness
+from coordinator_program.state import ACCOUNT_SIZE
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigFacts:
+    account_bytes: int
+    bloom_bytes: int
+    witness_data_bytes: int
+    witness_transaction_bytes: int
+    false_positive_rate_at_capacity: float
+
+
+def witness_transaction_size(config: Config) -> tuple[int, int]:
+    """(instruction data bytes, whole signed transaction bytes) of a witness proof at this config.
+
+    Built as a real transaction (one signer paying, the coordinator account, the program), since that is
+    what must fit in 1,232 bytes."""
+    size = config.bloom_bytes
+    data = Witness(0, bytes(size), bytes(size)).encode()
+    signer, account, program = Pubkey.new_unique(), Pubkey.new_unique(), Pubkey.new_unique()
+    ix = Instruction(program, data, [AccountMeta(signer, True, False), AccountMeta(account, False, True)])
+    message = Message.new_with_blockhash([ix], signer, Hash.default())
+    tx = Transaction.new_unsigned(message)
+    return len(data), len(bytes(tx))
+
+
+def config_facts(config: Config) -> ConfigFacts:
+    data_bytes, tx_bytes = witness_transaction_size(config)
+    return ConfigFacts(
+        account_bytes=ACCOUNT_SIZE,
+        bloom_bytes=config.bloom_bytes,
+        witness_data_bytes=data_bytes,
+        witness_transaction_bytes=tx_bytes,
+        false_positive_rate_at_capacity=predicted_false_positive_rate(config, config.max_clients),
+    )
+
+
+def fits_in_transaction(facts: ConfigFacts) -> bool:
+    return facts.witness_transaction_bytes <= limits.SOLANA_TX_LIMIT

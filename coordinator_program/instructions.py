@@ -1,0 +1,236 @@
+"""The coordinator's instructions: their data layout (Anchor conventions) and how each applies.
+
+An instruction's data is sha256("global:<snake_name>")[:8] followed by its Borsh-encoded arguments. The
+Solana program receives exactly these bytes; the TCP backend carries the same bytes, signed by the
+client, so one codec serves both backends and anchorpy can build any of them from the IDL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import ClassVar
+
+from coordinator_program import limits, rules
+from coordinator_program.config import (
+    CHECKPOINT_LAYOUT,
+    CONFIG_LAYOUT,
+    MODEL_LAYOUT,
+    Checkpoint,
+    CheckpointKind,
+    Config,
+    Model,
+)
+from coordinator_program.errors import MalformedInstruction, NothingToTick
+from coordinator_program.layout import (
+    BOOL,
+    PUBKEY,
+    U8,
+    U32,
+    Enum8,
+    Field,
+    FixedStr,
+    LayoutError,
+    Struct,
+    VarBytes,
+)
+from coordinator_program.state import CoordinatorState, Role
+
+
+@dataclasses.dataclass(frozen=True)
+class AccountMeta:
+    """An account an instruction takes on chain, in order (the IDL's accounts list)."""
+
+    name: str
+    mut: bool
+    signer: bool
+    doc: str = ""
+
+
+_SIGNER = AccountMeta("signer", mut=False, signer=True, doc="the client, authority or ticker acting")
+_COORDINATOR = AccountMeta("coordinatorAccount", mut=True, signer=False, doc="the run's coordinator account")
+_INSTANCE = AccountMeta("coordinatorInstance", mut=False, signer=False,
+                        doc="PDA [\"coordinator\", run_id] naming the authorities' account")
+
+
+class Instruction:
+    """Base of every instruction: subclasses are dataclasses with a layout and the accounts they take."""
+
+    NAME: ClassVar[str]
+    LAYOUT: ClassVar[Struct]
+    ACCOUNTS: ClassVar[tuple[AccountMeta, ...]] = (_SIGNER, _COORDINATOR)
+
+    @classmethod
+    def discriminator(cls) -> bytes:
+        return hashlib.sha256(f"global:{cls.NAME}".encode()).digest()[:8]
+
+    def encode(self) -> bytes:
+        return self.discriminator() + self.LAYOUT.pack(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class InitCoordinator(Instruction):
+    run_id: str
+    main_authority: bytes
+    join_authority: bytes
+    NAME = "init_coordinator"
+    ACCOUNTS = (
+        AccountMeta("payer", mut=True, signer=True, doc="pays for the instance PDA"),
+        AccountMeta("coordinatorInstance", mut=True, signer=False, doc="PDA [\"coordinator\", run_id]"),
+        AccountMeta("coordinatorAccount", mut=True, signer=False,
+                    doc="pre-created, zeroed, owned by the program"),
+        AccountMeta("systemProgram", mut=False, signer=False),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Update(Instruction):
+    config: Config
+    model: Model
+    checkpoint: Checkpoint
+    NAME = "update"
+    ACCOUNTS = (_SIGNER, _INSTANCE, _COORDINATOR)
+
+
+@dataclasses.dataclass(frozen=True)
+class SetPaused(Instruction):
+    paused: bool
+    NAME = "set_paused"
+    ACCOUNTS = (_SIGNER, _INSTANCE, _COORDINATOR)
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinRun(Instruction):
+    run_id: str
+    role: Role
+    stage: int = limits.NO_STAGE
+    NAME = "join_run"
+    ACCOUNTS = (
+        _SIGNER,
+        AccountMeta("authorizer", mut=False, signer=True,
+                    doc="the join authority, or the joiner again for a permissionless run"),
+        _INSTANCE,
+        _COORDINATOR,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Tick(Instruction):
+    NAME = "tick"
+
+
+@dataclasses.dataclass(frozen=True)
+class Witness(Instruction):
+    round_height: int
+    participant_bloom: bytes
+    batch_bloom: bytes
+    NAME = "witness"
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupWitness(Instruction):
+    participant_bloom: bytes
+    batch_bloom: bytes
+    NAME = "warmup_witness"
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthCheck(Instruction):
+    target: bytes
+    NAME = "health_check"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointReport(Instruction):
+    kind: CheckpointKind
+    repo: str
+    revision: str
+    NAME = "checkpoint"
+
+
+@dataclasses.dataclass(frozen=True)
+class Withdraw(Instruction):
+    NAME = "withdraw"
+
+
+_BLOOM = VarBytes(limits.MAX_BLOOM_BYTES)
+InitCoordinator.LAYOUT = Struct(InitCoordinator, [
+    Field("run_id", FixedStr(limits.RUN_ID_BYTES)), Field("main_authority", PUBKEY),
+    Field("join_authority", PUBKEY)])
+Update.LAYOUT = Struct(Update, [
+    Field("config", CONFIG_LAYOUT), Field("model", MODEL_LAYOUT), Field("checkpoint", CHECKPOINT_LAYOUT)])
+SetPaused.LAYOUT = Struct(SetPaused, [Field("paused", BOOL)])
+JoinRun.LAYOUT = Struct(JoinRun, [
+    Field("run_id", FixedStr(limits.RUN_ID_BYTES)), Field("role", Enum8(Role)), Field("stage", U8)])
+Tick.LAYOUT = Struct(Tick, [])
+Witness.LAYOUT = Struct(Witness, [
+    Field("round_height", U32), Field("participant_bloom", _BLOOM), Field("batch_bloom", _BLOOM)])
+WarmupWitness.LAYOUT = Struct(WarmupWitness, [Field("participant_bloom", _BLOOM), Field("batch_bloom", _BLOOM)])
+HealthCheck.LAYOUT = Struct(HealthCheck, [Field("target", PUBKEY)])
+CheckpointReport.LAYOUT = Struct(CheckpointReport, [
+    Field("kind", Enum8(CheckpointKind)), Field("repo", FixedStr(limits.REPO_BYTES)),
+    Field("revision", FixedStr(limits.REVISION_BYTES))])
+Withdraw.LAYOUT = Struct(Withdraw, [])
+
+INSTRUCTIONS: tuple[type[Instruction], ...] = (
+    InitCoordinator, Update, SetPaused, JoinRun, Tick, Witness, WarmupWitness, HealthCheck,
+    CheckpointReport, Withdraw,
+)
+_BY_DISCRIMINATOR = {cls.discriminator(): cls for cls in INSTRUCTIONS}
+
+
+def decode_instruction(data: bytes) -> Instruction:
+    """Parse instruction data; anything malformed raises ``MalformedInstruction`` naming the problem."""
+    cls = _BY_DISCRIMINATOR.get(bytes(data[:8]))
+    if cls is None:
+        raise MalformedInstruction("unknown instruction discriminator")
+    try:
+        return cls.LAYOUT.unpack(bytes(data[8:]))
+    except LayoutError as exc:
+        raise MalformedInstruction(f"{cls.NAME}: {exc}") from None
+
+
+def apply(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, seed: int,
+          authorizer: bytes | None = None) -> None:
+    """Apply one instruction from ``signer`` (already authenticated by the backend).
+
+    ``authorizer`` is the co-signer of a join (the joiner itself when omitted). Initialisation creates a
+    state rather than changing one, so it goes through ``rules.init_coordinator`` instead.
+    """
+    match ix:
+        case Update(config, model, checkpoint):
+            rules.update(state, signer, config, model, checkpoint)
+        case SetPaused(paused):
+            rules.set_paused(state, signer, paused)
+        case JoinRun(run_id, role, stage):
+            rules.join(state, signer, run_id, role, stage, signer if authorizer is None else authorizer)
+        case Tick():
+            rules.tick(state, now, seed)
+        case Witness(round_height, participant_bloom, batch_bloom):
+            rules.witness(state, signer, round_height, participant_bloom, batch_bloom)
+        case WarmupWitness(participant_bloom, batch_bloom):
+            rules.warmup_witness(state, signer, participant_bloom, batch_bloom)
+        case HealthCheck(target):
+            rules.health_check(state, signer, target)
+        case CheckpointReport(kind, repo, revision):
+            rules.checkpoint(state, signer, kind, repo, revision)
+        case Withdraw():
+            rules.withdraw(state, signer)
+        case _:
+            raise MalformedInstruction(f"{type(ix).__name__} cannot be applied to an existing run")
+
+
+TICKS_AFTER = (Witness, WarmupWitness, HealthCheck, CheckpointReport)
+"""Instructions after which the program ticks, as Psyche's do: a proof that completes a quorum moves the
+run on in the same transaction."""
+
+
+def apply_then_tick(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, seed: int,
+                    authorizer: bytes | None = None) -> None:
+    """What the on-chain program does: apply, then tick if the instruction is one that ticks after."""
+    apply(state, ix, signer, now, seed, authorizer)
+    if isinstance(ix, TICKS_AFTER):
+        try:
+            rules.tick(state, now, seed)
+        except NothingToTick:
+            pass

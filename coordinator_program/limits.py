@@ -1,0 +1,39 @@
+"""Fixed capacities of the coordinator account.
+
+They size the account's fixed layout, which the Python specification, the C program and anchorpy's IDL
+coder all share, so changing one of them is a change of the on-chain format.
+"""
+
+MAX_CLIENTS = 256
+"""Clients admitted to one epoch, and also the most pending joiners the account can hold."""
+
+MAX_WITNESSES = 32
+"""Witnesses elected per round; a round's submissions are tracked in a 32-bit mask."""
+
+MAX_STAGES = 16
+"""Pipeline stages; a checkpoint's completed stages are tracked in a 16-bit mask."""
+
+RUN_ID_BYTES = 32
+"""A run id is a PDA seed on chain, and seeds are at most 32 bytes."""
+
+MAX_BLOOM_BYTES = 480
+"""Room for one witness filter. Two filters of this size plus a transaction's fixed parts fit the
+1,232-byte Solana transaction limit, which is what bounds it."""
+
+ROUND_SLOTS = 2
+"""Rounds kept in the account: the current one and the previous one, which health checks refer to."""
+
+REPO_BYTES = 96
+"""A Hugging Face repo id (``org/name``) or a local checkpoint directory."""
+
+REVISION_BYTES = 64
+"""A git revision (commit sha or branch) of a checkpoint."""
+
+DATASET_BYTES = 96
+"""Where the training data comes from (``stdlib``, a local path, or ``hf:org/name``)."""
+
+NO_STAGE = 0xFF
+"""The stage of a trainer, and of a worker that lets the coordinator choose its stage."""
+
+SOLANA_TX_LIMIT = 1232
+"""The most bytes one Solana transaction may take on the wire."""

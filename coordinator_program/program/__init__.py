@@ -1,0 +1,4 @@
+"""The coordinator as a Solana program: C sources (src/), the SDK (include/), and their build.
+
+build.py compiles with clang-14 and links with linker.py into psyswarm_coordinator.so (SBPFv0).
+"""

@@ -1,0 +1,432 @@
+"""The coordinator's rules: every operation, and the tick that moves the run through its phases.
+
+This module is the executable specification. It is deterministic and does no I/O: the backend passes the
+time (its own clock: Solana's Clock sysvar, or the server's) and the seed of any round the call may start.
+Each operation checks everything first and only then changes the state, so a rejected operation raises a
+``CoordinatorError`` and leaves the state exactly as it was; an accepted one bumps the nonce.
+
+The order of the checks is part of the specification: the C program performs them in the same order, so
+that both reject the same operation with the same error.
+
+Phase changes happen only in ``tick``; operations record facts (a join, a witness proof, a health check)
+that the next tick acts on. The on-chain program ticks right after a witness, warmup witness, health check
+or checkpoint, as ``apply_then_tick`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from coordinator_program import limits
+from coordinator_program.bloom import contains_raw, participant_key
+from coordinator_program.config import (
+    Checkpoint,
+    CheckpointKind,
+    Config,
+    Model,
+    valid_run_id,
+    validate_checkpoint,
+    validate_config,
+    validate_model,
+)
+from coordinator_program.errors import (
+    AlreadyJoined,
+    AlreadyMarked,
+    BadFilter,
+    ClientHealthy,
+    DuplicateWitness,
+    InvalidCheckpoint,
+    InvalidConfig,
+    InvalidJoin,
+    InvalidRunId,
+    NoPreviousRound,
+    NotAClient,
+    NotAuthorized,
+    NotAWitness,
+    NotAWorker,
+    NotHalted,
+    NotHealthy,
+    NothingToTick,
+    NotInitialized,
+    NotJoined,
+    RunFinished,
+    RunFull,
+    StaleRound,
+    UnknownClient,
+    WrongPhase,
+    WrongRunId,
+)
+from coordinator_program.selection import Assignment, assign_data, effective_quorum, elect_witnesses
+from coordinator_program.state import (
+    Client,
+    CoordinatorState,
+    Health,
+    Pending,
+    Phase,
+    Role,
+    Round,
+)
+
+NO_AUTHORITY = bytes(32)
+"""A join authority of all zeros makes a run permissionless."""
+
+
+# --- derived facts every client computes the same way -------------------------------------------------
+
+def witnesses(state: CoordinatorState) -> list[bytes]:
+    """Identities of the current round's witnesses, in election order."""
+    indices = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
+    return [state.clients[i].id for i in indices]
+
+
+def quorum(state: CoordinatorState) -> int:
+    """Proofs the current round needs (the configured quorum, capped by how many could be elected)."""
+    return effective_quorum(state.config.witness_quorum, min(state.config.witness_nodes, len(state.clients)))
+
+
+def data_assignment(state: CoordinatorState) -> list[Assignment]:
+    """The current round's split of the global batch among its trainers."""
+    trainers = [c.id for c in state.clients if c.role == Role.Trainer]
+    return assign_data(state.round.seed, trainers, state.round.data_index, state.config.global_batch_size)
+
+
+def stage_workers(clients: Iterable[Client | Pending], num_stages: int) -> list[int]:
+    """How many workers each stage has (entries without a stage yet are not counted)."""
+    counts = [0] * num_stages
+    for c in clients:
+        if c.role == Role.Worker and c.stage < num_stages:
+            counts[c.stage] += 1
+    return counts
+
+
+def pipeline_complete(clients: list[Client], config: Config) -> bool:
+    """Training needs enough clients, a worker in every stage and at least one trainer."""
+    return (len(clients) >= config.min_clients
+            and min(stage_workers(clients, config.num_stages)) >= 1
+            and any(c.role == Role.Trainer for c in clients))
+
+
+def assign_stages(pending: list[Pending], num_stages: int) -> list[Client]:
+    """Admit joiners in order: workers that asked for a stage keep it; the others go, one by one, to the
+    least occupied stage (lowest index on ties), counting the stages that were asked for first."""
+    counts = stage_workers(pending, num_stages)
+    admitted = []
+    for joiner in pending:
+        stage = joiner.stage
+        if joiner.role == Role.Worker and stage == limits.NO_STAGE:
+            stage = counts.index(min(counts))
+            counts[stage] += 1
+        admitted.append(Client(joiner.id, joiner.role, stage, Health.Healthy))
+    return admitted
+
+
+# --- construction and administration ------------------------------------------------------------------
+
+def init_coordinator(run_id: str, main_authority: bytes, join_authority: bytes) -> CoordinatorState:
+    """A new, unconfigured run; ``update`` gives it a config and ``set_paused(False)`` starts it."""
+    if not valid_run_id(run_id):
+        raise InvalidRunId(f"run_id {run_id!r} must be 1-32 characters of [A-Za-z0-9._-]")
+    return CoordinatorState(run_id=run_id, main_authority=main_authority, join_authority=join_authority)
+
+
+def update(state: CoordinatorState, signer: bytes, config: Config, model: Model, checkpoint: Checkpoint) -> None:
+    """Set the run's config, model and starting checkpoint; only the main authority, only while halted."""
+    if signer != state.main_authority:
+        raise NotAuthorized("only the run's main authority may update it")
+    if state.phase not in (Phase.Uninitialized, Phase.Paused):
+        raise NotHalted(f"pause the run before updating it (it is in {state.phase.name})")
+    validate_config(config)
+    validate_model(model, config)
+    validate_checkpoint(checkpoint, config.num_stages)
+    if len(state.pending) > config.max_clients:
+        raise InvalidConfig(f"max_clients: {len(state.pending)} joiners are already pending")
+    if any(p.stage != limits.NO_STAGE and p.stage >= config.num_stages for p in state.pending):
+        raise InvalidConfig("num_stages: a pending worker holds a stage beyond the new count")
+    state.config, state.model, state.checkpoint = config, model, checkpoint
+    if state.phase == Phase.Uninitialized:
+        state.phase = Phase.Paused
+    state.nonce += 1
+
+
+def set_paused(state: CoordinatorState, signer: bytes, paused: bool) -> None:
+    """Ask the run to pause (it stops at the next WaitingForMembers or end of epoch) or to resume."""
+    if signer != state.main_authority:
+        raise NotAuthorized("only the run's main authority may pause or resume it")
+    if state.phase == Phase.Uninitialized:
+        raise NotInitialized("update the run with a config before resuming it")
+    if state.phase == Phase.Finished:
+        raise RunFinished("a finished run cannot be paused or resumed")
+    state.pause_requested = paused
+    state.nonce += 1
+
+
+# --- clients ------------------------------------------------------------------------------------------
+
+def _check_open(state: CoordinatorState) -> None:
+    if state.phase == Phase.Uninitialized:
+        raise NotInitialized("the run has no config yet")
+    if state.phase == Phase.Finished:
+        raise RunFinished("the run has finished")
+
+
+def join(state: CoordinatorState, signer: bytes, run_id: str, role: Role, stage: int,
+         authorizer: bytes) -> None:
+    """Queue a joiner; it is admitted when the run next leaves WaitingForMembers.
+
+    ``authorizer`` is the co-signer of the join: the run's join authority, or for a permissionless run
+    anyone (the joiner itself).
+    """
+    if run_id != state.run_id:
+        raise WrongRunId(f"this is run {state.run_id!r}, not {run_id!r}")
+    _check_open(state)
+    if state.join_authority != NO_AUTHORITY and authorizer != state.join_authority:
+        raise NotAuthorized("this run needs its join authority to co-sign every join")
+    if role == Role.Worker:
+        if stage != limits.NO_STAGE and stage >= state.config.num_stages:
+            raise InvalidJoin(f"stage {stage} does not exist: the run has {state.config.num_stages} stages")
+    elif stage != limits.NO_STAGE:
+        raise InvalidJoin("a trainer holds no stage")
+    if state.client_index(signer) is not None or state.pending_index(signer) is not None:
+        raise AlreadyJoined("this identity has already joined the run")
+    if len(state.clients) + len(state.pending) >= state.config.max_clients:
+        raise RunFull(f"the run is full ({state.config.max_clients} clients)")
+    state.pending.append(Pending(signer, role, stage))
+    state.nonce += 1
+
+
+def withdraw(state: CoordinatorState, signer: bytes) -> None:
+    """Leave the run: a pending joiner leaves at once, a client at the end of the current round."""
+    index = state.pending_index(signer)
+    if index is not None:
+        del state.pending[index]
+        state.nonce += 1
+        return
+    index = state.client_index(signer)
+    if index is None:
+        raise NotJoined("this identity is not in the run")
+    if state.clients[index].health == Health.Withdrawn:
+        raise NotHealthy("this client has already withdrawn")
+    state.clients[index].health = Health.Withdrawn
+    state.nonce += 1
+
+
+def _healthy_client(state: CoordinatorState, signer: bytes) -> int:
+    index = state.client_index(signer)
+    if index is None:
+        raise NotAClient("the signer is not a client of the current epoch")
+    if state.clients[index].health != Health.Healthy:
+        raise NotHealthy("the signer is leaving the epoch and may not act in it")
+    return index
+
+
+def _record_proof(state: CoordinatorState, signer: bytes, participant_bloom: bytes, batch_bloom: bytes) -> None:
+    index = state.client_index(signer)
+    assert index is not None
+    elected = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
+    if index not in elected:
+        raise NotAWitness("the signer was not elected to witness this round")
+    position = elected.index(index)
+    if state.round.witnessed >> position & 1:
+        raise DuplicateWitness("this witness already sent its proof for the round")
+    size = state.config.bloom_bytes
+    if len(participant_bloom) != size or len(batch_bloom) != size:
+        raise BadFilter(f"filters of this run are {size} bytes; got {len(participant_bloom)} and "
+                        f"{len(batch_bloom)}")
+    state.round.witnessed |= 1 << position
+    state.round.participant_blooms[position] = participant_bloom.ljust(limits.MAX_BLOOM_BYTES, b"\0")
+    state.nonce += 1
+
+
+def witness(state: CoordinatorState, signer: bytes, round_height: int, participant_bloom: bytes,
+            batch_bloom: bytes) -> None:
+    """Record an elected witness's proof for the current round (opportunistic during RoundTrain)."""
+    if state.phase not in (Phase.RoundTrain, Phase.RoundWitness):
+        raise WrongPhase(f"witness proofs are taken in RoundTrain and RoundWitness, not {state.phase.name}")
+    _healthy_client(state, signer)
+    if round_height != state.round.height:
+        raise StaleRound(f"the current round is {state.round.height}, not {round_height}")
+    _record_proof(state, signer, participant_bloom, batch_bloom)
+
+
+def warmup_witness(state: CoordinatorState, signer: bytes, participant_bloom: bytes, batch_bloom: bytes) -> None:
+    """Record a warmup witness's proof of which clients have loaded the model."""
+    if state.phase != Phase.Warmup:
+        raise WrongPhase(f"warmup proofs are taken in Warmup, not {state.phase.name}")
+    _healthy_client(state, signer)
+    _record_proof(state, signer, participant_bloom, batch_bloom)
+
+
+def witnessed_by(state: CoordinatorState, round_: Round, client_id: bytes) -> int:
+    """How many of a round's proofs have ``client_id`` in their participant filter."""
+    config = state.config
+    key = participant_key(client_id)
+    return sum(
+        1 for position in range(limits.MAX_WITNESSES)
+        if round_.witnessed >> position & 1 and contains_raw(
+            round_.participant_blooms[position], key, config.bloom_slices, config.bloom_bits_per_slice)
+    )
+
+
+def health_check(state: CoordinatorState, signer: bytes, target: bytes) -> None:
+    """Mark ``target`` for removal at the end of this round, if the previous round's witnesses did not see
+    it: it is healthy when at least min(quorum, proofs received) of their participant filters hold it."""
+    if state.phase not in (Phase.RoundTrain, Phase.RoundWitness):
+        raise WrongPhase(f"health checks are taken in RoundTrain and RoundWitness, not {state.phase.name}")
+    _healthy_client(state, signer)
+    if state.round.height == 0:
+        raise NoPreviousRound("the epoch's first round has no previous round to judge by")
+    index = state.client_index(target)
+    if index is None:
+        raise UnknownClient("the named client is not in the current epoch")
+    if state.clients[index].health != Health.Healthy:
+        raise AlreadyMarked("the named client is already leaving the epoch")
+    previous = state.previous_round
+    required = min(state.config.witness_quorum, previous.witness_count)
+    if witnessed_by(state, previous, target) >= required:
+        raise ClientHealthy("the previous round's witnesses saw this client's work")
+    state.clients[index].health = Health.Unhealthy
+    state.nonce += 1
+
+
+def checkpoint(state: CoordinatorState, signer: bytes, kind: CheckpointKind, repo: str, revision: str) -> None:
+    """A worker reports that its stage is saved at ``repo``@``revision``; once every stage is saved at the
+    same place, Cooldown may end early and joiners download from there."""
+    if state.phase != Phase.Cooldown:
+        raise WrongPhase(f"checkpoints are reported in Cooldown, not {state.phase.name}")
+    index = _healthy_client(state, signer)
+    client = state.clients[index]
+    if client.role != Role.Worker:
+        raise NotAWorker("only a stage worker holds parameters to checkpoint")
+    if kind not in (CheckpointKind.Hub, CheckpointKind.Local) or repo == "":
+        raise InvalidCheckpoint("a checkpoint is a Hub repo or a Local directory, with a name")
+    if not all(0x20 <= ord(ch) <= 0x7E for ch in repo + revision):
+        raise InvalidCheckpoint("repo and revision must be printable ASCII")
+    current = state.checkpoint
+    if (current.kind, current.repo, current.revision) == (kind, repo, revision):
+        done = current.stages_done | 1 << client.stage
+    else:
+        done = 1 << client.stage
+    state.checkpoint = Checkpoint(kind, done, repo, revision)
+    state.nonce += 1
+
+
+# --- the tick -----------------------------------------------------------------------------------------
+
+def tick(state: CoordinatorState, now: int, seed: int) -> None:
+    """Make every transition that is due at time ``now``; ``seed`` seeds a round this tick starts.
+
+    Raises ``NothingToTick`` when nothing is due, so a ticker can tell a useful tick from a wasted one.
+    """
+    handler = _TICKS.get(state.phase)
+    if handler is None:
+        raise (NotInitialized if state.phase == Phase.Uninitialized else RunFinished)("nothing to tick")
+    if not handler(state, now, seed):
+        raise NothingToTick(f"{state.phase.name}: no transition is due")
+    state.nonce += 1
+
+
+def _enter(state: CoordinatorState, phase: Phase, now: int) -> None:
+    state.phase = phase
+    state.phase_start = now
+
+
+def _tick_paused(state: CoordinatorState, now: int, seed: int) -> bool:
+    if state.pause_requested:
+        return False
+    _enter(state, Phase.WaitingForMembers, now)
+    return True
+
+
+def _tick_waiting(state: CoordinatorState, now: int, seed: int) -> bool:
+    if state.pause_requested:
+        _enter(state, Phase.Paused, now)
+        return True
+    admitted = assign_stages(state.pending, state.config.num_stages)
+    if not pipeline_complete(admitted, state.config):
+        return False
+    state.clients, state.pending = admitted, []
+    state.current_round = 0
+    state.rounds = [Round(0, seed, state.step * state.config.global_batch_size)] + [
+        Round() for _ in range(limits.ROUND_SLOTS - 1)]
+    _enter(state, Phase.Warmup, now)
+    return True
+
+
+def _return_to_waiting(state: CoordinatorState, now: int) -> None:
+    """Send the epoch's clients back to the front of the queue, keeping each worker's stage."""
+    state.pending = [Pending(c.id, c.role, c.stage) for c in state.clients] + state.pending
+    state.clients = []
+    _enter(state, Phase.WaitingForMembers, now)
+
+
+def _tick_warmup(state: CoordinatorState, now: int, seed: int) -> bool:
+    changed = False
+    if any(c.health != Health.Healthy for c in state.clients):
+        state.clients = [c for c in state.clients if c.health == Health.Healthy]
+        # Indices shifted, so the warmup's election changed: proofs start over.
+        state.round.witnessed = 0
+        state.round.participant_blooms = Round().participant_blooms
+        changed = True
+        if not pipeline_complete(state.clients, state.config):
+            _return_to_waiting(state, now)
+            return True
+    if state.round.witness_count >= quorum(state) or now >= state.phase_start + state.config.warmup_time:
+        _start_round(state, now, seed, 0)
+        return True
+    return changed
+
+
+def _start_round(state: CoordinatorState, now: int, seed: int, height: int) -> None:
+    state.current_round = height % limits.ROUND_SLOTS
+    state.rounds[state.current_round] = Round(height, seed, state.step * state.config.global_batch_size)
+    _enter(state, Phase.RoundTrain, now)
+
+
+def _tick_train(state: CoordinatorState, now: int, seed: int) -> bool:
+    if state.round.witness_count >= quorum(state) or now >= state.phase_start + state.config.max_round_train_time:
+        _enter(state, Phase.RoundWitness, now)
+        return True
+    return False
+
+
+def _tick_witness(state: CoordinatorState, now: int, seed: int) -> bool:
+    if now < state.phase_start + state.config.round_witness_time:
+        return False
+    reached_quorum = state.round.witness_count >= quorum(state)
+    state.step += 1
+    state.clients = [c for c in state.clients if c.health == Health.Healthy]
+    if (state.round.height + 1 >= state.config.rounds_per_epoch
+            or state.step >= state.config.total_steps
+            or not reached_quorum
+            or not pipeline_complete(state.clients, state.config)):
+        state.checkpoint = Checkpoint(CheckpointKind.P2P, 0, state.checkpoint.repo, state.checkpoint.revision)
+        _enter(state, Phase.Cooldown, now)
+    else:
+        _start_round(state, now, seed, state.round.height + 1)
+    return True
+
+
+def _tick_cooldown(state: CoordinatorState, now: int, seed: int) -> bool:
+    every_stage = (1 << state.config.num_stages) - 1
+    saved = state.checkpoint.kind != CheckpointKind.P2P and state.checkpoint.stages_done == every_stage
+    if not saved and now < state.phase_start + state.config.cooldown_time:
+        return False
+    state.epoch += 1
+    staying = [c for c in state.clients if c.health == Health.Healthy]
+    state.clients = []
+    if state.step >= state.config.total_steps:
+        _enter(state, Phase.Finished, now)
+        return True
+    state.pending = [Pending(c.id, c.role, c.stage) for c in staying] + state.pending
+    _enter(state, Phase.Paused if state.pause_requested else Phase.WaitingForMembers, now)
+    return True
+
+
+_TICKS = {
+    Phase.Paused: _tick_paused,
+    Phase.WaitingForMembers: _tick_waiting,
+    Phase.Warmup: _tick_warmup,
+    Phase.RoundTrain: _tick_train,
+    Phase.RoundWitness: _tick_witness,
+    Phase.Cooldown: _tick_cooldown,
+}

@@ -1,0 +1,205 @@
+"""The coordinator's state and its account layout.
+
+One dataclass tree holds everything the coordinator knows; ``ACCOUNT_LAYOUT`` fixes how it is laid out in
+the Solana account (after Anchor's 8-byte account discriminator) and in the TCP server's broadcasts. Lists
+of clients and pending joiners are Python lists here and fixed arrays with a count on the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+
+from coordinator_program import limits
+from coordinator_program.config import (
+    CHECKPOINT_LAYOUT,
+    CONFIG_LAYOUT,
+    MODEL_LAYOUT,
+    Checkpoint,
+    Config,
+    Model,
+)
+from coordinator_program.layout import (
+    BOOL,
+    I64,
+    PUBKEY,
+    U8,
+    U16,
+    U32,
+    U64,
+    Array,
+    Enum8,
+    FixedBytes,
+    FixedStr,
+    LayoutError,
+    Struct,
+)
+from coordinator_program.layout import Field as F
+
+
+class Phase(enum.IntEnum):
+    """The coordinator's run state (the seed's phases, plus the states around a run's life)."""
+
+    Uninitialized = 0
+    WaitingForMembers = 1
+    Warmup = 2
+    RoundTrain = 3
+    RoundWitness = 4
+    Cooldown = 5
+    Finished = 6
+    Paused = 7
+
+
+class Role(enum.IntEnum):
+    """A worker holds one pipeline stage's parameters; a trainer routes data through the stages."""
+
+    Worker = 0
+    Trainer = 1
+
+
+class Health(enum.IntEnum):
+    """Unhealthy and withdrawn clients stay listed until the round ends, then leave the epoch."""
+
+    Healthy = 0
+    Unhealthy = 1
+    Withdrawn = 2
+
+
+@dataclasses.dataclass
+class Client:
+    """An admitted member of the current epoch."""
+
+    id: bytes
+    role: Role
+    stage: int
+    health: Health = Health.Healthy
+
+
+CLIENT_LAYOUT = Struct(Client, [
+    F("id", PUBKEY), F("role", Enum8(Role)), F("stage", U8), F("health", Enum8(Health)),
+], doc="An admitted client; stage is 255 for trainers.")
+
+
+@dataclasses.dataclass
+class Pending:
+    """A joiner waiting for the next WaitingForMembers; stage 255 lets the coordinator choose."""
+
+    id: bytes
+    role: Role
+    stage: int
+
+
+PENDING_LAYOUT = Struct(Pending, [F("id", PUBKEY), F("role", Enum8(Role)), F("stage", U8)],
+                        doc="A joiner waiting for admission; stage 255 means 'any'.")
+
+
+def empty_blooms() -> list[bytes]:
+    return [bytes(limits.MAX_BLOOM_BYTES) for _ in range(limits.MAX_WITNESSES)]
+
+
+@dataclasses.dataclass
+class Round:
+    """One round (or the epoch's warmup): its seed decides witnesses and data; ``witnessed`` has bit i set
+    once the witness elected i-th sent its proof, whose participant filter is kept for health checks."""
+
+    height: int = 0
+    seed: int = 0
+    data_index: int = 0
+    witnessed: int = 0
+    participant_blooms: list[bytes] = dataclasses.field(default_factory=empty_blooms)
+
+    @property
+    def witness_count(self) -> int:
+        return self.witnessed.bit_count()
+
+
+ROUND_LAYOUT = Struct(Round, [
+    F("height", U32), F("seed", U64), F("data_index", U64), F("witnessed", U32),
+    F("participant_blooms", Array(FixedBytes(limits.MAX_BLOOM_BYTES), limits.MAX_WITNESSES)),
+], doc="A round: height in the epoch, seed, first sample index, witness mask, participant filters.")
+
+
+@dataclasses.dataclass
+class CoordinatorState:
+    """The whole coordinator: what the Solana account and the TCP server's broadcasts hold."""
+
+    run_id: str
+    main_authority: bytes
+    join_authority: bytes
+    nonce: int = 0
+    phase: Phase = Phase.Uninitialized
+    pause_requested: bool = True
+    phase_start: int = 0
+    epoch: int = 0
+    step: int = 0
+    current_round: int = 0
+    rounds: list[Round] = dataclasses.field(default_factory=lambda: [Round() for _ in range(limits.ROUND_SLOTS)])
+    checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
+    config: Config = dataclasses.field(default_factory=lambda: CONFIG_LAYOUT.zero())
+    model: Model = dataclasses.field(default_factory=lambda: MODEL_LAYOUT.zero())
+    clients: list[Client] = dataclasses.field(default_factory=list)
+    pending: list[Pending] = dataclasses.field(default_factory=list)
+
+    @property
+    def round(self) -> Round:
+        return self.rounds[self.current_round]
+
+    @property
+    def previous_round(self) -> Round:
+        return self.rounds[1 - self.current_round]
+
+    def client_index(self, client_id: bytes) -> int | None:
+        for i, client in enumerate(self.clients):
+            if client.id == client_id:
+                return i
+        return None
+
+    def pending_index(self, client_id: bytes) -> int | None:
+        for i, joiner in enumerate(self.pending):
+            if joiner.id == client_id:
+                return i
+        return None
+
+
+ACCOUNT_NAME = "CoordinatorAccount"
+ACCOUNT_DISCRIMINATOR = hashlib.sha256(f"account:{ACCOUNT_NAME}".encode()).digest()[:8]
+
+ACCOUNT_LAYOUT = Struct(CoordinatorState, [
+    F("nonce", U64, doc="bumped by every change"),
+    F("run_id", FixedStr(limits.RUN_ID_BYTES)),
+    F("main_authority", PUBKEY),
+    F("join_authority", PUBKEY),
+    F("phase", Enum8(Phase)),
+    F("pause_requested", BOOL),
+    F("phase_start", I64),
+    F("epoch", U32),
+    F("step", U32),
+    F("current_round", U8),
+    F("rounds", Array(ROUND_LAYOUT, limits.ROUND_SLOTS)),
+    F("checkpoint", CHECKPOINT_LAYOUT),
+    F("config", CONFIG_LAYOUT),
+    F("model", MODEL_LAYOUT),
+    F("num_clients", U16, count_of="clients"),
+    F("clients", Array(CLIENT_LAYOUT, limits.MAX_CLIENTS)),
+    F("num_pending", U16, count_of="pending"),
+    F("pending", Array(PENDING_LAYOUT, limits.MAX_CLIENTS)),
+], doc="The coordinator of one run.")
+
+ACCOUNT_SIZE = 8 + (ACCOUNT_LAYOUT.size or 0)
+"""Bytes of the Solana account: Anchor's discriminator, then the fixed layout."""
+
+
+def encode_state(state: CoordinatorState) -> bytes:
+    """The account bytes of ``state``, discriminator included."""
+    return ACCOUNT_DISCRIMINATOR + ACCOUNT_LAYOUT.pack(state)
+
+
+def decode_state(data: bytes) -> CoordinatorState:
+    """Parse account bytes; anything but a well-formed coordinator account raises ``LayoutError``."""
+    if data[:8] != ACCOUNT_DISCRIMINATOR:
+        raise LayoutError("not a coordinator account (wrong discriminator)")
+    state = ACCOUNT_LAYOUT.unpack(data[8:])
+    if state.current_round >= limits.ROUND_SLOTS:
+        raise LayoutError(f"current_round {state.current_round} is out of range")
+    return state

@@ -1,0 +1,109 @@
+"""Figures of the coordinator specification at full capacity (256 clients, 32 witnesses).
+
+Run: python tests/benchmarks/spec_figures.py
+Prints the account size (against Psyche's 119,160 bytes), the witness instruction and transaction sizes,
+the bloom false-positive rate at capacity (predicted, and measured over 100,000 random non-members), and
+the time the specification takes per tick and per witness proof.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from coordinator_program import limits, rules
+from coordinator_program.bloom import build_filter, contains_raw, participant_key
+from coordinator_program.config import (
+    DEFAULT_BLOOM_ERROR_RATE,
+    Checkpoint,
+    Config,
+    Model,
+    bloom_params,
+    predicted_false_positive_rate,
+)
+from coordinator_program.facts import config_facts
+from coordinator_program.state import ACCOUNT_SIZE, Phase, Role, encode_state
+
+PSYCHE_ACCOUNT_BYTES = 119_160
+AUTHORITY = b"\xaa" * 32
+
+
+def full_config() -> Config:
+    slices, bits = bloom_params(limits.MAX_CLIENTS, DEFAULT_BLOOM_ERROR_RATE)
+    return Config(min_clients=5, max_clients=limits.MAX_CLIENTS, witness_nodes=limits.MAX_WITNESSES,
+                  witness_quorum=22, num_stages=4, bloom_slices=slices, bloom_bits_per_slice=bits,
+                  rounds_per_epoch=10_000, total_steps=100_000, global_batch_size=1024)
+
+
+def full_run(config: Config) -> rules.CoordinatorState:
+    state = rules.init_coordinator("bench", AUTHORITY, bytes(32))
+    rules.update(state, AUTHORITY, config, Model(n_layers=4), Checkpoint())
+    rules.set_paused(state, AUTHORITY, False)
+    rules.tick(state, 0, 1)
+    rng = random.Random(0)
+    for i in range(limits.MAX_CLIENTS):
+        who = rng.randbytes(32)
+        rules.join(state, who, "bench", Role.Worker if i % 2 else Role.Trainer, limits.NO_STAGE, who)
+    rules.tick(state, 0, 2)
+    rules.tick(state, config.warmup_time, 3)
+    assert state.phase == Phase.RoundTrain and len(state.clients) == limits.MAX_CLIENTS
+    return state
+
+
+def per_call(fn, repeat: int) -> float:
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat
+
+
+def main() -> None:
+    config = full_config()
+    facts = config_facts(config)
+    print(f"account size at {limits.MAX_CLIENTS} clients: {ACCOUNT_SIZE:,} bytes "
+          f"({ACCOUNT_SIZE / PSYCHE_ACCOUNT_BYTES:.1%} of Psyche's {PSYCHE_ACCOUNT_BYTES:,})")
+    print(f"witness filter: {config.bloom_slices} slices x {config.bloom_bits_per_slice} bits = "
+          f"{facts.bloom_bytes} bytes")
+    print(f"witness instruction data: {facts.witness_data_bytes} bytes; as a signed transaction: "
+          f"{facts.witness_transaction_bytes} of {limits.SOLANA_TX_LIMIT} bytes")
+
+    rng = random.Random(42)
+    members = [participant_key(rng.randbytes(32)) for _ in range(limits.MAX_CLIENTS)]
+    raw = build_filter(config, members)
+    probes = 100_000
+    hits = sum(contains_raw(raw, participant_key(rng.randbytes(32)), config.bloom_slices,
+                            config.bloom_bits_per_slice) for _ in range(probes))
+    print(f"bloom false-positive rate at capacity: predicted {predicted_false_positive_rate(config, 256):.4%}, "
+          f"measured {hits / probes:.4%} over {probes:,} non-members")
+
+    state = full_run(config)
+    participants = build_filter(config, [participant_key(c.id) for c in state.clients])
+    witnesses = rules.witnesses(state)
+
+    def witness_round() -> None:
+        for w in witnesses:
+            rules.witness(state, w, state.round.height, participants, participants)
+        rules.tick(state, state.phase_start, 5)  # quorum: RoundTrain -> RoundWitness
+        rules.tick(state, state.phase_start + config.round_witness_time, 6)  # -> next RoundTrain
+
+    rounds = 20
+    start = time.perf_counter()
+    for _ in range(rounds):
+        witness_round()
+        witnesses[:] = rules.witnesses(state)
+    elapsed = (time.perf_counter() - start) / rounds
+    tick_time = per_call(lambda: _noop_tick(state), 200)
+    print(f"spec at {limits.MAX_CLIENTS} clients: a full round (32 proofs + 2 ticks) {elapsed * 1e3:.2f} ms; "
+          f"a tick with nothing due {tick_time * 1e6:.1f} us; encoding the account "
+          f"{per_call(lambda: encode_state(state), 50) * 1e3:.2f} ms")
+
+
+def _noop_tick(state: rules.CoordinatorState) -> None:
+    try:
+        rules.tick(state, state.phase_start, 7)
+    except rules.NothingToTick:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""The codec against anchorpy: accounts decode to the same values, anchorpy-built instructions decode back
+to the same operation, the committed IDL is current, and malformed bytes fail cleanly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+from anchorpy import Context, Idl, Program, Provider, Wallet
+from anchorpy.coder.coder import Coder
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from solana.rpc.async_api import AsyncClient
+from solders.keypair import Keypair
+from solders.pubkey import Pubkey
+
+from coordinator_program import errors, limits, rules
+from coordinator_program.config import Checkpoint, CheckpointKind
+from coordinator_program.idl import IDL_PATH, idl_json
+from coordinator_program.instructions import (
+    INSTRUCTIONS,
+    CheckpointReport,
+    HealthCheck,
+    InitCoordinator,
+    Instruction,
+    JoinRun,
+    SetPaused,
+    Tick,
+    Update,
+    WarmupWitness,
+    Withdraw,
+    Witness,
+    decode_instruction,
+)
+from coordinator_program.layout import (
+    Array,
+    Bool,
+    Enum8,
+    FixedBytes,
+    FixedStr,
+    Int,
+    LayoutError,
+    Struct,
+    Type,
+    VarBytes,
+)
+from coordinator_program.state import ACCOUNT_LAYOUT, ACCOUNT_SIZE, CoordinatorState, Role, decode_state, encode_state
+from tests.spec.scenario import MODEL, SMALL, finish_round, join_pipeline, new_run, start_training, witness_all
+
+IDL = Idl.from_json(IDL_PATH.read_text())
+PROGRAM = Program(IDL, Pubkey.new_unique(), Provider(AsyncClient("http://127.0.0.1:9"), Wallet(Keypair())))
+
+
+def from_anchorpy(t: Type, value: Any) -> Any:
+    """Convert a value anchorpy decoded into the specification's Python value for the same layout."""
+    if isinstance(t, Struct):
+        fields = {}
+        for f in t.fields:
+            item = from_anchorpy(f.type, getattr(value, f.name))
+            if f.count_of:
+                continue
+            fields[f.name] = item
+        for count_field in (f for f in t.fields if f.count_of):
+            fields[count_field.count_of] = fields[count_field.count_of][:getattr(value, count_field.name)]
+        return t.cls(**fields)
+    if isinstance(t, Enum8):
+        return t.cls[type(value).__name__]
+    if isinstance(t, FixedStr):
+        return bytes(value).rstrip(b"\0").decode()
+    if isinstance(t, FixedBytes):
+        return bytes(value)
+    if isinstance(t, Array):
+        return [from_anchorpy(t.elem, v) for v in value]
+    return value
+
+
+def to_anchorpy(t: Type, value: Any) -> Any:
+    """Convert a specification value into the argument anchorpy expects for the same layout."""
+    if isinstance(t, Struct):
+        return PROGRAM.type[t.name](**{f.name: to_anchorpy(f.type, getattr(value, f.name)) for f in t.fields})
+    if isinstance(t, Enum8):
+        return getattr(PROGRAM.type[t.cls.__name__], value.name)()
+    if isinstance(t, FixedStr):
+        return list(value.encode().ljust(t.size, b"\0"))
+    if isinstance(t, FixedBytes):
+        return Pubkey.from_bytes(value) if t.idl_name == "publicKey" else list(value)
+    if isinstance(t, (VarBytes, Int, Bool)):
+        return value
+    raise AssertionError(f"no conversion for {t}")
+
+
+def busy_state() -> CoordinatorState:
+    """A state with clients, pending joiners, proofs and a previous round: every field exercised."""
+    state = new_run()
+    join_pipeline(state, workers=4, trainers=2)
+    now = start_training(state)
+    now = finish_round(state, now)
+    witness_all(state)
+    join_pipeline(state, workers=1, trainers=0, first=30)
+    rules.withdraw(state, state.clients[2].id)
+    return state
+
+
+def test_anchorpy_decodes_the_account_to_the_same_values() -> None:
+    state = busy_state()
+    data = encode_state(state)
+    assert len(data) == ACCOUNT_SIZE
+    decoded = Coder(IDL).accounts.decode(data)
+    assert from_anchorpy(ACCOUNT_LAYOUT, decoded) == state
+    assert decode_state(data) == state
+
+
+def test_account_size_is_well_below_psyche() -> None:
+    assert ACCOUNT_SIZE < 119_160 // 2
+
+
+SAMPLES: list[Instruction] = [
+    InitCoordinator("run-1", bytes(range(32)), bytes(32)),
+    Update(SMALL, MODEL, Checkpoint(CheckpointKind.Hub, 0b111, "org/model", "abc123")),
+    SetPaused(True),
+    JoinRun("run-1", Role.Worker, 2),
+    Tick(),
+    Witness(7, b"\x01" * 16, b"\x02" * 16),
+    WarmupWitness(b"\x03" * 16, b""),
+    HealthCheck(b"\x09" * 32),
+    CheckpointReport(CheckpointKind.Local, "/tmp/ckpt", "epoch-3"),
+    Withdraw(),
+]
+
+
+def test_samples_cover_every_instruction() -> None:
+    assert {type(ix) for ix in SAMPLES} == set(INSTRUCTIONS)
+
+
+@pytest.mark.parametrize("ix", SAMPLES, ids=lambda ix: ix.NAME)
+def test_anchorpy_built_instruction_decodes_to_the_same_operation(ix: Instruction) -> None:
+    args = [to_anchorpy(f.type, getattr(ix, f.name)) for f in ix.LAYOUT.fields]
+    accounts = {a.name: Pubkey.new_unique() for a in ix.ACCOUNTS}
+    built = PROGRAM.instruction[ix.NAME](*args, ctx=Context(accounts={_snake(k): v for k, v in accounts.items()}))
+    assert bytes(built.data) == ix.encode()
+    assert decode_instruction(bytes(built.data)) == ix
+    assert [m.is_signer for m in built.accounts] == [a.signer for a in ix.ACCOUNTS]
+    assert [m.is_writable for m in built.accounts] == [a.mut for a in ix.ACCOUNTS]
+
+
+def _snake(name: str) -> str:
+    return "".join("_" + ch.lower() if ch.isupper() else ch for ch in name)
+
+
+def test_committed_idl_is_generated_from_the_layouts() -> None:
+    assert IDL_PATH.read_text() == idl_json(), "run `python -m coordinator_program.idl` and commit the result"
+    assert json.loads(idl_json())["accounts"][0]["name"] == "CoordinatorAccount"
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=600))
+def test_fuzzed_instruction_bytes_fail_cleanly(data: bytes) -> None:
+    try:
+        ix = decode_instruction(data)
+    except errors.MalformedInstruction:
+        return
+    assert ix.encode() == data
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(SAMPLES), st.data())
+def test_mutated_instructions_fail_cleanly_or_roundtrip(ix: Instruction, data: st.DataObject) -> None:
+    raw = bytearray(ix.encode())
+    cut = data.draw(st.integers(0, len(raw)))
+    flips = data.draw(st.lists(st.tuples(st.integers(0, max(len(raw) - 1, 0)), st.integers(0, 255)), max_size=4))
+    for pos, byte in flips:
+        if pos < len(raw):
+            raw[pos] = byte
+    mutated = bytes(raw[:cut]) if data.draw(st.booleans()) else bytes(raw)
+    try:
+        decoded = decode_instruction(mutated)
+    except errors.MalformedInstruction:
+        return
+    assert decoded.encode() == mutated
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_mutated_accounts_fail_cleanly_or_roundtrip(data: st.DataObject) -> None:
+    raw = bytearray(encode_state(busy_state_cached()))
+    for _ in range(data.draw(st.integers(1, 6))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    try:
+        state = decode_state(bytes(raw))
+    except LayoutError:
+        return
+    assert encode_state(state) == bytes(raw)
+
+
+_CACHE: list[CoordinatorState] = []
+
+
+def busy_state_cached() -> CoordinatorState:
+    if not _CACHE:
+        _CACHE.append(busy_state())
+    return _CACHE[0]
+
+
+def test_layout_rejects_values_that_do_not_fit() -> None:
+    state = busy_state()
+    bad = dataclasses.replace(state, clients=state.clients * 60)
+    with pytest.raises(LayoutError, match="clients"):
+        encode_state(bad)
+    with pytest.raises(LayoutError, match="trailing"):
+        decode_state(encode_state(state) + b"\0")
+    with pytest.raises(LayoutError, match="discriminator"):
+        decode_state(b"\0" * ACCOUNT_SIZE)
+    assert limits.MAX_CLIENTS == 256

@@ -1,0 +1,88 @@
+"""Witness election and data assignment: deterministic from the seed, unbiased over many seeds."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import Counter
+
+from coordinator_program.selection import (
+    assign_data,
+    elect_witnesses,
+    random_words,
+    seed_from_clock,
+    shuffled_prefix,
+    uniform_below,
+)
+
+# Chi-square critical values at p = 0.001 (so a correct implementation fails about once in a thousand runs,
+# and the seeds below are fixed, so these tests are deterministic).
+CHI2_CRIT_0001 = {9: 27.877, 15: 37.697}
+
+
+def chi_square(observed: list[int], expected: float) -> float:
+    return sum((o - expected) ** 2 / expected for o in observed)
+
+
+def test_seed_from_clock_hashes_timestamp_and_slot() -> None:
+    digest = hashlib.sha256(struct.pack("<qQ", 1_700_000_000, 42)).digest()
+    assert seed_from_clock(1_700_000_000, 42) == int.from_bytes(digest[:8], "little")
+    assert seed_from_clock(1_700_000_000, 43) != seed_from_clock(1_700_000_000, 42)
+
+
+def test_random_words_are_sha256_blocks() -> None:
+    words = random_words(7, b"dom")
+    first = [next(words) for _ in range(5)]
+    block0 = struct.unpack("<4Q", hashlib.sha256(b"dom" + struct.pack("<Q", 7) + struct.pack("<I", 0)).digest())
+    block1 = struct.unpack("<4Q", hashlib.sha256(b"dom" + struct.pack("<Q", 7) + struct.pack("<I", 1)).digest())
+    assert first == list(block0) + [block1[0]]
+
+
+def test_uniform_below_rejects_the_biased_tail() -> None:
+    # 2**64 % 3 == 1, so the single word 2**64 - 1 would favour 0; it must be redrawn.
+    assert uniform_below(iter([2**64 - 1, 5]), 3) == 2
+    assert uniform_below(iter([2**64 - 2]), 3) == (2**64 - 2) % 3
+
+
+def test_election_is_deterministic_distinct_and_bounded() -> None:
+    a = elect_witnesses(123, 50, 7)
+    assert a == elect_witnesses(123, 50, 7)
+    assert len(a) == len(set(a)) == 7 and all(0 <= i < 50 for i in a)
+    assert elect_witnesses(124, 50, 7) != a
+    assert sorted(elect_witnesses(5, 3, 32)) == [0, 1, 2]
+    assert elect_witnesses(5, 0, 4) == []
+
+
+def test_election_is_unbiased_over_seeds() -> None:
+    n, w, trials = 10, 3, 6000
+    counts = Counter()
+    first = Counter()
+    for seed in range(trials):
+        elected = elect_witnesses(seed, n, w)
+        counts.update(elected)
+        first[elected[0]] += 1
+    assert chi_square([counts[i] for i in range(n)], trials * w / n) < CHI2_CRIT_0001[9]
+    assert chi_square([first[i] for i in range(n)], trials / n) < CHI2_CRIT_0001[9]
+
+
+def test_shuffle_is_a_permutation() -> None:
+    assert sorted(shuffled_prefix(9, b"x", 40, 40)) == list(range(40))
+
+
+def test_assignment_covers_the_batch_contiguously() -> None:
+    trainers = [bytes([i]) * 32 for i in range(7)]
+    out = assign_data(77, trainers, 1000, 45)
+    assert sorted(a.client for a in out) == sorted(trainers)
+    assert out[0].start == 1000 and out[-1].end == 1045
+    assert all(x.end == y.start for x, y in zip(out, out[1:], strict=False))
+    sizes = [a.size for a in out]
+    assert sizes == sorted(sizes, reverse=True) and max(sizes) - min(sizes) <= 1 and sum(sizes) == 45
+    assert assign_data(77, trainers, 1000, 45) == out
+    assert assign_data(77, [], 0, 10) == []
+
+
+def test_assignment_is_unbiased_over_seeds() -> None:
+    trainers = [bytes([i]) * 32 for i in range(16)]
+    trials = 4000
+    first = Counter(assign_data(seed, trainers, 0, 100)[0].client for seed in range(trials))
+    assert chi_square([first[t] for t in trainers], trials / 16) < CHI2_CRIT_0001[15]
