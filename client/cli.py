@@ -12,6 +12,7 @@ import typer
 
 COMMAND_MODULES = (
     "client.commands.config",
+    "client.commands.coordinator",
 )
 
 app = typer.Typer(
@@ -35,3 +36,7 @@ for _module in COMMAND_MODULES:
 def main() -> None:
     """Console-script entry point."""
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""One interface to the coordinator, whichever backend runs it (the TCP server or the Solana program).
+
+A client sends instructions and follows the state; everything else (the phases, the witnessing, the
+training) is written once against this interface.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import AsyncIterator
+
+from coordinator_program import limits
+from coordinator_program.config import CheckpointKind
+from coordinator_program.instructions import (
+    CheckpointReport,
+    HealthCheck,
+    Instruction,
+    JoinRun,
+    SetPaused,
+    Tick,
+    WarmupWitness,
+    Withdraw,
+    Witness,
+)
+from coordinator_program.state import CoordinatorState, Role
+
+
+class BackendError(RuntimeError):
+    """The backend could not be reached or refused a request for a reason outside the coordinator's rules
+    (authentication, replay, transport); the message says what to do."""
+
+
+class Backend(abc.ABC):
+    """A connection to one run's coordinator."""
+
+    def __init__(self) -> None:
+        self._state: CoordinatorState | None = None
+        self._changed = asyncio.Condition()
+
+    @property
+    @abc.abstractmethod
+    def identity(self) -> bytes:
+        """This client's public key, the identity the coordinator knows it by."""
+
+    @abc.abstractmethod
+    async def connect(self) -> None:
+        """Connect and receive the current state."""
+
+    @abc.abstractmethod
+    async def submit(self, ix: Instruction) -> None:
+        """Send one instruction; raise the coordinator's ``CoordinatorError`` if it is rejected."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Leave the connection (not the run)."""
+
+    @property
+    def state(self) -> CoordinatorState:
+        if self._state is None:
+            raise BackendError("not connected: no coordinator state yet")
+        return self._state
+
+    async def _publish(self, state: CoordinatorState) -> None:
+        """Adopt a newer state and wake the followers; older or equal nonces are ignored."""
+        if self._state is not None and state.nonce <= self._state.nonce:
+            return
+        async with self._changed:
+            self._state = state
+            self._changed.notify_all()
+
+    async def updates(self) -> AsyncIterator[CoordinatorState]:
+        """The latest state each time it changes; states that arrive together are seen as the newest one,
+        so a follower must compare phases and rounds rather than count updates."""
+        seen = -1
+
+        def newer() -> bool:
+            return self._state is not None and self._state.nonce > seen
+
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(newer)
+                state = self.state
+            seen = state.nonce
+            yield state
+
+    async def wait_for(self, predicate, timeout: float | None = None) -> CoordinatorState:
+        """Wait until the state satisfies ``predicate``; returns that state."""
+        async def waiter() -> CoordinatorState:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._state is not None and predicate(self._state))
+                return self.state
+        return await asyncio.wait_for(waiter(), timeout)
+
+    # --- the coordinator's operations -----------------------------------------------------------------
+
+    async def join(self, role: Role, stage: int = limits.NO_STAGE) -> None:
+        await self.submit(JoinRun(self.state.run_id, role, stage))
+
+    async def tick(self) -> None:
+        await self.submit(Tick())
+
+    async def witness(self, round_height: int, participant_bloom: bytes, batch_bloom: bytes) -> None:
+        await self.submit(Witness(round_height, participant_bloom, batch_bloom))
+
+    async def warmup_witness(self, participant_bloom: bytes, batch_bloom: bytes) -> None:
+        await self.submit(WarmupWitness(participant_bloom, batch_bloom))
+
+    async def health_check(self, target: bytes) -> None:
+        await self.submit(HealthCheck(target))
+
+    async def checkpoint(self, kind: CheckpointKind, repo: str, revision: str) -> None:
+        await self.submit(CheckpointReport(kind, repo, revision))
+
+    async def withdraw(self) -> None:
+        await self.submit(Withdraw())
+
+    async def set_paused(self, paused: bool) -> None:
+        await self.submit(SetPaused(paused))

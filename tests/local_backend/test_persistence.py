@@ -1,0 +1,113 @@
+"""The server killed with SIGKILL and restarted resumes the run where it was, with nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from solders.keypair import Keypair
+
+from client.tcp_backend import TcpBackend
+from coordinator_program.state import Phase, Role, decode_state
+from local_backend.store import RunStore
+
+STATE_TOML = """
+run_id = "persist"
+[config]
+min_clients = 4
+max_clients = 8
+warmup_time = 600
+[model]
+n_layers = 3
+d_model = 16
+n_heads = 2
+seq_len = 8
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(config: Path, db: Path, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", "--config", str(config), "--db", str(db),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"server did not start: {proc.stdout.read().decode() if proc.stdout else ''}")
+
+
+async def join_four(address: str) -> tuple[list[TcpBackend], int]:
+    clients = [TcpBackend(address, Keypair()) for _ in range(4)]
+    for i, c in enumerate(clients):
+        await c.connect()
+        await c.join(Role.Worker if i < 3 else Role.Trainer)
+    state = await clients[0].wait_for(lambda s: s.phase == Phase.Warmup, 10)
+    return clients, state.nonce
+
+
+def test_sigkill_and_restart_lose_nothing(tmp_path: Path) -> None:
+    config = tmp_path / "state.toml"
+    config.write_text(STATE_TOML)
+    db = tmp_path / "run.sqlite"
+    port = free_port()
+    proc = start_server(config, db, port)
+    try:
+        clients, nonce = asyncio.run(join_four(f"127.0.0.1:{port}"))
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    ids = {bytes(c.keypair.pubkey()) for c in clients}
+
+    store = RunStore(db)
+    saved = decode_state(store.load("persist"))
+    assert saved.nonce >= nonce and saved.phase == Phase.Warmup
+    assert {c.id for c in saved.clients} == ids
+    log = store.operations()
+    assert [row[3] for row in log] == sorted(row[3] for row in log), "the log is in nonce order"
+    assert log[-1][3] == saved.nonce
+    store.close()
+
+    proc = start_server(config, db, port)
+    try:
+        async def reconnect() -> None:
+            watcher = TcpBackend(f"127.0.0.1:{port}", Keypair())
+            await watcher.connect()
+            state = watcher.state
+            assert state.nonce == saved.nonce and state.phase == Phase.Warmup
+            assert {c.id for c in state.clients} == ids
+            await watcher.close()
+
+        asyncio.run(reconnect())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_database_of_another_run_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "state.toml"
+    config.write_text(STATE_TOML)
+    other = tmp_path / "other.toml"
+    other.write_text(STATE_TOML.replace('"persist"', '"other"'))
+    db = tmp_path / "run.sqlite"
+    port = free_port()
+    proc = start_server(config, db, port)
+    proc.terminate()
+    proc.wait(10)
+    result = subprocess.run([sys.executable, "-m", "client.cli", "serve", "--config", str(other), "--db", str(db),
+                             "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "holds run 'persist'" in result.stderr
