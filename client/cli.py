@@ -13,6 +13,7 @@ import typer
 COMMAND_MODULES = (
     "client.commands.config",
     "client.commands.coordinator",
+    "client.commands.pipeline",
 )
 
 app = typer.Typer(

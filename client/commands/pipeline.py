@@ -1,0 +1,197 @@
+"""``psyswarm dht | worker | trainer``: run pipeline training standalone, without a coordinator.
+
+A local run on one machine::
+
+    psyswarm dht                                   # prints --initial-peer /ip4/127.0.0.1/tcp/…/p2p/…
+    psyswarm worker --stage head  --initial-peer …
+    psyswarm worker --stage body1 --initial-peer …
+    psyswarm worker --stage tail  --initial-peer …
+    psyswarm trainer --initial-peer … --steps 200
+
+Without a coordinator, workers step on their own every ``--step-every`` samples; give the trainer the same
+``--batch-size`` so that a step covers one batch. torch and hivemind are imported inside the commands so
+that ``psyswarm --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from client.pipeline.model import ModelConfig
+
+InitialPeers = Annotated[
+    list[str],
+    typer.Option("--initial-peer", help="Multiaddr of a DHT peer (from `psyswarm dht`); repeatable."),
+]
+Host = Annotated[str, typer.Option(help="Address to listen on; keep 127.0.0.1 unless peers are remote.")]
+RunId = Annotated[str, typer.Option(help="Namespace of this run's DHT records.")]
+Layers = Annotated[int, typer.Option("--layers", help="Transformer layers in the whole model.")]
+Width = Annotated[int, typer.Option("--width", help="Model width (d_model).")]
+Heads = Annotated[int, typer.Option("--heads", help="Attention heads.")]
+SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens (bytes) per sample.")]
+Stages = Annotated[int, typer.Option("--stages", help="Pipeline stages: head, body1…, tail.")]
+DataSources = Annotated[list[str], typer.Option(help="'stdlib' or local files/directories; repeatable.")]
+Seed = Annotated[
+    int, typer.Option("--seed", help="Seed of the initial parameters; the same on every machine.")
+]
+
+_DEFAULTS = {"layers": 6, "width": 128, "heads": 4, "seq_len": 128, "stages": 3, "seed": 0}
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _model_config(layers: int, width: int, heads: int, seq_len: int, stages: int, seed: int) -> ModelConfig:
+    from client.pipeline.model import ModelConfig
+
+    try:
+        return ModelConfig(
+            n_layers=layers, d_model=width, n_heads=heads, seq_len=seq_len, num_stages=stages, seed=seed
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def dht_command(
+    initial_peers: InitialPeers = [],  # noqa: B006 - typer reads the default, never mutates it
+    host: Host = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one.")] = 0,
+) -> None:
+    """Run a DHT bootstrap node: peers find each other through it; it stores no model data."""
+    import signal
+    import threading
+
+    from client.pipeline.discovery import run_bootstrap
+
+    _setup_logging()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    run_bootstrap(initial_peers, host, port, stop)
+
+
+def worker_command(
+    stage: Annotated[str, typer.Option(help="Stage to serve: head, body1…bodyK or tail.")],
+    initial_peers: InitialPeers = [],  # noqa: B006
+    host: Host = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="gRPC port; 0 picks a free one.")] = 0,
+    keypair: Annotated[
+        Path | None, typer.Option(help="Solana keypair file of this worker; a fresh identity if omitted.")
+    ] = None,
+    run_id: RunId = "psyswarm",
+    layers: Layers = _DEFAULTS["layers"],
+    width: Width = _DEFAULTS["width"],
+    heads: Heads = _DEFAULTS["heads"],
+    seq_len: SeqLen = _DEFAULTS["seq_len"],
+    stages: Stages = _DEFAULTS["stages"],
+    seed: Seed = _DEFAULTS["seed"],
+    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 3e-3,
+    step_every: Annotated[int, typer.Option(help="Take an optimizer step every N samples.")] = 32,
+    max_batch: Annotated[int, typer.Option(help="Largest microbatch accepted.")] = 32,
+    threads: Annotated[int, typer.Option(help="torch threads (0: torch's default).")] = 0,
+    announce_period: Annotated[float, typer.Option(help="Seconds between DHT re-announcements.")] = 10.0,
+) -> None:
+    """Serve one pipeline stage: Forward/Backward/Info over gRPC, announced in the DHT."""
+    from client.identity import load_keypair
+    from client.pipeline.model import stage_names
+    from client.pipeline.optim import OptimizerConfig
+    from client.pipeline.worker import run_worker
+
+    _setup_logging()
+    config = _model_config(layers, width, heads, seq_len, stages, seed)
+    if stage not in stage_names(config.num_stages):
+        raise typer.BadParameter(
+            f"stage must be one of {', '.join(stage_names(config.num_stages))}", param_hint="--stage"
+        )
+    run_worker(
+        config,
+        stage,
+        initial_peers=initial_peers,
+        dht_host=host,
+        keypair=load_keypair(keypair) if keypair else None,
+        torch_threads=threads or None,
+        optimizer=OptimizerConfig(lr=lr),
+        host=host,
+        port=port,
+        run_id=run_id,
+        announce_period=announce_period,
+        max_batch_size=max_batch,
+        auto_step_samples=step_every,
+    )
+
+
+def trainer_command(
+    initial_peers: InitialPeers = [],  # noqa: B006
+    host: Host = "127.0.0.1",
+    run_id: RunId = "psyswarm",
+    layers: Layers = _DEFAULTS["layers"],
+    width: Width = _DEFAULTS["width"],
+    heads: Heads = _DEFAULTS["heads"],
+    seq_len: SeqLen = _DEFAULTS["seq_len"],
+    stages: Stages = _DEFAULTS["stages"],
+    seed: Seed = _DEFAULTS["seed"],
+    data: DataSources = ["stdlib"],  # noqa: B006
+    steps: Annotated[int, typer.Option(help="Batches to train.")] = 100,
+    batch_size: Annotated[
+        int, typer.Option(help="Samples per batch (match the workers' --step-every).")
+    ] = 32,
+    microbatch_size: Annotated[int, typer.Option(help="Samples per microbatch.")] = 8,
+    start_index: Annotated[int, typer.Option(help="First sample index.")] = 0,
+    wire_dtype: Annotated[
+        str, typer.Option(help="Activation dtype on the wire: float32, float16, bfloat16.")
+    ] = "float32",
+    inflight: Annotated[int, typer.Option(help="Microbatches in flight at once.")] = 2,
+) -> None:
+    """Route microbatches through the stage workers found in the DHT; holds no parameters."""
+    from client.pipeline.data import open_dataset
+    from client.pipeline.discovery import WorkerDirectory, start_dht
+    from client.pipeline.trainer import PipelineTrainer
+
+    _setup_logging()
+    log = logging.getLogger("psyswarm.trainer")
+    config = _model_config(layers, width, heads, seq_len, stages, seed)
+    try:
+        dataset = open_dataset(data, config.seq_len)
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--data") from None
+    dht = start_dht(initial_peers, host)
+    try:
+        trainer = PipelineTrainer(
+            config,
+            dataset,
+            WorkerDirectory(dht, run_id, config.fingerprint()),
+            wire_dtype=wire_dtype,
+            max_inflight=inflight,
+        )
+    except ValueError as exc:
+        dht.shutdown()
+        raise typer.BadParameter(str(exc)) from None
+    try:
+        for step in range(steps):
+            first = start_index + step * batch_size
+            result = trainer.train(range(first, first + batch_size), microbatch_size)
+            tokens = batch_size * config.seq_len
+            used = sorted({uid for workers in result.workers for uid in workers.values()})
+            log.info(
+                "batch %d/%d: loss %.4f, %.0f tokens/s, workers %s",
+                step + 1,
+                steps,
+                sum(result.losses) / len(result.losses),
+                tokens / result.seconds,
+                ", ".join(used),
+            )
+    finally:
+        trainer.close()
+        dht.shutdown()
+
+
+def register(app: typer.Typer) -> None:
+    app.command("dht")(dht_command)
+    app.command("worker")(worker_command)
+    app.command("trainer")(trainer_command)

@@ -1,0 +1,267 @@
+"""One stage's computation behind the RPCs: request validation, forward, backward with recomputation.
+
+Kept free of networking and threading so that what a worker computes can be tested and reasoned about on
+its own. Every request comes from an untrusted trainer, so each field is checked (stage, ids, dtypes,
+shapes, token range, finiteness, size) before any computation, and a bad one is refused with the reason.
+
+Backward re-runs the forward pass from the input the trainer sends again (activation recomputation): the
+worker keeps no per-microbatch state between RPCs, so a backward may land on any replica of the stage and a
+worker that dies loses nothing but its accumulated gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict, dataclass
+
+import torch
+
+from client.pipeline.model import ModelConfig, build_stage
+from client.pipeline.optim import OptimizerConfig, StageOptimizer, StepStats
+from client.pipeline.rpc import InvalidRequest
+from client.pipeline.tensor_codec import (
+    FLOAT_DTYPES,
+    CodecError,
+    decode_message,
+    encode_message,
+    tensor_digest,
+)
+
+MAX_ID_CHARS = 128
+_TOKEN_DTYPES = (torch.uint8, torch.int64)
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """Evidence that a worker processed one backward: who asked, for which microbatch, on which data.
+
+    Digests are sha256 of the tensors' wire form (``tensor_codec.tensor_digest``), so the trainer computes
+    the same values from what it sent and received. ``input_digest`` covers the stage input and, for the
+    tail, the targets; the head returns no gradient and the tail receives none (empty digests).
+    """
+
+    trainer_id: str
+    microbatch_id: str
+    stage: str
+    worker_uid: str
+    samples: int
+    input_digest: str
+    grad_output_digest: str
+    grad_input_digest: str
+
+    def to_bytes(self) -> bytes:
+        """Canonical serialisation, the message a client signs."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    """A validated Forward or Backward request, tensors still in the dtype they arrived in."""
+
+    trainer_id: str
+    microbatch_id: str
+    wire_dtype: torch.dtype
+    inputs: torch.Tensor
+    targets: torch.Tensor | None
+    grad_output: torch.Tensor | None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.inputs.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.inputs.shape[0] * self.inputs.shape[1])
+
+    def input_digest(self) -> str:
+        return input_digest(self.inputs, self.targets)
+
+
+def input_digest(inputs: torch.Tensor, targets: torch.Tensor | None) -> str:
+    """What a receipt records of a stage's input: its digest, plus the targets' for the tail."""
+    digest = tensor_digest(inputs)
+    return digest if targets is None else f"{digest}:{tensor_digest(targets)}"
+
+
+def _text_field(meta: dict[str, object], key: str) -> str:
+    value = meta.get(key)
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
+        raise InvalidRequest(f"field {key!r} must be a string of 1..{MAX_ID_CHARS} characters")
+    return value
+
+
+class StageBackend:
+    """A stage's module and optimizer, with the three operations the worker exposes."""
+
+    def __init__(
+        self, config: ModelConfig, stage: str, optimizer: OptimizerConfig, *, uid: str, max_batch_size: int
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be at least 1")
+        self.config = config
+        self.stage = stage
+        self.uid = uid
+        self.max_batch_size = max_batch_size
+        self.module = build_stage(config, stage)
+        self.optimizer = StageOptimizer(self.module, stage, config.num_stages, optimizer)
+        self.samples_accumulated = 0
+        self.steps = 0
+        # Serialises computation with step() and parameter reads coming from other threads.
+        self.lock = threading.RLock()
+
+    @property
+    def max_elements(self) -> int:
+        """The largest tensor a valid request carries: a full batch of activations."""
+        return self.max_batch_size * self.config.seq_len * self.config.d_model
+
+    @property
+    def max_message_bytes(self) -> int:
+        """Upper bound of a valid request (input and gradient in fp32, plus headers)."""
+        return 2 * self.max_elements * 4 + 64 * 1024
+
+    # ----- validation -----
+
+    def parse(self, payload: bytes, *, backward: bool) -> StageRequest:
+        """Decode and check a Forward (``backward=False``) or Backward request; raises ``InvalidRequest``."""
+        if len(payload) > self.max_message_bytes:
+            raise InvalidRequest(f"request of {len(payload)} bytes exceeds this worker's {self.max_message_bytes}")
+        try:
+            meta, tensors = decode_message(payload, max_elements=self.max_elements)
+        except CodecError as exc:
+            raise InvalidRequest(f"malformed request: {exc}") from None
+        stage = meta.get("stage")
+        if stage != self.stage:
+            raise InvalidRequest(f"request for stage {stage!r} sent to a worker of stage {self.stage!r}")
+        trainer_id = _text_field(meta, "trainer")
+        microbatch_id = _text_field(meta, "microbatch")
+        dtype_name = meta.get("dtype")
+        if dtype_name not in FLOAT_DTYPES:
+            raise InvalidRequest(f"field 'dtype' must be one of {sorted(FLOAT_DTYPES)}, got {dtype_name!r}")
+        is_head, is_tail = self.module.is_head, self.module.is_tail
+        expected = (
+            {"input"} | ({"targets"} if is_tail else set()) | ({"grad_output"} if backward and not is_tail else set())
+        )
+        if set(tensors) != expected:
+            raise InvalidRequest(
+                f"{'Backward' if backward else 'Forward'} to stage {self.stage} needs tensors "
+                f"{sorted(expected)}, got {sorted(tensors)}"
+            )
+        inputs = tensors["input"]
+        if is_head:
+            self._check_tokens("input", inputs)
+        else:
+            self._check_hidden("input", inputs)
+        batch, length = inputs.shape[:2]
+        if is_tail:
+            self._check_tokens("targets", tensors["targets"])
+            if tuple(tensors["targets"].shape) != (batch, length):
+                raise InvalidRequest(f"targets shape {list(tensors['targets'].shape)} must be {[batch, length]}")
+        if "grad_output" in tensors:
+            self._check_hidden("grad_output", tensors["grad_output"])
+            if tuple(tensors["grad_output"].shape) != (batch, length, self.config.d_model):
+                raise InvalidRequest(
+                    f"grad_output shape {list(tensors['grad_output'].shape)} must match the "
+                    f"output shape {[batch, length, self.config.d_model]}"
+                )
+        return StageRequest(
+            trainer_id,
+            microbatch_id,
+            FLOAT_DTYPES[dtype_name],
+            inputs,
+            tensors.get("targets"),
+            tensors.get("grad_output"),
+        )
+
+    def _check_batch_shape(self, name: str, tensor: torch.Tensor, ndim: int) -> None:
+        if tensor.dim() != ndim:
+            raise InvalidRequest(f"{name} must have {ndim} dimensions, got shape {list(tensor.shape)}")
+        batch, length = tensor.shape[:2]
+        if not 1 <= batch <= self.max_batch_size:
+            raise InvalidRequest(f"{name} batch size {batch} is not in 1..{self.max_batch_size}")
+        if not 1 <= length <= self.config.seq_len:
+            raise InvalidRequest(f"{name} sequence length {length} is not in 1..{self.config.seq_len}")
+
+    def _check_tokens(self, name: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype not in _TOKEN_DTYPES:
+            raise InvalidRequest(f"{name} must hold byte tokens as uint8 or int64, got {tensor.dtype}")
+        self._check_batch_shape(name, tensor, 2)
+        if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= self.config.vocab):
+            raise InvalidRequest(f"{name} holds tokens outside 0..{self.config.vocab - 1}")
+
+    def _check_hidden(self, name: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype not in FLOAT_DTYPES.values():
+            raise InvalidRequest(f"{name} must be float32, float16 or bfloat16, got {tensor.dtype}")
+        self._check_batch_shape(name, tensor, 3)
+        if tensor.shape[2] != self.config.d_model:
+            raise InvalidRequest(
+                f"{name} width {tensor.shape[2]} differs from the model's d_model {self.config.d_model}"
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            raise InvalidRequest(f"{name} holds NaN or infinite values")
+
+    # ----- computation -----
+
+    def forward(self, request: StageRequest) -> bytes:
+        """Head/body: the stage output in the requested dtype. Tail: the mean loss, in the metadata."""
+        with self.lock, torch.no_grad():
+            out = self.module(self._as_input(request.inputs), request.targets)
+        if self.module.is_tail:
+            return encode_message({"loss": float(out)}, {})
+        return encode_message({}, {"output": out.to(request.wire_dtype)})
+
+    def backward(self, request: StageRequest) -> tuple[bytes, Receipt]:
+        """Recompute the forward pass, accumulate parameter gradients, return the input gradient.
+
+        The tail differentiates loss × batch size, so accumulated gradients are sums over samples and
+        ``step`` divides by the sample count. Its response also carries the loss it recomputed, which saves
+        the trainer a separate tail Forward.
+        """
+        with self.lock:
+            inputs = self._as_input(request.inputs)
+            if not self.module.is_head:
+                inputs.requires_grad_(True)
+            out = self.module(inputs, request.targets)
+            if self.module.is_tail:
+                (out * request.batch_size).backward()
+            else:
+                out.backward(request.grad_output.float())
+            self.samples_accumulated += request.batch_size
+        meta: dict[str, object] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        grad_input_digest = ""
+        if not self.module.is_head:
+            grad_input = inputs.grad.to(request.wire_dtype)
+            tensors["grad_input"] = grad_input
+            grad_input_digest = tensor_digest(grad_input)
+        if self.module.is_tail:
+            meta["loss"] = float(out.detach())
+        receipt = Receipt(
+            trainer_id=request.trainer_id,
+            microbatch_id=request.microbatch_id,
+            stage=self.stage,
+            worker_uid=self.uid,
+            samples=request.batch_size,
+            input_digest=request.input_digest(),
+            grad_output_digest="" if request.grad_output is None else tensor_digest(request.grad_output),
+            grad_input_digest=grad_input_digest,
+        )
+        meta.update({f"receipt.{k}": v for k, v in asdict(receipt).items()})
+        return encode_message(meta, tensors), receipt
+
+    def step(self) -> StepStats:
+        """Apply and clear the gradients accumulated since the last step."""
+        with self.lock:
+            stats = self.optimizer.step(self.samples_accumulated)
+            self.samples_accumulated = 0
+            if stats.samples:
+                self.steps += 1
+            return stats
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The live parameter tensors in a fixed order (for averaging with same-stage peers)."""
+        return [p.data for p in self.module.parameters()]
+
+    @staticmethod
+    def _as_input(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.dtype in _TOKEN_DTYPES else tensor.float()

@@ -1,0 +1,52 @@
+"""The same model trained in one process: the reference the pipeline is tested and benchmarked against.
+
+It uses the pipeline's own stages, microbatching, loss scaling and per-stage optimizers, so that any
+difference from a pipeline run is due to the transport and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from client.pipeline.data import ByteDataset, microbatches
+from client.pipeline.model import ModelConfig, build_all_stages
+from client.pipeline.optim import OptimizerConfig, StageOptimizer, StepStats
+
+
+class LocalTrainer:
+    """All stages in one process, trained exactly as workers would train them."""
+
+    def __init__(self, config: ModelConfig, dataset: ByteDataset, optimizer: OptimizerConfig | None = None) -> None:
+        self.config = config
+        self.dataset = dataset
+        self.stages = build_all_stages(config)
+        self.optimizers = [
+            StageOptimizer(stage, stage.stage, config.num_stages, optimizer or OptimizerConfig())
+            for stage in self.stages
+        ]
+        self.samples_accumulated = 0
+
+    def train(self, indices: Sequence[int], microbatch_size: int) -> list[float]:
+        """Forward and backward every microbatch, accumulating gradients; returns per-microbatch losses."""
+        losses = []
+        for chunk in microbatches(indices, microbatch_size):
+            tokens = self.dataset.batch(chunk)
+            hidden = tokens[:, :-1]
+            for stage in self.stages[:-1]:
+                hidden = stage(hidden)
+            loss = self.stages[-1](hidden, tokens[:, 1:])
+            (loss * len(chunk)).backward()
+            self.samples_accumulated += len(chunk)
+            losses.append(float(loss.detach()))
+        return losses
+
+    def step(self) -> list[StepStats]:
+        """One optimizer step per stage, as every worker would take when the round ends."""
+        stats = [optimizer.step(self.samples_accumulated) for optimizer in self.optimizers]
+        self.samples_accumulated = 0
+        return stats
+
+    def parameters(self, stage: int) -> list[torch.Tensor]:
+        return [p.data for p in self.stages[stage].parameters()]

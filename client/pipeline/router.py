@@ -1,0 +1,127 @@
+"""Choosing a worker per stage: a min-heap of virtual runtime, with short bans for unreachable workers.
+
+Each worker's virtual runtime is the compute time the trainer has sent it so far. The trainer always picks
+the smallest, so work flows to whoever finishes soonest: a worker twice as fast accumulates runtime half
+as fast and receives twice the microbatches. A task is charged its *expected* duration when it is sent
+(so concurrent microbatches spread out at once) and corrected by the measured duration when it returns.
+A newcomer enters at the current maximum, the bottom of the heap: otherwise a fresh worker with zero
+runtime would take every request until it caught up, however slow it is.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from client.pipeline.discovery import WorkerRecord
+
+DEFAULT_BAN_SECONDS = 30.0
+_EMA = 0.3
+
+
+@dataclass
+class _WorkerState:
+    record: WorkerRecord
+    vruntime: float
+    throughput: float | None = None  # cost units per second, measured
+    banned_until: float = 0.0
+
+
+class StageRouter:
+    """Load balancing among the replicas of one stage; thread-safe."""
+
+    def __init__(
+        self,
+        stage: str,
+        *,
+        ban_seconds: float = DEFAULT_BAN_SECONDS,
+        default_throughput: float = 10_000.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``default_throughput`` (cost units/s) prices a worker's first task until it has been measured."""
+        self.stage = stage
+        self.ban_seconds = ban_seconds
+        self.default_throughput = default_throughput
+        self.clock = clock
+        self._workers: dict[str, _WorkerState] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._tiebreak = itertools.count()
+        self._lock = threading.Lock()
+
+    def update(self, records: Sequence[WorkerRecord]) -> None:
+        """Sync with the directory: add newcomers at the bottom, forget workers no longer announced.
+
+        A uid re-announced by a different identity is a new worker: its predecessor's ban and history go.
+        """
+        with self._lock:
+            current = {r.uid: r for r in records}
+            for uid in set(self._workers) - set(current):
+                del self._workers[uid]
+            bottom = max((s.vruntime for s in self._workers.values()), default=0.0)
+            for uid, record in current.items():
+                state = self._workers.get(uid)
+                if state is None or state.record.pubkey != record.pubkey:
+                    self._workers[uid] = _WorkerState(record, bottom)
+                    self._push(uid)
+                else:
+                    state.record = record
+
+    def choose(self, cost: float, exclude: Collection[str] = ()) -> WorkerRecord | None:
+        """The least-loaded usable worker, charged ``cost`` in advance; ``None`` if none is usable."""
+        with self._lock:
+            now = self.clock()
+            skipped: list[str] = []
+            chosen: _WorkerState | None = None
+            while self._heap:
+                vruntime, _, uid = heapq.heappop(self._heap)
+                state = self._workers.get(uid)
+                if state is None or state.vruntime != vruntime:
+                    continue  # stale entry: the worker left or was re-pushed with a new runtime
+                if state.banned_until > now or uid in exclude:
+                    skipped.append(uid)
+                    continue
+                chosen = state
+                break
+            for uid in skipped:
+                self._push(uid)
+            if chosen is None:
+                return None
+            chosen.vruntime += cost / (chosen.throughput or self.default_throughput)
+            self._push(chosen.record.uid)
+            return chosen.record
+
+    def report(self, uid: str, cost: float, seconds: float) -> None:
+        """A task of ``cost`` took ``seconds``: replace its estimate by the truth, update the throughput."""
+        with self._lock:
+            state = self._workers.get(uid)
+            if state is None or seconds <= 0:
+                return
+            expected = cost / (state.throughput or self.default_throughput)
+            state.vruntime += seconds - expected
+            rate = cost / seconds
+            state.throughput = rate if state.throughput is None else (1 - _EMA) * state.throughput + _EMA * rate
+            self._push(uid)
+
+    def ban(self, uid: str) -> None:
+        """Keep an unreachable worker out of the rotation for ``ban_seconds``."""
+        with self._lock:
+            state = self._workers.get(uid)
+            if state is not None:
+                state.banned_until = self.clock() + self.ban_seconds
+
+    def counts(self) -> tuple[int, int]:
+        """(known workers, currently banned workers), for the stall log."""
+        with self._lock:
+            now = self.clock()
+            return len(self._workers), sum(s.banned_until > now for s in self._workers.values())
+
+    def _push(self, uid: str) -> None:
+        heapq.heappush(self._heap, (self._workers[uid].vruntime, next(self._tiebreak), uid))
+        if len(self._heap) > 4 * len(self._workers) + 16:
+            # Updates leave stale entries behind (lazy deletion); rebuild before they pile up.
+            self._heap = [(s.vruntime, next(self._tiebreak), u) for u, s in self._workers.items()]
+            heapq.heapify(self._heap)

@@ -1,0 +1,163 @@
+"""A compact, strictly validated byte encoding for RPC messages: a little JSON metadata plus raw tensors.
+
+Activations dominate the traffic, so tensors travel as raw little-endian bytes with a few bytes of header
+(no protobuf, no pickle: a worker decodes bytes from untrusted trainers and must never execute them).
+Decoding checks every length against the buffer and against caller-given limits before allocating, so a
+malformed or oversized message costs nothing but a ``CodecError`` naming the problem.
+
+Layout::
+
+    message := b"PSW1" u32 meta_len meta_json u8 n_tensors tensor*
+    tensor  := u8 name_len name u8 dtype u8 ndim u32 dim* payload      (payload = prod(dims) · itemsize)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+import sys
+
+import torch
+
+MAGIC = b"PSW1"
+MAX_META_BYTES = 4096
+MAX_NDIM = 4
+MAX_NAME_BYTES = 32
+MAX_TENSORS = 8
+
+# Wire code of each dtype a message may carry. Activations and gradients use a float type chosen by the
+# trainer; byte tokens travel as uint8, a quarter of int32's size.
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.uint8: 4,
+    torch.int64: 5,
+}
+_CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+FLOAT_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError("psyswarm's tensor encoding assumes a little-endian host")
+
+
+class CodecError(ValueError):
+    """A message is malformed or exceeds a limit; the text says which field and why."""
+
+
+MetaValue = str | int | float | bool | None
+
+
+def encode_tensor(tensor: torch.Tensor) -> bytes:
+    """One tensor's wire form (dtype code, shape, raw bytes); also what receipts hash."""
+    if tensor.dtype not in DTYPE_CODES:
+        raise CodecError(f"dtype {tensor.dtype} cannot be encoded; use one of {list(DTYPE_CODES)}")
+    if tensor.dim() > MAX_NDIM:
+        raise CodecError(f"tensor has {tensor.dim()} dimensions, more than {MAX_NDIM}")
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    header = struct.pack(f"<BB{tensor.dim()}I", DTYPE_CODES[tensor.dtype], tensor.dim(), *tensor.shape)
+    return header + flat.view(torch.uint8).numpy().tobytes()
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's wire form, so a trainer and a worker can agree on what was exchanged."""
+    return hashlib.sha256(encode_tensor(tensor)).hexdigest()
+
+
+def encode_message(meta: dict[str, MetaValue], tensors: dict[str, torch.Tensor]) -> bytes:
+    """Serialise metadata (flat JSON of scalars) and named tensors."""
+    meta_bytes = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
+    if len(meta_bytes) > MAX_META_BYTES:
+        raise CodecError(f"metadata is {len(meta_bytes)} bytes, more than {MAX_META_BYTES}")
+    if len(tensors) > MAX_TENSORS:
+        raise CodecError(f"{len(tensors)} tensors, more than {MAX_TENSORS}")
+    parts = [MAGIC, struct.pack("<I", len(meta_bytes)), meta_bytes, struct.pack("<B", len(tensors))]
+    for name, tensor in tensors.items():
+        raw_name = name.encode()
+        if not 0 < len(raw_name) <= MAX_NAME_BYTES:
+            raise CodecError(f"tensor name {name!r} must be 1..{MAX_NAME_BYTES} bytes")
+        parts += [struct.pack("<B", len(raw_name)), raw_name, encode_tensor(tensor)]
+    return b"".join(parts)
+
+
+class _Reader:
+    """Bounds-checked cursor over a received buffer."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = memoryview(data)
+        self.pos = 0
+
+    def take(self, count: int, what: str) -> memoryview:
+        if count < 0 or self.pos + count > len(self.data):
+            raise CodecError(f"message truncated while reading {what}")
+        chunk = self.data[self.pos : self.pos + count]
+        self.pos += count
+        return chunk
+
+    def unpack(self, fmt: str, what: str) -> tuple[int, ...]:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))
+
+
+def _decode_meta(raw: memoryview) -> dict[str, MetaValue]:
+    try:
+        meta = json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CodecError(f"metadata is not valid UTF-8 JSON: {exc}") from None
+    if not isinstance(meta, dict):
+        raise CodecError("metadata must be a JSON object")
+    for key, value in meta.items():
+        if not isinstance(value, str | int | float | bool | type(None)):
+            raise CodecError(f"metadata field {key!r} must be a scalar, not {type(value).__name__}")
+    return meta
+
+
+def decode_message(data: bytes, *, max_elements: int) -> tuple[dict[str, MetaValue], dict[str, torch.Tensor]]:
+    """Parse a message, refusing any tensor with more than ``max_elements`` elements or any trailing byte.
+
+    Tensors keep their wire dtype; callers cast after checking it, and hash them as received.
+    """
+    reader = _Reader(data)
+    if bytes(reader.take(len(MAGIC), "magic")) != MAGIC:
+        raise CodecError("not a psyswarm message (bad magic bytes)")
+    (meta_len,) = reader.unpack("<I", "metadata length")
+    if meta_len > MAX_META_BYTES:
+        raise CodecError(f"metadata length {meta_len} exceeds {MAX_META_BYTES}")
+    meta = _decode_meta(reader.take(meta_len, "metadata"))
+    (count,) = reader.unpack("<B", "tensor count")
+    if count > MAX_TENSORS:
+        raise CodecError(f"{count} tensors, more than {MAX_TENSORS}")
+    tensors: dict[str, torch.Tensor] = {}
+    for _ in range(count):
+        (name_len,) = reader.unpack("<B", "tensor name length")
+        if not 0 < name_len <= MAX_NAME_BYTES:
+            raise CodecError(f"tensor name length {name_len} is not in 1..{MAX_NAME_BYTES}")
+        try:
+            name = bytes(reader.take(name_len, "tensor name")).decode("ascii")
+        except UnicodeDecodeError:
+            raise CodecError("tensor name is not ASCII") from None
+        if name in tensors:
+            raise CodecError(f"tensor {name!r} appears twice")
+        code, ndim = reader.unpack("<BB", f"header of tensor {name!r}")
+        if code not in _CODE_DTYPES:
+            raise CodecError(f"tensor {name!r} has unknown dtype code {code}")
+        if ndim > MAX_NDIM:
+            raise CodecError(f"tensor {name!r} has {ndim} dimensions, more than {MAX_NDIM}")
+        shape = reader.unpack(f"<{ndim}I", f"shape of tensor {name!r}")
+        elements = math.prod(shape)
+        if elements > max_elements:
+            raise CodecError(f"tensor {name!r} of shape {list(shape)} exceeds the limit of {max_elements} elements")
+        dtype = _CODE_DTYPES[code]
+        payload = reader.take(elements * dtype.itemsize, f"payload of tensor {name!r}")
+        flat = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8) if elements else torch.empty(0, dtype=torch.uint8)
+        )
+        tensors[name] = flat.view(dtype).reshape(shape)
+    if reader.pos != len(reader.data):
+        raise CodecError(f"{len(reader.data) - reader.pos} unexpected bytes after the last tensor")
+    return meta, tensors

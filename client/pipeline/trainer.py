@@ -1,0 +1,356 @@
+"""The trainer: routes microbatches through the stages' workers; holds no parameters.
+
+For each microbatch it sends the byte tokens through head → body… Forward calls, then a tail Backward
+(which recomputes the tail's forward, the loss and its gradient in one call), then Backward calls back to
+the head. It keeps every stage's input until the microbatch is done, so a backward can go to any replica
+of the stage: a worker that dies between the two passes costs one retry, not the microbatch.
+
+Every response comes from an untrusted worker and is checked (shapes, dtype, finite values, the receipt's
+digests against what was actually exchanged); a worker that answers badly or not at all is banned for
+``ban_seconds`` and the call moves to a peer of the same stage. Training stalls, saying so in the log,
+only when a stage has no usable worker at all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+from typing import Protocol
+
+import grpc
+import torch
+
+from client.pipeline.backend import Receipt, input_digest
+from client.pipeline.data import ByteDataset, microbatches
+from client.pipeline.discovery import WorkerRecord
+from client.pipeline.model import ModelConfig, stage_names
+from client.pipeline.router import DEFAULT_BAN_SECONDS, StageRouter
+from client.pipeline.rpc import StageClient
+from client.pipeline.tensor_codec import (
+    FLOAT_DTYPES,
+    CodecError,
+    decode_message,
+    encode_message,
+    tensor_digest,
+)
+
+log = logging.getLogger(__name__)
+
+BACKWARD_COST = 3.0  # a backward recomputes the forward, then differentiates: about three forwards of work
+_BAN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class PipelineError(RuntimeError):
+    """A microbatch could not be completed."""
+
+
+class StageUnavailable(PipelineError):
+    """A stage had no usable worker for longer than the trainer's ``stall_timeout``."""
+
+
+class _BadResponse(Exception):
+    """A worker's answer does not check out; the worker is treated as faulty."""
+
+
+class Directory(Protocol):
+    """Where the trainer learns which workers serve a stage (``discovery.WorkerDirectory``)."""
+
+    def workers(self, stage: str) -> list[WorkerRecord]: ...
+
+
+@dataclass(frozen=True)
+class MicrobatchResult:
+    """One microbatch's outcome. ``workers`` are the uids that ran each stage's backward (and so hold its
+    gradient and issued its receipt); ``forward_workers`` those that ran the forward passes."""
+
+    microbatch_id: str
+    indices: tuple[int, ...]
+    loss: float
+    workers: dict[str, str]
+    forward_workers: dict[str, str]
+    receipts: dict[str, Receipt]
+
+
+@dataclass
+class TrainResult:
+    microbatches: list[MicrobatchResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def losses(self) -> list[float]:
+        return [m.loss for m in self.microbatches]
+
+    @property
+    def workers(self) -> list[dict[str, str]]:
+        return [m.workers for m in self.microbatches]
+
+
+class PipelineTrainer:
+    """Trains through remote stage workers found in a directory (normally the DHT)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dataset: ByteDataset,
+        directory: Directory,
+        *,
+        trainer_id: str | None = None,
+        wire_dtype: str = "float32",
+        forward_timeout: float = 30.0,
+        backward_timeout: float = 75.0,
+        max_attempts: int = 8,
+        ban_seconds: float = DEFAULT_BAN_SECONDS,
+        stall_timeout: float | None = None,
+        max_inflight: int = 1,
+        refresh_period: float = 2.0,
+        stall_log_period: float = 10.0,
+    ) -> None:
+        """``stall_timeout=None`` waits for a missing stage forever; ``max_inflight`` microbatches run at
+        once, keeping several stages busy (pipeline parallelism)."""
+        if wire_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {sorted(FLOAT_DTYPES)}")
+        if dataset.seq_len != config.seq_len:
+            raise ValueError(f"dataset seq_len {dataset.seq_len} differs from the model's {config.seq_len}")
+        if max_inflight < 1 or max_attempts < 1:
+            raise ValueError("max_inflight and max_attempts must be at least 1")
+        self.config = config
+        self.dataset = dataset
+        self.directory = directory
+        self.trainer_id = trainer_id or uuid.uuid4().hex[:12]
+        self.wire_dtype = wire_dtype
+        self.timeouts = {False: forward_timeout, True: backward_timeout}
+        self.max_attempts = max_attempts
+        self.stall_timeout = stall_timeout
+        self.max_inflight = max_inflight
+        self.refresh_period = refresh_period
+        self.stall_log_period = stall_log_period
+        self.stages = stage_names(config.num_stages)
+        self.routers = {s: StageRouter(s, ban_seconds=ban_seconds) for s in self.stages}
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._refreshed: dict[str, float] = {}
+        self._stall_logged: dict[str, float] = {}
+        self._refresh_locks = {s: threading.Lock() for s in self.stages}
+        self._clients: dict[str, StageClient] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    # ----- public API -----
+
+    def train(
+        self,
+        indices: Sequence[int],
+        microbatch_size: int,
+        *,
+        on_microbatch: Callable[[MicrobatchResult], None] | None = None,
+    ) -> TrainResult:
+        """Forward and backward every microbatch of ``indices``; gradients accumulate on the workers.
+
+        Results come back in the order of ``indices``; ``on_microbatch`` sees each as it completes in that
+        order (progress logs, or a test acting mid-run).
+        """
+        chunks = microbatches(indices, microbatch_size)
+        result = TrainResult()
+        started = time.perf_counter()
+        with ThreadPoolExecutor(self.max_inflight, thread_name_prefix="microbatch") as pool:
+            pending = [pool.submit(self._microbatch, chunk) for chunk in chunks]
+            try:
+                for future in pending:
+                    result.microbatches.append(future.result())
+                    if on_microbatch is not None:
+                        on_microbatch(result.microbatches[-1])
+            except BaseException:
+                for future in pending:
+                    future.cancel()
+                raise
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+
+    # ----- one microbatch -----
+
+    def _microbatch(self, indices: list[int]) -> MicrobatchResult:
+        microbatch_id = f"{self.trainer_id}/{next(self._ids)}"
+        tokens = self.dataset.batch(indices).to(torch.uint8)
+        targets = tokens[:, 1:].contiguous()
+        inputs = [tokens[:, :-1].contiguous()]
+        forward_workers: dict[str, str] = {}
+        for stage in self.stages[:-1]:
+            record, _, out = self._call(stage, microbatch_id, False, {"input": inputs[-1]})
+            forward_workers[stage] = record.uid
+            inputs.append(out["output"])
+        workers: dict[str, str] = {}
+        receipts: dict[str, Receipt] = {}
+        tail = self.stages[-1]
+        record, meta, out = self._call(tail, microbatch_id, True, {"input": inputs[-1], "targets": targets})
+        loss = float(meta["loss"])
+        workers[tail], receipts[tail] = record.uid, self._receipt(meta)
+        grad = out["grad_input"]
+        for position in range(len(self.stages) - 2, -1, -1):
+            stage = self.stages[position]
+            record, meta, out = self._call(stage, microbatch_id, True, {"input": inputs[position], "grad_output": grad})
+            workers[stage], receipts[stage] = record.uid, self._receipt(meta)
+            grad = out.get("grad_input")
+        log.debug("microbatch %s: loss %.4f via %s", microbatch_id, loss, workers)
+        return MicrobatchResult(microbatch_id, tuple(indices), loss, workers, forward_workers, receipts)
+
+    @staticmethod
+    def _receipt(meta: dict[str, object]) -> Receipt:
+        return Receipt(**{f.name: meta[f"receipt.{f.name}"] for f in fields(Receipt)})
+
+    # ----- one call, with routing, retries and bans -----
+
+    def _call(
+        self, stage: str, microbatch_id: str, backward: bool, tensors: dict[str, torch.Tensor]
+    ) -> tuple[WorkerRecord, dict[str, object], dict[str, torch.Tensor]]:
+        method = "Backward" if backward else "Forward"
+        batch, length = tensors["input"].shape[:2]
+        cost = batch * length * (BACKWARD_COST if backward else 1.0)
+        meta = {
+            "stage": stage,
+            "trainer": self.trainer_id,
+            "microbatch": microbatch_id,
+            "dtype": self.wire_dtype,
+        }
+        request = encode_message(meta, tensors)
+        router = self.routers[stage]
+        tried: set[str] = set()
+        failures = 0
+        last_error = ""
+        while failures < self.max_attempts:
+            record = self._pick(stage, cost, tried)
+            started = time.perf_counter()
+            try:
+                response = self._client(record.address).call(method, request, timeout=self.timeouts[backward])
+                out_meta, out = decode_message(response, max_elements=batch * length * self.config.d_model)
+                self._check_response(stage, backward, record, microbatch_id, tensors, out_meta, out)
+            except grpc.RpcError as exc:
+                last_error = f"{exc.code().name}: {exc.details()}"
+                if exc.code() in _BAN_CODES:
+                    log.warning(
+                        "worker %s (%s) unreachable, banned for %.0f s: %s",
+                        record.uid,
+                        record.address,
+                        router.ban_seconds,
+                        last_error,
+                    )
+                    router.ban(record.uid)
+                    continue
+                log.warning("%s on %s failed, retrying elsewhere: %s", method, record.uid, last_error)
+            except (CodecError, _BadResponse, KeyError, TypeError, ValueError) as exc:
+                last_error = f"bad response: {exc}"
+                log.warning("worker %s sent a bad %s response, banned: %s", record.uid, method, exc)
+                router.ban(record.uid)
+            else:
+                router.report(record.uid, cost, time.perf_counter() - started)
+                with self._lock:
+                    self.bytes_sent += len(request)
+                    self.bytes_received += len(response)
+                return record, out_meta, out
+            failures += 1
+            tried.add(record.uid)
+        raise PipelineError(f"{method} for stage {stage} failed {failures} times; last error: {last_error}")
+
+    def _check_response(
+        self,
+        stage: str,
+        backward: bool,
+        record: WorkerRecord,
+        microbatch_id: str,
+        sent: dict[str, torch.Tensor],
+        meta: dict[str, object],
+        out: dict[str, torch.Tensor],
+    ) -> None:
+        """Raise ``_BadResponse`` unless the answer has exactly the expected form and a truthful receipt."""
+        is_head, is_tail = stage == self.stages[0], stage == self.stages[-1]
+        batch, length = sent["input"].shape[:2]
+        hidden_shape = (batch, length, self.config.d_model)
+        name = (
+            None if (backward and is_head) or (is_tail and not backward) else ("grad_input" if backward else "output")
+        )
+        if set(out) != ({name} if name else set()):
+            raise _BadResponse(f"expected tensors {[name] if name else []}, got {sorted(out)}")
+        if name is not None:
+            tensor = out[name]
+            if tensor.dtype != FLOAT_DTYPES[self.wire_dtype] or tuple(tensor.shape) != hidden_shape:
+                raise _BadResponse(
+                    f"{name} is {tensor.dtype} {list(tensor.shape)}, expected {self.wire_dtype} {list(hidden_shape)}"
+                )
+            if not bool(torch.isfinite(tensor).all()):
+                raise _BadResponse(f"{name} holds NaN or infinite values")
+        if is_tail and not (isinstance(meta.get("loss"), float) and torch.isfinite(torch.tensor(meta["loss"]))):
+            raise _BadResponse(f"loss {meta.get('loss')!r} is not a finite number")
+        if backward:
+            expected = Receipt(
+                trainer_id=self.trainer_id,
+                microbatch_id=microbatch_id,
+                stage=stage,
+                worker_uid=record.uid,
+                samples=int(batch),
+                input_digest=input_digest(sent["input"], sent.get("targets")),
+                grad_output_digest=tensor_digest(sent["grad_output"]) if "grad_output" in sent else "",
+                grad_input_digest=tensor_digest(out[name]) if name else "",
+            )
+            if self._receipt(meta) != expected:
+                raise _BadResponse("the receipt does not match the exchanged tensors")
+
+    def _pick(self, stage: str, cost: float, tried: set[str]) -> WorkerRecord:
+        """A worker for the next attempt: preferably one not tried yet; stalls while the stage is empty."""
+        router = self.routers[stage]
+        stalled_since: float | None = None
+        while True:
+            self._refresh(stage, force=stalled_since is not None)
+            record = router.choose(cost, exclude=tried) or router.choose(cost)
+            if record is not None:
+                with self._lock:  # one line per stage, however many microbatches were waiting
+                    was_logged = self._stall_logged.pop(stage, None) is not None
+                if was_logged:
+                    log.info("stage %s has a worker again (%s); training resumes", stage, record.uid)
+                return record
+            now = time.monotonic()
+            stalled_since = stalled_since if stalled_since is not None else now
+            with self._lock:
+                due = now - self._stall_logged.get(stage, -1e9) >= self.stall_log_period
+                if due:
+                    self._stall_logged[stage] = now
+            if due:
+                known, banned = router.counts()
+                log.warning(
+                    "STALLED: stage %s has no reachable worker (%d known, %d banned as unreachable); "
+                    "waiting for one to appear",
+                    stage,
+                    known,
+                    banned,
+                )
+            if self.stall_timeout is not None and now - stalled_since > self.stall_timeout:
+                raise StageUnavailable(f"stage {stage} had no reachable worker for {self.stall_timeout:.0f} s")
+            time.sleep(0.5)
+
+    def _refresh(self, stage: str, *, force: bool) -> None:
+        # Concurrent microbatches wait for one lookup rather than each querying the DHT, and none of them
+        # sees an empty router merely because another thread's first lookup is still in flight.
+        with self._refresh_locks[stage]:
+            if not force and time.monotonic() - self._refreshed.get(stage, -1e9) < self.refresh_period:
+                return
+            self.routers[stage].update(self.directory.workers(stage))
+            self._refreshed[stage] = time.monotonic()
+
+    def _client(self, address: str) -> StageClient:
+        with self._lock:
+            client = self._clients.get(address)
+            if client is None:
+                # Responses are bounded by the decoder's element limit; this only caps what gRPC buffers.
+                limit = 2 * 4 * self.config.seq_len * self.config.d_model * 1024 + (1 << 20)
+                client = self._clients[address] = StageClient(address, max_message_bytes=limit)
+            return client

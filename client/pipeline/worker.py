@@ -1,0 +1,346 @@
+"""A stage worker: gRPC server, forward/backward queues, one runtime thread, DHT announcements.
+
+gRPC handler threads only validate requests and queue them; a single runtime thread drains the queues,
+backward first (it completes a microbatch and frees the trainer's memory), so computation never competes
+with itself for the CPU and parameters change only between tasks. Gradients accumulate until ``step()``:
+the coordinator calls it when a round ends, or, run standalone, the worker steps by itself every
+``auto_step_samples`` samples.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+from solders.keypair import Keypair
+
+from client.pipeline.backend import Receipt, StageBackend, StageRequest
+from client.pipeline.discovery import (
+    STATE_UP,
+    SYNC_PHASES,
+    Announcer,
+    WorkerRecord,
+    default_index,
+    worker_uid,
+)
+from client.pipeline.model import ModelConfig, stage_index
+from client.pipeline.optim import OptimizerConfig, StepStats
+from client.pipeline.rpc import InvalidRequest, RequestRejected, start_server
+from client.pipeline.tensor_codec import CodecError, decode_message, encode_message
+
+if TYPE_CHECKING:
+    import hivemind
+
+log = logging.getLogger(__name__)
+
+_THROUGHPUT_EMA = 0.2
+
+
+@dataclass
+class _Task:
+    backward: bool
+    request: StageRequest
+    future: Future
+
+
+class StageWorker:
+    """Serves one pipeline stage; usable in-process (``start``/``stop``) or through ``run_worker``."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        stage: str,
+        *,
+        optimizer: OptimizerConfig | None = None,
+        keypair: Keypair | None = None,
+        index: int | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        dht: hivemind.DHT | None = None,
+        run_id: str = "psyswarm",
+        announce_period: float = 10.0,
+        max_batch_size: int = 32,
+        auto_step_samples: int | None = None,
+        compute_delay: float = 0.0,
+        max_queue: int = 64,
+        request_timeout: float = 120.0,
+        rpc_threads: int = 8,
+    ) -> None:
+        """``compute_delay`` adds seconds to every task, standing in for slower hardware in experiments."""
+        stage_index(config, stage)  # fail early on an unknown stage name
+        self.config = config
+        self.stage = stage
+        self.keypair = keypair or Keypair()
+        self.pubkey = bytes(self.keypair.pubkey())
+        self.uid = worker_uid(stage, default_index(self.pubkey) if index is None else index)
+        self.host = host
+        self.port = port
+        self.dht = dht
+        self.run_id = run_id
+        self.announce_period = announce_period
+        self.auto_step_samples = auto_step_samples
+        self.compute_delay = compute_delay
+        self.max_queue = max_queue
+        self.request_timeout = request_timeout
+        self.rpc_threads = rpc_threads
+        self.backend = StageBackend(
+            config, stage, optimizer or OptimizerConfig(), uid=self.uid, max_batch_size=max_batch_size
+        )
+        self.throughput = 0.0  # tokens per second of compute, EMA
+        self._sync_phase = 0
+        self._receipts: list[Receipt] = []
+        self._queues: dict[bool, collections.deque[_Task]] = {
+            False: collections.deque(),
+            True: collections.deque(),
+        }
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._stopped = False
+        self._server: grpc.Server | None = None
+        self._runtime = threading.Thread(target=self._run, name=f"runtime-{stage}", daemon=True)
+        self._announcer: Announcer | None = None
+
+    # ----- lifecycle -----
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> StageWorker:
+        handlers = {
+            "Forward": self._handle_forward,
+            "Backward": self._handle_backward,
+            "Info": self._handle_info,
+        }
+        self._server, self.port = start_server(
+            handlers,
+            f"{self.host}:{self.port}",
+            max_message_bytes=4 * self.backend.max_message_bytes,
+            threads=self.rpc_threads,
+        )
+        self._runtime.start()
+        if self.dht is not None:
+            self._announcer = Announcer(self.dht, self.keypair, self._record, period=self.announce_period)
+            self._announcer.start()
+        log.info("worker %s serving stage %s on %s", self.uid, self.stage, self.address)
+        return self
+
+    def stop(self, *, leave: bool = True, grace: float = 1.0) -> None:
+        """Stop serving; ``leave`` tells trainers through the DHT at once instead of letting it expire."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._announcer is not None:
+            self._announcer.stop(leave=leave)
+        if self._server is not None:
+            self._server.stop(grace).wait()
+        with self._cv:
+            self._stopping = True
+            pending = [*self._queues[True], *self._queues[False]]
+            for queue in self._queues.values():
+                queue.clear()
+            self._cv.notify_all()
+        for task in pending:
+            task.future.cancel()
+        if self._runtime.is_alive():
+            self._runtime.join()
+        log.info("worker %s stopped", self.uid)
+
+    def __enter__(self) -> StageWorker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ----- state the client controls -----
+
+    @property
+    def sync_phase(self) -> int:
+        """0 active, 1 catching up (refuses batches), 2 serving but not yet trusted for averaging."""
+        return self._sync_phase
+
+    @sync_phase.setter
+    def sync_phase(self, phase: int) -> None:
+        if phase not in SYNC_PHASES:
+            raise ValueError(f"sync phase must be one of {SYNC_PHASES}, got {phase!r}")
+        self._sync_phase = phase
+        if self._announcer is not None:
+            self._announcer.announce_now()
+
+    def step(self) -> StepStats:
+        """Apply the accumulated gradients with AdamW and zero them."""
+        stats = self.backend.step()
+        if stats.samples:
+            log.info(
+                "%s step %d: %d samples, grad norm %.3f",
+                self.uid,
+                self.backend.steps,
+                stats.samples,
+                stats.grad_norm,
+            )
+        return stats
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The stage's live parameter tensors in a fixed order; hold ``backend.lock`` while changing them."""
+        return self.backend.parameters()
+
+    def drain_receipts(self) -> list[Receipt]:
+        """Receipts of the backward passes processed since the last call, oldest first."""
+        with self._cv:
+            receipts, self._receipts = self._receipts, []
+        return receipts
+
+    @property
+    def load(self) -> int:
+        with self._cv:
+            return len(self._queues[True]) + len(self._queues[False])
+
+    def info(self) -> dict[str, str | int | float]:
+        """What the Info RPC answers: identity, state and the model this worker serves."""
+        return {
+            "stage": self.stage,
+            "uid": self.uid,
+            "pubkey": self.pubkey.hex(),
+            "address": self.address,
+            "sync_phase": self.sync_phase,
+            "load": self.load,
+            "throughput": self.throughput,
+            "samples_accumulated": self.backend.samples_accumulated,
+            "steps": self.backend.steps,
+            "model": self.config.fingerprint(),
+            **{f"config.{k}": v for k, v in self.config.to_dict().items()},
+        }
+
+    def _record(self, expires: float) -> WorkerRecord:
+        return WorkerRecord(
+            run_id=self.run_id,
+            stage=self.stage,
+            uid=self.uid,
+            address=self.address,
+            sync_phase=self.sync_phase,
+            load=self.load,
+            throughput=self.throughput,
+            model=self.config.fingerprint(),
+            pubkey="",
+            expires=expires,
+            state=STATE_UP,
+        )
+
+    # ----- RPC handlers (gRPC threads) -----
+
+    def _handle_forward(self, payload: bytes) -> bytes:
+        return self._submit(False, payload)
+
+    def _handle_backward(self, payload: bytes) -> bytes:
+        return self._submit(True, payload)
+
+    def _handle_info(self, payload: bytes) -> bytes:
+        try:
+            _, tensors = decode_message(payload, max_elements=0)
+        except CodecError as exc:
+            raise InvalidRequest(f"malformed Info request: {exc}") from None
+        if tensors:
+            raise InvalidRequest("an Info request carries no tensors")
+        return encode_message(self.info(), {})
+
+    def _submit(self, backward: bool, payload: bytes) -> bytes:
+        request = self.backend.parse(payload, backward=backward)
+        if self._sync_phase == 1:
+            raise RequestRejected(
+                f"worker {self.uid} is in sync phase 1 and serves no batches",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
+        task = _Task(backward, request, Future())
+        with self._cv:
+            if self._stopping:
+                raise RequestRejected("worker is shutting down", grpc.StatusCode.UNAVAILABLE)
+            if len(self._queues[True]) + len(self._queues[False]) >= self.max_queue:
+                raise RequestRejected(
+                    f"worker {self.uid} is overloaded ({self.max_queue} tasks queued)",
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                )
+            self._queues[backward].append(task)
+            self._cv.notify()
+        try:
+            return task.future.result(timeout=self.request_timeout)
+        except FutureTimeout:
+            task.future.cancel()
+            raise RequestRejected("timed out in the worker's queue", grpc.StatusCode.DEADLINE_EXCEEDED) from None
+
+    # ----- runtime (one thread) -----
+
+    def _next_task(self) -> _Task | None:
+        with self._cv:
+            while not self._stopping and not (self._queues[True] or self._queues[False]):
+                self._cv.wait()
+            if self._stopping:
+                return None
+            return (self._queues[True] or self._queues[False]).popleft()
+
+    def _run(self) -> None:
+        while (task := self._next_task()) is not None:
+            if not task.future.set_running_or_notify_cancel():
+                continue
+            started = time.perf_counter()
+            if self.compute_delay:
+                time.sleep(self.compute_delay)
+            try:
+                result = self._execute(task)
+            except Exception as exc:
+                log.exception("%s of %s failed", "backward" if task.backward else "forward", self.uid)
+                task.future.set_exception(exc)
+                continue
+            task.future.set_result(result)
+            rate = task.request.tokens / max(time.perf_counter() - started, 1e-9)
+            self.throughput = (
+                rate if not self.throughput else ((1 - _THROUGHPUT_EMA) * self.throughput + _THROUGHPUT_EMA * rate)
+            )
+
+    def _execute(self, task: _Task) -> bytes:
+        if not task.backward:
+            return self.backend.forward(task.request)
+        response, receipt = self.backend.backward(task.request)
+        with self._cv:
+            self._receipts.append(receipt)
+        if self.auto_step_samples and self.backend.samples_accumulated >= self.auto_step_samples:
+            self.step()
+        return response
+
+
+def run_worker(
+    config: ModelConfig,
+    stage: str,
+    *,
+    initial_peers: Sequence[str],
+    dht_host: str = "127.0.0.1",
+    keypair: Keypair | None = None,
+    torch_threads: int | None = None,
+    **worker_options: object,
+) -> None:
+    """Run a worker with its own DHT node until SIGINT or SIGTERM (the CLI's and test subprocesses' entry)."""
+    from client.pipeline.discovery import start_dht
+
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    dht = start_dht(initial_peers, dht_host)
+    worker = StageWorker(config, stage, keypair=keypair, dht=dht, **worker_options)  # type: ignore[arg-type]
+    try:
+        worker.start()
+        print(f"worker {worker.uid} ({stage}) serving on {worker.address}", flush=True)
+        stop.wait()
+    finally:
+        worker.stop()
+        dht.shutdown()

@@ -1,0 +1,146 @@
+"""How fast and how cheaply the TCP backend tells 256 clients about each change.
+
+Run: python tests/benchmarks/bench_broadcast.py [--clients 256]
+
+Starts `psyswarm serve` in a subprocess and connects N lightweight simulated clients (no training: each
+authenticates, then applies the state patches it receives to its copy of the account bytes). Each client
+in turn joins the run; for each join it prints the latency from sending the request to the moment every
+client holds the new state (p50, p99), and the bytes each client received per change, compared with
+sending the whole state to every client every tick as Psyche's centralised server does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from solders.keypair import Keypair
+
+from coordinator_program.instructions import JoinRun
+from coordinator_program.state import ACCOUNT_SIZE, Role
+from local_backend import protocol as p
+
+STATE_TOML = """
+run_id = "bench"
+[config]
+min_clients = 256
+max_clients = 256
+witness_nodes = 32
+witness_quorum = 22
+num_stages = 4
+[model]
+n_layers = 4
+"""
+
+
+class SimClient:
+    """A client that only follows the state bytes and can send one join."""
+
+    def __init__(self) -> None:
+        self.key = Keypair()
+        self.account = b""
+        self.nonce = 0
+        self.bytes = 0
+        self.arrivals: dict[int, float] = {}
+        self.replies: asyncio.Queue[p.Reply] = asyncio.Queue()
+
+    async def connect(self, port: int) -> None:
+        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", port, limit=p.MAX_FRAME + 8)
+        challenge = p.decode(await p.read_frame(self.reader))
+        assert isinstance(challenge, p.Challenge)
+        self.challenge = challenge.nonce
+        sig = bytes(self.key.sign_message(p.auth_message(challenge.nonce)))
+        self.writer.write(p.frame(p.Hello(bytes(self.key.pubkey()), sig).encode()))
+        assert isinstance(p.decode(await p.read_frame(self.reader)), p.Welcome)
+        full = p.decode(await p.read_frame(self.reader))
+        assert isinstance(full, p.FullState)
+        self.account, self.nonce = full.account(), full.nonce
+        self.task = asyncio.create_task(self.listen())
+
+    async def listen(self) -> None:
+        while True:
+            payload = await p.read_frame(self.reader)
+            message = p.decode(payload)
+            if isinstance(message, p.StatePatch):
+                self.bytes += len(payload) + 4
+                self.account = message.apply(self.account)
+                self.nonce = message.nonce
+                self.arrivals[message.nonce] = time.perf_counter()
+            elif isinstance(message, p.Reply):
+                await self.replies.put(message)
+
+    async def join(self) -> None:
+        data = JoinRun("bench", Role.Worker, 255).encode()
+        sig = bytes(self.key.sign_message(p.request_message(self.challenge, 1, data)))
+        self.writer.write(p.frame(p.Request(1, data, sig).encode()))
+        reply = await self.replies.get()
+        assert reply.code == p.REPLY_OK, reply.message
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def measure(port: int, n: int) -> None:
+    clients = [SimClient() for _ in range(n)]
+    for c in clients:
+        await c.connect(port)
+    latencies = []
+    for c in clients:
+        sent = time.perf_counter()
+        await c.join()
+        target = c.nonce if c.nonce else 0
+        while not all(x.nonce >= target for x in clients):
+            await asyncio.sleep(0.0005)
+        latencies.append(max(x.arrivals[target] for x in clients) - sent)
+    changes = n
+    per_client = statistics.mean(x.bytes for x in clients) / changes
+    full_every_tick = ACCOUNT_SIZE + 4
+    compressed = len(p.frame(p.FullState.of(clients[0].nonce, clients[0].account).encode()))
+    latencies.sort()
+    print(f"{n} clients, {changes} state changes (one join each)")
+    print(f"latency request -> every client has the new state: p50 {statistics.median(latencies) * 1e3:.1f} ms, "
+          f"p99 {latencies[int(0.99 * (len(latencies) - 1))] * 1e3:.1f} ms")
+    print(f"bytes per client per change: {per_client:.0f} (state patches)")
+    print(f"full state every tick (Psyche's way): {full_every_tick:,} bytes per client per tick "
+          f"-> patches send {per_client / full_every_tick:.2%} of that; zlib full state would be {compressed:,}")
+    for c in clients:
+        c.task.cancel()
+        c.writer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--clients", type=int, default=256)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "state.toml"
+        config.write_text(STATE_TOML)
+        port = free_port()
+        server = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", "--config", str(config), "--db",
+                                   str(Path(tmp) / "run.sqlite"), "--port", str(port)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(300):
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            asyncio.run(measure(port, args.clients))
+        finally:
+            server.terminate()
+            server.wait(10)
+
+
+if __name__ == "__main__":
+    main()

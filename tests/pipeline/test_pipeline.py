@@ -1,0 +1,157 @@
+"""End to end over real gRPC and a real loopback DHT: equivalence, balancing, failover, stalls."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from client.pipeline.data import ByteDataset
+from client.pipeline.discovery import WorkerDirectory
+from client.pipeline.local import LocalTrainer
+from client.pipeline.trainer import PipelineTrainer, StageUnavailable
+
+from .conftest import TINY, wait_until
+
+STAGES = ("head", "body1", "tail")
+
+
+@pytest.fixture
+def make_trainer(dataset: ByteDataset, directory: WorkerDirectory):
+    trainers: list[PipelineTrainer] = []
+
+    def make(**options: object) -> PipelineTrainer:
+        options.setdefault("stall_timeout", 30.0)
+        trainer = PipelineTrainer(TINY, dataset, directory, refresh_period=0.5, **options)  # type: ignore[arg-type]
+        trainers.append(trainer)
+        return trainer
+
+    yield make
+    for trainer in trainers:
+        trainer.close()
+
+
+def wait_for_stages(directory: WorkerDirectory, counts: dict[str, int]) -> None:
+    for stage, count in counts.items():
+        wait_until(lambda s=stage, n=count: len(directory.workers(s)) >= n, what=f"{count} worker(s) of {stage}")
+
+
+def test_pipeline_matches_single_process_training(start_worker, directory, make_trainer, dataset) -> None:
+    workers = [start_worker(stage) for stage in STAGES]
+    wait_for_stages(directory, dict.fromkeys(STAGES, 1))
+    trainer = make_trainer()
+    reference = LocalTrainer(TINY, dataset)
+    for stage_workers, ref in zip(workers, range(3), strict=True):
+        for a, b in zip(stage_workers.parameters(), reference.parameters(ref), strict=True):
+            assert torch.equal(a, b)  # same seed, same initial parameters, built separately
+    initial = [p.clone() for p in workers[1].parameters()]
+    for round_ in range(3):
+        indices = list(range(100 + 10 * round_, 110 + 10 * round_))
+        result = trainer.train(indices, microbatch_size=4)
+        expected = reference.train(indices, microbatch_size=4)
+        assert len(result.losses) == 3
+        assert result.losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+        assert [m.indices for m in result.microbatches] == [tuple(indices[i : i + 4]) for i in (0, 4, 8)]
+        for worker in workers:
+            assert worker.step().samples == len(indices)
+        reference.step()
+        for position, worker in enumerate(workers):
+            for a, b in zip(worker.parameters(), reference.parameters(position), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(initial, workers[1].parameters(), strict=True))
+    # Receipts agree with what the trainer saw, stage by stage.
+    receipts = {w.stage: w.drain_receipts() for w in workers}
+    assert {s: len(r) for s, r in receipts.items()} == dict.fromkeys(STAGES, 9)
+    assert receipts["body1"][-1] == result.microbatches[-1].receipts["body1"]
+
+
+def test_half_precision_activations_still_train(start_worker, directory, make_trainer) -> None:
+    for stage in STAGES:
+        start_worker(stage)
+    wait_for_stages(directory, dict.fromkeys(STAGES, 1))
+    full, half = make_trainer(), make_trainer(wire_dtype="float16")
+    first = full.train(range(8), 4)
+    sent_full = full.bytes_sent + full.bytes_received
+    second = half.train(range(8), 4)
+    assert second.losses == pytest.approx(first.losses, abs=2e-2)
+    assert half.bytes_sent + half.bytes_received < 0.6 * sent_full
+
+
+def test_fast_worker_gets_most_microbatches(start_worker, directory, make_trainer) -> None:
+    start_worker("head")
+    start_worker("tail")
+    fast = start_worker("body1", index=1)
+    slow = start_worker("body1", index=2, compute_delay=0.25)
+    wait_for_stages(directory, {"head": 1, "body1": 2, "tail": 1})
+    result = make_trainer().train(range(40), microbatch_size=2)
+    used = [m.workers["body1"] for m in result.microbatches] + [m.forward_workers["body1"] for m in result.microbatches]
+    fast_count, slow_count = used.count(fast.uid), used.count(slow.uid)
+    assert fast_count + slow_count == 40
+    assert fast_count >= 3 * slow_count, (fast_count, slow_count)
+
+
+def _cli_worker(stage: str, peer: str, run_id: str) -> subprocess.Popen[bytes]:
+    """``psyswarm worker`` in its own session, so that killing the group takes its DHT daemons with it,
+    as when a machine dies."""
+    model = {
+        "--layers": TINY.n_layers,
+        "--width": TINY.d_model,
+        "--heads": TINY.n_heads,
+        "--seq-len": TINY.seq_len,
+        "--stages": TINY.num_stages,
+        "--seed": TINY.seed,
+    }
+    args = ["worker", "--stage", stage, "--initial-peer", peer, "--run-id", run_id, "--threads", "1"]
+    args += [str(item) for pair in model.items() for item in pair]
+    return subprocess.Popen(
+        [sys.executable, "-c", "from client.cli import main; main()", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def test_killed_worker_fails_over_to_its_stage_peer(dht, run_id, start_worker, directory, make_trainer, caplog):
+    """A body1 worker in its own process is SIGKILLed mid-run; the trainer moves to the other body1."""
+    start_worker("head")
+    start_worker("tail")
+    survivor = start_worker("body1", index=1)
+    victim = _cli_worker("body1", str(dht.get_visible_maddrs()[0]), run_id)
+    try:
+        wait_for_stages(directory, {"head": 1, "body1": 2, "tail": 1})
+        [victim_uid] = {r.uid for r in directory.workers("body1")} - {survivor.uid}
+        trainer = make_trainer()
+        warmup = trainer.train(range(8), 1)  # both body1 workers take turns
+        assert {m.workers["body1"] for m in warmup.microbatches} == {survivor.uid, victim_uid}
+
+        def kill_mid_run(result) -> None:
+            if result.microbatch_id.endswith("/10"):
+                os.killpg(victim.pid, signal.SIGKILL)
+                victim.wait(10)
+
+        with caplog.at_level(logging.WARNING, logger="client.pipeline.trainer"):
+            result = trainer.train(range(8, 24), 1, on_microbatch=kill_mid_run)
+        assert victim.poll() is not None
+        assert len(result.losses) == 16 and all(torch.isfinite(torch.tensor(result.losses)))
+        after_kill = result.microbatches[8:]  # well after the kill, whatever the scheduling
+        assert all(m.workers["body1"] == survivor.uid for m in after_kill)
+        assert victim_uid in caplog.text and "banned" in caplog.text
+    finally:
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+
+
+def test_trainer_stalls_with_a_clear_log_when_a_stage_is_empty(start_worker, directory, make_trainer, caplog):
+    start_worker("head")
+    start_worker("tail")
+    wait_for_stages(directory, {"head": 1, "tail": 1})
+    trainer = make_trainer(stall_timeout=1.5)
+    with caplog.at_level(logging.WARNING, logger="client.pipeline.trainer"), pytest.raises(StageUnavailable):
+        trainer.train(range(2), 2)
+    assert "STALLED: stage body1 has no reachable worker" in caplog.text

@@ -1,0 +1,173 @@
+"""A worker over real gRPC: bad input to every RPC is refused with the reason, and it keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from client.identity import verify
+from client.pipeline.rpc import StageClient
+from client.pipeline.tensor_codec import decode_message, encode_message
+from client.pipeline.worker import StageWorker
+
+from .conftest import TINY
+
+B, T, D = 2, TINY.seq_len, TINY.d_model
+MAX_BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """One worker per stage without a DHT: only the RPC surface is under test here."""
+    started = {s: StageWorker(TINY, s, max_batch_size=MAX_BATCH).start() for s in ("head", "body1", "tail")}
+    clients = {s: StageClient(w.address, max_message_bytes=64 << 20) for s, w in started.items()}
+    yield started, clients
+    for client in clients.values():
+        client.close()
+    for worker in started.values():
+        worker.stop(grace=0)
+
+
+def meta(stage: str, **overrides: object) -> dict:
+    return {"stage": stage, "trainer": "t", "microbatch": "m", "dtype": "float32", **overrides}
+
+
+def tokens(batch: int = B, length: int = T) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, length), dtype=torch.uint8)
+
+
+def hidden(batch: int = B, length: int = T, width: int = D) -> torch.Tensor:
+    return torch.randn(batch, length, width)
+
+
+def valid(stage: str, method: str) -> bytes:
+    tensors = {"input": tokens() if stage == "head" else hidden()}
+    if stage == "tail":
+        tensors["targets"] = tokens()
+    elif method == "Backward":
+        tensors["grad_output"] = hidden()
+    return encode_message(meta(stage), tensors)
+
+
+BAD = [
+    ("head", "Forward", b"garbage", "bad magic"),
+    ("head", "Forward", b"", "truncated"),
+    ("head", "Forward", valid("head", "Forward")[:-3], "truncated"),
+    (
+        "head",
+        "Forward",
+        encode_message(meta("body1"), {"input": tokens()}),
+        "stage 'body1' sent to a worker of stage 'head'",
+    ),
+    ("head", "Forward", encode_message(meta("head", trainer=""), {"input": tokens()}), "'trainer'"),
+    ("head", "Forward", encode_message(meta("head", microbatch=7), {"input": tokens()}), "'microbatch'"),
+    ("head", "Forward", encode_message(meta("head", dtype="float64"), {"input": tokens()}), "'dtype'"),
+    ("head", "Forward", encode_message(meta("head"), {}), "needs tensors"),
+    ("head", "Forward", encode_message(meta("head"), {"input": tokens(), "x": tokens()}), "needs tensors"),
+    ("head", "Forward", encode_message(meta("head"), {"input": hidden()}), "uint8 or int64"),
+    ("head", "Forward", encode_message(meta("head"), {"input": torch.full((B, T), 300)}), "outside 0..255"),
+    ("head", "Forward", encode_message(meta("head"), {"input": torch.full((B, T), -1)}), "outside 0..255"),
+    ("head", "Forward", encode_message(meta("head"), {"input": tokens(length=T + 1)}), "sequence length"),
+    ("head", "Forward", encode_message(meta("head"), {"input": tokens(batch=MAX_BATCH + 1)}), "batch size"),
+    ("head", "Forward", encode_message(meta("head"), {"input": tokens()[0]}), "2 dimensions"),
+    ("body1", "Forward", encode_message(meta("body1"), {"input": hidden(width=D + 1)}), "d_model"),
+    (
+        "body1",
+        "Forward",
+        encode_message(meta("body1"), {"input": hidden().double().float()[..., :0]}),
+        "d_model",
+    ),
+    ("body1", "Forward", encode_message(meta("body1"), {"input": hidden() * float("nan")}), "NaN"),
+    ("body1", "Forward", encode_message(meta("body1"), {"input": tokens()}), "float32, float16 or bfloat16"),
+    # A full-size tensor beyond the worker's batch limit is refused before being decoded.
+    ("body1", "Forward", encode_message(meta("body1"), {"input": hidden(batch=64)}), "exceeds"),
+    ("body1", "Backward", encode_message(meta("body1"), {"input": hidden()}), "grad_output"),
+    (
+        "body1",
+        "Backward",
+        encode_message(meta("body1"), {"input": hidden(), "grad_output": hidden(batch=1)}),
+        "must match the output shape",
+    ),
+    (
+        "head",
+        "Backward",
+        encode_message(meta("head"), {"input": tokens(), "grad_output": hidden() / 0}),
+        "NaN",
+    ),
+    ("tail", "Forward", encode_message(meta("tail"), {"input": hidden()}), "targets"),
+    (
+        "tail",
+        "Backward",
+        encode_message(meta("tail"), {"input": hidden(), "targets": tokens(length=3)}),
+        "targets shape",
+    ),
+    (
+        "tail",
+        "Backward",
+        encode_message(meta("tail"), {"input": hidden(), "targets": tokens(), "grad_output": hidden()}),
+        "needs tensors",
+    ),
+    ("tail", "Info", b"junk", "malformed Info"),
+    ("tail", "Info", encode_message({}, {"x": torch.zeros(1)}), "exceeds the limit of 0"),
+    ("tail", "Info", encode_message({}, {"x": torch.zeros(0)}), "carries no tensors"),
+]
+
+
+@pytest.mark.parametrize("stage, method, payload, reason", BAD, ids=[f"{s}-{m}-{r}" for s, m, _, r in BAD])
+def test_bad_request_gets_invalid_argument_and_worker_keeps_serving(workers, stage, method, payload, reason):
+    started, clients = workers
+    with pytest.raises(grpc.RpcError) as raised:
+        clients[stage].call(method, payload, timeout=10)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reason in raised.value.details()
+    # The worker still serves a valid request afterwards.
+    _, out = decode_message(clients[stage].call("Forward", valid(stage, "Forward"), timeout=10), max_elements=10**6)
+    assert stage == "tail" or out["output"].shape == (B, T, D)
+    assert started[stage].backend.samples_accumulated == 0  # a refused request changes nothing
+
+
+def test_every_method_answers_a_valid_request(workers) -> None:
+    started, clients = workers
+    info, _ = decode_message(clients["body1"].call("Info", encode_message({}, {}), timeout=10), max_elements=0)
+    assert info["stage"] == "body1" and info["model"] == TINY.fingerprint() and info["config.d_model"] == D
+    _, out = decode_message(clients["body1"].call("Forward", valid("body1", "Forward"), timeout=10), max_elements=10**6)
+    assert out["output"].shape == (B, T, D)
+    tail_meta, tail_out = decode_message(
+        clients["tail"].call("Backward", valid("tail", "Backward"), timeout=10), max_elements=10**6
+    )
+    assert tail_out["grad_input"].shape == (B, T, D) and 4 < tail_meta["loss"] < 7
+    [receipt] = started["tail"].drain_receipts()
+    assert (receipt.trainer_id, receipt.microbatch_id, receipt.samples) == ("t", "m", B)
+    assert receipt.grad_input_digest == tail_meta["receipt.grad_input_digest"]
+    assert started["tail"].drain_receipts() == []
+    # The canonical bytes are what the client signs for witnesses, with the worker's identity.
+    signature = bytes(started["tail"].keypair.sign_message(receipt.to_bytes()))
+    assert verify(started["tail"].pubkey, receipt.to_bytes(), signature)
+    assert not verify(started["tail"].pubkey, receipt.to_bytes().replace(b'"samples":2', b'"samples":3'), signature)
+
+    before = [p.clone() for p in started["tail"].parameters()]
+    stats = started["tail"].step()
+    assert stats.samples == B and stats.grad_norm > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, started["tail"].parameters(), strict=True))
+    assert started["tail"].step().samples == 0  # gradients were zeroed
+
+
+def test_phase_one_worker_refuses_batches(workers) -> None:
+    started, clients = workers
+    started["body1"].sync_phase = 1
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            clients["body1"].call("Forward", valid("body1", "Forward"), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        started["body1"].sync_phase = 0
+    with pytest.raises(ValueError, match="sync phase"):
+        started["body1"].sync_phase = 3
+
+
+def test_half_precision_activations(workers) -> None:
+    _, clients = workers
+    request = encode_message(meta("body1", dtype="float16"), {"input": hidden().half(), "grad_output": hidden().half()})
+    _, out = decode_message(clients["body1"].call("Backward", request, timeout=10), max_elements=10**6)
+    assert out["grad_input"].dtype == torch.float16
