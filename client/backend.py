@@ -37,6 +37,7 @@ class Backend(abc.ABC):
     def __init__(self) -> None:
         self._state: CoordinatorState | None = None
         self._changed = asyncio.Condition()
+        self.closed_reason: str | None = None
 
     @property
     @abc.abstractmethod
@@ -61,6 +62,16 @@ class Backend(abc.ABC):
             raise BackendError("not connected: no coordinator state yet")
         return self._state
 
+    async def _mark_closed(self, reason: str) -> None:
+        """The connection is gone: wake every follower so it raises instead of waiting forever."""
+        async with self._changed:
+            self.closed_reason = self.closed_reason or reason
+            self._changed.notify_all()
+
+    def _check_open(self) -> None:
+        if self.closed_reason is not None:
+            raise BackendError(self.closed_reason)
+
     async def _publish(self, state: CoordinatorState) -> None:
         """Adopt a newer state and wake the followers; older or equal nonces are ignored."""
         if self._state is not None and state.nonce <= self._state.nonce:
@@ -75,11 +86,12 @@ class Backend(abc.ABC):
         seen = -1
 
         def newer() -> bool:
-            return self._state is not None and self._state.nonce > seen
+            return self.closed_reason is not None or (self._state is not None and self._state.nonce > seen)
 
         while True:
             async with self._changed:
                 await self._changed.wait_for(newer)
+                self._check_open()
                 state = self.state
             seen = state.nonce
             yield state
@@ -88,7 +100,9 @@ class Backend(abc.ABC):
         """Wait until the state satisfies ``predicate``; returns that state."""
         async def waiter() -> CoordinatorState:
             async with self._changed:
-                await self._changed.wait_for(lambda: self._state is not None and predicate(self._state))
+                await self._changed.wait_for(
+                    lambda: self.closed_reason is not None or (self._state is not None and predicate(self._state)))
+                self._check_open()
                 return self.state
         return await asyncio.wait_for(waiter(), timeout)
 

@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "client.commands.config",
     "client.commands.coordinator",
     "client.commands.pipeline",
+    "client.commands.run",
 )
 
 app = typer.Typer(

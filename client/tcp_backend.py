@@ -41,7 +41,7 @@ class TcpBackend(Backend):
         self._replies: dict[int, asyncio.Future[p.Reply]] = {}
         self._listener: asyncio.Task[None] | None = None
         self._account = b""
-        self.closed_reason: str | None = None
+        self._fatal: str | None = None
         self.bytes_received = 0
 
     @property
@@ -92,16 +92,15 @@ class TcpBackend(Backend):
                 self.bytes_received += len(payload) + 4
                 await self._on_message(p.decode(payload))
         except (asyncio.IncompleteReadError, ConnectionError):
-            self.closed_reason = self.closed_reason or "the coordinator closed the connection"
+            await self._mark_closed(self._fatal or "the coordinator closed the connection")
         except p.ProtocolError as exc:
-            self.closed_reason = f"protocol error from the coordinator: {exc}"
+            await self._mark_closed(f"protocol error from the coordinator: {exc}")
         finally:
+            await self._mark_closed(self._fatal or "the connection to the coordinator was closed")
             for future in self._replies.values():
                 if not future.done():
                     future.set_exception(BackendError(self.closed_reason or "connection lost"))
             self._replies.clear()
-            async with self._changed:
-                self._changed.notify_all()
 
     async def _on_message(self, message: p.Message) -> None:
         if isinstance(message, p.StatePatch):
@@ -117,7 +116,7 @@ class TcpBackend(Backend):
             elif message.code:
                 log.warning("coordinator: %s", message.message)
         elif isinstance(message, p.Fatal):
-            self.closed_reason = f"the coordinator closed the connection: {message.message}"
+            self._fatal = f"the coordinator closed the connection: {message.message}"
         else:
             raise p.ProtocolError(f"unexpected {type(message).__name__} from the server")
 

@@ -1,0 +1,104 @@
+"""``psyswarm join-run``: contribute a stage worker or a trainer to a run."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from client.commands.coordinator import KEYPAIR_HELP, SERVER_HELP
+from client.commands.pipeline import InitialPeers
+from client.identity import DEFAULT_KEYPAIR_PATH
+
+
+def parse_stage(text: str | None) -> int:
+    """``head``, ``bodyK``, ``tail`` or a stage number; None lets the coordinator choose."""
+    from coordinator_program import limits
+
+    if text is None:
+        return limits.NO_STAGE
+    if text.isdigit():
+        return int(text)
+    if text == "head":
+        return 0
+    if text.startswith("body") and text[4:].isdigit() and int(text[4:]) >= 1:
+        return int(text[4:])
+    if text == "tail":
+        return -1
+    raise typer.BadParameter(f"{text!r} is not a stage: use head, body1..bodyK, tail or a number")
+
+
+def join_run(
+    server: Annotated[str, typer.Option(help=SERVER_HELP)],
+    run_id: Annotated[str, typer.Option(help="The run to join; must match the coordinator's.")],
+    role: Annotated[str, typer.Option(help="worker (holds one pipeline stage) or trainer (routes data).")],
+    initial_peers: InitialPeers = [],  # noqa: B006 - typer reads the default, never mutates it
+    stage: Annotated[str | None, typer.Option(help="Ask for a stage (head, body1.., tail); the "
+                                                   "coordinator picks the least occupied if omitted.")] = None,
+    keypair: Annotated[Path, typer.Option(help=KEYPAIR_HELP)] = DEFAULT_KEYPAIR_PATH,
+    checkpoint_dir: Annotated[Path, typer.Option(help="Where a worker saves its stage at each epoch's end.")] = (
+        Path("checkpoints")),
+    host: Annotated[str, typer.Option(help="Address this client's worker and DHT node listen on.")] = "127.0.0.1",
+    wire_dtype: Annotated[str, typer.Option(help="Activations on the wire: float32, float16 or bfloat16.")] = (
+        "float32"),
+    threads: Annotated[int, typer.Option(help="torch threads (0: torch's default).")] = 0,
+) -> None:
+    """Join a run and contribute until it finishes: queue, load the model at warmup, train each round."""
+    import signal
+
+    from client.backend import BackendError
+    from client.commands.coordinator import connect, open_identity
+    from client.runner import Contributor, RunnerOptions
+    from coordinator_program.state import Role
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly: leave the DHT, close sockets
+    if role not in ("worker", "trainer"):
+        raise typer.BadParameter(f"--role must be worker or trainer, not {role!r}")
+    if not initial_peers:
+        raise typer.BadParameter("give the run's DHT with --initial-peer (printed by `psyswarm dht`)")
+    wanted = parse_stage(stage)
+    if role == "trainer" and stage is not None:
+        raise typer.BadParameter("a trainer holds no stage: drop --stage")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    identity = open_identity(keypair, required=True)
+
+    async def run() -> None:
+        backend = await connect(server, identity)
+        state = backend.state
+        if state.run_id != run_id:
+            await backend.close()
+            typer.secho(f"the coordinator at {server} serves run {state.run_id!r}, not {run_id!r}",
+                        fg=typer.colors.RED, err=True)
+            raise typer.Exit(1)
+        num_stages = state.config.num_stages
+        chosen = num_stages - 1 if wanted == -1 else wanted
+        if role == "worker" and stage is not None and chosen >= num_stages:
+            await backend.close()
+            raise typer.BadParameter(f"this run has {num_stages} stages; {stage!r} is not one of them")
+        options = RunnerOptions(role=Role.Worker if role == "worker" else Role.Trainer,
+                                initial_peers=list(initial_peers), stage=chosen, checkpoint_dir=checkpoint_dir,
+                                host=host, wire_dtype=wire_dtype)
+        try:
+            await Contributor(backend, identity, options).run()
+        except BackendError as exc:
+            typer.secho(f"lost the coordinator: {exc}; rerun the same command to rejoin", fg=typer.colors.RED,
+                        err=True)
+            raise typer.Exit(1) from None
+        finally:
+            await backend.close()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        typer.echo("stopped; the coordinator drops this client at the next health check")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("join-run")(join_run)

@@ -1,0 +1,359 @@
+"""The contributor's client: it follows the coordinator's phases and does what each one asks.
+
+- WaitingForMembers: make sure this identity is queued (joining again if it was dropped).
+- Warmup: load the model — a worker builds its assigned stage from the run's seed or a checkpoint, serves
+  it over gRPC and announces it in the DHT; a trainer opens the dataset — then publish a signed Ready.
+- RoundTrain: a trainer runs its share of the global batch (from the round seed) through the pipeline and
+  publishes a signed commitment; a worker publishes signed reports of the receipts it issued. Elected
+  witnesses check the records and send their proof as soon as every batch is in (opportunistic), or at
+  RoundWitness with what they have; they also health-check clients the previous round's witnesses missed.
+- Leaving RoundTrain: workers apply their accumulated gradients (one optimizer step per round).
+- Cooldown: workers save their stage to the checkpoint directory and report it.
+
+The backend (TCP server or Solana program) is behind ``client.backend.Backend``, so this runs unchanged on
+either. Blocking work (torch, the DHT) runs in threads so the state keeps flowing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+from solders.keypair import Keypair
+
+from client.backend import Backend, BackendError
+from client.records import Board, Commitment, Ready, Report, receipt_hash
+from client.status import stage_name
+from client.witnessing import judge_round, judge_warmup, unhealthy_clients
+from coordinator_program import limits, rules
+from coordinator_program.config import CheckpointKind
+from coordinator_program.errors import CoordinatorError
+from coordinator_program.state import CoordinatorState, Phase, Role
+
+log = logging.getLogger("psyswarm.client")
+
+POLL_INTERVAL = 0.5
+
+
+@dataclasses.dataclass
+class RunnerOptions:
+    role: Role
+    initial_peers: list[str]
+    stage: int = limits.NO_STAGE
+    checkpoint_dir: Path = Path("checkpoints")
+    host: str = "127.0.0.1"
+    wire_dtype: str = "float32"
+
+
+class Contributor:
+    """One client process: a stage worker or a trainer, driven by the coordinator's state."""
+
+    def __init__(self, backend: Backend, keypair: Keypair, options: RunnerOptions) -> None:
+        self.backend, self.keypair, self.options = backend, keypair, options
+        self.me = bytes(keypair.pubkey())
+        self.dht = None
+        self.board: Board | None = None
+        self.worker = None
+        self.trainer = None
+        self.prepared_epoch: int | None = None
+        self.open_round: tuple[int, int] | None = None  # a worker's round whose gradients are accumulating
+        self.round_receipts: list[str] = []
+        self.reported: tuple[int, int, int] | None = None  # (epoch, round, receipts) last published
+        self.stage = limits.NO_STAGE
+        self.training = asyncio.Lock()
+        self.trained: set[tuple[int, int]] = set()
+        self.proved: set[tuple[int, int, bool]] = set()
+        self.health_checked: set[tuple[int, int]] = set()
+        self.saved_epoch: int | None = None
+        self.joining = False
+        self.losses: list[tuple[int, int, float]] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Follow the run until it finishes (or the task is cancelled)."""
+        from client.pipeline.discovery import start_dht
+
+        self.dht = await asyncio.to_thread(start_dht, self.options.initial_peers, self.options.host)
+        self.board = Board(self.dht, self.backend.state.run_id)
+        background = asyncio.create_task(self._background())
+        try:
+            async for state in self.backend.updates():
+                await self.on_state(state)
+                if state.phase == Phase.Finished:
+                    log.info("the run has finished after %d steps", state.step)
+                    return
+        finally:
+            background.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await background
+            await self.shutdown()
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self.worker is not None:
+            await asyncio.to_thread(self.worker.stop)
+        if self.trainer is not None:
+            self.trainer.close()
+        if self.dht is not None:
+            await asyncio.to_thread(self.dht.shutdown)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background work failed: %r", task.exception(), exc_info=task.exception())
+
+    # --- reacting to the state ------------------------------------------------------------------------
+
+    async def on_state(self, state: CoordinatorState) -> None:
+        index = state.client_index(self.me)
+        if self.open_round is not None and (state.phase != Phase.RoundTrain or
+                                            (state.epoch, state.round.height) != self.open_round):
+            await self._close_round()
+        if index is None:
+            if state.pending_index(self.me) is None and state.phase not in (Phase.Finished, Phase.Uninitialized):
+                self._spawn(self._join(state))
+            return
+        client = state.clients[index]
+        if state.phase in (Phase.Warmup, Phase.RoundTrain) and self.prepared_epoch != state.epoch:
+            self.prepared_epoch = state.epoch
+            self._spawn(self._prepare(state, client.stage))
+        if state.phase == Phase.RoundTrain:
+            await self._on_round(state, client.role)
+        if state.phase == Phase.Cooldown and client.role == Role.Worker and self.saved_epoch != state.epoch:
+            self.saved_epoch = state.epoch
+            self._spawn(self._save_checkpoint(state, client.stage))
+
+    async def _join(self, state: CoordinatorState) -> None:
+        if self.joining:
+            return
+        self.joining = True
+        try:
+            await self.backend.join(self.options.role, self.options.stage)
+            log.info("joined run %s as a %s; waiting to be admitted", state.run_id, self.options.role.name.lower())
+        except CoordinatorError as exc:
+            log.warning("could not join: %s", exc.detail)
+            await asyncio.sleep(5)
+        finally:
+            self.joining = False
+
+    async def _on_round(self, state: CoordinatorState, role: Role) -> None:
+        key = (state.epoch, state.round.height)
+        if role == Role.Worker and self.open_round != key:
+            self.open_round, self.round_receipts = key, []
+        if role == Role.Trainer and key not in self.trained:
+            self.trained.add(key)
+            self._spawn(self._train(state))
+        if key not in self.health_checked and self.me in rules.witnesses(state):
+            self.health_checked.add(key)
+            for target in unhealthy_clients(state):
+                with contextlib.suppress(CoordinatorError):
+                    await self.backend.health_check(target)
+                    log.info("health check: %s was not seen by the previous round's witnesses", target.hex()[:8])
+
+    async def _close_round(self) -> None:
+        """The coordinator left RoundTrain: publish the last receipts and take this round's optimizer step."""
+        epoch, height = self.open_round  # type: ignore[misc]
+        self.open_round = None
+        if self.worker is None:
+            return
+        await self._publish_receipts(epoch, height)
+        stats = await asyncio.to_thread(self.worker.step)
+        log.info("round %d.%d: stepped on %d samples (grad norm %.3f)", epoch, height, stats.samples,
+                 stats.grad_norm)
+
+    # --- warmup ---------------------------------------------------------------------------------------
+
+    def model_config(self, state: CoordinatorState):
+        from client.pipeline.model import ModelConfig
+
+        m = state.model
+        return ModelConfig(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len,
+                           num_stages=state.config.num_stages, seed=m.init_seed)
+
+    async def _prepare(self, state: CoordinatorState, stage: int) -> None:
+        if self.options.role == Role.Worker:
+            await asyncio.to_thread(self._prepare_worker, state, stage)
+        else:
+            await asyncio.to_thread(self._prepare_trainer, state)
+        assert self.board is not None
+        await asyncio.to_thread(self.board.publish, Ready.create(self.keypair, epoch=state.epoch))
+        log.info("epoch %d: model loaded, ready", state.epoch)
+
+    def _prepare_worker(self, state: CoordinatorState, stage: int) -> None:
+        from client.pipeline.optim import OptimizerConfig
+        from client.pipeline.worker import StageWorker
+
+        name = stage_name(stage, state.config.num_stages)
+        self.stage = stage
+        if self.worker is not None and self.worker.stage == name:
+            return  # a worker that stays keeps its live parameters: they are newer than any checkpoint
+        if self.worker is not None:
+            self.worker.stop()
+        self.worker = StageWorker(self.model_config(state), name, keypair=self.keypair, dht=self.dht,
+                                  run_id=state.run_id, host=self.options.host,
+                                  optimizer=OptimizerConfig(lr=state.model.learning_rate_micros / 1e6))
+        source = checkpoint_file(state, stage)
+        if source is not None:
+            saved = torch.load(source, weights_only=True)
+            with self.worker.backend.lock:
+                self.worker.backend.module.load_state_dict(saved)
+            log.info("loaded stage %s from %s", name, source)
+        self.worker.start()
+        log.info("serving stage %s as %s at %s", name, self.worker.uid, self.worker.address)
+
+    def _prepare_trainer(self, state: CoordinatorState) -> None:
+        from client.pipeline.data import open_dataset
+        from client.pipeline.discovery import WorkerDirectory
+        from client.pipeline.trainer import PipelineTrainer
+
+        if self.trainer is not None:
+            return
+        config = self.model_config(state)
+        dataset = open_dataset([state.model.dataset], config.seq_len)
+        directory = ClientDirectory(WorkerDirectory(self.dht, state.run_id, config.fingerprint()), self)
+        self.trainer = PipelineTrainer(config, dataset, directory, trainer_id=self.me.hex()[:16],
+                                       wire_dtype=self.options.wire_dtype,
+                                       stall_timeout=float(state.config.max_round_train_time))
+
+    # --- rounds ---------------------------------------------------------------------------------------
+
+    async def _train(self, state: CoordinatorState) -> None:
+        share = next((a for a in rules.data_assignment(state) if a.client == self.me), None)
+        if share is None or share.size == 0:
+            return
+        while self.trainer is None:
+            await asyncio.sleep(0.1)
+        indices = list(range(share.start, share.end))
+        async with self.training:  # a round that overran delays the next one rather than racing it
+            started = time.perf_counter()
+            try:
+                result = await asyncio.to_thread(self.trainer.train, indices, state.model.microbatch_size)
+            except Exception as exc:  # a stage that vanished mid-round: the witnesses will see the gap
+                log.warning("round %d.%d: training failed: %s", state.epoch, state.round.height, exc)
+                return
+        losses = result.losses
+        loss = sum(losses) / len(losses)
+        receipts = tuple((stage, r.worker_uid, receipt_hash(r.to_bytes()))
+                         for m in result.microbatches for stage, r in sorted(m.receipts.items()))
+        commitment = Commitment.create(self.keypair, epoch=state.epoch, round=state.round.height, start=share.start,
+                                       end=share.end, loss=loss, tokens=share.size * state.model.seq_len,
+                                       receipts=receipts)
+        assert self.board is not None
+        await asyncio.to_thread(self.board.publish, commitment, state.round.height)
+        self.losses.append((state.epoch, state.round.height, loss))
+        seconds = time.perf_counter() - started
+        log.info("round %d.%d: trained samples %d-%d, loss %.4f, %.0f tokens/s", state.epoch, state.round.height,
+                 share.start, share.end, loss, share.size * state.model.seq_len / max(seconds, 1e-9))
+
+    async def _publish_receipts(self, epoch: int, height: int) -> None:
+        if self.worker is None or self.board is None:
+            return
+        self.round_receipts.extend(receipt_hash(r.to_bytes()) for r in self.worker.drain_receipts())
+        if self.reported == (epoch, height, len(self.round_receipts)):
+            return  # nothing new: the DHT already has this report (an empty one proves presence)
+        report = Report.create(self.keypair, epoch=epoch, round=height, stage=self.stage, uid=self.worker.uid,
+                               receipts=tuple(self.round_receipts))
+        await asyncio.to_thread(self.board.publish, report, height)
+        self.reported = (epoch, height, len(self.round_receipts))
+
+    async def _background(self) -> None:
+        """Publish receipts as they come and do the elected witness's work, every POLL_INTERVAL."""
+        while True:
+            await asyncio.sleep(POLL_INTERVAL)
+            try:
+                if self.open_round is not None:
+                    await self._publish_receipts(*self.open_round)
+                await self._witness(self.backend.state)
+            except (BackendError, CoordinatorError, OSError) as exc:
+                log.debug("background: %s", exc)
+
+    async def _witness(self, state: CoordinatorState) -> None:
+        if state.phase not in (Phase.Warmup, Phase.RoundTrain, Phase.RoundWitness):
+            return
+        warmup = state.phase == Phase.Warmup
+        key = (state.epoch, state.round.height, warmup)
+        if key in self.proved or self.me not in rules.witnesses(state):
+            return
+        assert self.board is not None
+        if warmup:
+            ready = await asyncio.to_thread(self.board.fetch, Ready, state.epoch)
+            evidence = judge_warmup(state, ready)  # type: ignore[arg-type]
+        else:
+            commitments = await asyncio.to_thread(self.board.fetch, Commitment, state.epoch, state.round.height)
+            reports = await asyncio.to_thread(self.board.fetch, Report, state.epoch, state.round.height)
+            evidence = judge_round(state, commitments, reports)  # type: ignore[arg-type]
+        if not evidence.complete and state.phase != Phase.RoundWitness:
+            return
+        participants, batches = evidence.filters(state)
+        self.proved.add(key)
+        try:
+            if warmup:
+                await self.backend.warmup_witness(participants, batches)
+            else:
+                await self.backend.witness(state.round.height, participants, batches)
+        except CoordinatorError as exc:
+            log.info("witness proof not taken: %s", exc.detail)
+            return
+        log.info("%s proof sent for %d.%d: %d participants, %d batches%s", "warmup" if warmup else "round",
+                 state.epoch, state.round.height, len(evidence.participants), len(evidence.batches),
+                 "" if evidence.complete else f", {len(evidence.missing)} missing")
+
+    # --- cooldown -------------------------------------------------------------------------------------
+
+    async def _save_checkpoint(self, state: CoordinatorState, stage: int) -> None:
+        if self.worker is None:
+            return
+        run_dir = (self.options.checkpoint_dir / state.run_id).resolve()
+        revision = f"epoch-{state.epoch}"
+        target = run_dir / revision / f"{self.worker.stage}.pt"
+
+        def save() -> None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with self.worker.backend.lock:
+                state_dict = {k: v.clone() for k, v in self.worker.backend.module.state_dict().items()}
+            tmp = target.with_suffix(".tmp")
+            torch.save(state_dict, tmp)
+            tmp.replace(target)
+
+        await asyncio.to_thread(save)
+        try:
+            await self.backend.checkpoint(CheckpointKind.Local, str(run_dir), revision)
+            log.info("epoch %d: stage %s saved to %s", state.epoch, self.worker.stage, target)
+        except CoordinatorError as exc:
+            log.warning("checkpoint not recorded: %s", exc.detail)
+
+
+def checkpoint_file(state: CoordinatorState, stage: int) -> Path | None:
+    """Where to load a stage from: a Local checkpoint that holds it (or the last one, when the run says P2P)."""
+    cp = state.checkpoint
+    if cp.repo == "" or not cp.stages_done >> stage & 1 and cp.kind != CheckpointKind.P2P:
+        return None
+    path = Path(cp.repo) / cp.revision / f"{stage_name(stage, state.config.num_stages)}.pt"
+    return path if path.exists() else None
+
+
+class ClientDirectory:
+    """The DHT's workers, narrowed to healthy workers of the current epoch in the stage they announce:
+    routing through anyone else would produce receipts the witnesses cannot count."""
+
+    def __init__(self, inner, contributor: Contributor) -> None:
+        self.inner, self.contributor = inner, contributor
+
+    def workers(self, stage: str):
+        state = self.contributor.backend.state
+        allowed = {c.id.hex() for c in state.clients if c.role == Role.Worker
+                   and stage_name(c.stage, state.config.num_stages) == stage}
+        return [r for r in self.inner.workers(stage) if r.pubkey in allowed]

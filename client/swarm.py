@@ -1,0 +1,125 @@
+"""Start and stop a whole local swarm as separate processes: the coordinator server, a DHT bootstrap, and
+contributor clients. The demo uses it, and so do the multi-process integration tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from solders.keypair import Keypair
+
+from client.identity import save_keypair
+
+DHT_LINE = "DHT bootstrap listening: --initial-peer "
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Swarm:
+    """Processes of one local run, each in its own process group and with its own log file."""
+
+    def __init__(self, workdir: Path, state_toml: str, *, threads: int = 1) -> None:
+        self.workdir = workdir
+        self.logs = workdir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.config = workdir / "state.toml"
+        self.config.write_text(state_toml)
+        self.threads = threads
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.port = 0
+        self.peer = ""
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), PYTHONUNBUFFERED="1")
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it for its lifetime
+        proc = subprocess.Popen([sys.executable, "-m", "client.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True, cwd=self.workdir)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def log_text(self, name: str) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def start_server(self, port: int | None = None) -> None:
+        self.port = port or self.port or free_port()
+        self._spawn("server", "serve", "--config", str(self.config), "--port", str(self.port),
+                    "--db", str(self.workdir / "run.sqlite"))
+        self._wait(lambda: _listening(self.port), "the coordinator server", "server")
+
+    def start_dht(self) -> None:
+        self._spawn("dht", "dht")
+        self._wait(lambda: DHT_LINE in self.log_text("dht"), "the DHT bootstrap", "dht")
+        line = next(x for x in self.log_text("dht").splitlines() if DHT_LINE in x)
+        self.peer = line.split(DHT_LINE, 1)[1].strip()
+
+    def start_client(self, name: str, role: str, stage: str | None = None) -> Path:
+        key = self.workdir / "keys" / f"{name}.json"
+        if not key.exists():
+            save_keypair(Keypair(), key)
+        args = ["join-run", "--server", self.address, "--run-id", self.run_id(), "--role", role,
+                "--initial-peer", self.peer, "--keypair", str(key), "--threads", str(self.threads),
+                "--checkpoint-dir", str(self.workdir / "checkpoints")]
+        if stage:
+            args += ["--stage", stage]
+        self._spawn(name, *args)
+        return key
+
+    def run_id(self) -> str:
+        import tomllib
+
+        return tomllib.loads(self.config.read_text())["run_id"]
+
+    def _wait(self, ready, what: str, name: str, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready():
+                return
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(f"{what} exited early:\n{self.log_text(name)[-2000:]}")
+            time.sleep(0.1)
+        raise RuntimeError(f"{what} did not start within {timeout:.0f} s:\n{self.log_text(name)[-2000:]}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        proc.wait(30)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every process group, then SIGKILL what is still there after ``grace`` seconds."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
