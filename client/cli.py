@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "client.commands.coordinator",
     "client.commands.pipeline",
     "client.commands.run",
+    "client.commands.demo",
 )
 
 app = typer.Typer(

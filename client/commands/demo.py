@@ -1,0 +1,47 @@
+"""``psyswarm demo``: run the whole system locally on the embedded defaults."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def demo(
+    workdir: Annotated[Path, typer.Option(help="Where the run's database, logs, checkpoints and plot go.")] = Path(
+        "runs/demo"),
+    epochs: Annotated[int, typer.Option(min=1, help="Epochs to train.")] = 3,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds (optimizer steps) per epoch.")] = 8,
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 900.0,
+) -> None:
+    """Start a coordinator, a DHT and a 3-stage pipeline on this machine and train on the stdlib's sources."""
+    import shutil
+
+    from client.demo import plot, run_demo
+
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    started = time.monotonic()
+    try:
+        results = run_demo(workdir, epochs, rounds, timeout, out=typer.echo)
+    except KeyboardInterrupt:
+        typer.echo("\ninterrupted: every child process was stopped")
+        raise typer.Exit(130) from None
+    except (RuntimeError, TimeoutError) as exc:
+        typer.secho(f"the demo failed: {exc}\nlogs: {workdir / 'logs'}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    if not results:
+        typer.secho(f"no round finished; see the logs in {workdir / 'logs'}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+    png = plot(results, workdir / "loss.png")
+    rate = sum(r.tokens for r in results) / sum(r.seconds for r in results)
+    typer.echo(
+        f"\ndone in {time.monotonic() - started:.0f} s: {epochs} epochs, {len(results)} rounds, "
+        f"loss {results[0].loss:.3f} -> {results[-1].loss:.3f}, {rate:,.0f} tokens/s while training\n"
+        f"loss curve: {png}\ncheckpoints: {workdir / 'checkpoints'}\nlogs: {workdir / 'logs'}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(demo)
