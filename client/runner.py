@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
@@ -76,24 +77,52 @@ class Contributor:
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Follow the run until it finishes (or the task is cancelled)."""
+    async def run(self, reconnect: Callable[[], Awaitable[Backend]] | None = None,
+                  max_outage: float = 600.0) -> None:
+        """Follow the run until it finishes (or the task is cancelled).
+
+        If the coordinator goes away (a restart, a network cut) and ``reconnect`` is given, keep serving and
+        reconnect with backoff for up to ``max_outage`` seconds: the run resumes where the coordinator left it.
+        """
         from client.pipeline.discovery import start_dht
 
         self.dht = await asyncio.to_thread(start_dht, self.options.initial_peers, self.options.host)
         self.board = Board(self.dht, self.backend.state.run_id)
         background = asyncio.create_task(self._background())
         try:
-            async for state in self.backend.updates():
-                await self.on_state(state)
-                if state.phase == Phase.Finished:
-                    log.info("the run has finished after %d steps", state.step)
-                    return
+            while True:
+                try:
+                    async for state in self.backend.updates():
+                        await self.on_state(state)
+                        if state.phase == Phase.Finished:
+                            log.info("the run has finished after %d steps", state.step)
+                            return
+                except BackendError as exc:
+                    if reconnect is None:
+                        raise
+                    log.warning("lost the coordinator (%s); reconnecting", exc)
+                    self.backend = await self._reconnect(reconnect, max_outage)
         finally:
             background.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await background
             await self.shutdown()
+
+    async def _reconnect(self, reconnect: Callable[[], Awaitable[Backend]], max_outage: float) -> Backend:
+        deadline = time.monotonic() + max_outage
+        delay = 0.5
+        while True:
+            try:
+                backend = await reconnect()
+            except BackendError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise BackendError(f"the coordinator stayed unreachable for {max_outage:.0f} s: {exc}") from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            log.info("reconnected to the coordinator: %s, epoch %d, step %d", backend.state.phase.name,
+                     backend.state.epoch, backend.state.step)
+            return backend
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):

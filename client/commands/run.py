@@ -52,6 +52,7 @@ def join_run(
     from client.backend import BackendError
     from client.commands.coordinator import connect, open_identity
     from client.runner import Contributor, RunnerOptions
+    from client.tcp_backend import TcpBackend
     from coordinator_program.state import Role
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -85,14 +86,20 @@ def join_run(
         options = RunnerOptions(role=Role.Worker if role == "worker" else Role.Trainer,
                                 initial_peers=list(initial_peers), stage=chosen, checkpoint_dir=checkpoint_dir,
                                 host=host, wire_dtype=wire_dtype)
+        async def reconnect():
+            fresh = TcpBackend(server, identity)
+            await fresh.connect()
+            return fresh
+
+        contributor = Contributor(backend, identity, options)
         try:
-            await Contributor(backend, identity, options).run()
+            await contributor.run(reconnect)
         except BackendError as exc:
-            typer.secho(f"lost the coordinator: {exc}; rerun the same command to rejoin", fg=typer.colors.RED,
-                        err=True)
+            typer.secho(f"gave up on the coordinator: {exc}; rerun the same command to rejoin",
+                        fg=typer.colors.RED, err=True)
             raise typer.Exit(1) from None
         finally:
-            await backend.close()
+            await contributor.backend.close()
 
     try:
         asyncio.run(run())

@@ -1,0 +1,230 @@
+"""The whole system, multi-process on loopback: a real server, a real DHT, real workers and trainers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from solders.keypair import Keypair
+
+from client.identity import load_keypair
+from client.records import Board, Commitment
+from client.swarm import Swarm
+from client.tcp_backend import TcpBackend
+from coordinator_program.state import CoordinatorState, Phase, Role
+
+TINY = """
+run_id = "it"
+[config]
+min_clients = {min_clients}
+max_clients = 16
+num_stages = 3
+witness_nodes = 2
+witness_quorum = 1
+warmup_time = 20
+max_round_train_time = {train_time}
+round_witness_time = 1
+cooldown_time = 5
+rounds_per_epoch = {rounds}
+total_steps = {steps}
+global_batch_size = 16
+[model]
+n_layers = 3
+n_heads = 2
+d_model = 32
+seq_len = 32
+microbatch_size = 8
+learning_rate = 0.01
+"""
+
+
+def tiny(min_clients: int = 4, rounds: int = 3, steps: int = 6, train_time: int = 20) -> str:
+    return TINY.format(min_clients=min_clients, rounds=rounds, steps=steps, train_time=train_time)
+
+
+class Recorder(TcpBackend):
+    """An observer that keeps every state it receives, in order (the base class coalesces for followers)."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address, Keypair())
+        self.history: list[CoordinatorState] = []
+
+    async def _publish(self, state: CoordinatorState) -> None:
+        if self._state is None or state.nonce > self._state.nonce:
+            self.history.append(state)
+        await super()._publish(state)
+
+
+async def watch(swarm: Swarm, until: Callable[[CoordinatorState], bool], timeout: float,
+                on_state: Callable[[CoordinatorState], None] | None = None) -> Recorder:
+    recorder = Recorder(swarm.address)
+    await recorder.connect()
+    try:
+        async def loop() -> None:
+            async for state in recorder.updates():
+                if on_state:
+                    on_state(state)
+                if until(state):
+                    return
+        await asyncio.wait_for(loop(), timeout)
+    finally:
+        await recorder.close()
+    return recorder
+
+
+def phases_in_order(history: list[CoordinatorState]) -> list[Phase]:
+    out: list[Phase] = []
+    for state in history:
+        if not out or out[-1] != state.phase:
+            out.append(state.phase)
+    return out
+
+
+def launch(tmp_path: Path, toml: str, workers: list[str], trainers: int = 1) -> Swarm:
+    """Start a swarm whose clients all enter the first epoch: the last worker (the one that completes the
+    pipeline) starts only once every other client is pending, so admission cannot leave one behind."""
+    swarm = Swarm(tmp_path, toml)
+    swarm.start_server()
+    swarm.start_dht()
+    for i, stage in enumerate(workers[:-1]):
+        swarm.start_client(f"worker{i}-{stage}", "worker", stage)
+    for i in range(trainers):
+        swarm.start_client(f"trainer{i}", "trainer")
+    others = len(workers) - 1 + trainers
+    asyncio.run(watch(swarm, lambda s: len(s.pending) >= others, 120))
+    swarm.start_client(f"worker{len(workers) - 1}-{workers[-1]}", "worker", workers[-1])
+    return swarm
+
+
+def fail_with_logs(swarm: Swarm, exc: BaseException) -> None:
+    logs = "\n".join(f"--- {name}\n{swarm.log_text(name)[-1500:]}" for name in swarm.procs)
+    pytest.fail(f"{exc!r}\n{logs}")
+
+
+def losses(swarm: Swarm, epochs: int, rounds: int) -> list[float]:
+    from client.pipeline.discovery import start_dht
+
+    dht = start_dht([swarm.peer])
+    try:
+        board = Board(dht, "it")
+        out = []
+        for e in range(epochs):
+            for r in range(rounds):
+                found = board.fetch(Commitment, e, r)
+                out.extend(c.loss for c in found.values())  # type: ignore[attr-defined]
+        return out
+    finally:
+        dht.shutdown()
+
+
+def test_full_lifecycle_over_two_epochs(tmp_path: Path) -> None:
+    swarm = launch(tmp_path, tiny(rounds=4, steps=8), ["head", "body1", "tail"])
+    try:
+        recorder = asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, 240))
+        seen = phases_in_order(recorder.history)
+        epoch = [Phase.Warmup] + [Phase.RoundTrain, Phase.RoundWitness] * 4 + [Phase.Cooldown]
+        assert seen[-len(epoch) * 2 - 2:] == epoch + [Phase.WaitingForMembers] + epoch + [Phase.Finished], seen
+        final = recorder.history[-1]
+        assert final.step == 8 and final.epoch == 2
+        curve = losses(swarm, 2, 4)
+        assert len(curve) == 8, curve
+        assert sum(curve[-2:]) / 2 < sum(curve[:2]) / 2 - 0.3, f"the loss did not go down: {curve}"
+        checkpoints = sorted((tmp_path / "checkpoints" / "it").glob("epoch-*/*.pt"))
+        assert [p.name for p in checkpoints] == ["body1.pt", "head.pt", "tail.pt"] * 2
+    except (AssertionError, TimeoutError, RuntimeError) as exc:
+        fail_with_logs(swarm, exc)
+    finally:
+        swarm.stop()
+
+
+def test_killed_client_is_removed_by_health_checks_and_the_run_goes_on(tmp_path: Path) -> None:
+    swarm = launch(tmp_path, tiny(min_clients=4, rounds=30, steps=30), ["head", "body1", "body1", "tail"])
+    victim = bytes(load_keypair(tmp_path / "keys" / "worker2-body1.json").pubkey())
+    assert victim != bytes(load_keypair(tmp_path / "keys" / "worker1-body1.json").pubkey())
+    killed_at: list[int] = []
+
+    def kill_once(state: CoordinatorState) -> None:
+        if not killed_at and state.phase == Phase.RoundTrain and state.step >= 2:
+            swarm.kill("worker2-body1")  # its stage peer, worker1-body1, carries on
+            killed_at.append(state.step)
+
+    try:
+        recorder = asyncio.run(watch(
+            swarm, lambda s: bool(killed_at) and s.client_index(victim) is None and s.step >= killed_at[0] + 4,
+            240, kill_once))
+        final = recorder.history[-1]
+        assert final.phase in (Phase.RoundTrain, Phase.RoundWitness) and final.epoch == 0
+        assert len(final.clients) == 4 and final.client_index(victim) is None
+        marked = [s for s in recorder.history if s.client_index(victim) is not None
+                  and s.clients[s.client_index(victim)].health.name == "Unhealthy"]
+        assert marked, "the victim left without a health check"
+    except (AssertionError, TimeoutError, RuntimeError) as exc:
+        fail_with_logs(swarm, exc)
+    finally:
+        swarm.stop()
+
+
+def test_a_stage_that_empties_ends_the_epoch(tmp_path: Path) -> None:
+    swarm = launch(tmp_path, tiny(rounds=30, steps=30, train_time=4), ["head", "body1", "tail"])
+    killed: list[int] = []
+
+    def kill_tail(state: CoordinatorState) -> None:
+        if not killed and state.phase == Phase.RoundTrain and state.step >= 1:
+            swarm.kill("worker2-tail")
+            killed.append(state.step)
+
+    try:
+        recorder = asyncio.run(watch(swarm, lambda s: bool(killed) and s.phase == Phase.WaitingForMembers, 240,
+                                     kill_tail))
+        cooldowns = [s for s in recorder.history if s.phase == Phase.Cooldown]
+        assert cooldowns and cooldowns[0].step < 30, "the epoch should end early, not after its 30 rounds"
+        waiting = recorder.history[-1]
+        assert waiting.epoch == 1 and len(waiting.pending) == 3
+        assert [p.stage for p in waiting.pending if p.role == Role.Worker] == [0, 1]
+    except (AssertionError, TimeoutError, RuntimeError) as exc:
+        fail_with_logs(swarm, exc)
+    finally:
+        swarm.stop()
+
+
+def test_a_joiner_mid_round_waits_for_the_next_epoch(tmp_path: Path) -> None:
+    swarm = launch(tmp_path, tiny(rounds=4, steps=8), ["head", "body1", "tail"])
+    late: list[bytes] = []
+
+    def join_late(state: CoordinatorState) -> None:
+        if not late and state.phase == Phase.RoundTrain and state.epoch == 0:
+            key = swarm.start_client("late-trainer", "trainer")
+            late.append(bytes(load_keypair(key).pubkey()))
+
+    try:
+        recorder = asyncio.run(watch(swarm, lambda s: s.epoch == 1 and s.phase == Phase.RoundTrain, 240,
+                                     join_late))
+        in_epoch0 = [s for s in recorder.history if s.epoch == 0 and s.pending_index(late[0]) is not None]
+        assert in_epoch0, "the late joiner never showed up as pending"
+        assert all(s.client_index(late[0]) is None for s in recorder.history if s.epoch == 0)
+        assert recorder.history[-1].client_index(late[0]) is not None
+    except (AssertionError, TimeoutError, RuntimeError) as exc:
+        fail_with_logs(swarm, exc)
+    finally:
+        swarm.stop()
+
+
+def test_server_killed_and_restarted_resumes_the_run(tmp_path: Path) -> None:
+    swarm = launch(tmp_path, tiny(rounds=4, steps=8), ["head", "body1", "tail"])
+    try:
+        before = asyncio.run(watch(swarm, lambda s: s.phase == Phase.RoundTrain and s.step >= 2, 240)).history[-1]
+        swarm.kill("server")
+        time.sleep(1)
+        swarm.start_server()
+        recorder = asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, 240))
+        resumed = recorder.history[0]
+        assert resumed.nonce >= before.nonce and resumed.step >= before.step
+        assert {c.id for c in resumed.clients} == {c.id for c in before.clients}
+        assert recorder.history[-1].step == 8
+    except (AssertionError, TimeoutError, RuntimeError) as exc:
+        fail_with_logs(swarm, exc)
+    finally:
+        swarm.stop()
