@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator_program.errors import ALL_ERRORS
+from coordinator_program.instance import INSTANCE_LAYOUT
 from coordinator_program.instructions import INSTRUCTIONS
 from coordinator_program.layout import camel, referenced_types
 from coordinator_program.state import ACCOUNT_LAYOUT, ACCOUNT_NAME
@@ -34,7 +35,7 @@ def build_idl() -> dict[str, Any]:
         "version": "0.1.0",
         "name": PROGRAM_NAME,
         "instructions": instructions,
-        "accounts": [account],
+        "accounts": [account, INSTANCE_LAYOUT.idl_definition()],
         "types": [t.idl_definition() for t in types if t is not ACCOUNT_LAYOUT],
         "errors": [{"code": e.code, "name": e.__name__, "msg": e.summary} for e in ALL_ERRORS],
     }

@@ -19,6 +19,13 @@ from solders.pubkey import Pubkey
 from coordinator_program import errors, limits, rules
 from coordinator_program.config import Checkpoint, CheckpointKind
 from coordinator_program.idl import IDL_PATH, idl_json
+from coordinator_program.instance import (
+    INSTANCE_LAYOUT,
+    INSTANCE_SIZE,
+    CoordinatorInstance,
+    decode_instance,
+    encode_instance,
+)
 from coordinator_program.instructions import (
     INSTRUCTIONS,
     CheckpointReport,
@@ -110,6 +117,16 @@ def test_anchorpy_decodes_the_account_to_the_same_values() -> None:
     decoded = Coder(IDL).accounts.decode(data)
     assert from_anchorpy(ACCOUNT_LAYOUT, decoded) == state
     assert decode_state(data) == state
+
+
+def test_anchorpy_decodes_the_instance_account() -> None:
+    instance = CoordinatorInstance("run-1", bytes(range(32)), 254)
+    data = encode_instance(instance)
+    assert len(data) == INSTANCE_SIZE
+    assert from_anchorpy(INSTANCE_LAYOUT, Coder(IDL).accounts.decode(data)) == instance
+    assert decode_instance(data) == instance
+    with pytest.raises(LayoutError, match="discriminator"):
+        decode_instance(encode_state(busy_state())[:INSTANCE_SIZE])
 
 
 def test_account_size_is_well_below_psyche() -> None:

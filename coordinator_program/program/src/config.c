@@ -1,0 +1,64 @@
+/* config.c: config.validate_config, validate_model and validate_checkpoint, over Borsh bytes.
+ * Every config or model rule fails with InvalidConfig and every checkpoint rule with InvalidCheckpoint,
+ * so only the order between the three functions matters, and update calls them in the specification's
+ * order. */
+#include "coordinator.h"
+
+#define INVALID_CONFIG PSY_ERR_INVALID_CONFIG
+
+uint64_t psy_bloom_bytes(const uint8_t *config) {
+  return ((uint64_t)PSY_CONFIG_BLOOM_SLICES_GET(config) * PSY_CONFIG_BLOOM_BITS_PER_SLICE_GET(config) + 7) / 8;
+}
+
+uint64_t psy_validate_config(const uint8_t *c) {
+  uint64_t num_stages = PSY_CONFIG_NUM_STAGES_GET(c);
+  uint64_t max_clients = PSY_CONFIG_MAX_CLIENTS_GET(c);
+  uint64_t min_clients = PSY_CONFIG_MIN_CLIENTS_GET(c);
+  uint64_t witness_nodes = PSY_CONFIG_WITNESS_NODES_GET(c);
+  uint64_t witness_quorum = PSY_CONFIG_WITNESS_QUORUM_GET(c);
+  uint64_t slices = PSY_CONFIG_BLOOM_SLICES_GET(c);
+  uint64_t bits = PSY_CONFIG_BLOOM_BITS_PER_SLICE_GET(c);
+  bool ok = num_stages >= 2 && num_stages <= PSY_MAX_STAGES &&
+            max_clients >= 1 && max_clients <= PSY_MAX_CLIENTS &&
+            min_clients >= num_stages + 1 && min_clients <= max_clients &&
+            witness_nodes >= 1 && witness_nodes <= PSY_MAX_WITNESSES && witness_nodes <= max_clients &&
+            witness_quorum >= 1 && witness_quorum <= witness_nodes &&
+            PSY_CONFIG_WARMUP_TIME_GET(c) >= 1 && PSY_CONFIG_MAX_ROUND_TRAIN_TIME_GET(c) >= 1 &&
+            PSY_CONFIG_ROUND_WITNESS_TIME_GET(c) >= 1 && PSY_CONFIG_COOLDOWN_TIME_GET(c) >= 1 &&
+            PSY_CONFIG_ROUNDS_PER_EPOCH_GET(c) >= 1 && PSY_CONFIG_TOTAL_STEPS_GET(c) >= 1 &&
+            PSY_CONFIG_GLOBAL_BATCH_SIZE_GET(c) >= 1 &&
+            slices >= PSY_BLOOM_MIN_SLICES && slices <= PSY_BLOOM_MAX_SLICES &&
+            bits >= 1 && bits <= PSY_BLOOM_MAX_BITS_PER_SLICE &&
+            psy_bloom_bytes(c) <= PSY_MAX_BLOOM_BYTES;
+  return ok ? PSY_SUCCESS : INVALID_CONFIG;
+}
+
+uint64_t psy_validate_model(const uint8_t *m, const uint8_t *c) {
+  uint64_t n_heads = PSY_MODEL_N_HEADS_GET(m);
+  uint64_t d_model = PSY_MODEL_D_MODEL_GET(m);
+  const uint8_t *dataset = m + PSY_MODEL_DATASET_OFFSET;
+  bool ok = PSY_MODEL_N_LAYERS_GET(m) >= PSY_CONFIG_NUM_STAGES_GET(c) &&
+            n_heads >= 1 && d_model >= 1 && d_model % n_heads == 0 && /* n_heads >= 1: no division by 0 */
+            PSY_MODEL_SEQ_LEN_GET(m) >= 2 &&
+            PSY_MODEL_MICROBATCH_SIZE_GET(m) >= 1 && PSY_MODEL_LEARNING_RATE_MICROS_GET(m) >= 1 &&
+            PSY_MODEL_SPARTA_EVERY_GET(m) >= 1 && PSY_MODEL_SPARTA_PARTITIONS_GET(m) >= 1 &&
+            dataset[0] != 0 && psy_text_printable(dataset, PSY_MODEL_DATASET_SIZE);
+  return ok ? PSY_SUCCESS : INVALID_CONFIG;
+}
+
+uint64_t psy_validate_checkpoint(const uint8_t *cp, uint64_t num_stages) {
+  const uint8_t *repo = cp + PSY_CHECKPOINT_REPO_OFFSET;
+  const uint8_t *revision = cp + PSY_CHECKPOINT_REVISION_OFFSET;
+  uint64_t kind = PSY_CHECKPOINT_KIND_GET(cp);
+  uint64_t done = PSY_CHECKPOINT_STAGES_DONE_GET(cp);
+  bool ok;
+  if (kind == PSY_CHECKPOINT_KIND_FRESH) {
+    ok = repo[0] == 0 && revision[0] == 0 && done == 0;
+  } else if (kind == PSY_CHECKPOINT_KIND_HUB || kind == PSY_CHECKPOINT_KIND_LOCAL) {
+    ok = repo[0] != 0 && psy_text_printable(repo, PSY_CHECKPOINT_REPO_SIZE) &&
+         psy_text_printable(revision, PSY_CHECKPOINT_REVISION_SIZE) && done == (1u << num_stages) - 1;
+  } else {
+    ok = false; /* a run cannot start from a P2P checkpoint */
+  }
+  return ok ? PSY_SUCCESS : PSY_ERR_INVALID_CHECKPOINT;
+}

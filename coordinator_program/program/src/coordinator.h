@@ -1,0 +1,183 @@
+/*
+ * coordinator.h: what the coordinator program's translation units share.
+ *
+ * The program mirrors coordinator_program/rules.py, the executable specification: every operation checks
+ * in the specification's order and returns the same error code (errors.py), and the account bytes it
+ * leaves are exactly encode_state() of the specification's state. All account and instruction bytes are
+ * read and written at the offsets of the generated psy_coordinator_layout.h; nothing here guesses a
+ * struct layout.
+ */
+#ifndef PSY_COORDINATOR_H
+#define PSY_COORDINATOR_H
+
+#include <psy_coordinator_layout.h>
+
+/* ProgramError::Immutable (the runtime's builtin error 25): a writable account was passed read-only. */
+#define PSY_ERROR_IMMUTABLE PSY_BUILTIN_ERROR(25)
+
+static inline bool psy_key_eq(const uint8_t *a, const uint8_t *b) {
+  return psy_pubkey_eq((const psy_pubkey_t *)a, (const psy_pubkey_t *)b);
+}
+
+static inline bool psy_key_is_zero(const uint8_t *k) {
+  return (psy_load_u64(k) | psy_load_u64(k + 8) | psy_load_u64(k + 16) | psy_load_u64(k + 24)) == 0;
+}
+
+/* ---- instruction data (instruction_data.c) ------------------------------------------------------ */
+
+typedef enum {
+  PSY_OP_UPDATE,
+  PSY_OP_SET_PAUSED,
+  PSY_OP_JOIN_RUN,
+  PSY_OP_TICK,
+  PSY_OP_WITNESS,
+  PSY_OP_WARMUP_WITNESS,
+  PSY_OP_HEALTH_CHECK,
+  PSY_OP_CHECKPOINT,
+  PSY_OP_WITHDRAW,
+} psy_op_kind_t;
+
+/* The two filters of a witness or warmup witness instruction (pointers into the instruction data). */
+typedef struct {
+  const uint8_t *participant;
+  uint64_t participant_len;
+  uint64_t batch_len;
+} psy_proof_t;
+
+/* One operation on an existing run: what the rules need, gathered from the instruction and its accounts. */
+typedef struct {
+  psy_op_kind_t kind;
+  const uint8_t *data;       /* the instruction data, validated as decode_instruction would */
+  psy_proof_t proof;         /* witness and warmup_witness only */
+  uint8_t *state;            /* the coordinator account's data, from its discriminator */
+  const uint8_t *signer;     /* key of the acting account */
+  const uint8_t *authorizer; /* join_run's co-signer */
+  int64_t now;               /* Clock.unix_timestamp, for the operations that tick */
+  uint64_t seed;             /* seed_from_clock(now, slot), for the operations that tick */
+} psy_op_t;
+
+/* Validates the data of every instruction but init_coordinator (init.c checks its own) and sets
+ * op->kind, op->data and op->proof; PSY_ERR_MALFORMED_INSTRUCTION when decode_instruction would fail. */
+uint64_t psy_decode_instruction(const uint8_t *data, uint64_t len, psy_op_t *op);
+
+/* ---- text (text.c): FixedStr fields ---------------------------------------------------------------- */
+
+/* Bytes of text before the zero padding. */
+uint64_t psy_text_len(const uint8_t *field, uint64_t size);
+/* FixedStr decodes: zero padding after text that holds no NUL and is strict UTF-8. */
+bool psy_text_valid(const uint8_t *field, uint64_t size);
+/* Every byte of the text is printable ASCII (0x20-0x7e); true for the empty text. */
+bool psy_text_printable(const uint8_t *field, uint64_t size);
+
+/* ---- accounts (accounts.c) and init_coordinator (init.c) ------------------------------------------ */
+
+/* The coordinator account is owned by this program, writable and exactly the layout's size. */
+uint64_t psy_check_coordinator_account(const psy_account_t *a, const psy_pubkey_t *program_id);
+/* Checks the accounts of op->kind and sets op->state, op->signer and op->authorizer. */
+uint64_t psy_bind_accounts(const psy_input_t *in, psy_op_t *op);
+/* init_coordinator: checks its data and accounts, creates the instance PDA, writes the initial state. */
+uint64_t psy_init_coordinator(const psy_input_t *in);
+
+/* ---- state access (state.c) ------------------------------------------------------------------------ */
+
+/* The clients and pending lists share one shape: a u16 count, then fixed entries that begin with the
+ * 32-byte id, the role and the stage. */
+typedef struct {
+  uint64_t count_offset;
+  uint64_t entries_offset;
+  uint64_t stride;
+} psy_list_t;
+
+static const psy_list_t PSY_CLIENTS = {PSY_ACCOUNT_NUM_CLIENTS_OFFSET, PSY_ACCOUNT_CLIENTS_OFFSET, PSY_CLIENT_SIZE};
+static const psy_list_t PSY_PENDING = {PSY_ACCOUNT_NUM_PENDING_OFFSET, PSY_ACCOUNT_PENDING_OFFSET, PSY_PENDING_SIZE};
+
+_Static_assert(PSY_CLIENT_ID_OFFSET == 0 && PSY_PENDING_ID_OFFSET == 0, "both lists start entries with the id");
+_Static_assert(PSY_CLIENT_ROLE_OFFSET == PSY_PENDING_ROLE_OFFSET && PSY_CLIENT_STAGE_OFFSET == PSY_PENDING_STAGE_OFFSET,
+               "both lists keep role and stage at the same place");
+
+static inline uint64_t psy_list_count(const uint8_t *s, const psy_list_t *list) {
+  return psy_load_u16(s + list->count_offset);
+}
+
+static inline uint8_t *psy_list_entry(uint8_t *s, const psy_list_t *list, uint64_t i) {
+  return s + list->entries_offset + i * list->stride;
+}
+
+/* Index of `id` in the list, or -1. */
+int64_t psy_list_find(uint8_t *s, const psy_list_t *list, const uint8_t *id);
+/* Sets the count, zeroing the entries past it (the layout encodes unused entries as zeros). */
+void psy_list_set_count(uint8_t *s, const psy_list_t *list, uint64_t count);
+/* Deletes entry i, shifting the later ones down. */
+void psy_list_remove(uint8_t *s, const psy_list_t *list, uint64_t i);
+
+static inline uint8_t *psy_round(uint8_t *s, uint64_t slot) {
+  return s + PSY_ACCOUNT_ROUNDS_OFFSET + slot * PSY_ROUND_SIZE;
+}
+
+static inline uint8_t *psy_current_round(uint8_t *s) {
+  return psy_round(s, PSY_ACCOUNT_CURRENT_ROUND_GET(s));
+}
+
+static inline uint8_t *psy_previous_round(uint8_t *s) {
+  return psy_round(s, 1 - PSY_ACCOUNT_CURRENT_ROUND_GET(s));
+}
+
+static inline void psy_bump_nonce(uint8_t *s) {
+  PSY_ACCOUNT_NONCE_SET(s, PSY_ACCOUNT_NONCE_GET(s) + 1);
+}
+
+/* Bits set in a round's witness mask (Round.witness_count). */
+uint64_t psy_witness_count(const uint8_t *round);
+/* rules.quorum: the configured quorum, capped by how many witnesses the clients allow. */
+uint64_t psy_quorum(const uint8_t *s);
+/* The round seed's data index: step × global_batch_size. */
+uint64_t psy_data_index(const uint8_t *s);
+
+/* Who a list of clients (or admitted joiners) holds: what rules.pipeline_complete looks at. */
+typedef struct {
+  uint16_t workers[PSY_MAX_STAGES]; /* workers per stage, for stages < num_stages */
+  uint64_t members;
+  bool has_trainer;
+} psy_census_t;
+
+void psy_census(uint8_t *s, const psy_list_t *list, psy_census_t *out);
+bool psy_pipeline_complete(const uint8_t *s, const psy_census_t *census);
+/* Drops every client that is not healthy, keeping the others' order. */
+void psy_keep_healthy_clients(uint8_t *s);
+/* pending = clients (as joiners, keeping their stages) + pending; clients = []. */
+uint64_t psy_requeue_clients(uint8_t *s);
+
+/* ---- selection (selection.c) and bloom (bloom.c) ------------------------------------------------- */
+
+uint64_t psy_seed_from_clock(int64_t unix_timestamp, uint64_t slot);
+/* elect_witnesses: fills order[0..min(k, n)) with the witnesses' client indices, in election order, and
+ * returns how many; `order` must have room for n entries (the shuffle works on all of them). */
+uint64_t psy_elect_witnesses(uint64_t seed, uint64_t n, uint64_t k, uint16_t *order);
+
+/* sha256(SALT_PREFIX ‖ hex(id)): its first slices u16 words give the participant key's bit positions. */
+void psy_participant_digest(const uint8_t *id, uint8_t digest[32]);
+bool psy_bloom_contains(const uint8_t *bloom, const uint8_t digest[32], uint64_t slices, uint64_t bits_per_slice);
+
+/* ---- config (config.c) ------------------------------------------------------------------------------ */
+
+uint64_t psy_validate_config(const uint8_t *config);
+uint64_t psy_validate_model(const uint8_t *model, const uint8_t *config);
+uint64_t psy_validate_checkpoint(const uint8_t *checkpoint, uint64_t num_stages);
+/* Config.bloom_bytes */
+uint64_t psy_bloom_bytes(const uint8_t *config);
+
+/* ---- rules (rules.c, proofs.c) and the tick (tick.c) ----------------------------------------------- */
+
+uint64_t psy_update(const psy_op_t *op);
+uint64_t psy_set_paused(const psy_op_t *op);
+uint64_t psy_join(const psy_op_t *op);
+uint64_t psy_withdraw(const psy_op_t *op);
+uint64_t psy_checkpoint(const psy_op_t *op);
+uint64_t psy_witness(const psy_op_t *op);
+uint64_t psy_warmup_witness(const psy_op_t *op);
+uint64_t psy_health_check(const psy_op_t *op);
+/* The signer's client index if it is a healthy client (rules._healthy_client), else its error. */
+uint64_t psy_healthy_client(uint8_t *s, const uint8_t *signer, uint64_t *index);
+uint64_t psy_tick(uint8_t *s, int64_t now, uint64_t seed);
+
+#endif /* PSY_COORDINATOR_H */

@@ -1,0 +1,62 @@
+/* entrypoint.c: decode, check the accounts, apply the rule, then tick when the instruction is one that
+ * ticks after applying (instructions.apply_then_tick). */
+#include "coordinator.h"
+
+/* The instructions after which the program ticks (instructions.TICKS_AFTER). */
+static bool ticks_after(psy_op_kind_t kind) {
+  return kind == PSY_OP_WITNESS || kind == PSY_OP_WARMUP_WITNESS || kind == PSY_OP_HEALTH_CHECK ||
+         kind == PSY_OP_CHECKPOINT;
+}
+
+static uint64_t apply(const psy_op_t *op) {
+  switch (op->kind) {
+    case PSY_OP_UPDATE:
+      return psy_update(op);
+    case PSY_OP_SET_PAUSED:
+      return psy_set_paused(op);
+    case PSY_OP_JOIN_RUN:
+      return psy_join(op);
+    case PSY_OP_TICK:
+      return psy_tick(op->state, op->now, op->seed);
+    case PSY_OP_WITNESS:
+      return psy_witness(op);
+    case PSY_OP_WARMUP_WITNESS:
+      return psy_warmup_witness(op);
+    case PSY_OP_HEALTH_CHECK:
+      return psy_health_check(op);
+    case PSY_OP_CHECKPOINT:
+      return psy_checkpoint(op);
+    default:
+      return psy_withdraw(op);
+  }
+}
+
+uint64_t entrypoint(const uint8_t *input) {
+  psy_account_t accounts[4]; /* the most any instruction takes; extra accounts are ignored */
+  psy_input_t in;
+  psy_deserialize(input, &in, accounts, 4);
+  if (in.data_len >= PSY_DISCRIMINATOR_SIZE && psy_load_u64(in.data) == PSY_IX_INIT_COORDINATOR_DISCRIMINATOR) {
+    return psy_init_coordinator(&in);
+  }
+  psy_op_t op = {0};
+  uint64_t err = psy_decode_instruction(in.data, in.data_len, &op);
+  if (err == PSY_SUCCESS) {
+    err = psy_bind_accounts(&in, &op);
+  }
+  if (err != PSY_SUCCESS) {
+    return err;
+  }
+  bool ticks = ticks_after(op.kind);
+  if (ticks || op.kind == PSY_OP_TICK) { /* time and seed come from the Clock sysvar, never the caller */
+    psy_clock_t clock;
+    sol_get_clock_sysvar(&clock);
+    op.now = clock.unix_timestamp;
+    op.seed = psy_seed_from_clock(clock.unix_timestamp, clock.slot);
+  }
+  err = apply(&op);
+  if (err != PSY_SUCCESS || !ticks) {
+    return err;
+  }
+  err = psy_tick(op.state, op.now, op.seed);
+  return err == PSY_ERR_NOTHING_TO_TICK ? PSY_SUCCESS : err; /* nothing due is no error here */
+}

@@ -1,0 +1,123 @@
+/* proofs.c: what witnesses prove and what health checks judge by (rules.witness, warmup_witness,
+ * _record_proof, witnessed_by, health_check). */
+#include "coordinator.h"
+
+static bool training(const uint8_t *s) {
+  uint64_t phase = PSY_ACCOUNT_PHASE_GET(s);
+  return phase == PSY_PHASE_ROUND_TRAIN || phase == PSY_PHASE_ROUND_WITNESS;
+}
+
+/* rules._record_proof, for a signer already known to be the healthy client at `index`. */
+static uint64_t record_proof(const psy_op_t *op, uint64_t index) {
+  uint8_t *s = op->state;
+  uint8_t *round = psy_current_round(s);
+  uint64_t clients = psy_list_count(s, &PSY_CLIENTS);
+  /* At most 512 bytes: the instruction's only allocation always fits the 32 KiB heap. */
+  uint16_t *order = psy_alloc(clients * sizeof(uint16_t));
+  uint64_t elected =
+      psy_elect_witnesses(PSY_ROUND_SEED_GET(round), clients, PSY_ACCOUNT_CONFIG_WITNESS_NODES_GET(s), order);
+  uint64_t position = 0;
+  while (position < elected && order[position] != index) {
+    position++;
+  }
+  if (position == elected) {
+    return PSY_ERR_NOT_A_WITNESS;
+  }
+  uint32_t witnessed = PSY_ROUND_WITNESSED_GET(round);
+  if ((witnessed >> position) & 1) {
+    return PSY_ERR_DUPLICATE_WITNESS;
+  }
+  uint64_t size = psy_bloom_bytes(s + PSY_ACCOUNT_CONFIG_OFFSET);
+  if (op->proof.participant_len != size || op->proof.batch_len != size) {
+    return PSY_ERR_BAD_FILTER;
+  }
+  PSY_ROUND_WITNESSED_SET(round, witnessed | (1u << position));
+  /* The participant filter is kept for health checks, zero-padded to its slot (the batch filter is not
+   * kept: the specification only records it was the right size). */
+  uint8_t *slot = round + PSY_ROUND_PARTICIPANT_BLOOMS_OFFSET + position * PSY_MAX_BLOOM_BYTES;
+  sol_memcpy_(slot, op->proof.participant, size);
+  sol_memset_(slot + size, 0, PSY_MAX_BLOOM_BYTES - size);
+  psy_bump_nonce(s);
+  return PSY_SUCCESS;
+}
+
+uint64_t psy_witness(const psy_op_t *op) {
+  uint8_t *s = op->state;
+  if (!training(s)) {
+    return PSY_ERR_WRONG_PHASE;
+  }
+  uint64_t index;
+  uint64_t err = psy_healthy_client(s, op->signer, &index);
+  if (err != PSY_SUCCESS) {
+    return err;
+  }
+  if (psy_load_u32(op->data + PSY_IX_WITNESS_ROUND_HEIGHT_OFFSET) != PSY_ROUND_HEIGHT_GET(psy_current_round(s))) {
+    return PSY_ERR_STALE_ROUND;
+  }
+  return record_proof(op, index);
+}
+
+uint64_t psy_warmup_witness(const psy_op_t *op) {
+  uint8_t *s = op->state;
+  if (PSY_ACCOUNT_PHASE_GET(s) != PSY_PHASE_WARMUP) {
+    return PSY_ERR_WRONG_PHASE;
+  }
+  uint64_t index;
+  uint64_t err = psy_healthy_client(s, op->signer, &index);
+  if (err != PSY_SUCCESS) {
+    return err;
+  }
+  return record_proof(op, index);
+}
+
+/* rules.witnessed_by: how many of the round's proofs hold the client in their participant filter. */
+static uint64_t witnessed_by(uint8_t *s, const uint8_t *round, const uint8_t *client_id) {
+  uint8_t digest[32];
+  psy_participant_digest(client_id, digest);
+  uint64_t slices = PSY_ACCOUNT_CONFIG_BLOOM_SLICES_GET(s);
+  uint64_t bits = PSY_ACCOUNT_CONFIG_BLOOM_BITS_PER_SLICE_GET(s);
+  uint32_t witnessed = PSY_ROUND_WITNESSED_GET(round);
+  uint64_t count = 0;
+  for (uint64_t position = 0; position < PSY_MAX_WITNESSES; position++) {
+    const uint8_t *bloom = round + PSY_ROUND_PARTICIPANT_BLOOMS_OFFSET + position * PSY_MAX_BLOOM_BYTES;
+    if (((witnessed >> position) & 1) && psy_bloom_contains(bloom, digest, slices, bits)) {
+      count++;
+    }
+  }
+  return count;
+}
+
+uint64_t psy_health_check(const psy_op_t *op) {
+  uint8_t *s = op->state;
+  if (!training(s)) {
+    return PSY_ERR_WRONG_PHASE;
+  }
+  uint64_t signer_index;
+  uint64_t err = psy_healthy_client(s, op->signer, &signer_index);
+  if (err != PSY_SUCCESS) {
+    return err;
+  }
+  if (PSY_ROUND_HEIGHT_GET(psy_current_round(s)) == 0) {
+    return PSY_ERR_NO_PREVIOUS_ROUND;
+  }
+  const uint8_t *target = op->data + PSY_IX_HEALTH_CHECK_TARGET_OFFSET;
+  int64_t index = psy_list_find(s, &PSY_CLIENTS, target);
+  if (index < 0) {
+    return PSY_ERR_UNKNOWN_CLIENT;
+  }
+  uint8_t *client = psy_list_entry(s, &PSY_CLIENTS, (uint64_t)index);
+  if (PSY_CLIENT_HEALTH_GET(client) != PSY_HEALTH_HEALTHY) {
+    return PSY_ERR_ALREADY_MARKED;
+  }
+  const uint8_t *previous = psy_previous_round(s);
+  uint64_t required = psy_witness_count(previous);
+  if (PSY_ACCOUNT_CONFIG_WITNESS_QUORUM_GET(s) < required) {
+    required = PSY_ACCOUNT_CONFIG_WITNESS_QUORUM_GET(s);
+  }
+  if (witnessed_by(s, previous, target) >= required) {
+    return PSY_ERR_CLIENT_HEALTHY;
+  }
+  PSY_CLIENT_HEALTH_SET(client, PSY_HEALTH_UNHEALTHY);
+  psy_bump_nonce(s);
+  return PSY_SUCCESS;
+}

@@ -1,0 +1,63 @@
+/* selection.c: the round seed and the witness election of selection.py, on the sol_sha256 syscall. */
+#include "coordinator.h"
+
+uint64_t psy_seed_from_clock(int64_t unix_timestamp, uint64_t slot) {
+  uint8_t packed[16]; /* struct.pack("<qQ", unix_timestamp, slot) */
+  psy_store_u64(packed, (uint64_t)unix_timestamp);
+  psy_store_u64(packed + 8, slot);
+  psy_bytes_t piece = {packed, sizeof packed};
+  uint8_t digest[32];
+  sol_sha256(&piece, 1, digest);
+  return psy_load_u64(digest);
+}
+
+/* selection.random_words: block j is sha256(domain ‖ seed_le64 ‖ j_le32), read as four LE u64 words. */
+typedef struct {
+  uint8_t seed[8];
+  uint8_t block[4];
+  uint64_t next;     /* index of the next word in the stream */
+  uint8_t digest[32];
+} words_t;
+
+static uint64_t next_word(words_t *w) {
+  uint64_t in_block = w->next & 3;
+  if (in_block == 0) {
+    psy_store_u32(w->block, (uint32_t)(w->next >> 2));
+    psy_bytes_t pieces[3] = {
+        {(const uint8_t *)PSY_WITNESS_DOMAIN, sizeof(PSY_WITNESS_DOMAIN) - 1},
+        {w->seed, sizeof w->seed},
+        {w->block, sizeof w->block},
+    };
+    sol_sha256(pieces, 3, w->digest);
+  }
+  w->next++;
+  return psy_load_u64(w->digest + 8 * in_block);
+}
+
+/* selection.uniform_below: words at or above the largest multiple of bound below 2^64 are redrawn. */
+static uint64_t uniform_below(words_t *w, uint64_t bound) {
+  uint64_t rejected = (0 - bound) % bound; /* 2^64 mod bound: the words past the last multiple */
+  for (;;) {
+    uint64_t word = next_word(w);
+    if (rejected == 0 || word < 0 - rejected) {
+      return word % bound;
+    }
+  }
+}
+
+uint64_t psy_elect_witnesses(uint64_t seed, uint64_t n, uint64_t k, uint16_t *order) {
+  words_t w;
+  psy_store_u64(w.seed, seed);
+  w.next = 0;
+  for (uint64_t i = 0; i < n; i++) {
+    order[i] = (uint16_t)i;
+  }
+  uint64_t elected = k < n ? k : n;
+  for (uint64_t i = 0; i < elected; i++) { /* a partial Fisher-Yates shuffle */
+    uint64_t j = i + uniform_below(&w, n - i);
+    uint16_t swap = order[i];
+    order[i] = order[j];
+    order[j] = swap;
+  }
+  return elected;
+}

@@ -1,0 +1,217 @@
+/* tick.c: rules.tick, every transition due at `now`, phase by phase. Each phase's step returns
+ * PSY_SUCCESS when it changed the state, PSY_ERR_NOTHING_TO_TICK when nothing was due (having written
+ * nothing, since the operations that tick after applying keep their own change then). */
+#include "coordinator.h"
+
+#define NOTHING PSY_ERR_NOTHING_TO_TICK
+
+/* now >= start + duration in the specification's unbounded integers: a sum past INT64_MAX is never
+ * reached by a clock time. */
+static bool time_reached(int64_t now, int64_t start, uint64_t duration) {
+  if (start > INT64_MAX - (int64_t)duration) {
+    return false;
+  }
+  return now >= start + (int64_t)duration;
+}
+
+static bool phase_time_reached(const uint8_t *s, int64_t now, uint64_t duration) {
+  return time_reached(now, (int64_t)PSY_ACCOUNT_PHASE_START_GET(s), duration);
+}
+
+static void enter(uint8_t *s, uint64_t phase, int64_t now) {
+  PSY_ACCOUNT_PHASE_SET(s, phase);
+  PSY_ACCOUNT_PHASE_START_SET(s, now);
+}
+
+static bool reached_quorum(uint8_t *s) {
+  return psy_witness_count(psy_current_round(s)) >= psy_quorum(s);
+}
+
+static bool clients_complete(uint8_t *s) {
+  psy_census_t census;
+  psy_census(s, &PSY_CLIENTS, &census);
+  return psy_pipeline_complete(s, &census);
+}
+
+/* rules._start_round: a fresh round in slot height % ROUND_SLOTS. */
+static void start_round(uint8_t *s, int64_t now, uint64_t seed, uint64_t height) {
+  uint64_t slot = height % PSY_ROUND_SLOTS;
+  uint8_t *round = psy_round(s, slot);
+  PSY_ACCOUNT_CURRENT_ROUND_SET(s, slot);
+  sol_memset_(round, 0, PSY_ROUND_SIZE);
+  PSY_ROUND_HEIGHT_SET(round, height);
+  PSY_ROUND_SEED_SET(round, seed);
+  PSY_ROUND_DATA_INDEX_SET(round, psy_data_index(s));
+  enter(s, PSY_PHASE_ROUND_TRAIN, now);
+}
+
+static uint64_t tick_paused(uint8_t *s, int64_t now) {
+  if (PSY_ACCOUNT_PAUSE_REQUESTED_GET(s)) {
+    return NOTHING;
+  }
+  enter(s, PSY_PHASE_WAITING_FOR_MEMBERS, now);
+  return PSY_SUCCESS;
+}
+
+/* The least occupied stage, lowest index on ties (rules.assign_stages). */
+static uint8_t least_occupied(const psy_census_t *census, uint64_t num_stages) {
+  uint64_t best = 0;
+  for (uint64_t stage = 1; stage < num_stages; stage++) {
+    if (census->workers[stage] < census->workers[best]) {
+      best = stage;
+    }
+  }
+  return (uint8_t)best;
+}
+
+static uint64_t tick_waiting(uint8_t *s, int64_t now, uint64_t seed) {
+  if (PSY_ACCOUNT_PAUSE_REQUESTED_GET(s)) {
+    enter(s, PSY_PHASE_PAUSED, now);
+    return PSY_SUCCESS;
+  }
+  /* Admit every joiner on paper first: the census of the requested stages, then the stage of each
+   * joiner that lets the coordinator choose, one by one. Nothing is written unless the pipeline is
+   * complete. */
+  uint64_t num_stages = PSY_ACCOUNT_CONFIG_NUM_STAGES_GET(s);
+  uint64_t joiners = psy_list_count(s, &PSY_PENDING);
+  psy_census_t census;
+  psy_census(s, &PSY_PENDING, &census);
+  uint8_t *stages = psy_alloc(joiners); /* at most 256 bytes, the instruction's only allocation */
+  for (uint64_t i = 0; i < joiners; i++) {
+    const uint8_t *joiner = psy_list_entry(s, &PSY_PENDING, i);
+    uint8_t stage = PSY_PENDING_STAGE_GET(joiner);
+    if (PSY_PENDING_ROLE_GET(joiner) == PSY_ROLE_WORKER && stage == PSY_NO_STAGE) {
+      stage = least_occupied(&census, num_stages);
+      census.workers[stage]++;
+    }
+    stages[i] = stage;
+  }
+  if (!psy_pipeline_complete(s, &census)) {
+    return NOTHING;
+  }
+  for (uint64_t i = 0; i < joiners; i++) {
+    uint8_t *client = psy_list_entry(s, &PSY_CLIENTS, i);
+    sol_memcpy_(client, psy_list_entry(s, &PSY_PENDING, i), PSY_PENDING_SIZE);
+    PSY_CLIENT_STAGE_SET(client, stages[i]);
+    PSY_CLIENT_HEALTH_SET(client, PSY_HEALTH_HEALTHY);
+  }
+  psy_list_set_count(s, &PSY_CLIENTS, joiners);
+  psy_list_set_count(s, &PSY_PENDING, 0);
+  /* The epoch's warmup is round 0 in slot 0; slot 1 starts empty. */
+  sol_memset_(s + PSY_ACCOUNT_ROUNDS_OFFSET, 0, PSY_ACCOUNT_ROUNDS_SIZE);
+  PSY_ACCOUNT_CURRENT_ROUND_SET(s, 0);
+  uint8_t *warmup = psy_round(s, 0);
+  PSY_ROUND_SEED_SET(warmup, seed);
+  PSY_ROUND_DATA_INDEX_SET(warmup, psy_data_index(s));
+  enter(s, PSY_PHASE_WARMUP, now);
+  return PSY_SUCCESS;
+}
+
+static uint64_t tick_warmup(uint8_t *s, int64_t now, uint64_t seed) {
+  bool changed = false;
+  uint64_t clients = psy_list_count(s, &PSY_CLIENTS);
+  psy_keep_healthy_clients(s);
+  if (psy_list_count(s, &PSY_CLIENTS) != clients) {
+    /* Indices shifted, so the warmup's election changed: proofs start over. */
+    uint8_t *round = psy_current_round(s);
+    PSY_ROUND_WITNESSED_SET(round, 0);
+    sol_memset_(round + PSY_ROUND_PARTICIPANT_BLOOMS_OFFSET, 0, PSY_ROUND_PARTICIPANT_BLOOMS_SIZE);
+    changed = true;
+    if (!clients_complete(s)) {
+      uint64_t err = psy_requeue_clients(s);
+      if (err != PSY_SUCCESS) {
+        return err;
+      }
+      enter(s, PSY_PHASE_WAITING_FOR_MEMBERS, now);
+      return PSY_SUCCESS;
+    }
+  }
+  if (reached_quorum(s) || phase_time_reached(s, now, PSY_ACCOUNT_CONFIG_WARMUP_TIME_GET(s))) {
+    start_round(s, now, seed, 0);
+    return PSY_SUCCESS;
+  }
+  return changed ? PSY_SUCCESS : NOTHING;
+}
+
+static uint64_t tick_train(uint8_t *s, int64_t now) {
+  if (reached_quorum(s) || phase_time_reached(s, now, PSY_ACCOUNT_CONFIG_MAX_ROUND_TRAIN_TIME_GET(s))) {
+    enter(s, PSY_PHASE_ROUND_WITNESS, now);
+    return PSY_SUCCESS;
+  }
+  return NOTHING;
+}
+
+static uint64_t tick_witness(uint8_t *s, int64_t now, uint64_t seed) {
+  if (!phase_time_reached(s, now, PSY_ACCOUNT_CONFIG_ROUND_WITNESS_TIME_GET(s))) {
+    return NOTHING;
+  }
+  bool quorum = reached_quorum(s); /* judged with the round's clients, before the unhealthy leave */
+  uint32_t step = PSY_ACCOUNT_STEP_GET(s) + 1;
+  PSY_ACCOUNT_STEP_SET(s, step);
+  psy_keep_healthy_clients(s);
+  uint64_t next_height = (uint64_t)PSY_ROUND_HEIGHT_GET(psy_current_round(s)) + 1;
+  if (next_height >= PSY_ACCOUNT_CONFIG_ROUNDS_PER_EPOCH_GET(s) || step >= PSY_ACCOUNT_CONFIG_TOTAL_STEPS_GET(s) ||
+      !quorum || !clients_complete(s)) {
+    /* The epoch ends: joiners will fetch the model from their peers unless a checkpoint is saved. */
+    PSY_ACCOUNT_CHECKPOINT_KIND_SET(s, PSY_CHECKPOINT_KIND_P2P);
+    PSY_ACCOUNT_CHECKPOINT_STAGES_DONE_SET(s, 0);
+    enter(s, PSY_PHASE_COOLDOWN, now);
+  } else {
+    start_round(s, now, seed, next_height);
+  }
+  return PSY_SUCCESS;
+}
+
+static uint64_t tick_cooldown(uint8_t *s, int64_t now) {
+  uint64_t every_stage = (1u << PSY_ACCOUNT_CONFIG_NUM_STAGES_GET(s)) - 1;
+  bool saved = PSY_ACCOUNT_CHECKPOINT_KIND_GET(s) != PSY_CHECKPOINT_KIND_P2P &&
+               PSY_ACCOUNT_CHECKPOINT_STAGES_DONE_GET(s) == every_stage;
+  if (!saved && !phase_time_reached(s, now, PSY_ACCOUNT_CONFIG_COOLDOWN_TIME_GET(s))) {
+    return NOTHING;
+  }
+  PSY_ACCOUNT_EPOCH_SET(s, PSY_ACCOUNT_EPOCH_GET(s) + 1);
+  if (PSY_ACCOUNT_STEP_GET(s) >= PSY_ACCOUNT_CONFIG_TOTAL_STEPS_GET(s)) {
+    psy_list_set_count(s, &PSY_CLIENTS, 0);
+    enter(s, PSY_PHASE_FINISHED, now);
+    return PSY_SUCCESS;
+  }
+  psy_keep_healthy_clients(s); /* the healthy stay, at the front of the queue */
+  uint64_t err = psy_requeue_clients(s);
+  if (err != PSY_SUCCESS) {
+    return err;
+  }
+  enter(s, PSY_ACCOUNT_PAUSE_REQUESTED_GET(s) ? PSY_PHASE_PAUSED : PSY_PHASE_WAITING_FOR_MEMBERS, now);
+  return PSY_SUCCESS;
+}
+
+uint64_t psy_tick(uint8_t *s, int64_t now, uint64_t seed) {
+  uint64_t result;
+  switch (PSY_ACCOUNT_PHASE_GET(s)) {
+    case PSY_PHASE_PAUSED:
+      result = tick_paused(s, now);
+      break;
+    case PSY_PHASE_WAITING_FOR_MEMBERS:
+      result = tick_waiting(s, now, seed);
+      break;
+    case PSY_PHASE_WARMUP:
+      result = tick_warmup(s, now, seed);
+      break;
+    case PSY_PHASE_ROUND_TRAIN:
+      result = tick_train(s, now);
+      break;
+    case PSY_PHASE_ROUND_WITNESS:
+      result = tick_witness(s, now, seed);
+      break;
+    case PSY_PHASE_COOLDOWN:
+      result = tick_cooldown(s, now);
+      break;
+    case PSY_PHASE_UNINITIALIZED:
+      return PSY_ERR_NOT_INITIALIZED;
+    default:
+      return PSY_ERR_RUN_FINISHED;
+  }
+  if (result == PSY_SUCCESS) {
+    psy_bump_nonce(s);
+  }
+  return result;
+}

@@ -1,0 +1,191 @@
+"""The coordinator program in LiteSVM beside the specification: the harness of the conformance tests and of
+the compute-unit benchmark.
+
+``Replay`` drives one run on both: every operation is sent as a real transaction, signed by real keypairs,
+at a clock the harness sets, and applied to the specification with ``apply_then_tick`` at the same time
+and seed; after each, the account bytes must equal ``encode_state`` of the specification's state, and an
+operation the specification rejects must fail on chain with the same custom error and change nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+from solders.account import Account
+from solders.clock import Clock
+from solders.instruction import AccountMeta
+from solders.instruction import Instruction as SolanaInstruction
+from solders.keypair import Keypair
+from solders.litesvm import LiteSVM
+from solders.message import Message
+from solders.pubkey import Pubkey
+from solders.system_program import ID as SYSTEM_PROGRAM_ID
+from solders.system_program import CreateAccountParams, create_account
+from solders.transaction import VersionedTransaction
+from solders.transaction_metadata import FailedTransactionMetadata, TransactionMetadata
+from solders.transaction_status import InstructionErrorCustom, TransactionErrorInstructionError
+
+from coordinator_program import rules
+from coordinator_program.errors import CoordinatorError
+from coordinator_program.instance import CoordinatorInstance, encode_instance, instance_address
+from coordinator_program.instructions import InitCoordinator, Instruction, apply_then_tick, decode_instruction
+from coordinator_program.program.build import DEFAULT_OUTPUT
+from coordinator_program.selection import seed_from_clock
+from coordinator_program.state import ACCOUNT_SIZE, CoordinatorState, encode_state
+
+Result = TransactionMetadata | FailedTransactionMetadata
+PROGRAM_PATH: Path = DEFAULT_OUTPUT
+"""The committed .so: the tests exercise exactly what users deploy (CI checks it matches the sources)."""
+
+FUNDS = 1_000 * 10**9
+
+
+def key(keypair: Keypair) -> bytes:
+    return bytes(keypair.pubkey())
+
+
+def instruction_error(result: Result) -> object:
+    """The InstructionError of a failed transaction, whichever of its instructions failed."""
+    assert isinstance(result, FailedTransactionMetadata), "the transaction was expected to fail"
+    err = result.err()
+    assert isinstance(err, TransactionErrorInstructionError), err
+    return err.err
+
+
+def logs(result: Result) -> str:
+    meta = result.meta() if isinstance(result, FailedTransactionMetadata) else result
+    return "\n".join(meta.logs())
+
+
+class ProgramChain:
+    """A LiteSVM with the coordinator program deployed, funded identities and a clock the caller sets."""
+
+    def __init__(self) -> None:
+        self.svm = LiteSVM()
+        self.program_id = Pubkey.new_unique()
+        self.svm.add_program(self.program_id, PROGRAM_PATH.read_bytes())
+        self.slot = 0
+        self.now = 0
+
+    def fund(self, *keypairs: Keypair) -> None:
+        for keypair in keypairs:
+            self.svm.airdrop(keypair.pubkey(), FUNDS)
+
+    def set_clock(self, now: int) -> None:
+        """Move to the next slot at unix time ``now`` (the slot feeds the on-chain seed)."""
+        self.slot += 1
+        self.now = now
+        self.svm.set_clock(Clock(self.slot, 0, 0, 0, now))
+
+    def send(self, instructions: Sequence[SolanaInstruction], signers: Sequence[Keypair]) -> Result:
+        """One transaction paid by ``signers[0]``; a fresh blockhash after it, so a repeat is not a duplicate."""
+        unique = list({kp.pubkey(): kp for kp in signers}.values())
+        message = Message.new_with_blockhash(list(instructions), unique[0].pubkey(), self.svm.latest_blockhash())
+        result = self.svm.send_transaction(VersionedTransaction(message, unique))
+        self.svm.expire_blockhash()
+        return result
+
+    def data(self, address: Pubkey) -> bytes:
+        account = self.svm.get_account(address)
+        assert account is not None, f"account {address} does not exist"
+        return bytes(account.data)
+
+    def set_data(self, address: Pubkey, data: bytes, owner: Pubkey | None = None) -> None:
+        """Overwrite an account (rent exempt for its new size), owned by the program unless told otherwise."""
+        lamports = self.svm.minimum_balance_for_rent_exemption(len(data))
+        self.svm.set_account(address, Account(lamports, data, owner or self.program_id, False))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunAccounts:
+    """The two accounts of a run on chain."""
+
+    coordinator: Pubkey
+    instance: Pubkey
+    bump: int
+
+
+def program_instruction(chain: ProgramChain, kind: type[Instruction], accounts: dict[str, Pubkey],
+                        data: bytes) -> SolanaInstruction:
+    """Instruction data for the program, with the accounts of ``kind`` in the order instructions.py (and the
+    IDL) declares them."""
+    metas = [AccountMeta(accounts[a.name], is_signer=a.signer, is_writable=a.mut) for a in kind.ACCOUNTS]
+    return SolanaInstruction(chain.program_id, data, metas)
+
+
+def init_instructions(chain: ProgramChain, payer: Keypair, coordinator: Keypair,
+                      ix: InitCoordinator) -> tuple[list[SolanaInstruction], RunAccounts]:
+    """The system create_account of the coordinator account, then init_coordinator, as a client sends them."""
+    instance, bump = instance_address(chain.program_id, ix.run_id)
+    create = create_account(CreateAccountParams(
+        from_pubkey=payer.pubkey(), to_pubkey=coordinator.pubkey(),
+        lamports=chain.svm.minimum_balance_for_rent_exemption(ACCOUNT_SIZE), space=ACCOUNT_SIZE,
+        owner=chain.program_id))
+    init = program_instruction(chain, InitCoordinator, {
+        "payer": payer.pubkey(), "coordinatorInstance": instance, "coordinatorAccount": coordinator.pubkey(),
+        "systemProgram": SYSTEM_PROGRAM_ID}, ix.encode())
+    return [create, init], RunAccounts(coordinator.pubkey(), instance, bump)
+
+
+class Replay:
+    """One run driven on the program and on the specification in lockstep (see the module docstring)."""
+
+    def __init__(self, chain: ProgramChain, authority: Keypair, run_id: str, join_authority: bytes = bytes(32),
+                 now: int = 1_700_000_000) -> None:
+        self.chain = chain
+        self.authority = authority
+        chain.fund(authority)
+        chain.set_clock(now)
+        self.state: CoordinatorState = rules.init_coordinator(run_id, key(authority), join_authority)
+        coordinator = Keypair()  # signs its own creation, as the system program requires
+        instructions, self.run = init_instructions(
+            chain, authority, coordinator, InitCoordinator(run_id, key(authority), join_authority))
+        result = chain.send(instructions, [authority, coordinator])
+        assert isinstance(result, TransactionMetadata), logs(result)
+        self.units = result.compute_units_consumed()
+        self.check()
+        expected = CoordinatorInstance(run_id, bytes(self.run.coordinator), self.run.bump)
+        assert chain.data(self.run.instance) == encode_instance(expected)
+
+    @property
+    def now(self) -> int:
+        return self.chain.now
+
+    def check(self) -> None:
+        assert self.chain.data(self.run.coordinator) == encode_state(self.state), "program and specification differ"
+
+    def accounts(self, signer: Keypair, authorizer: Keypair | None) -> dict[str, Pubkey]:
+        return {"signer": signer.pubkey(), "authorizer": (authorizer or signer).pubkey(),
+                "coordinatorInstance": self.run.instance, "coordinatorAccount": self.run.coordinator}
+
+    def apply(self, ix: Instruction, signer: Keypair, authorizer: Keypair | None = None,
+              advance: int = 0) -> int | None:
+        """Apply ``ix`` from ``signer`` ``advance`` seconds later on both; returns the error code, or None.
+
+        Asserts that both accept it and leave identical bytes, or both reject it with the same code and
+        the account unchanged. The accepted transaction's compute units are left in ``units``.
+        """
+        return self.apply_data(ix.encode(), type(ix), signer, authorizer, advance)
+
+    def apply_data(self, data: bytes, kind: type[Instruction], signer: Keypair, authorizer: Keypair | None = None,
+                   advance: int = 0) -> int | None:
+        """``apply`` for raw instruction data, sent with the accounts of ``kind``: the specification decodes
+        it first (as the TCP backend does), so malformed data must fail alike."""
+        self.chain.set_clock(self.now + advance)
+        seed = seed_from_clock(self.now, self.chain.slot)
+        before = self.chain.data(self.run.coordinator)
+        instruction = program_instruction(self.chain, kind, self.accounts(signer, authorizer), data)
+        result = self.chain.send([instruction], [signer, authorizer or signer])
+        try:
+            apply_then_tick(self.state, decode_instruction(data), key(signer), self.now, seed,
+                            key(authorizer or signer))
+        except CoordinatorError as exc:
+            assert instruction_error(result) == InstructionErrorCustom(exc.code), f"{exc}\n{logs(result)}"
+            assert self.chain.data(self.run.coordinator) == before, f"a rejected {kind.NAME} changed the account"
+            return exc.code
+        assert isinstance(result, TransactionMetadata), f"the specification accepted {kind.NAME}:\n{logs(result)}"
+        self.units = result.compute_units_consumed()
+        self.check()
+        return None

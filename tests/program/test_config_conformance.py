@@ -1,0 +1,79 @@
+"""update's validation on chain against config.validate_config, validate_model and validate_checkpoint.
+
+Every field is drawn from the values around its rule's bounds (and each integer's extremes), so each
+integer rule is met and broken; the program must accept exactly the updates the specification accepts
+and reject the others with the same error (InvalidConfig or InvalidCheckpoint).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from coordinator_chain import ProgramChain, Replay
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from solders.keypair import Keypair
+
+from coordinator_program import errors, limits
+from coordinator_program.config import Checkpoint, CheckpointKind, Config, Model
+from coordinator_program.instructions import Update
+from tests.spec.scenario import MODEL, SMALL
+
+U8 = st.sampled_from([0, 1, 2, 3, 4, 10, 11, 15, 16, 17, 31, 32, 33, 255])
+U16 = st.sampled_from([0, 1, 2, 3, 4, 5, 17, 32, 33, 240, 255, 256, 257, 349, 350, 32767, 32768, 65535])
+U32 = st.sampled_from([0, 1, 2, 60, 2**31, 2**32 - 1])
+TEXT = st.sampled_from(["", "stdlib", "org/model", "hf:org/x y", "donnée", "tab\there", "\x7f",
+                        "~" * limits.REVISION_BYTES])
+OUTCOMES: Counter[int | None] = Counter()
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> Config:
+    """A config near SMALL with some fields replaced by boundary values (all of them, sometimes)."""
+    fields = {"min_clients": U16, "max_clients": U16, "witness_nodes": U8, "witness_quorum": U8, "num_stages": U8,
+              "bloom_slices": U8, "bloom_bits_per_slice": U16, "warmup_time": U32, "max_round_train_time": U32,
+              "round_witness_time": U32, "cooldown_time": U32, "rounds_per_epoch": U32, "total_steps": U32,
+              "global_batch_size": U32}
+    chosen = draw(st.lists(st.sampled_from(sorted(fields)), max_size=4, unique=True))
+    base = Config(min_clients=5, max_clients=256, witness_nodes=32, witness_quorum=3, num_stages=4,
+                  bloom_slices=16, bloom_bits_per_slice=240)
+    return Config(**{**base.__dict__, **{name: draw(fields[name]) for name in chosen}})
+
+
+@st.composite
+def models(draw: st.DrawFn) -> Model:
+    fields = {"n_layers": U8, "n_heads": U8, "d_model": U16, "seq_len": U16, "microbatch_size": U16,
+              "learning_rate_micros": U32, "sparta_every": U16, "sparta_partitions": U16, "dataset": TEXT}
+    chosen = draw(st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True))
+    base = Model(n_layers=4, n_heads=2, d_model=16, seq_len=8)
+    return Model(**{**base.__dict__, **{name: draw(fields[name]) for name in chosen}})
+
+
+checkpoints = st.one_of(
+    st.just(Checkpoint()), st.just(Checkpoint(CheckpointKind.Hub, 0b1111, "org/model", "main")),
+    st.builds(Checkpoint, st.sampled_from(list(CheckpointKind)), st.sampled_from([0, 1, 7, 15, 65535]), TEXT, TEXT))
+
+
+@pytest.fixture(scope="module")
+def replay() -> Replay:
+    authority = Keypair()
+    run = Replay(ProgramChain(), authority, "config")
+    assert run.apply(Update(SMALL, MODEL, Checkpoint()), authority) is None
+    return run
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(configs(), models(), checkpoints)
+def test_update_validation_matches_the_specification(replay: Replay, config: Config, model: Model,
+                                                     checkpoint: Checkpoint) -> None:
+    OUTCOMES[replay.apply(Update(config, model, checkpoint), replay.authority)] += 1
+
+
+def test_update_validation_cases_reach_every_outcome(replay: Replay) -> None:
+    """Guard for the test above: accepted, InvalidConfig and InvalidCheckpoint updates were all compared."""
+    if not OUTCOMES:
+        test_update_validation_matches_the_specification(replay)
+    assert OUTCOMES[None] >= 20
+    assert OUTCOMES[errors.InvalidConfig.code] >= 100 and OUTCOMES[errors.InvalidCheckpoint.code] >= 20
+    assert limits.MAX_BLOOM_BYTES * 8 == 16 * 240  # the base config's filter fills the largest slot exactly

@@ -1,0 +1,351 @@
+"""Conformance: the C program against the executable specification, operation by operation.
+
+Random operation sequences from the specification's own generator (tests/spec/test_properties.py) and
+hand-written scenarios are replayed through ``Replay``: real transactions signed by real keypairs at a
+clock the test sets, and the same operations applied to the specification with ``apply_then_tick``.
+After every operation the account bytes must be ``encode_state`` of the specification's state, and an
+operation the specification rejects must fail on chain with the same custom error and change nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections import Counter
+
+import pytest
+from coordinator_chain import ProgramChain, Replay, key
+from hypothesis import HealthCheck as HypothesisHealthCheck
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from solders.keypair import Keypair
+
+from coordinator_program import errors, limits, rules
+from coordinator_program.bloom import build_filter, participant_key
+from coordinator_program.config import Checkpoint, CheckpointKind, Config, Model, bloom_params
+from coordinator_program.instructions import (
+    CheckpointReport,
+    HealthCheck,
+    Instruction,
+    JoinRun,
+    SetPaused,
+    Tick,
+    Update,
+    WarmupWitness,
+    Withdraw,
+    Witness,
+)
+from coordinator_program.state import Health, Phase, Role
+from tests.spec.scenario import AUTHORITY, MODEL, RUN_ID, SMALL
+from tests.spec.test_properties import IDS, build, op
+
+# The generator names identities by readable bytes; on chain each is a real keypair.
+ALIASES = {**{i: Keypair.from_seed(i) for i in IDS}, AUTHORITY: Keypair.from_seed(AUTHORITY)}
+BY_KEY = {key(kp): kp for kp in ALIASES.values()}
+OUTCOMES: Counter[tuple[str, int | None]] = Counter()
+"""(instruction, error code or None) of every replayed operation, to check the generator's coverage."""
+
+
+def real(identity: bytes) -> bytes:
+    """The on-chain identity of a generator identity (an unknown key stays as it is)."""
+    return key(ALIASES[identity]) if identity in ALIASES else identity
+
+
+def started_replay() -> Replay:
+    """tests.spec.scenario.new_run on chain: the SMALL config, resumed and ticked into WaitingForMembers."""
+    replay = Replay(ProgramChain(), ALIASES[AUTHORITY], RUN_ID)
+    replay.chain.fund(*ALIASES.values())
+    authority = ALIASES[AUTHORITY]
+    assert replay.apply(Update(SMALL, MODEL, Checkpoint()), authority) is None
+    assert replay.apply(SetPaused(False), authority) is None
+    assert replay.apply(Tick(), authority) is None
+    assert replay.state.phase == Phase.WaitingForMembers
+    return replay
+
+
+def replay_steps(prejoin: bool, steps: list[tuple]) -> None:
+    """Replay the generator's steps (tests/spec/test_properties.build) on chain and on the specification."""
+    replay = started_replay()
+    if prejoin:  # a full pipeline pending, as the specification's property test starts
+        for i, role in enumerate([Role.Worker, Role.Worker, Role.Worker, Role.Trainer]):
+            assert replay.apply(JoinRun(RUN_ID, role), ALIASES[IDS[i]]) is None
+    for step in steps:
+        ix, signer, advance = build(replay.state, step)
+        if isinstance(ix, HealthCheck):
+            ix = HealthCheck(real(ix.target))
+        code = replay.apply(ix, BY_KEY[real(signer)], advance=advance)
+        OUTCOMES[(ix.NAME, code)] += 1
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HypothesisHealthCheck.too_slow, HypothesisHealthCheck.data_too_large])
+@given(st.booleans(), st.lists(op, min_size=25, max_size=100))
+def test_random_sequences_match_the_specification(prejoin: bool, steps: list[tuple]) -> None:
+    replay_steps(prejoin, steps)
+
+
+@pytest.mark.slow
+@settings(max_examples=600, deadline=None, derandomize=True,
+          suppress_health_check=[HypothesisHealthCheck.too_slow, HypothesisHealthCheck.data_too_large])
+@given(st.booleans(), st.lists(op, min_size=25, max_size=200))
+def test_many_random_sequences_match_the_specification(prejoin: bool, steps: list[tuple]) -> None:
+    replay_steps(prejoin, steps)
+
+
+def test_random_sequences_reach_every_instruction_and_many_errors() -> None:
+    """Guard against a generator that leaves parts of the program untested."""
+    if not OUTCOMES:  # run alone (-k): replay first
+        test_random_sequences_match_the_specification()
+    accepted = {name for name, code in OUTCOMES if code is None}
+    # Accepted checkpoints need a complete epoch, which the scenarios below drive instead.
+    assert accepted >= {"update", "set_paused", "join_run", "tick", "witness", "warmup_witness", "health_check",
+                        "withdraw"}
+    assert len({code for _, code in OUTCOMES if code is not None}) >= 15
+
+
+# --- scenarios: paths random sequences rarely reach ----------------------------------------------------
+
+
+class Swarm:
+    """A replayed run and the keypairs of its members."""
+
+    def __init__(self, replay: Replay) -> None:
+        self.replay = replay
+        self.members: dict[bytes, Keypair] = {}
+
+    def new_members(self, n: int) -> list[Keypair]:
+        """Funded keypairs, the same on every run (bloom false positives depend on the keys)."""
+        first = len(self.members)
+        keypairs = [Keypair.from_seed(hashlib.sha256(b"member %d" % i).digest()) for i in range(first, first + n)]
+        self.replay.chain.fund(*keypairs)
+        self.members.update({key(kp): kp for kp in keypairs})
+        return keypairs
+
+    def of(self, identity: bytes) -> Keypair:
+        return self.members[identity]
+
+    @property
+    def state(self) -> rules.CoordinatorState:
+        return self.replay.state
+
+    def filter_of(self, identities: list[bytes]) -> bytes:
+        return build_filter(self.state.config, [participant_key(i) for i in identities])
+
+    def prove(self, participants: list[bytes]) -> list[int | None]:
+        """Every elected witness sends a proof naming ``participants``; returns each outcome."""
+        bloom, batches = self.filter_of(participants), self.filter_of([])
+        ix: Instruction = (WarmupWitness(bloom, batches) if self.state.phase == Phase.Warmup
+                           else Witness(self.state.round.height, bloom, batches))
+        return [self.replay.apply(ix, self.of(witness)) for witness in rules.witnesses(self.state)]
+
+    def clients(self) -> list[bytes]:
+        return [c.id for c in self.state.clients]
+
+
+def test_permissioned_run_through_every_instruction() -> None:
+    """A small run with a join authority from creation to Finished, checking every rule's outcome."""
+    chain = ProgramChain()
+    authority, gate = Keypair(), Keypair()
+    chain.fund(gate)
+    swarm = Swarm(Replay(chain, authority, "gated.run-1", join_authority=key(gate)))
+    apply = swarm.replay.apply
+    config = dataclasses.replace(SMALL, witness_nodes=3, witness_quorum=2, rounds_per_epoch=3, total_steps=4)
+    assert apply(Tick(), authority) == errors.NotInitialized.code
+    assert apply(SetPaused(False), authority) == errors.NotInitialized.code
+    assert apply(Update(dataclasses.replace(config, min_clients=3), MODEL, Checkpoint()),
+                 authority) == errors.InvalidConfig.code
+    assert apply(Update(config, MODEL, Checkpoint(CheckpointKind.P2P)), authority) == errors.InvalidCheckpoint.code
+    hub = Checkpoint(CheckpointKind.Hub, 0b111, "org/model", "v1")
+    assert apply(Update(config, MODEL, hub), authority) is None
+    assert apply(SetPaused(False), gate) == errors.NotAuthorized.code
+    assert apply(SetPaused(False), authority) is None
+    assert apply(Tick(), authority, advance=1) is None and swarm.state.phase == Phase.WaitingForMembers
+    assert apply(Update(config, MODEL, hub), authority) == errors.NotHalted.code
+
+    workers, trainers = swarm.new_members(4), swarm.new_members(2)
+    assert apply(JoinRun(RUN_ID, Role.Worker), workers[0], gate) == errors.WrongRunId.code
+    assert apply(JoinRun("gated.run-1", Role.Worker), workers[0]) == errors.NotAuthorized.code
+    assert apply(JoinRun("gated.run-1", Role.Worker, 3), workers[0], gate) == errors.InvalidJoin.code
+    assert apply(JoinRun("gated.run-1", Role.Trainer, 0), trainers[0], gate) == errors.InvalidJoin.code
+    assert apply(JoinRun("gated.run-1", Role.Worker, 2), workers[0], gate) is None
+    for kp in workers[1:]:
+        assert apply(JoinRun("gated.run-1", Role.Worker), kp, gate) is None
+    assert apply(JoinRun("gated.run-1", Role.Trainer), workers[1], gate) == errors.AlreadyJoined.code
+    for kp in trainers:
+        assert apply(JoinRun("gated.run-1", Role.Trainer), kp, gate) is None
+    late = swarm.new_members(3)
+    for kp in late[:2]:
+        assert apply(JoinRun("gated.run-1", Role.Trainer), kp, gate) is None
+    assert apply(JoinRun("gated.run-1", Role.Trainer), late[2], gate) == errors.RunFull.code
+    assert apply(Withdraw(), late[1]) is None  # a pending joiner leaves at once
+    assert apply(Withdraw(), late[1]) == errors.NotJoined.code
+
+    # Warmup: two of three proofs reach the quorum and start round 0 at once.
+    assert apply(Tick(), authority, advance=1) is None and swarm.state.phase == Phase.Warmup
+    assert [c.stage for c in swarm.state.clients][:4] == [2, 0, 1, 0]
+    outsider = next(c for c in swarm.clients() if c not in rules.witnesses(swarm.state))
+    assert apply(WarmupWitness(b"", b""), swarm.of(outsider)) == errors.NotAWitness.code
+    assert apply(Witness(0, b"", b""), swarm.of(outsider)) == errors.WrongPhase.code
+    assert swarm.prove(swarm.clients())[:2] == [None, None]
+    assert swarm.state.phase == Phase.RoundTrain
+
+    # Round 0 leaves one client out of every filter; round 1 judges it by them.
+    lazy = next(c.id for c in swarm.state.clients if c.id not in rules.witnesses(swarm.state)
+                and (c.role == Role.Trainer or c.stage == 0))  # its stage keeps a worker when it leaves
+    witness = rules.witnesses(swarm.state)[0]
+    size = swarm.state.config.bloom_bytes
+    assert apply(Witness(1, bytes(size), bytes(size)), swarm.of(witness)) == errors.StaleRound.code
+    assert apply(Witness(0, bytes(size - 1), bytes(size)), swarm.of(witness)) == errors.BadFilter.code
+    assert apply(HealthCheck(lazy), swarm.of(witness)) == errors.NoPreviousRound.code
+    assert swarm.prove([c for c in swarm.clients() if c != lazy])[:2] == [None, None]
+    assert apply(Witness(0, bytes(size), bytes(size)), swarm.of(witness)) == errors.DuplicateWitness.code
+    assert apply(Tick(), authority, advance=config.round_witness_time) is None
+    assert swarm.state.phase == Phase.RoundTrain and swarm.state.round.height == 1
+    checker = next(c for c in swarm.clients() if c != lazy)
+    assert apply(HealthCheck(checker), swarm.of(lazy)) == errors.ClientHealthy.code
+    assert apply(HealthCheck(key(gate)), swarm.of(checker)) == errors.UnknownClient.code
+    assert apply(HealthCheck(lazy), swarm.of(checker)) is None
+    assert swarm.state.clients[swarm.state.client_index(lazy)].health == Health.Unhealthy
+    assert apply(HealthCheck(lazy), swarm.of(checker)) == errors.AlreadyMarked.code
+    assert apply(HealthCheck(checker), swarm.of(lazy)) == errors.NotHealthy.code
+    assert apply(Withdraw(), swarm.of(lazy)) is None
+    assert apply(Withdraw(), swarm.of(lazy)) == errors.NotHealthy.code
+    assert apply(CheckpointReport(CheckpointKind.Hub, "org/model", "v2"), swarm.of(checker)) == \
+        errors.WrongPhase.code
+
+    # Round 1 times out without proofs: the epoch ends, and the lazy client leaves with it.
+    assert apply(Tick(), authority, advance=config.max_round_train_time - 1) == errors.NothingToTick.code
+    assert apply(Tick(), authority, advance=1) is None and swarm.state.phase == Phase.RoundWitness
+    assert apply(Tick(), authority, advance=config.round_witness_time) is None
+    assert swarm.state.phase == Phase.Cooldown and swarm.state.checkpoint.kind == CheckpointKind.P2P
+    assert swarm.state.client_index(lazy) is None
+
+    # Cooldown: a saved checkpoint of every stage ends it early.
+    staying = swarm.clients()
+    assert apply(SetPaused(True), authority) is None
+    trainer = next(c.id for c in swarm.state.clients if c.role == Role.Trainer)
+    assert apply(CheckpointReport(CheckpointKind.Hub, "org/model", "v2"), swarm.of(trainer)) == \
+        errors.NotAWorker.code
+    by_stage = {c.stage: c.id for c in swarm.state.clients if c.role == Role.Worker}
+    assert apply(CheckpointReport(CheckpointKind.P2P, "org/model", "v2"), swarm.of(by_stage[0])) == \
+        errors.InvalidCheckpoint.code
+    assert apply(CheckpointReport(CheckpointKind.Hub, "org/\tmodel", "v2"), swarm.of(by_stage[0])) == \
+        errors.InvalidCheckpoint.code
+    assert apply(CheckpointReport(CheckpointKind.Hub, "org/model", "v2"), swarm.of(by_stage[0])) is None
+    assert apply(CheckpointReport(CheckpointKind.Local, "/ckpt", "v2"), swarm.of(by_stage[1])) is None
+    assert swarm.state.checkpoint.stages_done == 0b010  # a different place starts over
+    assert apply(CheckpointReport(CheckpointKind.Local, "/ckpt", "v2"), swarm.of(by_stage[0])) is None
+    assert apply(CheckpointReport(CheckpointKind.Local, "/ckpt", "v2"), swarm.of(by_stage[2])) is None
+    assert swarm.state.phase == Phase.Paused and swarm.state.epoch == 1  # paused as requested
+    assert [p.id for p in swarm.state.pending] == staying  # queued for the next epoch, in order
+
+    # Resume; a worker that leaves during warmup sends the run back to waiting; then run to the end.
+    assert apply(SetPaused(False), authority) is None
+    assert apply(Tick(), authority) is None and apply(Tick(), authority) is None
+    assert swarm.state.phase == Phase.Warmup
+    leaving = next(c.id for c in swarm.state.clients if c.role == Role.Worker and c.stage == 2)
+    assert apply(Withdraw(), swarm.of(leaving)) is None
+    assert apply(Tick(), authority) is None and swarm.state.phase == Phase.WaitingForMembers
+    assert apply(JoinRun("gated.run-1", Role.Worker, 2), swarm.of(leaving), gate) is None
+    assert apply(Tick(), authority) is None and swarm.state.phase == Phase.Warmup
+    assert apply(Tick(), authority, advance=config.warmup_time) is None
+    for _ in range(10):
+        if swarm.state.phase == Phase.RoundTrain:
+            assert None in swarm.prove(swarm.clients())
+        if swarm.state.phase != Phase.Finished:
+            assert apply(Tick(), authority, advance=config.cooldown_time) is None
+    assert swarm.state.phase == Phase.Finished and swarm.state.step == config.total_steps
+    assert apply(JoinRun("gated.run-1", Role.Trainer), late[1], gate) == errors.RunFinished.code
+    assert apply(SetPaused(False), authority) == errors.RunFinished.code
+    assert apply(Tick(), authority) == errors.RunFinished.code
+
+
+def test_update_checks_the_joiners_already_pending() -> None:
+    replay = started_replay()
+    authority = ALIASES[AUTHORITY]
+    assert replay.apply(SetPaused(True), authority) is None
+    assert replay.apply(Tick(), authority) is None and replay.state.phase == Phase.Paused
+    assert replay.apply(JoinRun(RUN_ID, Role.Worker, 2), ALIASES[IDS[0]]) is None  # joining while paused
+    for identity in IDS[1:5]:
+        assert replay.apply(JoinRun(RUN_ID, Role.Trainer), ALIASES[identity]) is None
+    four = dataclasses.replace(SMALL, max_clients=4)
+    two_stages = dataclasses.replace(SMALL, num_stages=2, min_clients=3)
+    assert replay.apply(Update(four, MODEL, Checkpoint()), authority) == errors.InvalidConfig.code
+    assert replay.apply(Update(two_stages, MODEL, Checkpoint()), authority) == errors.InvalidConfig.code
+    assert replay.apply(Withdraw(), ALIASES[IDS[0]]) is None
+    assert replay.apply(Update(two_stages, MODEL, Checkpoint()), authority) is None
+
+
+@pytest.mark.parametrize("start", [-(2**63) + 1, 2**63 - 100], ids=["earliest", "latest"])
+def test_clock_extremes_match_the_specification(start: int) -> None:
+    """Deadlines past the largest clock time are never reached, as in the specification's integers."""
+    authority = Keypair()
+    replay = Replay(ProgramChain(), authority, RUN_ID, now=start)
+    members = [Keypair.from_seed(bytes([i]) * 32) for i in range(1, 5)]
+    replay.chain.fund(*members)
+    config = dataclasses.replace(SMALL, warmup_time=2**32 - 1)
+    assert replay.apply(Update(config, MODEL, Checkpoint()), authority) is None
+    assert replay.apply(SetPaused(False), authority) is None
+    assert replay.apply(Tick(), authority) is None
+    for i, kp in enumerate(members):
+        assert replay.apply(JoinRun(RUN_ID, Role.Trainer if i == 3 else Role.Worker), kp) is None
+    assert replay.apply(Tick(), authority) is None and replay.state.phase == Phase.Warmup
+    assert replay.apply(Tick(), authority, advance=99) == errors.NothingToTick.code
+    if start < 0:
+        assert replay.apply(Tick(), authority, advance=config.warmup_time - 99) is None
+        assert replay.state.phase == Phase.RoundTrain
+
+
+def full_config() -> Config:
+    """256 clients, 32 witnesses, the default bloom error rate: the largest run the account holds."""
+    slices, bits = bloom_params(limits.MAX_CLIENTS, 0.0009)
+    return Config(min_clients=5, max_clients=limits.MAX_CLIENTS, witness_nodes=limits.MAX_WITNESSES,
+                  witness_quorum=22, num_stages=4, bloom_slices=slices, bloom_bits_per_slice=bits,
+                  warmup_time=30, max_round_train_time=60, round_witness_time=5, cooldown_time=30,
+                  rounds_per_epoch=3, total_steps=100, global_batch_size=1024)
+
+
+def test_full_run_of_256_clients() -> None:
+    """An epoch at full capacity: 256 joins, warmup, three rounds with 32 witnesses, health checks, a
+    withdrawal, a saved checkpoint ending cooldown, and everyone queued for the next epoch."""
+    chain = ProgramChain()
+    authority = Keypair()
+    swarm = Swarm(Replay(chain, authority, "full"))
+    apply = swarm.replay.apply
+    config = full_config()
+    assert apply(Update(config, Model(n_layers=4), Checkpoint()), authority) is None
+    assert apply(SetPaused(False), authority) is None
+    assert apply(Tick(), authority) is None
+    members = swarm.new_members(limits.MAX_CLIENTS)
+    for i, kp in enumerate(members):
+        assert apply(JoinRun("full", Role.Trainer if i % 8 == 7 else Role.Worker), kp) is None
+    assert apply(JoinRun("full", Role.Trainer), swarm.new_members(1)[0]) == errors.RunFull.code
+    assert apply(Tick(), authority, advance=1) is None
+    assert swarm.state.phase == Phase.Warmup and len(swarm.state.clients) == limits.MAX_CLIENTS
+
+    assert swarm.prove(swarm.clients()).count(None) == config.witness_quorum
+    assert swarm.state.phase == Phase.RoundTrain
+    lazy = [c for c in swarm.clients() if c not in rules.witnesses(swarm.state)][:3]
+    assert swarm.prove([c for c in swarm.clients() if c not in lazy]).count(None) == config.witness_nodes
+    assert swarm.state.phase == Phase.RoundWitness  # the quorum ended training early
+    assert apply(Tick(), authority, advance=config.round_witness_time) is None
+    assert swarm.state.round.height == 1
+
+    checker, seen, leaver = [c for c in swarm.clients() if c not in lazy][:3]
+    for target in lazy:
+        assert apply(HealthCheck(target), swarm.of(checker)) is None
+    assert apply(HealthCheck(lazy[0]), swarm.of(checker)) == errors.AlreadyMarked.code
+    assert apply(HealthCheck(seen), swarm.of(checker)) == errors.ClientHealthy.code
+    assert apply(Withdraw(), swarm.of(leaver)) is None
+    assert swarm.prove(swarm.clients()).count(None) >= config.witness_quorum
+    assert apply(Tick(), authority, advance=config.round_witness_time) is None
+    assert swarm.state.round.height == 2 and len(swarm.state.clients) == limits.MAX_CLIENTS - 4
+
+    assert swarm.prove(swarm.clients()).count(None) >= config.witness_quorum
+    assert apply(Tick(), authority, advance=config.round_witness_time) is None
+    assert swarm.state.phase == Phase.Cooldown
+    saver = {c.stage: c.id for c in swarm.state.clients if c.role == Role.Worker}
+    for stage in range(config.num_stages):
+        assert apply(CheckpointReport(CheckpointKind.Hub, "org/model", "step-3"), swarm.of(saver[stage])) is None
+    assert swarm.state.phase == Phase.WaitingForMembers and swarm.state.epoch == 1
+    assert len(swarm.state.pending) == limits.MAX_CLIENTS - 4
