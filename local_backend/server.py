@@ -256,7 +256,9 @@ class CoordinatorServer:
             self.submit(conn.identity, req.instruction, authorizer)
         except CoordinatorError as exc:
             self.stats.rejected += 1
-            log.info("request from %s rejected: %s", conn.identity.hex()[:8], exc)
+            # A tick with nothing due is routine (every client may tick); other rejections are worth a line.
+            level = logging.DEBUG if isinstance(exc, NothingToTick) else logging.INFO
+            log.log(level, "request from %s rejected: %s", conn.identity.hex()[:8], exc)
             return p.Reply(req.sequence, exc.code, f"{type(exc).__name__}: {exc.detail}")
         return p.Reply(req.sequence, p.REPLY_OK, "applied")
 
