@@ -39,6 +39,7 @@ from coordinator_program.state import CoordinatorState, Phase, Role
 log = logging.getLogger("psyswarm.client")
 
 POLL_INTERVAL = 0.5
+QUEUE_LOG_PERIOD = 30.0
 
 
 @dataclasses.dataclass
@@ -72,7 +73,7 @@ class Contributor:
         self.health_checked: set[tuple[int, int]] = set()
         self.saved_epoch: int | None = None
         self.joining = False
-        self.losses: list[tuple[int, int, float]] = []
+        self.queue_logged = -QUEUE_LOG_PERIOD
         self._tasks: set[asyncio.Task] = set()
 
     # --- lifecycle ------------------------------------------------------------------------------------
@@ -152,8 +153,11 @@ class Contributor:
                                             (state.epoch, state.round.height) != self.open_round):
             await self._close_round()
         if index is None:
-            if state.pending_index(self.me) is None and state.phase not in (Phase.Finished, Phase.Uninitialized):
+            position = state.pending_index(self.me)
+            if position is None and state.phase not in (Phase.Finished, Phase.Uninitialized):
                 self._spawn(self._join(state))
+            elif position is not None:
+                self._report_queue(state, position)
             return
         client = state.clients[index]
         if state.phase in (Phase.Warmup, Phase.RoundTrain) and self.prepared_epoch != state.epoch:
@@ -164,6 +168,19 @@ class Contributor:
         if state.phase == Phase.Cooldown and client.role == Role.Worker and self.saved_epoch != state.epoch:
             self.saved_epoch = state.epoch
             self._spawn(self._save_checkpoint(state, client.stage))
+
+    def _report_queue(self, state: CoordinatorState, position: int) -> None:
+        """While queued, say where this client stands, at most every QUEUE_LOG_PERIOD seconds."""
+        now = time.monotonic()
+        if now - self.queue_logged < QUEUE_LOG_PERIOD:
+            return
+        self.queue_logged = now
+        if state.phase == Phase.WaitingForMembers:
+            short = max(0, state.config.min_clients - len(state.pending))
+            why = f"{short} more client(s) needed to start" if short else "waiting for every stage to have a worker"
+        else:
+            why = f"admitted when the run next waits for members (now {state.phase.name}, epoch {state.epoch})"
+        log.info("queued: position %d of %d; %s", position + 1, len(state.pending), why)
 
     async def _join(self, state: CoordinatorState) -> None:
         if self.joining:
@@ -282,7 +299,6 @@ class Contributor:
                                        receipts=receipts)
         assert self.board is not None
         await asyncio.to_thread(self.board.publish, commitment, state.round.height)
-        self.losses.append((state.epoch, state.round.height, loss))
         seconds = time.perf_counter() - started
         log.info("round %d.%d: trained samples %d-%d, loss %.4f, %.0f tokens/s", state.epoch, state.round.height,
                  share.start, share.end, loss, share.size * state.model.seq_len / max(seconds, 1e-9))
