@@ -29,7 +29,7 @@ from solders.keypair import Keypair
 
 from client.backend import Backend, BackendError
 from client.records import Board, Commitment, Ready, Report, receipt_hash
-from client.status import stage_name
+from client.stages import stage_name
 from client.witnessing import judge_round, judge_warmup, unhealthy_clients
 from coordinator_program import limits, rules
 from coordinator_program.config import CheckpointKind

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from client.stages import stage_name
 from coordinator_program import rules
 from coordinator_program.config import CheckpointKind
 from coordinator_program.state import CoordinatorState, Health, Phase, Role
@@ -32,15 +33,6 @@ def stage_counts(state: CoordinatorState) -> str:
     trainers = sum(1 for c in state.clients if c.role == Role.Trainer)
     stages = " ".join(f"{stage_name(i, state.config.num_stages)}={n}" for i, n in enumerate(counts))
     return f"{stages} trainers={trainers}"
-
-
-def stage_name(stage: int, num_stages: int) -> str:
-    """head, body1..bodyK, tail: the names workers announce in the DHT."""
-    if stage == 0:
-        return "head"
-    if stage == num_stages - 1:
-        return "tail"
-    return f"body{stage}"
 
 
 def describe(state: CoordinatorState, now: float) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from client.records import Commitment, Ready, Report
-from client.status import stage_name
+from client.stages import stage_name
 from coordinator_program import rules
 from coordinator_program.bloom import batch_key, build_filter, participant_key
 from coordinator_program.state import CoordinatorState, Health, Role

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from client.stages import stage_names
+
 VOCAB_SIZE = 256  # byte-level tokenizer: a token is one byte of UTF-8 text
 
 
@@ -69,13 +71,6 @@ class ModelConfig:
         """Short hash of the config, carried in DHT records so trainers skip workers of another model."""
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def stage_names(num_stages: int) -> list[str]:
-    """``head, body1, …, bodyK, tail`` for ``num_stages`` = K + 2 stages."""
-    if num_stages < 2:
-        raise ValueError("a pipeline needs at least 2 stages (head and tail)")
-    return ["head", *(f"body{i}" for i in range(1, num_stages - 1)), "tail"]
 
 
 def stage_index(config: ModelConfig, stage: str) -> int:
