@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "client.commands.coordinator",
     "client.commands.pipeline",
     "client.commands.run",
+    "client.commands.solana",
     "client.commands.demo",
 )
 

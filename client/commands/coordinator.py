@@ -1,4 +1,8 @@
-"""Commands that talk to a coordinator: ``serve``, ``status``, ``tick`` and ``keygen``."""
+"""Commands that talk to a coordinator: ``serve``, ``status``, ``tick`` and ``keygen``.
+
+A coordinator is reached either with ``--server`` (the TCP backend) or with ``--url`` and ``--run-id``
+(the Solana program on a cluster); ``open_backend`` checks that exactly one was given.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,20 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from client.identity import DEFAULT_KEYPAIR_PATH
 
-SERVER_HELP = "The TCP coordinator as HOST:PORT (started with `psyswarm serve`)."
+SERVER_HELP = "The TCP coordinator as HOST:PORT (started with `psyswarm serve`); or give --url."
 KEYPAIR_HELP = "Your identity: a Solana keypair file."
+Server = Annotated[str | None, typer.Option(help=SERVER_HELP)]
+Url = Annotated[str | None, typer.Option(help="A Solana cluster instead of --server: an RPC URL or localhost, "
+                                              "devnet, testnet, mainnet-beta (as the Solana CLI's --url).")]
+RunId = Annotated[str | None, typer.Option(help="The run (required with --url: it locates the run on chain).")]
+ProgramId = Annotated[str | None, typer.Option(envvar="PSYSWARM_PROGRAM_ID", help=(
+    "The coordinator program's address on the cluster [default: the project's development program id]."))]
 
 
 def parse_interval(text: str) -> float:
@@ -92,12 +103,41 @@ def open_identity(keypair: Path, *, required: bool):
         raise typer.Exit(1) from None
 
 
-async def connect(server: str, keypair):
-    from client.backend import BackendError
-    from client.tcp_backend import TcpBackend
+def check_target(server: str | None, url: str | None, run_id: str | None) -> None:
+    """A usage error unless exactly one of ``--server`` and ``--url`` is given, and ``--url`` with ``--run-id``."""
+    if (server is None) == (url is None):
+        raise typer.BadParameter("give exactly one of --server (a TCP coordinator) and --url (a Solana cluster)")
+    if url is not None and run_id is None:
+        raise typer.BadParameter("--url needs --run-id: the run id locates the run's accounts on chain")
 
-    backend = TcpBackend(server, keypair)
+
+def open_backend(server: str | None, url: str | None, run_id: str | None, program_id: str | None, keypair):
+    """The backend ``--server`` or ``--url`` names, not yet connected."""
+    check_target(server, url, run_id)
+    if server is not None:
+        from client.tcp_backend import TcpBackend
+
+        return TcpBackend(server, keypair)
+    assert url is not None and run_id is not None
+    from solders.pubkey import Pubkey
+
+    from client.solana_backend import SolanaBackend
+    from coordinator_program.program_id import PROGRAM_ID
+
     try:
+        program = Pubkey.from_string(program_id) if program_id else PROGRAM_ID
+    except ValueError:
+        raise typer.BadParameter(f"--program-id {program_id!r} is not a base58 public key") from None
+    return SolanaBackend(url, keypair, run_id, program_id=program)
+
+
+async def connect(server: str | None, keypair, url: str | None = None, run_id: str | None = None,
+                  program_id: str | None = None):
+    """A connected backend, or exit with the reason it could not connect."""
+    from client.backend import BackendError
+
+    try:
+        backend = open_backend(server, url, run_id, program_id, keypair)
         await backend.connect()
     except BackendError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
@@ -106,7 +146,10 @@ async def connect(server: str, keypair):
 
 
 def status(
-    server: str = typer.Option(..., help=SERVER_HELP),
+    server: Server = None,
+    url: Url = None,
+    run_id: RunId = None,
+    program_id: ProgramId = None,
     keypair: Path = typer.Option(DEFAULT_KEYPAIR_PATH, help=KEYPAIR_HELP),
     watch: bool = typer.Option(False, help="Keep printing the status as the run changes."),
 ) -> None:
@@ -114,7 +157,7 @@ def status(
     from client.status import describe
 
     async def run() -> None:
-        backend = await connect(server, open_identity(keypair, required=False))
+        backend = await connect(server, open_identity(keypair, required=False), url, run_id, program_id)
         try:
             if not watch:
                 typer.echo(describe(backend.state, now=time.time()))
@@ -131,28 +174,36 @@ def status(
 
 
 def tick(
-    server: str = typer.Option(..., help=SERVER_HELP),
+    server: Server = None,
+    url: Url = None,
+    run_id: RunId = None,
+    program_id: ProgramId = None,
     keypair: Path = typer.Option(DEFAULT_KEYPAIR_PATH, help=KEYPAIR_HELP),
     every: str = typer.Option(None, help="Keep ticking at this interval (e.g. 1s); once if omitted."),
 ) -> None:
-    """Move the run forward if a transition is due (anyone may tick)."""
+    """Move the run forward if a transition is due (anyone may tick; on Solana the keypair pays the fee)."""
+    from client.backend import BackendError
     from coordinator_program.errors import CoordinatorError, NothingToTick
 
+    check_target(server, url, run_id)
     interval = parse_interval(every) if every else None
 
     async def run() -> None:
-        backend = await connect(server, open_identity(keypair, required=False))
+        backend = await connect(server, open_identity(keypair, required=url is not None), url, run_id, program_id)
         try:
             while True:
                 before = backend.state.phase
                 try:
-                    await backend.tick()  # the server sends the new state before its reply
+                    await backend.tick()  # both backends have the new state when the tick returns
                     typer.echo(f"ticked: {before.name} -> {backend.state.phase.name}")
                 except NothingToTick:
                     if interval is None:
                         typer.echo(f"nothing to tick: {before.name} has no transition due yet")
                 except CoordinatorError as exc:
                     typer.secho(f"tick rejected: {exc.detail}", fg=typer.colors.RED, err=True)
+                    raise typer.Exit(1) from None
+                except BackendError as exc:
+                    typer.secho(f"tick failed: {exc}", fg=typer.colors.RED, err=True)
                     raise typer.Exit(1) from None
                 if interval is None:
                     return

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from client.commands.coordinator import KEYPAIR_HELP, SERVER_HELP
+from client.commands.coordinator import KEYPAIR_HELP, ProgramId, Server, Url
 from client.commands.pipeline import InitialPeers
 from client.identity import DEFAULT_KEYPAIR_PATH
 
@@ -32,9 +32,11 @@ def parse_stage(text: str | None) -> int:
 
 
 def join_run(
-    server: Annotated[str, typer.Option(help=SERVER_HELP)],
     run_id: Annotated[str, typer.Option(help="The run to join; must match the coordinator's.")],
     role: Annotated[str, typer.Option(help="worker (holds one pipeline stage) or trainer (routes data).")],
+    server: Server = None,
+    url: Url = None,
+    program_id: ProgramId = None,
     initial_peers: InitialPeers = [],  # noqa: B006 - typer reads the default, never mutates it
     stage: Annotated[str | None, typer.Option(help="Ask for a stage (head, body1.., tail); the "
                                                    "coordinator picks the least occupied if omitted.")] = None,
@@ -50,13 +52,13 @@ def join_run(
     import signal
 
     from client.backend import BackendError
-    from client.commands.coordinator import connect, open_identity
+    from client.commands.coordinator import check_target, connect, open_backend, open_identity
     from client.runner import Contributor, RunnerOptions
-    from client.tcp_backend import TcpBackend
     from coordinator_program.state import Role
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly: leave the DHT, close sockets
+    check_target(server, url, run_id)
     if role not in ("worker", "trainer"):
         raise typer.BadParameter(f"--role must be worker or trainer, not {role!r}")
     if not initial_peers:
@@ -71,11 +73,11 @@ def join_run(
     identity = open_identity(keypair, required=True)
 
     async def run() -> None:
-        backend = await connect(server, identity)
+        backend = await connect(server, identity, url, run_id, program_id)
         state = backend.state
         if state.run_id != run_id:
             await backend.close()
-            typer.secho(f"the coordinator at {server} serves run {state.run_id!r}, not {run_id!r}",
+            typer.secho(f"the coordinator at {server or url} serves run {state.run_id!r}, not {run_id!r}",
                         fg=typer.colors.RED, err=True)
             raise typer.Exit(1)
         num_stages = state.config.num_stages
@@ -87,7 +89,7 @@ def join_run(
                                 initial_peers=list(initial_peers), stage=chosen, checkpoint_dir=checkpoint_dir,
                                 host=host, wire_dtype=wire_dtype)
         async def reconnect():
-            fresh = TcpBackend(server, identity)
+            fresh = open_backend(server, url, run_id, program_id, identity)
             await fresh.connect()
             return fresh
 

@@ -86,21 +86,22 @@ def _outcome(result: TransactionMetadata | FailedTransactionMetadata, slot: int)
 
 
 class LocalChain:
-    """One development chain, driven from a single thread (the RPC server's event loop)."""
+    """One development chain with the committed coordinator program at the project's program id, driven from
+    a single thread (the RPC server's event loop). ``clock`` gives the wall time (tests replace it)."""
 
-    def __init__(self, program: bytes | None = None, program_id: Pubkey = PROGRAM_ID,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
-        self.program_id = program_id
+        self.program_id = PROGRAM_ID
         self.svm = (LiteSVM.default().with_builtins(_features()).with_lamports(FAUCET_LAMPORTS).with_sysvars()
                     .with_precompiles().with_sigverify(False).with_blockhash_check(False))
-        self.svm.add_program(program_id, DEFAULT_OUTPUT.read_bytes() if program is None else program)
+        self.svm.add_program(PROGRAM_ID, DEFAULT_OUTPUT.read_bytes())
         self.genesis_time = self._now()
         self.slot = 0
         self._unix_time = self.genesis_time
         self._blockhashes: collections.OrderedDict[Hash, int] = collections.OrderedDict()
         self._statuses: collections.OrderedDict[Signature, Outcome] = collections.OrderedDict()
         self.listeners: list[Callable[[int], None]] = []
+        self._set_clock(self.slot)
         self._remember_blockhash()
 
     # --- time and blocks ------------------------------------------------------------------------------
@@ -141,22 +142,33 @@ class LocalChain:
 
     # --- transactions ---------------------------------------------------------------------------------
 
+    def _refusal(self, tx: VersionedTransaction) -> TransactionErrorType | None:
+        """Why a node refuses ``tx`` before running it: already processed, or its blockhash is unknown or old."""
+        if tx.signatures[0] in self._statuses:
+            return TransactionErrorFieldless.AlreadyProcessed
+        if self.last_valid_block_height(tx.message.recent_blockhash) is None:
+            return TransactionErrorFieldless.BlockhashNotFound
+        return None
+
     def simulate(self, tx: VersionedTransaction, *, verify_signatures: bool = False,
-                 check_blockhash: bool = True) -> Outcome:
-        """Run ``tx`` against the current state as the next block would, committing nothing."""
+                 replace_blockhash: bool = False) -> Outcome:
+        """Run ``tx`` against the current state as the next block would, committing nothing. With
+        ``replace_blockhash``, the transaction's blockhash (and so its identity) does not matter."""
         if verify_signatures and not all(tx.verify_with_results()):
             raise SignatureError("transaction signature verification failure")
-        if check_blockhash and self.last_valid_block_height(tx.message.recent_blockhash) is None:
-            return Outcome(tx.signatures[0], self.slot, TransactionErrorFieldless.BlockhashNotFound, [], 0)
+        refusal = None if replace_blockhash else self._refusal(tx)
+        if refusal is not None:
+            return Outcome(tx.signatures[0], self.slot, refusal, [], 0)
         self._set_clock(self.slot + 1)
-        return _outcome(self.svm.simulate_transaction(tx).meta(), self.slot + 1)
+        result = self.svm.simulate_transaction(tx)  # a failure comes as FailedTransactionMetadata
+        return _outcome(result if isinstance(result, FailedTransactionMetadata) else result.meta(), self.slot + 1)
 
     def send(self, tx: VersionedTransaction, *, preflight: bool = True) -> Outcome | None:
         """Process ``tx`` in a new block, as a validator does with sendTransaction.
 
-        Bad signatures raise ``SignatureError``; with ``preflight``, a transaction that would fail raises
-        ``PreflightError`` and leaves no trace. Without it, a failing transaction is committed with its error
-        (and its fee), and one whose blockhash expired is dropped: None.
+        Bad signatures raise ``SignatureError``; with ``preflight``, a transaction that would fail (or that
+        a node would refuse) raises ``PreflightError`` and leaves no trace. Without it, a failing transaction
+        is committed with its error (and its fee), and a refused one is dropped: None.
         """
         if not all(tx.verify_with_results()):
             raise SignatureError("transaction signature verification failure")
@@ -164,7 +176,7 @@ class LocalChain:
             simulated = self.simulate(tx)
             if simulated.err is not None:
                 raise PreflightError(simulated)
-        elif self.last_valid_block_height(tx.message.recent_blockhash) is None:
+        elif self._refusal(tx) is not None:
             return None
         self.slot += 1
         self._set_clock(self.slot)
