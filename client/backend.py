@@ -34,6 +34,9 @@ class BackendError(RuntimeError):
 class Backend(abc.ABC):
     """A connection to one run's coordinator."""
 
+    ticks_itself: bool = False
+    """Whether the coordinator's host ticks it (the TCP server does); if not, clients tick it."""
+
     def __init__(self) -> None:
         self._state: CoordinatorState | None = None
         self._changed = asyncio.Condition()

@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "client.commands.pipeline",
     "client.commands.run",
     "client.commands.solana",
+    "client.commands.deploy",
     "client.commands.demo",
 )
 

@@ -1,8 +1,9 @@
 """``psyswarm demo``: the whole system on one machine, on the embedded defaults.
 
-It starts the coordinator server, a DHT bootstrap, one worker per pipeline stage and a trainer as separate
-processes on loopback, follows the run with a live view (phase, round, loss, tokens/s, clients per stage),
-and ends with a summary and a loss-curve PNG. Ctrl-C stops every child.
+It starts the coordinator (the TCP server, or with ``--backend solana`` a local chain running the program),
+a DHT bootstrap, one worker per pipeline stage and a trainer as separate processes on loopback, follows the
+run with a live view (phase, round, loss, tokens/s, clients per stage), and ends with a summary and a
+loss-curve PNG. Ctrl-C stops every child.
 """
 
 from __future__ import annotations
@@ -12,12 +13,9 @@ import dataclasses
 import time
 from pathlib import Path
 
-from solders.keypair import Keypair
-
 from client.records import Board, Commitment
 from client.status import stage_counts
 from client.swarm import Swarm
-from client.tcp_backend import TcpBackend
 from coordinator_program.state import CoordinatorState, Phase
 
 DEMO_TOML = """\
@@ -94,7 +92,7 @@ async def follow(swarm: Swarm, view: LiveView, timeout: float) -> CoordinatorSta
     """Watch the run until it finishes, collecting each round's loss from the trainers' commitments."""
     from client.pipeline.discovery import start_dht
 
-    backend = TcpBackend(swarm.address, Keypair())
+    backend = swarm.observer()
     await backend.connect()
     dht = await asyncio.to_thread(start_dht, [swarm.peer])
     board = Board(dht, backend.state.run_id)
@@ -150,13 +148,15 @@ def plot(results: list[RoundResult], path: Path) -> Path:
     return path
 
 
-def run_demo(workdir: Path, epochs: int, rounds: int, timeout: float, out=print) -> list[RoundResult]:
+def run_demo(workdir: Path, epochs: int, rounds: int, timeout: float, out=print,
+             backend: str = "tcp") -> list[RoundResult]:
     """Run the demo end to end; returns each round's result (the CLI prints the summary)."""
     toml = DEMO_TOML.format(rounds=rounds, steps=epochs * rounds)
-    swarm = Swarm(workdir, toml)
+    swarm = Swarm(workdir, toml, backend=backend)
     view = LiveView(out)
+    where = "a local Solana chain running the program" if backend == "solana" else "the coordinator server"
     try:
-        out(f"starting the coordinator, a DHT bootstrap, 3 workers and a trainer (logs in {swarm.logs})")
+        out(f"starting {where}, a DHT bootstrap, 3 workers and a trainer (logs in {swarm.logs})")
         swarm.start_server()
         swarm.start_dht()
         for stage in ("head", "body1", "tail"):

@@ -30,6 +30,7 @@ from solders.keypair import Keypair
 from client.backend import Backend, BackendError
 from client.records import Board, Commitment, Ready, Report, receipt_hash
 from client.stages import stage_name
+from client.ticker import tick_when_due
 from client.witnessing import judge_round, judge_warmup, unhealthy_clients
 from coordinator_program import limits, rules
 from coordinator_program.config import CheckpointKind
@@ -90,6 +91,8 @@ class Contributor:
         self.dht = await asyncio.to_thread(start_dht, self.options.initial_peers, self.options.host)
         self.board = Board(self.dht, self.backend.state.run_id)
         background = asyncio.create_task(self._background())
+        if not self.backend.ticks_itself:
+            self._spawn(tick_when_due(lambda: self.backend))
         try:
             while True:
                 try:

@@ -1,5 +1,6 @@
-"""Start and stop a whole local swarm as separate processes: the coordinator server, a DHT bootstrap, and
-contributor clients. The demo uses it, and so do the multi-process integration tests."""
+"""Start and stop a whole local swarm as separate processes: the coordinator (the TCP server, or a local
+Solana chain running the program), a DHT bootstrap, and contributor clients. The demo uses it, and so do
+the multi-process integration tests."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from solders.keypair import Keypair
 from client.identity import save_keypair
 
 DHT_LINE = "DHT bootstrap listening: --initial-peer "
+CLIENT_LAMPORTS = 10_000_000_000
+"""What the local chain gives each client: its transaction fees for a long run."""
 
 
 def free_port() -> int:
@@ -28,7 +31,10 @@ def free_port() -> int:
 class Swarm:
     """Processes of one local run, each in its own process group and with its own log file."""
 
-    def __init__(self, workdir: Path, state_toml: str, *, threads: int = 1) -> None:
+    def __init__(self, workdir: Path, state_toml: str, *, threads: int = 1, backend: str = "tcp") -> None:
+        if backend not in ("tcp", "solana"):
+            raise ValueError(f"backend must be tcp or solana, not {backend!r}")
+        self.backend = backend
         self.workdir = workdir
         self.logs = workdir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -41,7 +47,13 @@ class Swarm:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        """The coordinator as clients name it: HOST:PORT of the server, or the local chain's RPC URL."""
+        return f"http://127.0.0.1:{self.port}" if self.backend == "solana" else f"127.0.0.1:{self.port}"
+
+    @property
+    def target(self) -> list[str]:
+        """The CLI options that point a command at this swarm's coordinator."""
+        return ["--url", self.address] if self.backend == "solana" else ["--server", self.address]
 
     def _spawn(self, name: str, *args: str) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), PYTHONUNBUFFERED="1")
@@ -57,10 +69,42 @@ class Swarm:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def start_server(self, port: int | None = None) -> None:
+        """Start the coordinator: ``psyswarm serve``, or ``psyswarm localnet`` and ``create-run`` on it."""
+        if self.backend == "solana":
+            self._start_chain()
+            return
         self.port = port or self.port or free_port()
         self._spawn("server", "serve", "--config", str(self.config), "--port", str(self.port),
                     "--db", str(self.workdir / "run.sqlite"))
         self._wait(lambda: _listening(self.port), "the coordinator server", "server")
+
+    def _start_chain(self) -> None:
+        authority = self._keypair("authority")
+        while True:  # the chain takes two ports, RPC and RPC + 1 for websockets
+            self.port = free_port()
+            if not _listening(self.port + 1):
+                break
+        self._spawn("server", "localnet", "--port", str(self.port), "--fund", str(authority))
+        # Ready once it prints its banner, which it does when both ports listen.
+        self._wait(lambda: "psyswarm localnet:" in self.log_text("server"), "the local chain", "server")
+        creator = self._spawn("create-run", "create-run", "--url", self.address, "--keypair", str(authority),
+                              "--config", str(self.config))
+        if creator.wait(120) != 0:
+            raise RuntimeError(f"create-run failed:\n{self.log_text('create-run')[-2000:]}")
+
+    def _keypair(self, name: str) -> Path:
+        key = self.workdir / "keys" / f"{name}.json"
+        if not key.exists():
+            save_keypair(Keypair(), key)
+        return key
+
+    def _fund(self, key: Path) -> None:
+        """Airdrop transaction fees to a client of the local chain."""
+        from solana.rpc.api import Client
+
+        from client.identity import load_keypair
+
+        Client(self.address).request_airdrop(load_keypair(key).pubkey(), CLIENT_LAMPORTS)
 
     def start_dht(self) -> None:
         self._spawn("dht", "dht")
@@ -69,16 +113,26 @@ class Swarm:
         self.peer = line.split(DHT_LINE, 1)[1].strip()
 
     def start_client(self, name: str, role: str, stage: str | None = None) -> Path:
-        key = self.workdir / "keys" / f"{name}.json"
-        if not key.exists():
-            save_keypair(Keypair(), key)
-        args = ["join-run", "--server", self.address, "--run-id", self.run_id(), "--role", role,
+        key = self._keypair(name)
+        if self.backend == "solana":
+            self._fund(key)
+        args = ["join-run", *self.target, "--run-id", self.run_id(), "--role", role,
                 "--initial-peer", self.peer, "--keypair", str(key), "--threads", str(self.threads),
                 "--checkpoint-dir", str(self.workdir / "checkpoints")]
         if stage:
             args += ["--stage", stage]
         self._spawn(name, *args)
         return key
+
+    def observer(self):
+        """A backend that only watches the run (a throwaway identity; it never joins)."""
+        if self.backend == "solana":
+            from client.solana_backend import SolanaBackend
+
+            return SolanaBackend(self.address, Keypair(), self.run_id())
+        from client.tcp_backend import TcpBackend
+
+        return TcpBackend(self.address, Keypair())
 
     def run_id(self) -> str:
         import tomllib

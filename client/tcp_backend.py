@@ -30,6 +30,8 @@ def parse_address(address: str) -> tuple[str, int]:
 class TcpBackend(Backend):
     """Authenticates with the client's keypair, follows the state, and sends signed instructions."""
 
+    ticks_itself = True
+
     def __init__(self, address: str, keypair: Keypair, *, authorizer: Keypair | None = None) -> None:
         super().__init__()
         self.host, self.port = parse_address(address)

@@ -100,6 +100,18 @@ class SetPaused(Instruction):
 
 
 @dataclasses.dataclass(frozen=True)
+class CloseRun(Instruction):
+    """Close a halted run: both of its accounts give their rent back to the main authority and vanish."""
+
+    NAME = "close_run"
+    ACCOUNTS = (
+        AccountMeta("signer", mut=True, signer=True, doc="the run's main authority; receives both accounts' rent"),
+        AccountMeta("coordinatorInstance", mut=True, signer=False, doc="PDA [\"coordinator\", run_id], closed"),
+        AccountMeta("coordinatorAccount", mut=True, signer=False, doc="the run's coordinator account, closed"),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class JoinRun(Instruction):
     run_id: str
     role: Role
@@ -160,6 +172,7 @@ InitCoordinator.LAYOUT = Struct(InitCoordinator, [
 Update.LAYOUT = Struct(Update, [
     Field("config", CONFIG_LAYOUT), Field("model", MODEL_LAYOUT), Field("checkpoint", CHECKPOINT_LAYOUT)])
 SetPaused.LAYOUT = Struct(SetPaused, [Field("paused", BOOL)])
+CloseRun.LAYOUT = Struct(CloseRun, [])
 JoinRun.LAYOUT = Struct(JoinRun, [
     Field("run_id", FixedStr(limits.RUN_ID_BYTES)), Field("role", Enum8(Role)), Field("stage", U8)])
 Tick.LAYOUT = Struct(Tick, [])
@@ -174,7 +187,7 @@ Withdraw.LAYOUT = Struct(Withdraw, [])
 
 INSTRUCTIONS: tuple[type[Instruction], ...] = (
     InitCoordinator, Update, SetPaused, JoinRun, Tick, Witness, WarmupWitness, HealthCheck,
-    CheckpointReport, Withdraw,
+    CheckpointReport, Withdraw, CloseRun,
 )
 _BY_DISCRIMINATOR = {cls.discriminator(): cls for cls in INSTRUCTIONS}
 
@@ -195,7 +208,8 @@ def apply(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, see
     """Apply one instruction from ``signer`` (already authenticated by the backend).
 
     ``authorizer`` is the co-signer of a join (the joiner itself when omitted). Initialisation creates a
-    state rather than changing one, so it goes through ``rules.init_coordinator`` instead.
+    state and closing ends one rather than changing it, so they go through ``rules.init_coordinator`` and
+    ``rules.close_run`` instead, and are refused here.
     """
     match ix:
         case Update(config, model, checkpoint):
@@ -216,8 +230,8 @@ def apply(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, see
             rules.checkpoint(state, signer, kind, repo, revision)
         case Withdraw():
             rules.withdraw(state, signer)
-        case _:
-            raise MalformedInstruction(f"{type(ix).__name__} cannot be applied to an existing run")
+        case _:  # init_coordinator and close_run
+            raise MalformedInstruction(f"{ix.NAME} creates or closes a run: it is not applied to a run's state")
 
 
 TICKS_AFTER = (Witness, WarmupWitness, HealthCheck, CheckpointReport)

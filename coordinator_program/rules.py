@@ -3,7 +3,8 @@
 This module is the executable specification. It is deterministic and does no I/O: the backend passes the
 time (its own clock: Solana's Clock sysvar, or the server's) and the seed of any round the call may start.
 Each operation checks everything first and only then changes the state, so a rejected operation raises a
-``CoordinatorError`` and leaves the state exactly as it was; an accepted one bumps the nonce.
+``CoordinatorError`` and leaves the state exactly as it was; an accepted one bumps the nonce. The exception
+is ``close_run``, which only validates: a run it lets close ceases to exist, so its state is discarded.
 
 The order of the checks is part of the specification: the C program performs them in the same order, so
 that both reject the same operation with the same error.
@@ -158,6 +159,25 @@ def set_paused(state: CoordinatorState, signer: bytes, paused: bool) -> None:
         raise RunFinished("a finished run cannot be paused or resumed")
     state.pause_requested = paused
     state.nonce += 1
+
+
+HALTED_FOR_CLOSING = (Phase.Uninitialized, Phase.Paused, Phase.Finished)
+"""Phases in which nothing is in flight: no epoch holds clients, so closing strands no one's work."""
+
+
+def close_run(state: CoordinatorState, signer: bytes) -> None:
+    """Check that ``signer`` may close the run now; the state is not changed.
+
+    Closing ends the run for good: on chain, both of its accounts give their rent back to the main
+    authority and cease to exist, which is why this rule only validates and the caller discards the state
+    (there is no "closed" phase to record). Checks, in order: the signer is the main authority
+    (``NotAuthorized``), then the run is halted — Uninitialized, Paused or Finished (``NotHalted``).
+    """
+    if signer != state.main_authority:
+        raise NotAuthorized("only the run's main authority may close it")
+    if state.phase not in HALTED_FOR_CLOSING:
+        raise NotHalted(f"pause the run and let it reach Paused, or let it finish, before closing it "
+                        f"(it is in {state.phase.name})")
 
 
 # --- clients ------------------------------------------------------------------------------------------

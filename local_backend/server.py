@@ -20,8 +20,16 @@ from solders.keypair import Keypair
 from client.identity import verify
 from coordinator_program import rules
 from coordinator_program.config import RunSpec
-from coordinator_program.errors import CoordinatorError, NothingToTick
-from coordinator_program.instructions import SetPaused, Tick, Update, Withdraw, apply, decode_instruction
+from coordinator_program.errors import CoordinatorError, MalformedInstruction, NothingToTick
+from coordinator_program.instructions import (
+    CloseRun,
+    SetPaused,
+    Tick,
+    Update,
+    Withdraw,
+    apply,
+    decode_instruction,
+)
 from coordinator_program.state import CoordinatorState, Health, Phase, decode_state, encode_state
 from local_backend import protocol as p
 from local_backend.store import RunStore
@@ -101,6 +109,9 @@ class CoordinatorServer:
         Raises ``CoordinatorError`` (the state untouched) when the coordinator rejects it.
         """
         ix = decode_instruction(instruction)
+        if isinstance(ix, CloseRun):
+            raise MalformedInstruction("close_run returns an on-chain run's rent, and a run on this server has no "
+                                       "rent to return: stop the server to end the run")
         phase = self.state.phase
         apply(self.state, ix, signer, self._now(), secrets.randbits(64), authorizer)
         self.store.save(self.state.run_id, self.state.nonce, encode_state(self.state), signer, instruction)

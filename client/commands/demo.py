@@ -15,17 +15,21 @@ def demo(
     epochs: Annotated[int, typer.Option(min=1, help="Epochs to train.")] = 3,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds (optimizer steps) per epoch.")] = 8,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 900.0,
+    backend: Annotated[str, typer.Option(help="tcp (the centralised server) or solana (the program on a local "
+                                              "chain, ticked by the clients).")] = "tcp",
 ) -> None:
     """Start a coordinator, a DHT and a 3-stage pipeline on this machine and train on the stdlib's sources."""
     import shutil
 
     from client.demo import plot, run_demo
 
+    if backend not in ("tcp", "solana"):
+        raise typer.BadParameter(f"--backend must be tcp or solana, not {backend!r}")
     if workdir.exists():
         shutil.rmtree(workdir)
     started = time.monotonic()
     try:
-        results = run_demo(workdir, epochs, rounds, timeout, out=typer.echo)
+        results = run_demo(workdir, epochs, rounds, timeout, out=typer.echo, backend=backend)
     except KeyboardInterrupt:
         typer.echo("\ninterrupted: every child process was stopped")
         raise typer.Exit(130) from None

@@ -57,6 +57,7 @@ def join_run(
     from coordinator_program.state import Role
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per RPC call drowns the run's own lines
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly: leave the DHT, close sockets
     check_target(server, url, run_id)
     if role not in ("worker", "trainer"):

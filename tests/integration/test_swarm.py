@@ -8,12 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from solders.keypair import Keypair
 
+from client.backend import Backend
 from client.identity import load_keypair
 from client.records import Board, Commitment
 from client.swarm import Swarm
-from client.tcp_backend import TcpBackend
 from coordinator_program.state import CoordinatorState, Phase, Role
 
 TINY = """
@@ -45,34 +44,37 @@ def tiny(min_clients: int = 4, rounds: int = 3, steps: int = 6, train_time: int 
     return TINY.format(min_clients=min_clients, rounds=rounds, steps=steps, train_time=train_time)
 
 
-class Recorder(TcpBackend):
-    """An observer that keeps every state it receives, in order (the base class coalesces for followers)."""
+def recording(backend: Backend) -> list[CoordinatorState]:
+    """Keep every state the backend receives, in order (its followers see a coalesced stream)."""
+    history: list[CoordinatorState] = []
+    publish = backend._publish
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address, Keypair())
-        self.history: list[CoordinatorState] = []
+    async def keep(state: CoordinatorState) -> None:
+        if backend._state is None or state.nonce > backend._state.nonce:
+            history.append(state)
+        await publish(state)
 
-    async def _publish(self, state: CoordinatorState) -> None:
-        if self._state is None or state.nonce > self._state.nonce:
-            self.history.append(state)
-        await super()._publish(state)
+    backend._publish = keep  # type: ignore[method-assign]
+    return history
 
 
 async def watch(swarm: Swarm, until: Callable[[CoordinatorState], bool], timeout: float,
-                on_state: Callable[[CoordinatorState], None] | None = None) -> Recorder:
-    recorder = Recorder(swarm.address)
-    await recorder.connect()
+                on_state: Callable[[CoordinatorState], None] | None = None) -> list[CoordinatorState]:
+    """Follow the run until ``until`` holds; returns every state seen."""
+    observer = swarm.observer()
+    history = recording(observer)
+    await observer.connect()
     try:
         async def loop() -> None:
-            async for state in recorder.updates():
+            async for state in observer.updates():
                 if on_state:
                     on_state(state)
                 if until(state):
                     return
         await asyncio.wait_for(loop(), timeout)
     finally:
-        await recorder.close()
-    return recorder
+        await observer.close()
+    return history
 
 
 def phases_in_order(history: list[CoordinatorState]) -> list[Phase]:
@@ -83,10 +85,10 @@ def phases_in_order(history: list[CoordinatorState]) -> list[Phase]:
     return out
 
 
-def launch(tmp_path: Path, toml: str, workers: list[str], trainers: int = 1) -> Swarm:
+def launch(tmp_path: Path, toml: str, workers: list[str], trainers: int = 1, backend: str = "tcp") -> Swarm:
     """Start a swarm whose clients all enter the first epoch: the last worker (the one that completes the
     pipeline) starts only once every other client is pending, so admission cannot leave one behind."""
-    swarm = Swarm(tmp_path, toml)
+    swarm = Swarm(tmp_path, toml, backend=backend)
     swarm.start_server()
     swarm.start_dht()
     for i, stage in enumerate(workers[:-1]):
@@ -120,14 +122,19 @@ def losses(swarm: Swarm, epochs: int, rounds: int) -> list[float]:
         dht.shutdown()
 
 
-def test_full_lifecycle_over_two_epochs(tmp_path: Path) -> None:
-    swarm = launch(tmp_path, tiny(rounds=4, steps=8), ["head", "body1", "tail"])
+BACKENDS = pytest.mark.parametrize("backend", ["tcp", "solana"])
+
+
+@BACKENDS
+def test_full_lifecycle_over_two_epochs(tmp_path: Path, backend: str) -> None:
+    """On the Solana backend nobody runs a ticker: the clients tick the program themselves."""
+    swarm = launch(tmp_path, tiny(rounds=4, steps=8), ["head", "body1", "tail"], backend=backend)
     try:
-        recorder = asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, 240))
-        seen = phases_in_order(recorder.history)
+        history = asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, 240))
+        seen = phases_in_order(history)
         epoch = [Phase.Warmup] + [Phase.RoundTrain, Phase.RoundWitness] * 4 + [Phase.Cooldown]
         assert seen[-len(epoch) * 2 - 2:] == epoch + [Phase.WaitingForMembers] + epoch + [Phase.Finished], seen
-        final = recorder.history[-1]
+        final = history[-1]
         assert final.step == 8 and final.epoch == 2
         curve = losses(swarm, 2, 4)
         assert len(curve) == 8, curve
@@ -140,8 +147,10 @@ def test_full_lifecycle_over_two_epochs(tmp_path: Path) -> None:
         swarm.stop()
 
 
-def test_killed_client_is_removed_by_health_checks_and_the_run_goes_on(tmp_path: Path) -> None:
-    swarm = launch(tmp_path, tiny(min_clients=4, rounds=30, steps=30), ["head", "body1", "body1", "tail"])
+@BACKENDS
+def test_killed_client_is_removed_by_health_checks_and_the_run_goes_on(tmp_path: Path, backend: str) -> None:
+    swarm = launch(tmp_path, tiny(min_clients=4, rounds=30, steps=30), ["head", "body1", "body1", "tail"],
+                   backend=backend)
     victim = bytes(load_keypair(tmp_path / "keys" / "worker2-body1.json").pubkey())
     assert victim != bytes(load_keypair(tmp_path / "keys" / "worker1-body1.json").pubkey())
     killed_at: list[int] = []
@@ -152,13 +161,13 @@ def test_killed_client_is_removed_by_health_checks_and_the_run_goes_on(tmp_path:
             killed_at.append(state.step)
 
     try:
-        recorder = asyncio.run(watch(
+        history = asyncio.run(watch(
             swarm, lambda s: bool(killed_at) and s.client_index(victim) is None and s.step >= killed_at[0] + 4,
             240, kill_once))
-        final = recorder.history[-1]
+        final = history[-1]
         assert final.phase in (Phase.RoundTrain, Phase.RoundWitness) and final.epoch == 0
         assert len(final.clients) == 4 and final.client_index(victim) is None
-        marked = [s for s in recorder.history if s.client_index(victim) is not None
+        marked = [s for s in history if s.client_index(victim) is not None
                   and s.clients[s.client_index(victim)].health.name == "Unhealthy"]
         assert marked, "the victim left without a health check"
     except (AssertionError, TimeoutError, RuntimeError) as exc:
@@ -177,13 +186,14 @@ def test_a_stage_that_empties_ends_the_epoch(tmp_path: Path) -> None:
             killed.append(state.step)
 
     try:
-        recorder = asyncio.run(watch(swarm, lambda s: bool(killed) and s.phase == Phase.WaitingForMembers, 240,
-                                     kill_tail))
-        cooldowns = [s for s in recorder.history if s.phase == Phase.Cooldown]
+        history = asyncio.run(watch(swarm, lambda s: bool(killed) and s.phase == Phase.WaitingForMembers, 240,
+                                    kill_tail))
+        cooldowns = [s for s in history if s.phase == Phase.Cooldown]
         assert cooldowns and cooldowns[0].step < 30, "the epoch should end early, not after its 30 rounds"
-        waiting = recorder.history[-1]
-        assert waiting.epoch == 1 and len(waiting.pending) == 3
-        assert [p.stage for p in waiting.pending if p.role == Role.Worker] == [0, 1]
+        waiting = history[-1]
+        tail = bytes(load_keypair(tmp_path / "keys" / "worker2-tail.json").pubkey())
+        assert waiting.epoch == 1 and waiting.pending_index(tail) is None and waiting.clients == []
+        assert sorted(p.stage for p in waiting.pending if p.role == Role.Worker) == [0, 1]
     except (AssertionError, TimeoutError, RuntimeError) as exc:
         fail_with_logs(swarm, exc)
     finally:
@@ -200,12 +210,12 @@ def test_a_joiner_mid_round_waits_for_the_next_epoch(tmp_path: Path) -> None:
             late.append(bytes(load_keypair(key).pubkey()))
 
     try:
-        recorder = asyncio.run(watch(swarm, lambda s: s.epoch == 1 and s.phase == Phase.RoundTrain, 240,
-                                     join_late))
-        in_epoch0 = [s for s in recorder.history if s.epoch == 0 and s.pending_index(late[0]) is not None]
+        history = asyncio.run(watch(swarm, lambda s: s.epoch == 1 and s.phase == Phase.RoundTrain, 240,
+                                    join_late))
+        in_epoch0 = [s for s in history if s.epoch == 0 and s.pending_index(late[0]) is not None]
         assert in_epoch0, "the late joiner never showed up as pending"
-        assert all(s.client_index(late[0]) is None for s in recorder.history if s.epoch == 0)
-        assert recorder.history[-1].client_index(late[0]) is not None
+        assert all(s.client_index(late[0]) is None for s in history if s.epoch == 0)
+        assert history[-1].client_index(late[0]) is not None
     except (AssertionError, TimeoutError, RuntimeError) as exc:
         fail_with_logs(swarm, exc)
     finally:
@@ -215,15 +225,15 @@ def test_a_joiner_mid_round_waits_for_the_next_epoch(tmp_path: Path) -> None:
 def test_server_killed_and_restarted_resumes_the_run(tmp_path: Path) -> None:
     swarm = launch(tmp_path, tiny(rounds=4, steps=8), ["head", "body1", "tail"])
     try:
-        before = asyncio.run(watch(swarm, lambda s: s.phase == Phase.RoundTrain and s.step >= 2, 240)).history[-1]
+        before = asyncio.run(watch(swarm, lambda s: s.phase == Phase.RoundTrain and s.step >= 2, 240))[-1]
         swarm.kill("server")
         time.sleep(1)
         swarm.start_server()
-        recorder = asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, 240))
-        resumed = recorder.history[0]
+        history = asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, 240))
+        resumed = history[0]
         assert resumed.nonce >= before.nonce and resumed.step >= before.step
         assert {c.id for c in resumed.clients} == {c.id for c in before.clients}
-        assert recorder.history[-1].step == 8
+        assert history[-1].step == 8
     except (AssertionError, TimeoutError, RuntimeError) as exc:
         fail_with_logs(swarm, exc)
     finally:

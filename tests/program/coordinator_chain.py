@@ -5,6 +5,8 @@ the compute-unit benchmark.
 at a clock the harness sets, and applied to the specification with ``apply_then_tick`` at the same time
 and seed; after each, the account bytes must equal ``encode_state`` of the specification's state, and an
 operation the specification rejects must fail on chain with the same custom error and change nothing.
+``close_run`` is validated by ``rules.close_run``; once accepted, the run's accounts must be gone on chain and
+their lamports credited to the authority.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from solders.transaction_status import InstructionErrorCustom, TransactionErrorI
 from coordinator_program import rules
 from coordinator_program.errors import CoordinatorError
 from coordinator_program.instance import CoordinatorInstance, encode_instance, instance_address
-from coordinator_program.instructions import InitCoordinator, Instruction, apply_then_tick, decode_instruction
+from coordinator_program.instructions import (
+    CloseRun,
+    InitCoordinator,
+    Instruction,
+    apply_then_tick,
+    decode_instruction,
+)
 from coordinator_program.program.build import DEFAULT_OUTPUT
 from coordinator_program.selection import seed_from_clock
 from coordinator_program.state import ACCOUNT_SIZE, CoordinatorState, encode_state
@@ -40,6 +48,8 @@ PROGRAM_PATH: Path = DEFAULT_OUTPUT
 """The committed .so: the tests exercise exactly what users deploy (CI checks it matches the sources)."""
 
 FUNDS = 1_000 * 10**9
+LAMPORTS_PER_SIGNATURE = 5_000
+"""LiteSVM's transaction fee per signature: what the payer loses besides what its instructions move."""
 
 
 def key(keypair: Keypair) -> bytes:
@@ -92,6 +102,15 @@ class ProgramChain:
         assert account is not None, f"account {address} does not exist"
         return bytes(account.data)
 
+    def account_rent(self) -> int:
+        """The rent-exempt minimum of a coordinator account."""
+        return self.svm.minimum_balance_for_rent_exemption(ACCOUNT_SIZE)
+
+    def lamports(self, address: Pubkey) -> int:
+        """The balance of ``address``; 0 for an account that does not exist (or no longer does)."""
+        account = self.svm.get_account(address)
+        return 0 if account is None else account.lamports
+
     def set_data(self, address: Pubkey, data: bytes, owner: Pubkey | None = None) -> None:
         """Overwrite an account (rent exempt for its new size), owned by the program unless told otherwise."""
         lamports = self.svm.minimum_balance_for_rent_exemption(len(data))
@@ -107,23 +126,23 @@ class RunAccounts:
     bump: int
 
 
-def program_instruction(chain: ProgramChain, kind: type[Instruction], accounts: dict[str, Pubkey],
+def program_instruction(program_id: Pubkey, kind: type[Instruction], accounts: dict[str, Pubkey],
                         data: bytes) -> SolanaInstruction:
     """Instruction data for the program, with the accounts of ``kind`` in the order instructions.py (and the
     IDL) declares them."""
     metas = [AccountMeta(accounts[a.name], is_signer=a.signer, is_writable=a.mut) for a in kind.ACCOUNTS]
-    return SolanaInstruction(chain.program_id, data, metas)
+    return SolanaInstruction(program_id, data, metas)
 
 
-def init_instructions(chain: ProgramChain, payer: Keypair, coordinator: Keypair,
+def init_instructions(program_id: Pubkey, rent: int, payer: Keypair, coordinator: Keypair,
                       ix: InitCoordinator) -> tuple[list[SolanaInstruction], RunAccounts]:
-    """The system create_account of the coordinator account, then init_coordinator, as a client sends them."""
-    instance, bump = instance_address(chain.program_id, ix.run_id)
+    """The system create_account of the coordinator account (funded with ``rent``, the rent-exempt minimum of
+    its size), then init_coordinator, as a client sends them."""
+    instance, bump = instance_address(program_id, ix.run_id)
     create = create_account(CreateAccountParams(
-        from_pubkey=payer.pubkey(), to_pubkey=coordinator.pubkey(),
-        lamports=chain.svm.minimum_balance_for_rent_exemption(ACCOUNT_SIZE), space=ACCOUNT_SIZE,
-        owner=chain.program_id))
-    init = program_instruction(chain, InitCoordinator, {
+        from_pubkey=payer.pubkey(), to_pubkey=coordinator.pubkey(), lamports=rent, space=ACCOUNT_SIZE,
+        owner=program_id))
+    init = program_instruction(program_id, InitCoordinator, {
         "payer": payer.pubkey(), "coordinatorInstance": instance, "coordinatorAccount": coordinator.pubkey(),
         "systemProgram": SYSTEM_PROGRAM_ID}, ix.encode())
     return [create, init], RunAccounts(coordinator.pubkey(), instance, bump)
@@ -141,7 +160,8 @@ class Replay:
         self.state: CoordinatorState = rules.init_coordinator(run_id, key(authority), join_authority)
         coordinator = Keypair()  # signs its own creation, as the system program requires
         instructions, self.run = init_instructions(
-            chain, authority, coordinator, InitCoordinator(run_id, key(authority), join_authority))
+            chain.program_id, chain.account_rent(), authority, coordinator,
+            InitCoordinator(run_id, key(authority), join_authority))
         result = chain.send(instructions, [authority, coordinator])
         assert isinstance(result, TransactionMetadata), logs(result)
         self.units = result.compute_units_consumed()
@@ -155,6 +175,25 @@ class Replay:
 
     def check(self) -> None:
         assert self.chain.data(self.run.coordinator) == encode_state(self.state), "program and specification differ"
+
+    def snapshot(self) -> dict[Pubkey, tuple[int, bytes]]:
+        """Lamports and data of the run's two accounts, to prove that a rejected operation changed nothing."""
+        return {address: (self.chain.lamports(address), self.chain.data(address))
+                for address in (self.run.coordinator, self.run.instance)}
+
+    def check_closed(self, before: dict[Pubkey, tuple[int, bytes]], authority_before: int, signatures: int) -> None:
+        """Both accounts are gone and the authority gained their lamports (less the fee it paid).
+
+        Gone means what an address that never held an account looks like: no lamports, no data, owned by
+        the system program (a validator purges it; LiteSVM keeps listing it as such).
+        """
+        for address in before:
+            account = self.chain.svm.get_account(address)
+            assert account is None or (account.lamports, bytes(account.data), account.owner) == (
+                0, b"", SYSTEM_PROGRAM_ID), f"closed account {address} still exists: {account}"
+        reclaimed = sum(lamports for lamports, _ in before.values())
+        gained = self.chain.lamports(self.authority.pubkey()) - authority_before
+        assert gained == reclaimed - signatures * LAMPORTS_PER_SIGNATURE, "the rent did not go to the authority"
 
     def accounts(self, signer: Keypair, authorizer: Keypair | None) -> dict[str, Pubkey]:
         return {"signer": signer.pubkey(), "authorizer": (authorizer or signer).pubkey(),
@@ -175,17 +214,25 @@ class Replay:
         it first (as the TCP backend does), so malformed data must fail alike."""
         self.chain.set_clock(self.now + advance)
         seed = seed_from_clock(self.now, self.chain.slot)
-        before = self.chain.data(self.run.coordinator)
-        instruction = program_instruction(self.chain, kind, self.accounts(signer, authorizer), data)
-        result = self.chain.send([instruction], [signer, authorizer or signer])
+        before = self.snapshot()
+        authority_before = self.chain.lamports(self.authority.pubkey())
+        instruction = program_instruction(self.chain.program_id, kind, self.accounts(signer, authorizer), data)
+        signers = [signer, authorizer or signer]
+        result = self.chain.send([instruction], signers)
         try:
-            apply_then_tick(self.state, decode_instruction(data), key(signer), self.now, seed,
-                            key(authorizer or signer))
+            ix = decode_instruction(data)
+            if isinstance(ix, CloseRun):
+                rules.close_run(self.state, key(signer))
+            else:
+                apply_then_tick(self.state, ix, key(signer), self.now, seed, key(authorizer or signer))
         except CoordinatorError as exc:
             assert instruction_error(result) == InstructionErrorCustom(exc.code), f"{exc}\n{logs(result)}"
-            assert self.chain.data(self.run.coordinator) == before, f"a rejected {kind.NAME} changed the account"
+            assert self.snapshot() == before, f"a rejected {kind.NAME} changed the run's accounts"
             return exc.code
         assert isinstance(result, TransactionMetadata), f"the specification accepted {kind.NAME}:\n{logs(result)}"
         self.units = result.compute_units_consumed()
-        self.check()
+        if isinstance(ix, CloseRun):
+            self.check_closed(before, authority_before, len({kp.pubkey() for kp in signers}))
+        else:
+            self.check()
         return None

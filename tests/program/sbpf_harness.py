@@ -15,12 +15,10 @@ from solders.keypair import Keypair
 from solders.litesvm import FeatureSet, LiteSVM
 from solders.message import Message
 from solders.pubkey import Pubkey
-from solders.system_program import ID as SYSTEM_PROGRAM_ID
-from solders.system_program import CreateAccountParams, create_account
-from solders.sysvar import CLOCK, RENT
 from solders.transaction import VersionedTransaction
 from solders.transaction_metadata import FailedTransactionMetadata, TransactionMetadata
 
+from coordinator_program import deploy
 from coordinator_program.program.build import CLANG, build_shared_object
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -43,23 +41,11 @@ def build_fixture(name: str, out_dir: Path) -> bytes:
     return build_shared_object(fixture_sources(name), out_dir / f"{name}.so")
 
 
-LOADER_V3 = Pubkey.from_string("BPFLoaderUpgradeab1e11111111111111111111111")
 # Features that, when active in LiteSVM's all-enabled set, stop loader-v3 from deploying SBPFv0 programs.
 _V0_DEPLOY_BLOCKERS = {
     Pubkey.from_string("8Cb77yHjPWe9wuWUfXeh6iszFGCDGNCoFk3tprViYHNm"),
     Pubkey.from_string("EmhbpdVtZ2hWRGFWBDjn2i3SJD8Z36z4mpMcZJEnebnP"),
 }
-_BUFFER_HEADER = 37  # UpgradeableLoaderState::Buffer: u32 tag + Option<Pubkey> authority
-_PROGRAM_ACCOUNT_SIZE = 36  # UpgradeableLoaderState::Program: u32 tag + programdata address
-_WRITE_CHUNK = 900  # bytes of program per Write transaction, well under the 1,232-byte limit
-
-
-def _create(payer: Pubkey, new: Pubkey, lamports: int, space: int) -> Instruction:
-    """A system create_account of a loader-v3-owned account (the buffer or the program)."""
-    params = CreateAccountParams(
-        from_pubkey=payer, to_pubkey=new, lamports=lamports, space=space, owner=LOADER_V3
-    )
-    return create_account(params)
 
 
 class DeployError(RuntimeError):
@@ -90,46 +76,21 @@ class Chain:
             self.svm.airdrop(self.payer.pubkey(), 10_000_000_000)
 
     def _deploy(self, program: bytes) -> Pubkey:
+        """The loader-v3 transactions of ``coordinator_program.deploy``, sent straight to the VM."""
         buffer, program_keypair = Keypair(), Keypair()
         payer = self.payer.pubkey()
-        space = _BUFFER_HEADER + len(program)
+        space = deploy.BUFFER_HEADER + len(program)
         rent = self.svm.minimum_balance_for_rent_exemption
-        self._submit(
-            [
-                _create(payer, buffer.pubkey(), rent(space), space),
-                Instruction(
-                    LOADER_V3, (0).to_bytes(4, "little"), [writable(buffer.pubkey()), readonly(payer)]
-                ),
-            ],
-            [buffer],
-        )
-        for offset in range(0, len(program), _WRITE_CHUNK):
-            chunk = program[offset : offset + _WRITE_CHUNK]
-            data = (1).to_bytes(4, "little") + offset.to_bytes(4, "little") + len(chunk).to_bytes(8, "little")
-            accounts = [writable(buffer.pubkey()), readonly(payer, signer=True)]
-            self._submit([Instruction(LOADER_V3, data + chunk, accounts)], [])
+        self._submit([deploy.create_loader_account(payer, buffer.pubkey(), rent(space), space),
+                      deploy.initialize_buffer(buffer.pubkey(), payer)], [buffer])
+        chunk = deploy.write_chunk_size(payer)
+        for offset in range(0, len(program), chunk):
+            self._submit([deploy.write(buffer.pubkey(), payer, offset, program[offset:offset + chunk])], [])
         program_id = program_keypair.pubkey()
-        programdata, _ = Pubkey.find_program_address([bytes(program_id)], LOADER_V3)
-        deploy_accounts = [
-            writable(payer, signer=True),
-            writable(programdata),
-            writable(program_id),
-            writable(buffer.pubkey()),
-            readonly(RENT),
-            readonly(CLOCK),
-            readonly(SYSTEM_PROGRAM_ID),
-            readonly(payer, signer=True),
-        ]
-        size = _PROGRAM_ACCOUNT_SIZE
-        self._submit(
-            [
-                _create(payer, program_id, rent(size), size),
-                Instruction(
-                    LOADER_V3, (2).to_bytes(4, "little") + len(program).to_bytes(8, "little"), deploy_accounts
-                ),
-            ],
-            [program_keypair],
-        )
+        size = deploy.PROGRAM_ACCOUNT_SIZE
+        self._submit([deploy.create_loader_account(payer, program_id, rent(size), size),
+                      deploy.deploy_with_max_data_len(payer, program_id, buffer.pubkey(), payer, len(program))],
+                     [program_keypair])
         # a program deployed in a slot can be invoked from the next one on
         self.svm.warp_to_slot(self.svm.get_clock().slot + 2)
         return program_id

@@ -25,6 +25,7 @@ from coordinator_program.config import Checkpoint, CheckpointKind
 from coordinator_program.instance import INSTANCE_SIZE, CoordinatorInstance, encode_instance, instance_address
 from coordinator_program.instructions import (
     CheckpointReport,
+    CloseRun,
     HealthCheck,
     InitCoordinator,
     Instruction,
@@ -90,7 +91,7 @@ def prepare(ix: Instruction, by_authority: bool) -> Call:
     replay, member = started()
     signer = replay.authority if by_authority else member
     accounts = replay.accounts(signer, None)
-    metas = program_instruction(replay.chain, type(ix), accounts, ix.encode()).accounts
+    metas = program_instruction(replay.chain.program_id, type(ix), accounts, ix.encode()).accounts
     return Call(replay, ix, list(metas), [signer])
 
 
@@ -104,8 +105,10 @@ CALLS: list[tuple[Instruction, bool]] = [
     (HealthCheck(bytes(32)), False),
     (CheckpointReport(CheckpointKind.Hub, "org/m", "main"), False),
     (Withdraw(), False),
+    (CloseRun(), True),
 ]
-WITH_INSTANCE = (Update, SetPaused, JoinRun)
+EVERY = tuple(type(ix) for ix, _ in CALLS)
+WITH_INSTANCE = (Update, SetPaused, JoinRun, CloseRun)
 
 
 def _unsigned(call: Call) -> None:
@@ -115,6 +118,14 @@ def _unsigned(call: Call) -> None:
     signer = call.account("signer")
     call.metas = [AccountMeta(m.pubkey, m.is_signer and m.pubkey != signer, m.is_writable) for m in call.metas]
     call.signers = [payer]
+
+
+def _read_only_authority(call: Call) -> None:
+    """The authority listed read-only: someone else pays the fee, as the payer is always writable."""
+    payer = Keypair()
+    call.replay.chain.fund(payer)
+    call.meta("signer", is_writable=False)
+    call.signers = [payer, *call.signers]
 
 
 def _other_run_instance(call: Call) -> None:
@@ -133,37 +144,39 @@ def _other_bump(call: Call) -> None:
     call.rewrite("coordinatorInstance", lambda d: d[:-1] + bytes([d[-1] ^ 1]))
 
 
-BREAKAGES: dict[str, tuple[Callable[[Call], None], object, bool]] = {
-    # name: (breakage, expected error, applies only to instructions that take the instance)
-    "missing account": (lambda c: c.metas.pop(), Builtin.NotEnoughAccountKeys, False),
-    "signer does not sign": (_unsigned, Builtin.MissingRequiredSignature, False),
+BREAKAGES: dict[str, tuple[Callable[[Call], None], object, tuple[type[Instruction], ...]]] = {
+    # name: (breakage, expected error, the instructions it applies to)
+    "missing account": (lambda c: c.metas.pop(), Builtin.NotEnoughAccountKeys, EVERY),
+    "signer does not sign": (_unsigned, Builtin.MissingRequiredSignature, EVERY),
     "coordinator of another owner": (
         lambda c: c.rewrite("coordinatorAccount", lambda d: d, owner=Pubkey.new_unique()),
-        Builtin.InvalidAccountOwner, False),
+        Builtin.InvalidAccountOwner, EVERY),
     "coordinator read-only": (
-        lambda c: c.meta("coordinatorAccount", is_writable=False), Builtin.Immutable, False),
+        lambda c: c.meta("coordinatorAccount", is_writable=False), Builtin.Immutable, EVERY),
     "coordinator discriminator": (
         lambda c: c.rewrite("coordinatorAccount", lambda d: bytes([d[0] ^ 1]) + d[1:]),
-        Builtin.InvalidAccountData, False),
+        Builtin.InvalidAccountData, EVERY),
     "coordinator truncated": (
-        lambda c: c.rewrite("coordinatorAccount", lambda d: d[:-1]), Builtin.InvalidAccountData, False),
+        lambda c: c.rewrite("coordinatorAccount", lambda d: d[:-1]), Builtin.InvalidAccountData, EVERY),
     "coordinator is the instance": (
-        lambda c: c.meta("coordinatorAccount", pubkey=c.replay.run.instance), Builtin.InvalidAccountData, False),
+        lambda c: c.meta("coordinatorAccount", pubkey=c.replay.run.instance), Builtin.InvalidAccountData, EVERY),
     "instance of another owner": (
         lambda c: c.rewrite("coordinatorInstance", lambda d: d, owner=Pubkey.new_unique()),
-        Builtin.InvalidAccountOwner, True),
+        Builtin.InvalidAccountOwner, WITH_INSTANCE),
     "instance discriminator": (
         lambda c: c.rewrite("coordinatorInstance", lambda d: bytes([d[0] ^ 1]) + d[1:]),
-        Builtin.InvalidAccountData, True),
+        Builtin.InvalidAccountData, WITH_INSTANCE),
     "instance truncated": (
-        lambda c: c.rewrite("coordinatorInstance", lambda d: d[:-1]), Builtin.InvalidAccountData, True),
-    "instance of another run": (_other_run_instance, Builtin.InvalidAccountData, True),
-    "instance not at its PDA": (_forged_instance, Builtin.InvalidSeeds, True),
-    "instance bump tampered": (_other_bump, Builtin.InvalidSeeds, True),
+        lambda c: c.rewrite("coordinatorInstance", lambda d: d[:-1]), Builtin.InvalidAccountData, WITH_INSTANCE),
+    "instance of another run": (_other_run_instance, Builtin.InvalidAccountData, WITH_INSTANCE),
+    "instance not at its PDA": (_forged_instance, Builtin.InvalidSeeds, WITH_INSTANCE),
+    "instance bump tampered": (_other_bump, Builtin.InvalidSeeds, WITH_INSTANCE),
+    "authority read-only": (_read_only_authority, Builtin.Immutable, (CloseRun,)),
+    "instance read-only": (lambda c: c.meta("coordinatorInstance", is_writable=False), Builtin.Immutable, (CloseRun,)),
 }
 
 CASES = [pytest.param(ix, by_authority, name, id=f"{ix.NAME}-{name}") for ix, by_authority in CALLS
-         for name, (_, _, needs_instance) in BREAKAGES.items() if not needs_instance or isinstance(ix, WITH_INSTANCE)]
+         for name, (_, _, kinds) in BREAKAGES.items() if isinstance(ix, kinds)]
 
 
 @pytest.mark.parametrize("ix,by_authority", CALLS, ids=[ix.NAME for ix, _ in CALLS])
@@ -178,10 +191,9 @@ def test_broken_account_fails_and_changes_nothing(ix: Instruction, by_authority:
     call = prepare(ix, by_authority)
     breaker, expected, _ = BREAKAGES[breakage]
     breaker(call)
-    watched = {address: call.replay.chain.data(address)
-               for address in (call.replay.run.coordinator, call.replay.run.instance)}
+    watched = call.replay.snapshot()
     assert instruction_error(call.send()) == expected
-    assert {address: call.replay.chain.data(address) for address in watched} == watched
+    assert call.replay.snapshot() == watched
 
 
 def test_join_needs_the_authorizer_to_sign() -> None:
@@ -236,7 +248,8 @@ def prepare_init(run_id: str = RUN_ID, data: bytes | None = None, chain: Program
     chain = chain or ProgramChain()
     payer, coordinator = Keypair(), Keypair()
     chain.fund(payer)
-    instructions, run = init_instructions(chain, payer, coordinator, InitCoordinator(run_id, key(payer), bytes(32)))
+    instructions, run = init_instructions(chain.program_id, chain.account_rent(), payer, coordinator,
+                                          InitCoordinator(run_id, key(payer), bytes(32)))
     chain.set_data(coordinator.pubkey(), bytes(ACCOUNT_SIZE))
     init = instructions[1]
     if data is not None:

@@ -25,6 +25,7 @@ from coordinator_program.bloom import build_filter, participant_key
 from coordinator_program.config import Checkpoint, CheckpointKind, Config, Model, bloom_params
 from coordinator_program.instructions import (
     CheckpointReport,
+    CloseRun,
     HealthCheck,
     Instruction,
     JoinRun,
@@ -161,6 +162,7 @@ def test_permissioned_run_through_every_instruction() -> None:
     assert apply(SetPaused(False), authority) is None
     assert apply(Tick(), authority, advance=1) is None and swarm.state.phase == Phase.WaitingForMembers
     assert apply(Update(config, MODEL, hub), authority) == errors.NotHalted.code
+    assert apply(CloseRun(), authority) == errors.NotHalted.code
 
     workers, trainers = swarm.new_members(4), swarm.new_members(2)
     assert apply(JoinRun(RUN_ID, Role.Worker), workers[0], gate) == errors.WrongRunId.code
@@ -258,6 +260,35 @@ def test_permissioned_run_through_every_instruction() -> None:
     assert apply(JoinRun("gated.run-1", Role.Trainer), late[1], gate) == errors.RunFinished.code
     assert apply(SetPaused(False), authority) == errors.RunFinished.code
     assert apply(Tick(), authority) == errors.RunFinished.code
+    assert apply(CloseRun(), gate) == errors.NotAuthorized.code
+    assert apply(CloseRun(), authority) is None  # Replay checks the accounts are gone and the rent returned
+
+
+@pytest.mark.parametrize("phase", [Phase.Uninitialized, Phase.Paused, Phase.RoundTrain])
+def test_close_run_returns_the_rent_of_a_halted_run(phase: Phase) -> None:
+    """Closing needs a halted run; once closed, the run id is free for a new run on the same chain."""
+    chain = ProgramChain()
+    authority, member = Keypair(), Keypair()
+    replay = Replay(chain, authority, RUN_ID)
+    chain.fund(member)
+    if phase != Phase.Uninitialized:
+        assert replay.apply(Update(SMALL, MODEL, Checkpoint()), authority) is None
+    if phase == Phase.RoundTrain:
+        assert replay.apply(SetPaused(False), authority) is None
+        assert replay.apply(Tick(), authority) is None
+        for i, kp in enumerate(Keypair.from_seed(bytes([i]) * 32) for i in range(1, 5)):
+            chain.fund(kp)
+            assert replay.apply(JoinRun(RUN_ID, Role.Trainer if i == 3 else Role.Worker), kp) is None
+        assert replay.apply(Tick(), authority) is None
+        assert replay.apply(Tick(), authority, advance=SMALL.warmup_time) is None
+    assert replay.state.phase == phase
+    assert replay.apply(CloseRun(), member) == errors.NotAuthorized.code
+    if phase == Phase.RoundTrain:
+        assert replay.apply(CloseRun(), authority) == errors.NotHalted.code
+        return
+    assert replay.apply(CloseRun(), authority) is None
+    again = Replay(chain, authority, RUN_ID)
+    assert again.run.instance == replay.run.instance and again.state.phase == Phase.Uninitialized
 
 
 def test_update_checks_the_joiners_already_pending() -> None:

@@ -18,6 +18,7 @@ from coordinator_program import errors
 from coordinator_program.config import Checkpoint, CheckpointKind
 from coordinator_program.instructions import (
     CheckpointReport,
+    CloseRun,
     HealthCheck,
     Instruction,
     JoinRun,
@@ -71,6 +72,7 @@ CASES: list[tuple[str, bytes, type[Instruction]]] = [
     ("short discriminator", Tick.discriminator()[:7], Tick),
     ("unknown discriminator", b"\x01" * 8, Tick),
     ("trailing byte", Tick().encode() + b"\0", Tick),
+    ("close_run with an argument", CloseRun().encode() + b"\0", CloseRun),
     ("bool 2", SetPaused.discriminator() + b"\x02", SetPaused),
     ("role 2", JoinRun(RUN_ID, Role.Worker).encode()[:-2] + b"\x02\xff", JoinRun),
     ("checkpoint kind 4", CheckpointReport.discriminator() + b"\x04" + SAMPLES[7].encode()[9:], CheckpointReport),

@@ -29,6 +29,7 @@ from coordinator_program.instance import (
 from coordinator_program.instructions import (
     INSTRUCTIONS,
     CheckpointReport,
+    CloseRun,
     HealthCheck,
     InitCoordinator,
     Instruction,
@@ -144,6 +145,7 @@ SAMPLES: list[Instruction] = [
     HealthCheck(b"\x09" * 32),
     CheckpointReport(CheckpointKind.Local, "/tmp/ckpt", "epoch-3"),
     Withdraw(),
+    CloseRun(),
 ]
 
 

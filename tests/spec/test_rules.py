@@ -9,6 +9,7 @@ import pytest
 from coordinator_program import errors, limits, rules
 from coordinator_program.bloom import build_filter
 from coordinator_program.config import Checkpoint, CheckpointKind, Config
+from coordinator_program.instructions import CloseRun, InitCoordinator, apply
 from coordinator_program.state import CoordinatorState, Health, Phase, Role, encode_state
 from tests.spec.scenario import (
     AUTHORITY,
@@ -423,6 +424,35 @@ def test_update_rules() -> None:
     rules.set_paused(state, AUTHORITY, False)
     rules.tick(state, 0, 1)
     assert_rejected(state, errors.NotHalted, lambda: rules.update(state, AUTHORITY, SMALL, MODEL, Checkpoint()))
+
+
+def test_close_run_only_by_the_main_authority_of_a_halted_run() -> None:
+    fresh = rules.init_coordinator(RUN_ID, AUTHORITY, bytes(32))
+    assert_rejected(fresh, errors.NotAuthorized, lambda: rules.close_run(fresh, ident(1)))
+    rules.close_run(fresh, AUTHORITY)  # Uninitialized
+    paused = new_run(started=False)
+    rules.close_run(paused, AUTHORITY)
+    state = new_run(replace(SMALL, total_steps=1))
+    assert_rejected(state, errors.NotHalted, lambda: rules.close_run(state, AUTHORITY))  # WaitingForMembers
+    assert_rejected(state, errors.NotAuthorized, lambda: rules.close_run(state, ident(1)))  # authority first
+    join_pipeline(state)
+    now = start_training(state)
+    assert_rejected(state, errors.NotHalted, lambda: rules.close_run(state, AUTHORITY))  # RoundTrain
+    now = finish_round(state, now)
+    assert state.phase == Phase.Cooldown
+    assert_rejected(state, errors.NotHalted, lambda: rules.close_run(state, AUTHORITY))
+    rules.tick(state, now + SMALL.cooldown_time, 1)
+    assert state.phase == Phase.Finished
+    assert_rejected(state, errors.NotAuthorized, lambda: rules.close_run(state, ident(1)))
+    before = encode_state(state)
+    rules.close_run(state, AUTHORITY)
+    assert encode_state(state) == before  # validation only: the caller discards the state
+
+
+@pytest.mark.parametrize("ix", [CloseRun(), InitCoordinator(RUN_ID, AUTHORITY, bytes(32))], ids=lambda ix: ix.NAME)
+def test_apply_refuses_the_instructions_that_create_or_close_a_run(ix: CloseRun | InitCoordinator) -> None:
+    state = new_run(started=False)
+    assert_rejected(state, errors.MalformedInstruction, lambda: apply(state, ix, AUTHORITY, 0, 1))
 
 
 def test_run_id_rules() -> None:

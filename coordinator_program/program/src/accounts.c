@@ -41,9 +41,11 @@ static uint64_t check_instance(const psy_account_t *instance, const psy_account_
 }
 
 uint64_t psy_bind_accounts(const psy_input_t *in, psy_op_t *op) {
-  /* [signer, authorizer (join_run), instance (update, set_paused, join_run), coordinator account] */
+  /* [signer, authorizer (join_run), instance (update, set_paused, join_run, close_run), coordinator account] */
   uint64_t signers = op->kind == PSY_OP_JOIN_RUN ? 2 : 1;
-  bool with_instance = op->kind == PSY_OP_UPDATE || op->kind == PSY_OP_SET_PAUSED || op->kind == PSY_OP_JOIN_RUN;
+  bool closing = op->kind == PSY_OP_CLOSE_RUN;
+  bool with_instance =
+      op->kind == PSY_OP_UPDATE || op->kind == PSY_OP_SET_PAUSED || op->kind == PSY_OP_JOIN_RUN || closing;
   uint64_t needed = signers + (with_instance ? 1 : 0) + 1;
   if (in->total_accounts < needed) {
     return PSY_ERROR_NOT_ENOUGH_ACCOUNT_KEYS;
@@ -52,6 +54,9 @@ uint64_t psy_bind_accounts(const psy_input_t *in, psy_op_t *op) {
     if (!in->accounts[i].is_signer) {
       return PSY_ERROR_MISSING_REQUIRED_SIGNATURES;
     }
+  }
+  if (closing && (!in->accounts[0].is_writable || !in->accounts[1].is_writable)) {
+    return PSY_ERROR_IMMUTABLE; /* the authority receives the lamports the instance gives up */
   }
   const psy_account_t *coordinator = &in->accounts[needed - 1];
   uint64_t err = psy_check_coordinator_account(coordinator, in->program_id);
@@ -68,6 +73,7 @@ uint64_t psy_bind_accounts(const psy_input_t *in, psy_op_t *op) {
     }
   }
   op->state = coordinator->data;
+  op->accounts = in->accounts;
   op->signer = in->accounts[0].key->bytes;
   op->authorizer = in->accounts[signers - 1].key->bytes;
   return PSY_SUCCESS;

@@ -35,6 +35,7 @@ typedef enum {
   PSY_OP_HEALTH_CHECK,
   PSY_OP_CHECKPOINT,
   PSY_OP_WITHDRAW,
+  PSY_OP_CLOSE_RUN,
 } psy_op_kind_t;
 
 /* The two filters of a witness or warmup witness instruction (pointers into the instruction data). */
@@ -50,6 +51,7 @@ typedef struct {
   const uint8_t *data;       /* the instruction data, validated as decode_instruction would */
   psy_proof_t proof;         /* witness and warmup_witness only */
   uint8_t *state;            /* the coordinator account's data, from its discriminator */
+  psy_account_t *accounts;   /* the instruction's accounts in order (close_run moves their lamports) */
   const uint8_t *signer;     /* key of the acting account */
   const uint8_t *authorizer; /* join_run's co-signer */
   int64_t now;               /* Clock.unix_timestamp, for the operations that tick */
@@ -73,7 +75,7 @@ bool psy_text_printable(const uint8_t *field, uint64_t size);
 
 /* The coordinator account is owned by this program, writable and exactly the layout's size. */
 uint64_t psy_check_coordinator_account(const psy_account_t *a, const psy_pubkey_t *program_id);
-/* Checks the accounts of op->kind and sets op->state, op->signer and op->authorizer. */
+/* Checks the accounts of op->kind and sets op->state, op->accounts, op->signer and op->authorizer. */
 uint64_t psy_bind_accounts(const psy_input_t *in, psy_op_t *op);
 /* init_coordinator: checks its data and accounts, creates the instance PDA, writes the initial state. */
 uint64_t psy_init_coordinator(const psy_input_t *in);
@@ -173,6 +175,8 @@ uint64_t psy_set_paused(const psy_op_t *op);
 uint64_t psy_join(const psy_op_t *op);
 uint64_t psy_withdraw(const psy_op_t *op);
 uint64_t psy_checkpoint(const psy_op_t *op);
+/* rules.close_run, then the close itself: both accounts' lamports go to the authority and they cease to exist. */
+uint64_t psy_close_run(const psy_op_t *op);
 uint64_t psy_witness(const psy_op_t *op);
 uint64_t psy_warmup_witness(const psy_op_t *op);
 uint64_t psy_health_check(const psy_op_t *op);

@@ -26,6 +26,8 @@ static uint64_t apply(const psy_op_t *op) {
       return psy_health_check(op);
     case PSY_OP_CHECKPOINT:
       return psy_checkpoint(op);
+    case PSY_OP_CLOSE_RUN:
+      return psy_close_run(op);
     default:
       return psy_withdraw(op);
   }

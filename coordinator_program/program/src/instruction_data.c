@@ -88,6 +88,10 @@ uint64_t psy_decode_instruction(const uint8_t *data, uint64_t len, psy_op_t *op)
       op->kind = PSY_OP_WITHDRAW;
       ok = len == PSY_IX_WITHDRAW_DATA_SIZE;
       break;
+    case PSY_IX_CLOSE_RUN_DISCRIMINATOR:
+      op->kind = PSY_OP_CLOSE_RUN;
+      ok = len == PSY_IX_CLOSE_RUN_DATA_SIZE;
+      break;
     default:
       ok = false; /* an unknown discriminator (init_coordinator never reaches here) */
   }

@@ -1,5 +1,5 @@
-/* rules.c: the administrative and membership operations of rules.py (update, set_paused, join, withdraw,
- * checkpoint), each checking in the specification's order before it writes anything. */
+/* rules.c: the administrative and membership operations of rules.py (update, set_paused, close_run, join,
+ * withdraw, checkpoint), each checking in the specification's order before it writes anything. */
 #include "coordinator.h"
 
 static uint64_t phase_of(const uint8_t *s) { return PSY_ACCOUNT_PHASE_GET(s); }
@@ -59,6 +59,38 @@ uint64_t psy_set_paused(const psy_op_t *op) {
   }
   PSY_ACCOUNT_PAUSE_REQUESTED_SET(s, op->data[PSY_IX_SET_PAUSED_PAUSED_OFFSET]);
   psy_bump_nonce(s);
+  return PSY_SUCCESS;
+}
+
+/* Gives `account`'s lamports to `to` and leaves it as an account that never existed: no lamports, no data,
+ * owned by the system program. A validator purges an account with no lamports when the transaction ends,
+ * but a VM that keeps it (LiteSVM) would otherwise still show it owned by this program, and the system
+ * program would refuse to create the instance PDA of the same run id again. The data is zeroed before it
+ * is shrunk, so nothing later in the transaction reads it as a run either way. Writing the serialized
+ * length (the u64 just before the data) is how a program resizes an account; the runtime accepts the
+ * new owner because the account is this program's, writable and now empty. */
+static void close_account(psy_account_t *account, psy_account_t *to) {
+  uint64_t lamports = *account->lamports;
+  sol_memset_(account->data, 0, account->data_len);
+  psy_store_u64(account->data - sizeof(uint64_t), 0);
+  account->data_len = 0;
+  *account->owner = (psy_pubkey_t){{0}};
+  *account->lamports = 0;
+  *to->lamports += lamports; /* read before the zeroing, so an authority closing itself keeps them */
+}
+
+uint64_t psy_close_run(const psy_op_t *op) {
+  uint8_t *s = op->state;
+  if (!psy_key_eq(op->signer, s + PSY_ACCOUNT_MAIN_AUTHORITY_OFFSET)) {
+    return PSY_ERR_NOT_AUTHORIZED;
+  }
+  uint64_t phase = phase_of(s);
+  if (phase != PSY_PHASE_UNINITIALIZED && phase != PSY_PHASE_PAUSED && phase != PSY_PHASE_FINISHED) {
+    return PSY_ERR_NOT_HALTED;
+  }
+  /* [authority, instance, coordinator account], checked by psy_bind_accounts */
+  close_account(&op->accounts[1], &op->accounts[0]);
+  close_account(&op->accounts[2], &op->accounts[0]);
   return PSY_SUCCESS;
 }
 
