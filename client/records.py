@@ -148,3 +148,14 @@ class Board:
                 continue
             out[record.author] = record
         return out
+
+
+def last_loss(board: Board, epoch: int, round_: int, rounds_per_epoch: int) -> tuple[int, int, float] | None:
+    """The newest round with commitments, at or before (epoch, round), and its sample-weighted mean loss."""
+    for e in range(epoch, max(epoch - 2, -1), -1):
+        for r in range(round_ if e == epoch else rounds_per_epoch - 1, -1, -1):
+            found = list(board.fetch(Commitment, e, r).values())
+            if found:
+                samples = sum(c.end - c.start for c in found)  # type: ignore[attr-defined]
+                return e, r, sum(c.loss * (c.end - c.start) for c in found) / max(samples, 1)  # type: ignore
+    return None

@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 
+from client.commands.pipeline import InitialPeers
 from client.identity import DEFAULT_KEYPAIR_PATH
 
 SERVER_HELP = "The TCP coordinator as HOST:PORT (started with `psyswarm serve`); or give --url."
@@ -152,25 +153,49 @@ def status(
     program_id: ProgramId = None,
     keypair: Path = typer.Option(DEFAULT_KEYPAIR_PATH, help=KEYPAIR_HELP),
     watch: bool = typer.Option(False, help="Keep printing the status as the run changes."),
+    initial_peers: InitialPeers = [],  # noqa: B006 - typer reads the default, never mutates it
 ) -> None:
-    """Show the run: phase, epoch, round, clients per stage, witnesses, checkpoint."""
+    """Show the run: phase, epoch, round, clients per stage, witnesses, checkpoint; with the run's DHT
+    (--initial-peer), also the last loss the trainers committed."""
     from client.status import describe
 
     async def run() -> None:
         backend = await connect(server, open_identity(keypair, required=False), url, run_id, program_id)
+        board = await asyncio.to_thread(open_board, initial_peers, backend.state.run_id) if initial_peers else None
         try:
-            if not watch:
-                typer.echo(describe(backend.state, now=time.time()))
-                return
             async for state in backend.updates():
-                typer.echo(describe(state, now=time.time()) + "\n")
+                text = describe(state, now=time.time())
+                if board is not None:
+                    text += "\n" + await asyncio.to_thread(loss_line, board, state)
+                typer.echo(text + ("\n" if watch else ""))
+                if not watch:
+                    return
         finally:
             await backend.close()
+            if board is not None:
+                await asyncio.to_thread(board.dht.shutdown)
 
     try:
         asyncio.run(run())
     except KeyboardInterrupt:
         pass
+
+
+def open_board(initial_peers: list[str], run_id: str):
+    from client.pipeline.discovery import start_dht
+    from client.records import Board
+
+    return Board(start_dht(initial_peers), run_id)
+
+
+def loss_line(board, state) -> str:
+    from client.records import last_loss
+
+    found = last_loss(board, state.epoch, state.round.height, state.config.rounds_per_epoch)
+    if found is None:
+        return "last loss: none committed yet"
+    epoch, round_, loss = found
+    return f"last loss: {loss:.4f} (epoch {epoch}, round {round_ + 1})"
 
 
 def tick(

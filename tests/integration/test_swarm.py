@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -141,6 +143,10 @@ def test_full_lifecycle_over_two_epochs(tmp_path: Path, backend: str) -> None:
         assert sum(curve[-2:]) / 2 < sum(curve[:2]) / 2 - 0.3, f"the loss did not go down: {curve}"
         checkpoints = sorted((tmp_path / "checkpoints" / "it").glob("epoch-*/*.pt"))
         assert [p.name for p in checkpoints] == ["body1.pt", "head.pt", "tail.pt"] * 2
+        status = subprocess.run([sys.executable, "-m", "client.cli", "status", *swarm.target, "--run-id", "it",
+                                 "--initial-peer", swarm.peer], capture_output=True, text=True, timeout=120)
+        assert status.returncode == 0, status.stderr
+        assert "Finished" in status.stdout and f"last loss: {curve[-1]:.4f} (epoch 1, round 4)" in status.stdout
     except (AssertionError, TimeoutError, RuntimeError) as exc:
         fail_with_logs(swarm, exc)
     finally:
