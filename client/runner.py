@@ -28,6 +28,7 @@ import torch
 from solders.keypair import Keypair
 
 from client.backend import Backend, BackendError
+from client.checkpoints import revision_for, save_stage, upload_stage
 from client.records import Board, Commitment, Ready, Report, receipt_hash
 from client.stages import stage_name
 from client.ticker import tick_when_due
@@ -51,6 +52,9 @@ class RunnerOptions:
     checkpoint_dir: Path = Path("checkpoints")
     host: str = "127.0.0.1"
     wire_dtype: str = "float32"
+    hub_repo: str | None = None  # save checkpoints to this Hugging Face repo rather than checkpoint_dir
+    hf_token: str | None = None
+    hf_endpoint: str | None = None
 
 
 class Contributor:
@@ -362,24 +366,26 @@ class Contributor:
     # --- cooldown -------------------------------------------------------------------------------------
 
     async def _save_checkpoint(self, state: CoordinatorState, stage: int) -> None:
+        """Save this worker's stage (and upload it, for a Hub checkpoint), then report it to the coordinator."""
         if self.worker is None:
             return
-        run_dir = (self.options.checkpoint_dir / state.run_id).resolve()
-        revision = f"epoch-{state.epoch}"
-        target = run_dir / revision / f"{self.worker.stage}.pt"
-
-        def save() -> None:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with self.worker.backend.lock:
-                state_dict = {k: v.clone() for k, v in self.worker.backend.module.state_dict().items()}
-            tmp = target.with_suffix(".tmp")
-            torch.save(state_dict, tmp)
-            tmp.replace(target)
-
-        await asyncio.to_thread(save)
+        revision = revision_for(state.epoch)
+        directory = (self.options.checkpoint_dir / state.run_id).resolve() / revision
+        with self.worker.backend.lock:
+            tensors = {k: v.detach().clone() for k, v in self.worker.backend.module.state_dict().items()}
         try:
-            await self.backend.checkpoint(CheckpointKind.Local, str(run_dir), revision)
-            log.info("epoch %d: stage %s saved to %s", state.epoch, self.worker.stage, target)
+            files = await asyncio.to_thread(save_stage, directory, self.worker.stage, tensors, state.step)
+            if self.options.hub_repo:
+                await asyncio.to_thread(upload_stage, files, self.options.hub_repo, revision,
+                                        token=self.options.hf_token, endpoint=self.options.hf_endpoint)
+        except Exception as exc:  # a full disk or an unreachable Hub: peers still hold the model (P2P)
+            log.warning("epoch %d: could not save stage %s: %s", state.epoch, self.worker.stage, exc)
+            return
+        kind, repo = ((CheckpointKind.Hub, self.options.hub_repo) if self.options.hub_repo
+                      else (CheckpointKind.Local, str(directory.parent)))
+        try:
+            await self.backend.checkpoint(kind, repo, revision)
+            log.info("epoch %d: stage %s saved to %s@%s", state.epoch, self.worker.stage, repo, revision)
         except CoordinatorError as exc:
             log.warning("checkpoint not recorded: %s", exc.detail)
 

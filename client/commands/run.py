@@ -47,6 +47,13 @@ def join_run(
     wire_dtype: Annotated[str, typer.Option(help="Activations on the wire: float32, float16 or bfloat16.")] = (
         "float32"),
     threads: Annotated[int, typer.Option(help="torch threads (0: torch's default).")] = 0,
+    hub_repo: Annotated[str | None, typer.Option(help="A worker saves its stage at each epoch's end to this "
+                                                      "Hugging Face repo (branch epoch-N) instead of "
+                                                      "--checkpoint-dir.")] = None,
+    hf_token: Annotated[str | None, typer.Option(
+        envvar="HF_TOKEN", help="Hugging Face token for --hub-repo [default: the huggingface_hub login].")] = None,
+    hf_endpoint: Annotated[str | None, typer.Option(envvar="HF_ENDPOINT", help="Hugging Face endpoint (for a "
+                                                                               "mirror or a private hub).")] = None,
 ) -> None:
     """Join a run and contribute until it finishes: queue, load the model at warmup, train each round."""
     import signal
@@ -88,7 +95,8 @@ def join_run(
             raise typer.BadParameter(f"this run has {num_stages} stages; {stage!r} is not one of them")
         options = RunnerOptions(role=Role.Worker if role == "worker" else Role.Trainer,
                                 initial_peers=list(initial_peers), stage=chosen, checkpoint_dir=checkpoint_dir,
-                                host=host, wire_dtype=wire_dtype)
+                                host=host, wire_dtype=wire_dtype, hub_repo=hub_repo, hf_token=hf_token,
+                                hf_endpoint=hf_endpoint)
         async def reconnect():
             fresh = open_backend(server, url, run_id, program_id, identity)
             await fresh.connect()
