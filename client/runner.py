@@ -28,7 +28,7 @@ import torch
 from solders.keypair import Keypair
 
 from client.backend import Backend, BackendError
-from client.checkpoints import revision_for, save_stage, upload_stage
+from client.checkpoints import fetch_stage, revision_for, save_stage, upload_stage
 from client.records import Board, Commitment, Ready, Report, receipt_hash
 from client.stages import stage_name
 from client.ticker import tick_when_due
@@ -258,7 +258,8 @@ class Contributor:
         self.worker = StageWorker(self.model_config(state), name, keypair=self.keypair, dht=self.dht,
                                   run_id=state.run_id, host=self.options.host,
                                   optimizer=OptimizerConfig(lr=state.model.learning_rate_micros / 1e6))
-        source = checkpoint_file(state, stage)
+        source = fetch_stage(state.checkpoint, stage, name, token=self.options.hf_token,
+                             endpoint=self.options.hf_endpoint)
         if source is not None:
             saved = torch.load(source, weights_only=True)
             with self.worker.backend.lock:
@@ -388,15 +389,6 @@ class Contributor:
             log.info("epoch %d: stage %s saved to %s@%s", state.epoch, self.worker.stage, repo, revision)
         except CoordinatorError as exc:
             log.warning("checkpoint not recorded: %s", exc.detail)
-
-
-def checkpoint_file(state: CoordinatorState, stage: int) -> Path | None:
-    """Where to load a stage from: a Local checkpoint that holds it (or the last one, when the run says P2P)."""
-    cp = state.checkpoint
-    if cp.repo == "" or not cp.stages_done >> stage & 1 and cp.kind != CheckpointKind.P2P:
-        return None
-    path = Path(cp.repo) / cp.revision / f"{stage_name(stage, state.config.num_stages)}.pt"
-    return path if path.exists() else None
 
 
 class ClientDirectory:

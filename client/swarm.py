@@ -112,7 +112,7 @@ class Swarm:
         line = next(x for x in self.log_text("dht").splitlines() if DHT_LINE in x)
         self.peer = line.split(DHT_LINE, 1)[1].strip()
 
-    def start_client(self, name: str, role: str, stage: str | None = None) -> Path:
+    def start_client(self, name: str, role: str, stage: str | None = None, extra: tuple[str, ...] = ()) -> Path:
         key = self._keypair(name)
         if self.backend == "solana":
             self._fund(key)
@@ -121,7 +121,7 @@ class Swarm:
                 "--checkpoint-dir", str(self.workdir / "checkpoints")]
         if stage:
             args += ["--stage", stage]
-        self._spawn(name, *args)
+        self._spawn(name, *args, *extra)
         return key
 
     def observer(self):

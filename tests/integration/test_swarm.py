@@ -16,6 +16,7 @@ from client.identity import load_keypair
 from client.records import Board, Commitment
 from client.swarm import Swarm
 from coordinator_program.state import CoordinatorState, Phase, Role
+from tests.fake_hub import FakeHub
 
 TINY = """
 run_id = "it"
@@ -244,3 +245,29 @@ def test_server_killed_and_restarted_resumes_the_run(tmp_path: Path) -> None:
         fail_with_logs(swarm, exc)
     finally:
         swarm.stop()
+
+
+def test_workers_checkpoint_to_the_hub_and_cooldown_ends_when_every_stage_is_saved(tmp_path: Path) -> None:
+    hub = FakeHub().start()
+    try:
+        swarm = Swarm(tmp_path, tiny(rounds=2, steps=4).replace("cooldown_time = 5", "cooldown_time = 600"))
+        swarm.start_server()
+        swarm.start_dht()
+        hub_args = ("--hub-repo", "org/run", "--hf-token", "token", "--hf-endpoint", hub.url)
+        swarm.start_client("trainer", "trainer")
+        for stage in ("head", "body1", "tail"):
+            swarm.start_client(f"worker-{stage}", "worker", stage, extra=hub_args)
+        history = asyncio.run(watch(swarm, lambda s: s.epoch == 1 and s.phase == Phase.RoundTrain, 240))
+        cooldown = next(s for s in history if s.phase == Phase.Cooldown)
+        saved = next(s for s in history if s.checkpoint.stages_done == 0b111)
+        assert (saved.checkpoint.kind.name, saved.checkpoint.repo, saved.checkpoint.revision) == (
+            "Hub", "org/run", "epoch-0")
+        left = next(s for s in history if s.epoch == 1)
+        assert left.phase_start - cooldown.phase_start < 60, "a complete checkpoint ends Cooldown early"
+        assert {f for (repo, rev, f) in hub.files if (repo, rev) == ("org/run", "epoch-0")} == {
+            "head.pt", "head.json", "body1.pt", "body1.json", "tail.pt", "tail.json"}
+    except (AssertionError, TimeoutError, RuntimeError, StopIteration) as exc:
+        fail_with_logs(swarm, exc)
+    finally:
+        swarm.stop()
+        hub.shutdown()
