@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "client.commands.solana",
     "client.commands.deploy",
     "client.commands.demo",
+    "client.commands.auth",
 )
 
 app = typer.Typer(

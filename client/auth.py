@@ -1,0 +1,206 @@
+"""The client side of authorization and the join queue (steps 1 and 3 of the join flow).
+
+``AuthClient.join`` exchanges the contributor's Hugging Face token for a contributor slot and a stage with the
+run's auth service (``local_backend.auth_service``); ``wait_turn`` waits in the join queue, logging the
+position once a minute, while the downloaded state stays in memory. Every request is signed with the
+client's ed25519 identity, which binds the slot to this process's key; the grant comes back signed by the
+service.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from solders.keypair import Keypair
+
+from client.identity import verify
+from client.stages import stage_name
+from local_backend.auth_service import canonical
+
+log = logging.getLogger("psyswarm.auth")
+
+QUEUE_LOG_PERIOD = 60.0
+
+
+class AuthError(RuntimeError):
+    """The join was refused or the service could not be asked; ``code`` is the service's error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def resolve_token(flag: str | None = None) -> str:
+    """The Hugging Face token: the flag, else ``HF_TOKEN``, else the huggingface_hub login."""
+    if flag:
+        return flag
+    from huggingface_hub import get_token
+
+    token = get_token()  # HF_TOKEN first, then the token saved by `hf auth login`
+    if not token:
+        raise AuthError("no_token", "no Hugging Face token: pass --hf-token, set HF_TOKEN, or log in with "
+                                    "`hf auth login`")
+    return token
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A contributor slot: who (the Hub user), which slot, which stage, until when; signed by the service."""
+
+    run_id: str
+    contributor: str
+    peer: str
+    role: str
+    slot: int
+    capacity: int
+    stage: int  # -1 for a trainer
+    num_stages: int
+    expires: float
+    peers_of_contributor: int
+    checkpoint: dict[str, str] | None  # the Hub snapshot of the stages, if the run publishes one
+    signature: str
+    service: str
+
+    @classmethod
+    def from_answer(cls, answer: dict[str, Any]) -> Grant:
+        try:
+            fields = dict(answer["grant"])
+            grant = cls(**fields, signature=answer["signature"], service=answer["service"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AuthError("bad_answer", f"the auth service sent a malformed grant: {exc}") from None
+        if not grant.verifies():
+            raise AuthError("bad_answer", "the auth service's grant signature does not verify")
+        return grant
+
+    def fields(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("run_id", "contributor", "peer", "role", "slot", "capacity", "stage",
+                                               "num_stages", "expires", "peers_of_contributor", "checkpoint")}
+
+    def verifies(self) -> bool:
+        try:
+            return verify(bytes.fromhex(self.service), canonical(self.fields()), bytes.fromhex(self.signature))
+        except ValueError:
+            return False
+
+    @property
+    def stage_name(self) -> str:
+        return "none (trainer)" if self.stage < 0 else stage_name(self.stage, self.num_stages)
+
+
+def confirmation_line(grant: Grant) -> str:
+    """The single log line that confirms the slot and the stage."""
+    others = grant.peers_of_contributor - 1
+    shared = f"; {others} other process(es) under this identity" if others else ""
+    return (f"[AUTH] Authorized as {grant.contributor}: slot {grant.slot + 1} of {grant.capacity} in run "
+            f"{grant.run_id}, stage {grant.stage_name}{shared}")
+
+
+@dataclass(frozen=True)
+class QueueStatus:
+    position: int  # 0 once admitted, 1 when next in line
+    admitted: bool
+    integrating: int
+    max_integrating: int
+
+
+class AuthClient:
+    """Talks to one run's auth service on behalf of one process (one keypair)."""
+
+    def __init__(self, url: str, keypair: Keypair, run_id: str, *, timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self.keypair = keypair
+        self.run_id = run_id
+        self.timeout = timeout
+
+    def join(self, token: str, role: str = "worker") -> Grant:
+        """Ask for (or renew) this process's slot; ``AuthError`` says why a join is refused."""
+        answer = self._call("PUT", "/api/join", self._signed("join", role=role),
+                            headers={"Authorization": f"Bearer {token}"})
+        grant = Grant.from_answer(answer)
+        if grant.peer != bytes(self.keypair.pubkey()).hex() or grant.run_id != self.run_id:
+            raise AuthError("bad_answer", "the auth service granted a slot to another peer or run")
+        return grant
+
+    def queue_status(self) -> QueueStatus:
+        answer = self._call("POST", "/api/queue", self._signed("queue"))
+        try:
+            return QueueStatus(int(answer["position"]), bool(answer["admitted"]), int(answer["integrating"]),
+                               int(answer["max_integrating"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AuthError("bad_answer", f"the auth service sent a malformed queue status: {exc}") from None
+
+    def wait_turn(self, *, poll: float = 5.0, log_every: float = QUEUE_LOG_PERIOD,
+                  say: Callable[[str], None] = log.info, clock: Callable[[], float] = time.monotonic,
+                  sleep: Callable[[float], None] = time.sleep) -> None:
+        """Wait in the join queue until this peer may integrate, saying its position once per ``log_every``."""
+        last_said: float | None = None
+        while True:
+            status = self.queue_status()
+            if status.admitted:
+                if last_said is not None:
+                    say("[QUEUE] Admitted: starting to synchronise with the swarm")
+                return
+            now = clock()
+            if last_said is None or now - last_said >= log_every:
+                say(f"[QUEUE] Position {status.position} in the join queue ({status.integrating} of "
+                    f"{status.max_integrating} joins integrating); keeping the downloaded state")
+                last_said = now
+            sleep(poll)
+
+    def synced(self) -> None:
+        """Tell the service this peer finished its sync phases, freeing the queue for the next joiner."""
+        self._call("POST", "/api/synced", self._signed("synced"))
+
+    def leave(self) -> None:
+        self._call("POST", "/api/leave", self._signed("leave"))
+
+    # ----- transport -----
+
+    def _signed(self, action: str, **fields: Any) -> dict[str, Any]:
+        request = {"run_id": self.run_id, "action": action, "peer": bytes(self.keypair.pubkey()).hex(),
+                   "time": time.time(), **fields}
+        return {**request, "signature": bytes(self.keypair.sign_message(canonical(request))).hex()}
+
+    def _call(self, method: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+              ) -> dict[str, Any]:
+        data = json.dumps(body).encode()
+        request = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
+                                         headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                return _json(response.read())
+        except urllib.error.HTTPError as exc:
+            answer = _json(exc.read(), strict=False)
+            code = answer.get("error", f"http_{exc.code}")
+            message = answer.get("message", f"the auth service answered HTTP {exc.code}")
+            raise AuthError(code, _explain(code, message)) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise AuthError("unreachable", f"cannot reach the auth service at {self.url}: {reason}") from None
+
+
+def _json(data: bytes, *, strict: bool = True) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        value = None
+    if isinstance(value, dict):
+        return value
+    if strict:
+        raise AuthError("bad_answer", "the auth service did not answer with a JSON object")
+    return {}
+
+
+def _explain(code: str, message: str) -> str:
+    if code == "invalid_token":
+        return f"the Hugging Face token was rejected: {message} (check --hf-token, HF_TOKEN or `hf auth login`)"
+    if code == "swarm_full":
+        return f"join rejected: {message}"
+    return message

@@ -1,0 +1,65 @@
+"""``psyswarm auth-service``: run a run's auth service (Hugging Face token → contributor slot and stage)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def auth_service(
+    run_id: Annotated[str, typer.Option(help="The run this service admits contributors to.")],
+    stages: Annotated[int, typer.Option(help="Pipeline stages of the run (joiners get the least occupied).")],
+    capacity: Annotated[int, typer.Option(help="Contributor slots (one per process); a full swarm rejects joins.")],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one.")] = 0,
+    hf_endpoint: Annotated[str | None, typer.Option(help="Hugging Face Hub asked who owns a token "
+                                                         "(default: HF_ENDPOINT or huggingface.co).")] = None,
+    keypair: Annotated[Path | None, typer.Option(help="Solana keypair file that signs grants; a fresh "
+                                                      "identity if omitted.")] = None,
+    lease: Annotated[float, typer.Option(help="Seconds a slot lives without being renewed.")] = 600.0,
+    max_integrating: Annotated[int, typer.Option(help="Joins allowed to sync at once (0: no join queue).")] = 1,
+    integration_time: Annotated[float, typer.Option(help="Seconds a join may hold the queue at most.")] = 900.0,
+    checkpoint_repo: Annotated[str | None, typer.Option(help="Hub repo of the stage snapshots joiners "
+                                                             "download.")] = None,
+    checkpoint_revision: Annotated[str, typer.Option(help="Revision of --checkpoint-repo.")] = "main",
+) -> None:
+    """Serve PUT /api/join (Bearer <HF token>), POST /api/queue|synced|leave and GET /api/occupancy."""
+    from client.identity import KeypairError, load_keypair
+    from local_backend.auth_service import AuthHTTPServer, AuthService, HubIdentity
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        signer = load_keypair(keypair) if keypair else None
+    except KeypairError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--keypair") from None
+    endpoint = hf_endpoint or os.environ.get("HF_ENDPOINT") or None
+    checkpoint = {"repo": checkpoint_repo, "revision": checkpoint_revision} if checkpoint_repo else None
+    identity = HubIdentity(endpoint)
+    try:
+        service = AuthService(run_id=run_id, num_stages=stages, capacity=capacity,
+                              identify=identity, lease_seconds=lease, max_integrating=max_integrating,
+                              integration_seconds=integration_time, checkpoint=checkpoint,
+                              **({"keypair": signer} if signer else {}))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    try:
+        server = AuthHTTPServer(service, host, port)
+    except OSError as exc:
+        typer.secho(f"cannot listen on {host}:{port}: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"auth service for run {run_id} listening on {server.url} "
+               f"({capacity} slots, {stages} stages, identities from {identity.endpoint})")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        typer.echo("auth service stopped")
+    finally:
+        server.server_close()
+
+
+def register(app: typer.Typer) -> None:
+    app.command("auth-service")(auth_service)

@@ -1,0 +1,431 @@
+"""SPARTA: sparse parameter averaging between the workers of one pipeline stage.
+
+Every ``sparta_every`` optimizer steps, each stage averages a fraction p = 1/``sparta_partitions`` of its
+parameters with its same-stage peers through hivemind's DecentralizedAverager. Averaging round k averages
+partition k mod P, so every parameter is averaged once per P averaging rounds and no two rounds overlap.
+
+Masks. Each tensor's elements are ranked by 64-bit keys drawn from SHA-256 in counter mode, keyed by the run
+seed and the parameter's global name; the element of rank r belongs to partition r mod P. Every peer derives
+the same partitions from nothing but (seed, name, size, P), whatever its torch or NumPy version: torch's
+RNG promises no such thing across versions (Node0 pins torch exactly to make its masks agree).
+
+Rounds. ``SpartaAverager.average`` copies partition k into shared-memory buffers (one per tensor, padded to
+the largest partition so every round has the same schema), runs one hivemind step with the given weight,
+and adds the change (averaged − sent) back into the live parameters under the worker's lock. Adding the
+change rather than overwriting keeps any optimizer step taken while the network round ran. Only finite
+changes are applied: where a group ended up with no weight for some elements (a weighted peer failed
+mid-round and the rest weigh 0) those elements keep their local value instead of becoming NaN.
+
+Faults. hivemind bans a sender that stalls or dies, keeps each failed reducer's shard at its local value,
+and finishes the round with what it has; a round that raises still applies whatever parts completed. There
+is no retry: the next round starts afresh. ``average`` counts consecutive failures so the caller can
+withdraw a worker that keeps failing (``AveragingResult.remove``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from client.stage_averager import SharedState, StageAverager, StateExpectation
+
+if TYPE_CHECKING:
+    import hivemind
+    from hivemind.utils import MPFuture
+
+    from client.pipeline.worker import StageWorker
+
+log = logging.getLogger("psyswarm.sparta")
+
+_KEYS_PER_DIGEST = 4  # a SHA-256 digest holds four 64-bit keys
+_GRACE = 5.0  # seconds beyond a round's own timeouts before the host gives up on the averaging process
+_POLL = 0.25  # seconds between checks that the averaging process is still alive
+
+
+class _Wedged(RuntimeError):
+    """hivemind's averaging process kept the shared buffers locked past every timeout of a round."""
+
+
+@contextmanager
+def _holding(lock: Any, timeout: float) -> Iterator[None]:
+    if not lock.acquire(timeout=timeout):
+        raise _Wedged(f"the averaging process held its buffers for over {timeout:.0f} s")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def element_ranks(seed: int, name: str, numel: int) -> np.ndarray:
+    """A permutation's inverse: the rank of each of ``numel`` elements, keyed by (seed, name) through SHA-256.
+
+    Ties between keys (probability ~numel²/2⁶⁵) are broken by position with a stable sort, so the result is a
+    pure function of the arguments.
+    """
+    key = hashlib.sha256(f"psyswarm-sparta:{seed}:{name}".encode()).digest()
+    blocks = -(-numel // _KEYS_PER_DIGEST)
+    stream = b"".join(hashlib.sha256(key + i.to_bytes(8, "little")).digest() for i in range(blocks))
+    keys = np.frombuffer(stream, dtype="<u8")[:numel]
+    order = np.argsort(keys, kind="stable")
+    ranks = np.empty(numel, dtype=np.int64)
+    ranks[order] = np.arange(numel)
+    return ranks
+
+
+class SpartaMasks:
+    """The partition of every parameter tensor of a stage into ``partitions`` disjoint, balanced slices."""
+
+    def __init__(self, shapes: Sequence[tuple[str, int]], partitions: int, seed: int) -> None:
+        """``shapes`` is (global parameter name, number of elements) in the stage's fixed parameter order."""
+        if partitions < 1:
+            raise ValueError(f"partitions must be at least 1, got {partitions}")
+        names = [name for name, _ in shapes]
+        if len(set(names)) != len(names):
+            raise ValueError("parameter names must be unique")
+        self.partitions = partitions
+        self.names = names
+        self.numels = [numel for _, numel in shapes]
+        # Partition of each element; int32 keeps the memory at 4 bytes per parameter.
+        self._assignment = [
+            (element_ranks(seed, name, numel) % partitions).astype(np.int32) for name, numel in shapes
+        ]
+        self.slice_sizes = [-(-numel // partitions) for numel in self.numels]  # the largest partition per tensor
+
+    def indices(self, partition: int) -> list[torch.Tensor]:
+        """Flat element indices of ``partition`` in each tensor, ascending (so every peer packs them alike)."""
+        if not 0 <= partition < self.partitions:
+            raise ValueError(f"partition must be in 0..{self.partitions - 1}, got {partition}")
+        return [torch.from_numpy(np.flatnonzero(a == partition)) for a in self._assignment]
+
+    @property
+    def buffer_elements(self) -> int:
+        """Elements one averaging round exchanges (padding included)."""
+        return sum(self.slice_sizes)
+
+
+def averaging_index(step: int, every: int) -> int | None:
+    """The averaging round due once the swarm has completed ``step`` optimizer steps, or None.
+
+    A round is due after every ``every``-th step (steps 1, 2, … count completed rounds, as the coordinator's
+    ``state.step`` does); round ``step // every`` averages partition ``(step // every) % P``.
+    """
+    if every < 1:
+        raise ValueError(f"sparta_every must be at least 1, got {every}")
+    return step // every if step > 0 and step % every == 0 else None
+
+
+class AveragingStatus(Enum):
+    AVERAGED = "averaged"  # a group ran the all-reduce (hivemind may have dropped failing peers on the way)
+    SKIPPED = "skipped"  # nothing to do: alone in the stage, every weight 0, or a round still running
+    FAILED = "failed"  # no group formed, or the all-reduce raised; completed parts were kept
+
+
+@dataclass(frozen=True)
+class AveragingResult:
+    averaging_index: int
+    partition: int
+    status: AveragingStatus
+    reason: str
+    weight: float
+    group_size: int  # peers in the group (0 when none formed)
+    total_weight: float  # summed weight of the group (NaN when unknown)
+    elements: int  # parameter elements in the partition
+    payload_bytes: int  # bytes of this peer's padded slice, the size of what it exchanges
+    delta_norm: float  # L2 norm of the change applied to the parameters
+    seconds: float
+    consecutive_failures: int
+    remove: bool  # this worker has failed too often in a row: the caller should withdraw it
+
+
+@dataclass(frozen=True)
+class SpartaSettings:
+    """Timeouts and group sizes of averaging rounds.
+
+    hivemind requires ``request_timeout`` < ``min_matchmaking_time`` (or matchmaking can deadlock). A round
+    lasts at most ``matchmaking_timeout`` to form a group plus ``allreduce_timeout`` to run it; a peer that
+    sends nothing for ``chunk_timeout`` seconds is dropped as a sender, and a reducer silent for twice that is
+    dropped too (its shard keeps local values).
+    """
+
+    min_matchmaking_time: float = 5.0
+    request_timeout: float = 3.0
+    matchmaking_timeout: float = 15.0
+    allreduce_timeout: float = 30.0
+    chunk_timeout: float = 5.0
+    min_group_size: int = 2
+    target_group_size: int | None = None
+    max_failures: int = 3
+
+    def __post_init__(self) -> None:
+        if not 0 < self.request_timeout < self.min_matchmaking_time:
+            raise ValueError("request_timeout must be positive and below min_matchmaking_time "
+                             "(hivemind's matchmaking can deadlock otherwise)")
+        if self.matchmaking_timeout <= self.min_matchmaking_time:
+            raise ValueError("matchmaking_timeout must exceed min_matchmaking_time")
+        if self.allreduce_timeout <= 2 * self.chunk_timeout or self.chunk_timeout <= 0:
+            raise ValueError("allreduce_timeout must exceed twice chunk_timeout (the reducers' timeout)")
+        if self.min_group_size < 2 or (self.target_group_size is not None
+                                       and self.target_group_size < self.min_group_size):
+            raise ValueError("min_group_size must be at least 2 and target_group_size at least min_group_size")
+        if self.max_failures < 1:
+            raise ValueError("max_failures must be at least 1")
+
+
+def averager_prefix(run_id: str, stage: str) -> str:
+    """The DHT prefix of a stage's averagers: one per run and stage, so stages and runs never mix.
+
+    hivemind forbids '.' in prefixes and run ids may hold one, hence the hash; the stage stays readable.
+    """
+    digest = hashlib.sha256(f"{run_id}\0{stage}".encode()).hexdigest()[:16]
+    return f"sparta-{stage}-{digest}"
+
+
+class SpartaAverager:
+    """Averages one stage's parameters with its same-stage peers, a SPARTA partition per call.
+
+    Create it before the worker starts serving gRPC: it forks hivemind's averaging process, and a fork is
+    safest before gRPC starts its threads. One averager per DHT node (it takes the node's peer id).
+    """
+
+    def __init__(
+        self,
+        named_parameters: Sequence[tuple[str, torch.Tensor]],
+        dht: hivemind.DHT,
+        *,
+        run_id: str,
+        stage: str,
+        partitions: int,
+        seed: int,
+        lock: AbstractContextManager[Any] | None = None,
+        settings: SpartaSettings | None = None,
+        state_provider: Callable[[], SharedState] | None = None,
+    ) -> None:
+        """``lock`` guards the live parameters (a worker's ``backend.lock``); ``state_provider`` is what this
+        peer serves to joiners once ``sharing`` is on."""
+        self.settings = settings or SpartaSettings()
+        self.parameters = [p for _, p in named_parameters]
+        if not self.parameters:
+            raise ValueError("a stage with no parameters has nothing to average")
+        self.masks = SpartaMasks([(n, p.numel()) for n, p in named_parameters], partitions, seed)
+        self.lock = lock if lock is not None else nullcontext()
+        self.run_id, self.stage = run_id, stage
+        self.prefix = averager_prefix(run_id, stage)
+        self.consecutive_failures = 0
+        self._round_cv = threading.Condition()  # guards _round_active: one round at a time, donors serve between
+        self._round_active = False
+        self._pipe = threading.Lock()  # hivemind's control pipe to its process takes one sender at a time
+        self._control: Any = None
+        self._buffers = [torch.zeros(size, dtype=p.dtype) for size, p in zip(self.masks.slice_sizes,
+                                                                              self.parameters, strict=True)]
+        s = self.settings
+        self._averager = StageAverager(
+            self._buffers,
+            dht,
+            prefix=self.prefix,
+            state_provider=self._serve(state_provider) if state_provider is not None else None,
+            min_group_size=s.min_group_size,
+            target_group_size=s.target_group_size,
+            min_matchmaking_time=s.min_matchmaking_time,
+            request_timeout=s.request_timeout,
+            allreduce_timeout=s.allreduce_timeout,
+            next_chunk_timeout=s.chunk_timeout,
+            allow_state_sharing=False,
+        )
+
+    @classmethod
+    def for_worker(cls, worker: StageWorker, dht: hivemind.DHT, *, partitions: int, seed: int,
+                   settings: SpartaSettings | None = None,
+                   state_provider: Callable[[], SharedState] | None = None) -> SpartaAverager:
+        """The averager of a ``StageWorker``'s parameters, under its lock, in its run's namespace."""
+        return cls(list(worker.backend.module.named_parameters()), dht, run_id=worker.run_id, stage=worker.stage,
+                   partitions=partitions, seed=seed, lock=worker.backend.lock, settings=settings,
+                   state_provider=state_provider)
+
+    # ----- the round -----
+
+    def average(self, averaging_index: int, weight: float, *, peers: int | None = None) -> AveragingResult:
+        """Average partition ``averaging_index % P`` with the stage's peers; blocks for the whole round.
+
+        ``weight`` is 0 in the sync phases (this peer receives the average and adds nothing to it), positive
+        when active. ``peers`` is how many other workers the caller sees in the stage (DHT records): with 0,
+        the round is skipped at once instead of waiting for a group that cannot form.
+        """
+        if averaging_index < 0:
+            raise ValueError(f"averaging_index must be non-negative, got {averaging_index}")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"weight must be finite and non-negative, got {weight}")
+        partition = averaging_index % self.masks.partitions
+        indices = self.masks.indices(partition)
+        started = time.monotonic()
+
+        def result(status: AveragingStatus, reason: str, group: int = 0, total: float = math.nan,
+                   delta: float = 0.0) -> AveragingResult:
+            if status == AveragingStatus.FAILED:
+                self.consecutive_failures += 1
+            elif status == AveragingStatus.AVERAGED:
+                self.consecutive_failures = 0
+            outcome = AveragingResult(
+                averaging_index=averaging_index, partition=partition, status=status, reason=reason, weight=weight,
+                group_size=group, total_weight=total, elements=sum(len(i) for i in indices),
+                payload_bytes=sum(b.numel() * b.element_size() for b in self._buffers), delta_norm=delta,
+                seconds=time.monotonic() - started, consecutive_failures=self.consecutive_failures,
+                remove=self.consecutive_failures >= self.settings.max_failures)
+            log.log(logging.WARNING if status == AveragingStatus.FAILED else logging.INFO,
+                    "%s averaging round %d (partition %d): %s%s, group of %d, %.1f s", self.stage, averaging_index,
+                    partition, status.value, f" ({reason})" if reason else "", group, outcome.seconds)
+            return outcome
+
+        if peers == 0:
+            return result(AveragingStatus.SKIPPED, "no other worker in the stage")
+        if not self._averager.is_alive():
+            return result(AveragingStatus.FAILED, "the averaging process is not running")
+        with self._round_cv:
+            if self._round_active:
+                return result(AveragingStatus.SKIPPED, "the previous averaging round is still running")
+            self._round_active = True
+        try:
+            sent = self._load_buffers(indices)
+            gathered, failure = self._step(averaging_index, weight)
+            # A dead averaging process may have died holding the buffers' lock: nothing came back from it.
+            received = self._read_buffers() if self._averager.is_alive() else sent
+            delta = self._apply(indices, sent, received)
+        except _Wedged as exc:
+            gathered, failure, delta = {}, str(exc), 0.0
+        finally:
+            self._control = None
+            with self._round_cv:
+                self._round_active = False
+                self._round_cv.notify_all()
+        group = self._averager.last_group_size
+        if failure is not None:
+            return result(AveragingStatus.FAILED, failure, group, delta=delta)
+        total = sum(float(g.get("weight", 0.0)) for g in gathered.values())
+        if total == 0:
+            return result(AveragingStatus.SKIPPED, "every weight in the group is 0", group, total, delta)
+        return result(AveragingStatus.AVERAGED, "", group, total, delta)
+
+    def _load_buffers(self, indices: list[torch.Tensor]) -> list[torch.Tensor]:
+        with self._buffers_locked(), self.lock, torch.no_grad():
+            for buffer, param, idx in zip(self._buffers, self.parameters, indices, strict=True):
+                buffer.zero_()
+                buffer[: len(idx)] = param.detach().reshape(-1)[idx]
+            return [b.clone() for b in self._buffers]
+
+    def _read_buffers(self) -> list[torch.Tensor]:
+        with self._buffers_locked():
+            return [b.clone() for b in self._buffers]
+
+    def _buffers_locked(self) -> AbstractContextManager[None]:
+        """The averager's own lock over the shared buffers, with a bound: a wedged averaging process must
+        surface as an error, not hang training."""
+        s = self.settings
+        return _holding(self._averager.lock_averaged_tensors, s.matchmaking_timeout + s.allreduce_timeout + _GRACE)
+
+    def _step(self, averaging_index: int, weight: float) -> tuple[dict[Any, dict[str, Any]], str | None]:
+        """Run one hivemind step; returns (gathered round data by peer, failure reason or None)."""
+        s = self.settings
+        with self._pipe:
+            self._averager.prepare_round(averaging_index)
+            control = self._averager.step(
+                gather={"round": averaging_index, "weight": float(weight)}, weight=float(weight),
+                timeout=s.matchmaking_timeout, allow_retries=False, wait=False)
+        self._control = control
+        deadline = time.monotonic() + s.matchmaking_timeout + s.allreduce_timeout + _GRACE
+        while True:
+            try:
+                gathered = control.result(timeout=_POLL)
+                break
+            except FutureTimeout:
+                if not self._averager.is_alive():
+                    return {}, "the averaging process died"
+                if time.monotonic() > deadline:
+                    control.cancel()
+                    return {}, "the round overran its timeouts and was cancelled"
+            except Exception as exc:  # hivemind reports every failure of a round as an exception of its own
+                if self._averager.last_group_size == 0:
+                    return {}, f"no group formed within {s.matchmaking_timeout:g} s"
+                return {}, f"all-reduce failed: {exc}"
+        if not isinstance(gathered, dict):
+            return {}, "the averager returned no group data"
+        return gathered, None
+
+    def _apply(self, indices: list[torch.Tensor], sent: list[torch.Tensor], received: list[torch.Tensor]) -> float:
+        """Add the finite part of (received − sent) to the live parameters; returns its L2 norm."""
+        squared = 0.0
+        with self.lock, torch.no_grad():
+            for param, idx, before, after in zip(self.parameters, indices, sent, received, strict=True):
+                change = (after - before)[: len(idx)]
+                change = torch.where(torch.isfinite(change), change, torch.zeros_like(change))
+                if change.any():
+                    flat = param.data.view(-1)
+                    flat[idx] += change
+                    squared += float(change.double().square().sum())
+        return math.sqrt(squared)
+
+    # ----- state sharing -----
+
+    def _serve(self, provider: Callable[[], SharedState]) -> Callable[[], SharedState]:
+        s = self.settings
+        bound = s.matchmaking_timeout + s.allreduce_timeout + _GRACE
+
+        def serve() -> SharedState:
+            # Hand out the post-round parameters of a round in progress rather than the pre-round ones. (A
+            # round never blocks on this: it only waits for rounds, and the copy-back is atomic under the
+            # parameters' lock anyway, so a state is never half averaged.)
+            with self._round_cv:
+                self._round_cv.wait_for(lambda: not self._round_active, timeout=bound)
+            return provider()
+
+        return serve
+
+    @property
+    def sharing(self) -> bool:
+        """Whether joiners may download this peer's state: only an active (synchronised) worker should."""
+        return self._averager.allow_state_sharing
+
+    @sharing.setter
+    def sharing(self, enabled: bool) -> None:
+        with self._pipe:
+            self._averager.allow_state_sharing = enabled
+
+    def set_sharing_priority(self, priority: float) -> None:
+        """Joiners try donors in decreasing priority: give the swarm step the state belongs to."""
+        with self._pipe:
+            self._averager.state_sharing_priority = float(priority)
+
+    def fetch_state(self, expect: StateExpectation, *, timeout: float, chunk_timeout: float) -> MPFuture:
+        """Start downloading a same-stage donor's state (see ``StageAverager.fetch_state``)."""
+        with self._pipe:
+            return self._averager.fetch_state(expect, timeout=timeout, chunk_timeout=chunk_timeout)
+
+    @property
+    def bytes_received(self) -> int:
+        """State bytes received so far by the running ``fetch_state`` (for a progress bar)."""
+        return self._averager.bytes_received
+
+    @property
+    def averager(self) -> StageAverager:
+        """The underlying hivemind averager (its process id, its tensors' lock: monitoring and tests)."""
+        return self._averager
+
+    @property
+    def round_stage(self) -> str:
+        """hivemind's stage of the running round (LOOKING_FOR_GROUP, RUNNING_ALLREDUCE…), or IDLE."""
+        control = self._control
+        return control.stage.name if control is not None else "IDLE"
+
+    def shutdown(self) -> None:
+        if self._averager.is_alive():
+            self._averager.shutdown()

@@ -1,0 +1,199 @@
+"""A joining worker's state download: from a Hub checkpoint or from same-stage peers, outside averaging.
+
+Sources:
+- Hub: ``<stage>.pt`` (a ``state_dict`` saved with ``torch.save``, as workers save at Cooldown) from a
+  Hugging Face repo at a revision, through ``huggingface_hub.hf_hub_download`` (its endpoint configurable;
+  its own progress bar). An optional ``<stage>.json`` beside it gives ``{"step": N}``, the swarm step the
+  snapshot was taken at; without it the snapshot's age is unknown and the sync phases treat it as stale.
+- Peers: hivemind's state sharing. Active same-stage workers serve their state (``worker_state_provider``);
+  the joiner's own ``SpartaAverager`` downloads it with a progress bar, checking what arrives.
+
+The join blocking window: a download reads parameters, and one taken while an averaging round updates them
+is neither the pre-round nor the post-round model. ``JoinWindow`` blocks downloads during the swarm steps
+around each averaging round; donors additionally serve their state only between rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from client.stage_averager import SharedState, StateExpectation
+
+if TYPE_CHECKING:
+    from client.pipeline.worker import StageWorker
+    from client.sparta import SpartaAverager
+
+log = logging.getLogger("psyswarm.state")
+
+_HOST_GRACE = 30.0  # seconds the host waits beyond the download's own timeout before declaring it lost
+
+
+class StateDownloadError(RuntimeError):
+    """The state could not be downloaded or does not fit this stage; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class StageState:
+    """A stage's ``state_dict``, the swarm step it was taken at (None: unknown) and where it came from."""
+
+    tensors: dict[str, torch.Tensor]
+    step: int | None
+    source: str
+
+
+class JoinWindow:
+    """The swarm steps during which a join may download state.
+
+    Averaging runs once the swarm has completed a multiple of ``every`` steps (``sparta.averaging_index``).
+    A download is blocked while ``step % every`` is within ``window`` of that boundary on either side. The
+    window shrinks to leave at least one open step; with ``every`` = 1 no step is free of averaging, and donors
+    serving state only between rounds is the remaining guarantee.
+    """
+
+    def __init__(self, every: int, window: int = 1) -> None:
+        if every < 1 or window < 0:
+            raise ValueError("every must be at least 1 and window non-negative")
+        self.every = every
+        self.window = min(window, (every - 2) // 2) if every >= 2 else -1
+
+    def blocked(self, step: int) -> bool:
+        if self.window < 0:
+            return False
+        phase = step % self.every
+        return phase <= self.window or phase >= self.every - self.window
+
+    def wait(self, current_step: Callable[[], int], *, poll: float = 0.5, timeout: float | None = None,
+             say: Callable[[str], None] = log.info) -> int:
+        """Block until the swarm's step is outside the window; returns that step."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        step = current_step()
+        if self.blocked(step):
+            say(f"step {step} is next to an averaging round: waiting for a stable window to download state")
+        while self.blocked(step):
+            if deadline is not None and time.monotonic() > deadline:
+                raise StateDownloadError(f"the swarm stayed within an averaging window for {timeout:.0f} s")
+            time.sleep(poll)
+            step = current_step()
+        return step
+
+
+# ----- Hub ---------------------------------------------------------------------------------------------
+
+
+def hub_filenames(stage: str) -> tuple[str, str]:
+    """(state file, metadata file) of a stage in a Hub checkpoint repo."""
+    return f"{stage}.pt", f"{stage}.json"
+
+
+def download_from_hub(repo_id: str, stage: str, *, revision: str | None = None, endpoint: str | None = None,
+                      token: str | None = None, cache_dir: Path | None = None) -> StageState:
+    """Download ``<stage>.pt`` (and ``<stage>.json`` if present) from a Hub repo."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
+
+    state_file, meta_file = hub_filenames(stage)
+    where = f"{repo_id}@{revision or 'main'}/{state_file}"
+    common: dict[str, Any] = dict(repo_id=repo_id, revision=revision, endpoint=endpoint, token=token,
+                                  cache_dir=cache_dir)
+    try:
+        path = hf_hub_download(filename=state_file, **common)
+    except (HfHubHTTPError, OSError) as exc:
+        raise StateDownloadError(f"could not download {where}: {exc}") from None
+    step = None
+    try:
+        meta = json.loads(Path(hf_hub_download(filename=meta_file, **common)).read_text())
+        step = meta.get("step") if isinstance(meta, dict) else None
+    except EntryNotFoundError:
+        log.info("%s has no %s: its step is unknown, so the node will sync", repo_id, meta_file)
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        log.warning("ignoring %s of %s: %s", meta_file, repo_id, exc)
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        log.warning("ignoring %s of %s: step %r is not a non-negative integer", meta_file, repo_id, step)
+        step = None
+    try:
+        tensors = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # torch raises many types for a corrupt or hostile file; all mean "unusable"
+        raise StateDownloadError(f"{where} is not a loadable state_dict: {exc}") from None
+    if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
+        raise StateDownloadError(f"{where} does not hold a state_dict of tensors")
+    return StageState(tensors=tensors, step=step, source=f"hub:{where}")
+
+
+# ----- peers -------------------------------------------------------------------------------------------
+
+
+def stage_identity(run_id: str, stage: str, model_fingerprint: str) -> dict[str, str]:
+    """The metadata a donor's state must carry to be accepted by a joiner of this run, stage and model."""
+    return {"run_id": run_id, "stage": stage, "model": model_fingerprint}
+
+
+def worker_state_provider(worker: StageWorker, current_step: Callable[[], int]) -> Callable[[], SharedState]:
+    """What an active worker serves to joiners: its module's ``state_dict`` and the swarm step it belongs to."""
+
+    def provide() -> SharedState:
+        with worker.backend.lock:
+            state = {k: v.detach().clone() for k, v in worker.backend.module.state_dict().items()}
+        metadata = {**stage_identity(worker.run_id, worker.stage, worker.config.fingerprint()),
+                    "step": int(current_step()), "keys": list(state)}
+        return SharedState(metadata=metadata, tensors=list(state.values()))
+
+    return provide
+
+
+def download_from_peers(averager: SpartaAverager, module: nn.Module, identity: dict[str, str], *,
+                        timeout: float = 300.0, chunk_timeout: float = 30.0, progress: bool = True) -> StageState:
+    """Download the state of a same-stage peer that serves one matching ``identity`` and ``module``'s layout."""
+    from tqdm.auto import tqdm
+
+    expect = StateExpectation.of(identity, module.state_dict())
+    future = averager.fetch_state(expect, timeout=timeout, chunk_timeout=chunk_timeout)
+    deadline = time.monotonic() + timeout + _HOST_GRACE
+    with tqdm(total=expect.nbytes, unit="B", unit_scale=True, desc=f"{identity['stage']} state from peers",
+              disable=not progress) as bar:
+        while True:
+            try:
+                metadata, tensors, refusals = future.result(timeout=0.2)
+                break
+            except TimeoutError:
+                bar.update(averager.bytes_received - bar.n)
+                if time.monotonic() > deadline:  # the averaging process itself is gone or wedged
+                    raise StateDownloadError(f"the state download did not finish in {timeout:.0f} s") from None
+        if metadata is not None:
+            bar.update(expect.nbytes - bar.n)
+    for refusal in refusals:
+        log.warning("state download: %s", refusal)
+    if metadata is None:
+        raise StateDownloadError("no same-stage peer served a usable state: " + "; ".join(refusals))
+    step = metadata.get("step")
+    return StageState(tensors=dict(zip(expect.names, tensors, strict=True)),
+                      step=step if isinstance(step, int) and step >= 0 else None, source="peers")
+
+
+# ----- loading -----------------------------------------------------------------------------------------
+
+
+def load_stage_state(module: nn.Module, state: StageState, lock: Any) -> None:
+    """Replace ``module``'s state with ``state`` under ``lock``; anything that does not fit changes nothing."""
+    current = module.state_dict()
+    missing = set(current) - set(state.tensors)
+    extra = set(state.tensors) - set(current)
+    if missing or extra:
+        raise StateDownloadError(f"state from {state.source} does not match this stage: missing "
+                                 f"{sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}")
+    for name, tensor in state.tensors.items():
+        if tensor.shape != current[name].shape:
+            raise StateDownloadError(f"state from {state.source}: {name} has shape {list(tensor.shape)}, "
+                                     f"this stage needs {list(current[name].shape)}")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise StateDownloadError(f"state from {state.source}: {name} holds non-finite values")
+    with lock:
+        module.load_state_dict(state.tensors)

@@ -1,0 +1,275 @@
+"""Benchmark: SPARTA with 2 workers per stage against the same model trained in one process.
+
+Both train on the same batches (the same tokens, in the same order). The system is the real thing on
+loopback: in-process ``StageWorker``s (two per stage, gRPC), a ``PipelineTrainer`` routing microbatches
+between replicas, each worker stepping its own AdamW on the samples it saw, and every EVERY steps each stage
+averaging one SPARTA partition (p = 1/P) through hivemind, weighted by the samples each worker processed since
+the last averaging round. Prints:
+
+- the training loss (mean of the last rounds) and held-out loss of both, and their relative difference
+  (aim: within 5 %); held-out loss for each replica chain and for the replicas' mean;
+- bytes each worker sends per averaging round, SPARTA slice against the full stage: hivemind's all-reduce
+  messages (protobuf, before libp2p framing) for a group of ``--workers-per-stage``, computed with
+  hivemind's own partitioner and serializer from the actual slice sizes.
+
+Run::
+
+    python tests/benchmarks/bench_sparta.py [--rounds 300] [--sparta 20/20 --sparta 5/20 --sparta none …]
+
+Each ``--sparta EVERY/P`` adds a run of the system (default: 20/20, the seeds' setting); ``none`` runs it
+without any averaging, to show what SPARTA buys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from client.pipeline.data import ByteDataset, open_dataset
+from client.pipeline.discovery import WorkerDirectory, start_dht
+from client.pipeline.local import LocalTrainer
+from client.pipeline.model import ModelConfig, build_stage, stage_names
+from client.pipeline.optim import OptimizerConfig
+from client.pipeline.trainer import PipelineTrainer
+from client.pipeline.worker import StageWorker
+from client.sparta import AveragingResult, AveragingStatus, SpartaAverager, SpartaMasks, SpartaSettings, averaging_index
+
+SETTINGS = SpartaSettings(min_matchmaking_time=1.0, request_timeout=0.5, matchmaking_timeout=5.0,
+                          allreduce_timeout=20.0, chunk_timeout=5.0)
+
+
+@dataclass
+class Run:
+    name: str
+    losses: list[float] = field(default_factory=list)  # training loss per round
+    held_out: dict[str, float] = field(default_factory=dict)
+    crossed: int = 0  # stage passes whose backward ran on another replica than their forward
+    passes: int = 0
+    rounds: list[AveragingResult] = field(default_factory=list)
+
+    def tail_loss(self, last: int) -> float:
+        return statistics.fmean(self.losses[-last:])
+
+
+def batch(round_: int, size: int) -> list[int]:
+    return list(range(round_ * size, (round_ + 1) * size))
+
+
+def evaluate(stages: list[torch.nn.Module], dataset: ByteDataset, indices: list[int]) -> float:
+    with torch.no_grad():
+        tokens = dataset.batch(indices)
+        hidden = tokens[:, :-1]
+        for stage in stages[:-1]:
+            hidden = stage(hidden)
+        return float(stages[-1](hidden, tokens[:, 1:]))
+
+
+def reference(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int]) -> Run:
+    run = Run("one process")
+    local = LocalTrainer(config, dataset, OptimizerConfig(lr=args.lr))
+    for round_ in range(args.rounds):
+        losses = local.train(batch(round_, args.batch_size), args.microbatch_size)
+        local.step()
+        run.losses.append(statistics.fmean(losses))
+    run.held_out["model"] = evaluate(local.stages, dataset, held_out)
+    return run
+
+
+def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
+           every: int | None, partitions: int) -> Run:
+    """The pipeline with ``--workers-per-stage`` replicas per stage; SPARTA p = 1/``partitions`` every ``every``
+    steps (None: never)."""
+    replicas_name = f"{args.workers_per_stage} workers/stage"
+    run = Run(f"{replicas_name}, SPARTA 1/{partitions} every {every}" if every else f"{replicas_name}, no averaging")
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    bootstrap = start_dht()
+    peers = [str(a) for a in bootstrap.get_visible_maddrs()]
+    names = stage_names(config.num_stages)
+    dhts = [start_dht(peers) for _ in range(len(names) * args.workers_per_stage)]  # one per worker (peer id)
+    workers = {s: [StageWorker(config, s, run_id=run_id, index=i, optimizer=OptimizerConfig(lr=args.lr),
+                               dht=dhts[j * args.workers_per_stage + i], max_batch_size=args.microbatch_size)
+                   for i in range(args.workers_per_stage)] for j, s in enumerate(names)}
+    averagers = {}
+    if every:  # before the workers serve: each averager forks hivemind's process
+        averagers = {w.uid: SpartaAverager.for_worker(w, w.dht, partitions=partitions, seed=config.seed,
+                                                      settings=SETTINGS)
+                     for replicas in workers.values() for w in replicas}
+    directory = WorkerDirectory(bootstrap, run_id, config.fingerprint())
+    trainer = PipelineTrainer(config, dataset, directory, max_inflight=args.inflight, refresh_period=1.0)
+    samples = {w.uid: 0 for replicas in workers.values() for w in replicas}
+    try:
+        for replicas in workers.values():
+            for worker in replicas:
+                worker.start()
+        while not all(len(directory.workers(s)) == args.workers_per_stage for s in names):
+            time.sleep(0.2)
+        for round_ in range(args.rounds):
+            result = trainer.train(batch(round_, args.batch_size), args.microbatch_size)
+            run.losses.append(statistics.fmean(result.losses))
+            for micro in result.microbatches:
+                run.passes += len(micro.forward_workers)
+                run.crossed += sum(micro.workers[s] != uid for s, uid in micro.forward_workers.items())
+            for replicas in workers.values():
+                for worker in replicas:
+                    samples[worker.uid] += sum(r.samples for r in worker.drain_receipts())
+                    worker.step()
+            index = averaging_index(round_ + 1, every) if every else None
+            if index is not None:
+                run.rounds += average_all(workers, averagers, samples, index)
+                samples = dict.fromkeys(samples, 0)
+            if (round_ + 1) % 50 == 0:
+                print(f"  {run.name}: round {round_ + 1}, loss {statistics.fmean(run.losses[-50:]):.4f}", flush=True)
+        modules = {s: [w.backend.module for w in replicas] for s, replicas in workers.items()}
+        for r in range(args.workers_per_stage):
+            run.held_out[f"replica chain {r}"] = evaluate([modules[s][r] for s in names], dataset, held_out)
+        mean_stages = []
+        for s in names:
+            stage = build_stage(config, s)
+            states = [m.state_dict() for m in modules[s]]
+            stage.load_state_dict({k: torch.stack([st[k] for st in states]).mean(0) for k in states[0]})
+            mean_stages.append(stage)
+        run.held_out["replicas' mean"] = evaluate(mean_stages, dataset, held_out)
+    finally:
+        trainer.close()
+        for replicas in workers.values():
+            for worker in replicas:
+                worker.stop(grace=0)
+        for averager in averagers.values():
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+        bootstrap.shutdown()
+    return run
+
+
+def average_all(workers: dict[str, list[StageWorker]], averagers: dict[str, SpartaAverager],
+                samples: dict[str, int], index: int) -> list[AveragingResult]:
+    """Every stage averages at once, as the swarm does between rounds; weight: samples since the last round."""
+    results: list[AveragingResult] = []
+    lock = threading.Lock()
+
+    def one(worker: StageWorker, peers: int) -> None:
+        outcome = averagers[worker.uid].average(index, float(samples[worker.uid]), peers=peers)
+        with lock:
+            results.append(outcome)
+
+    threads = [threading.Thread(target=one, args=(w, len(replicas) - 1))
+               for replicas in workers.values() for w in replicas]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def allreduce_bytes_sent(buffers: list[torch.Tensor], group_size: int) -> int:
+    """Bytes of the all-reduce messages one peer sends in a group of ``group_size`` equal peers: its parts to
+    every other reducer, and the averaged parts of its own shard back to every other peer."""
+    from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, TensorPartContainer
+    from hivemind.compression import NoCompression
+    from hivemind.proto import averaging_pb2
+
+    def sizes(peer: int) -> list[int]:
+        container = TensorPartContainer(buffers, (1.0,) * group_size, compression=NoCompression(),
+                                        part_size_bytes=DEFAULT_PART_SIZE_BYTES)
+        return [averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"\0" * 20,
+                                            tensor_part=NoCompression().compress(part, None), weight=1.0).ByteSize()
+                for part in container.get_raw_input_parts(peer)]
+
+    me = 0
+    to_reducers = sum(sum(sizes(peer)) for peer in range(group_size) if peer != me)
+    results_back = (group_size - 1) * sum(sizes(me))
+    return to_reducers + results_back
+
+
+def stage_bytes(config: ModelConfig, partitions: int, group_size: int) -> dict[str, tuple[int, int, int]]:
+    """Per stage: (parameters, bytes sent per SPARTA round, bytes sent averaging the full stage)."""
+    out = {}
+    for name in stage_names(config.num_stages):
+        module = build_stage(config, name)
+        named = [(n, p.numel()) for n, p in module.named_parameters()]
+        sparse = SpartaMasks(named, partitions, config.seed)
+        full = SpartaMasks(named, 1, config.seed)
+        out[name] = (sum(n for _, n in named),
+                     allreduce_bytes_sent([torch.zeros(s) for s in sparse.slice_sizes], group_size),
+                     allreduce_bytes_sent([torch.zeros(s) for s in full.slice_sizes], group_size))
+    return out
+
+
+def parse_sparta(text: str) -> tuple[int | None, int]:
+    """``EVERY/P`` (SPARTA p = 1/P every EVERY steps) or ``none`` (replicas never averaged)."""
+    if text == "none":
+        return None, 1
+    every, _, partitions = text.partition("/")
+    try:
+        parsed = int(every), int(partitions)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected EVERY/P such as 20/20, or none") from None
+    if min(parsed) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: EVERY and P must be at least 1")
+    return parsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=300, help="optimizer steps (coordinator rounds)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--microbatch-size", type=int, default=4)
+    parser.add_argument("--inflight", type=int, default=4, help="microbatches in flight in the pipeline")
+    parser.add_argument("--sparta", type=parse_sparta, action="append",
+                        help="EVERY/P: average p = 1/P of each stage every EVERY steps (repeatable; 'none' for no "
+                             "averaging). Default: 20/20, the seeds' sparta_every and sparta_partitions")
+    parser.add_argument("--workers-per-stage", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=ModelConfig.n_layers, help="transformer layers")
+    parser.add_argument("--width", type=int, default=ModelConfig.d_model, help="d_model")
+    parser.add_argument("--seq-len", type=int, default=ModelConfig.seq_len, help="tokens per sample")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--held-out", type=int, default=64, help="held-out samples for the final loss")
+    parser.add_argument("--last", type=int, default=50, help="rounds averaged for the final training loss")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    setups = args.sparta or [(20, 20)]
+
+    config = ModelConfig(n_layers=args.layers, d_model=args.width, seq_len=args.seq_len)
+    dataset = open_dataset(["stdlib"], config.seq_len)
+    held_out = list(range(dataset.num_samples - args.held_out, dataset.num_samples))
+    tokens = args.rounds * args.batch_size * config.seq_len
+    print(f"model: {config}")
+    print(f"{args.rounds} rounds x {args.batch_size} samples x {config.seq_len} tokens = {tokens:,} tokens, "
+          f"{args.workers_per_stage} workers per stage, {torch.get_num_threads()} torch threads", flush=True)
+
+    runs = [reference(config, dataset, args, held_out)]
+    runs += [system(config, dataset, args, held_out, every, partitions) for every, partitions in setups]
+
+    base = runs[0]
+    print()
+    print(f"loss after {tokens:,} tokens (training: mean of the last {args.last} rounds; held-out: "
+          f"{args.held_out} samples; in brackets: against one process)")
+    for run in runs:
+        train = run.tail_loss(args.last)
+        print(f"  {run.name:40s} training {train:.4f} ({train / base.tail_loss(args.last) - 1:+.2%})  "
+              + "  ".join(f"{k} {v:.4f} ({v / base.held_out['model'] - 1:+.2%})" for k, v in run.held_out.items()))
+        if run.passes:
+            print(f"  {'':40s} {run.crossed / run.passes:.0%} of forward passes had their backward on the other "
+                  "replica")
+        if run.rounds:
+            averaged = sum(r.status == AveragingStatus.AVERAGED for r in run.rounds)
+            print(f"  {'':40s} {averaged} of {len(run.rounds)} worker-rounds averaged, "
+                  f"{statistics.fmean(r.seconds for r in run.rounds):.2f} s per round on average")
+    for partitions in sorted({p for every, p in setups if every and p > 1}):
+        print()
+        print(f"bytes each worker sends per averaging round, p = 1/{partitions}, group of {args.workers_per_stage}:")
+        for name, (params, sparse, full) in stage_bytes(config, partitions, args.workers_per_stage).items():
+            print(f"  {name:6s} {params:>9,} parameters: SPARTA {sparse:>10,} B   full stage {full:>10,} B   "
+                  f"({sparse / full:.3f}x)")
+
+
+if __name__ == "__main__":
+    main()

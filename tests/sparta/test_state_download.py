@@ -1,0 +1,214 @@
+"""State download: from a Hub checkpoint (a local stand-in for the Hub) or from same-stage peers (hivemind's
+state sharing), checked before use, and never while an averaging round updates the parameters."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from client.pipeline.model import ModelConfig, build_stage
+from client.pipeline.worker import StageWorker
+from client.sparta import AveragingStatus, SpartaAverager
+from client.state_download import (
+    JoinWindow,
+    StageState,
+    StateDownloadError,
+    download_from_hub,
+    download_from_peers,
+    load_stage_state,
+    stage_identity,
+    worker_state_provider,
+)
+from client.sync import SyncPolicy
+
+TINY = ModelConfig(n_layers=3, d_model=32, n_heads=2, seq_len=16, num_stages=3, seed=7)
+
+
+def saved(state: dict[str, torch.Tensor]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def perturbed_state(seed: int) -> dict[str, torch.Tensor]:
+    module = build_stage(TINY, "body1")
+    generator = torch.Generator().manual_seed(seed)
+    return {k: v + torch.randn(v.shape, generator=generator) for k, v in module.state_dict().items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----- Hub ---------------------------------------------------------------------------------------------
+
+
+def test_a_hub_checkpoint_is_downloaded_and_loaded(fake_hub, tmp_path) -> None:
+    snapshot = perturbed_state(1)
+    fake_hub.publish("swarm/run-1", "body1.pt", saved(snapshot), revision="epoch-3")
+    fake_hub.publish("swarm/run-1", "body1.json", json.dumps({"step": 40}).encode(), revision="epoch-3")
+    state = download_from_hub("swarm/run-1", "body1", revision="epoch-3", endpoint=fake_hub.url, cache_dir=tmp_path)
+    assert state.step == 40 and state.source == "hub:swarm/run-1@epoch-3/body1.pt"
+    module = build_stage(TINY, "body1")
+    load_stage_state(module, state, threading.Lock())
+    assert same(module.state_dict(), snapshot)
+    policy = SyncPolicy(max_allowed_stale=5, phase1_steps=400, phase2_steps=100)
+    assert policy.is_stale(state.step, swarm_step=46) and not policy.is_stale(state.step, swarm_step=45)
+
+
+def test_a_snapshot_without_its_step_counts_as_stale(fake_hub, tmp_path) -> None:
+    fake_hub.publish("swarm/run-1", "head.pt", saved(build_stage(TINY, "head").state_dict()))
+    state = download_from_hub("swarm/run-1", "head", endpoint=fake_hub.url, cache_dir=tmp_path)
+    assert state.step is None
+    assert SyncPolicy(5, 400, 100).is_stale(state.step, swarm_step=0)
+
+
+def test_hub_failures_are_clear_and_change_nothing(fake_hub, tmp_path) -> None:
+    with pytest.raises(StateDownloadError, match=r"could not download swarm/run-1@main/tail\.pt"):
+        download_from_hub("swarm/run-1", "tail", endpoint=fake_hub.url, cache_dir=tmp_path)
+    fake_hub.publish("swarm/run-1", "tail.pt", b"not a torch file")
+    with pytest.raises(StateDownloadError, match="not a loadable state_dict"):
+        download_from_hub("swarm/run-1", "tail", endpoint=fake_hub.url, cache_dir=tmp_path)
+
+    module = build_stage(TINY, "body1")
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    wider = build_stage(ModelConfig(n_layers=3, d_model=64, n_heads=2, seq_len=16, num_stages=3), "body1")
+    for bad, message in [(StageState(wider.state_dict(), 0, "hub:x"), "has shape"),
+                         (StageState({"junk": torch.zeros(1)}, 0, "hub:x"), "does not match this stage"),
+                         (StageState({k: v * float("nan") for k, v in before.items()}, 0, "hub:x"), "non-finite")]:
+        with pytest.raises(StateDownloadError, match=message):
+            load_stage_state(module, bad, threading.Lock())
+        assert same(module.state_dict(), before)
+
+
+# ----- peers -------------------------------------------------------------------------------------------
+
+
+class Peer:
+    """A same-stage worker (not serving gRPC: only its state matters here) with its SPARTA averager."""
+
+    def __init__(self, make_averager, run_id: str, seed: int | None, *, step: int = 0,
+                 config: ModelConfig = TINY) -> None:
+        self.worker = StageWorker(config, "body1", run_id=run_id)
+        if seed is not None:
+            self.worker.backend.module.load_state_dict(perturbed_state(seed))
+        self.step = step
+        self.averager: SpartaAverager = make_averager(
+            list(self.worker.backend.module.named_parameters()), lock=self.worker.backend.lock, partitions=2,
+            seed=config.seed, state_provider=worker_state_provider(self.worker, lambda: self.step))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.worker.backend.module.state_dict().items()}
+
+
+def identity(run_id: str) -> dict[str, str]:
+    return stage_identity(run_id, "body1", TINY.fingerprint())
+
+
+def test_state_comes_from_a_sharing_peer_with_a_full_progress_count(make_averager, run_id: str) -> None:
+    donor = Peer(make_averager, run_id, seed=1, step=57)
+    silent = Peer(make_averager, run_id, seed=2)  # a syncing worker: shares nothing
+    joiner = Peer(make_averager, run_id, seed=None)
+    donor.averager.sharing = True
+    assert not silent.averager.sharing
+    state = download_from_peers(joiner.averager, joiner.worker.backend.module, identity(run_id), timeout=20,
+                                progress=False)
+    assert (state.step, state.source) == (57, "peers")
+    assert same(state.tensors, donor.state())
+    expected_bytes = sum(t.numel() * t.element_size() for t in donor.state().values())
+    assert joiner.averager.bytes_received == expected_bytes
+    load_stage_state(joiner.worker.backend.module, state, joiner.worker.backend.lock)
+    assert same(joiner.state(), donor.state())
+
+
+def test_a_donor_of_another_model_is_refused_and_the_next_is_used(make_averager, run_id: str) -> None:
+    good = Peer(make_averager, run_id, seed=1, step=10)
+    liar = Peer(make_averager, run_id, seed=3, step=99)  # fresher, so tried first
+    liar.worker.config = ModelConfig(**{**TINY.to_dict(), "seed": 8})  # it claims another model
+    joiner = Peer(make_averager, run_id, seed=None)
+    for peer in (good, liar):
+        peer.averager.sharing = True
+        peer.averager.set_sharing_priority(peer.step)
+    state = download_from_peers(joiner.averager, joiner.worker.backend.module, identity(run_id), timeout=20,
+                                progress=False)
+    assert state.step == 10 and same(state.tensors, good.state())
+
+    good.averager.sharing = False
+    time.sleep(0.5)  # the averager withdraws its declaration from the DHT in the background
+    with pytest.raises(StateDownloadError, match="this node needs"):
+        download_from_peers(joiner.averager, joiner.worker.backend.module, identity(run_id), timeout=3,
+                            progress=False)
+
+
+def test_no_donor_is_a_clear_error(make_averager, run_id: str) -> None:
+    joiner = Peer(make_averager, run_id, seed=None)
+    with pytest.raises(StateDownloadError, match="no same-stage peer shares its state"):
+        download_from_peers(joiner.averager, joiner.worker.backend.module, identity(run_id), timeout=2,
+                            progress=False)
+
+
+# ----- the join blocking window --------------------------------------------------------------------------
+
+
+def test_the_window_blocks_the_steps_around_each_averaging_round() -> None:
+    window = JoinWindow(every=20, window=1)
+    assert [s for s in range(15, 45) if window.blocked(s)] == [19, 20, 21, 39, 40, 41]
+    assert [s for s in range(0, 8) if JoinWindow(every=4, window=3).blocked(s)] == [0, 1, 3, 4, 5, 7]
+    assert not any(JoinWindow(every=1).blocked(s) for s in range(5))  # no step is free: donors guard instead
+    with pytest.raises(StateDownloadError, match="averaging window"):
+        JoinWindow(every=20).wait(lambda: 20, poll=0.01, timeout=0.05)
+
+
+def test_a_state_download_requested_during_averaging_waits_for_the_window(make_averager, run_id: str) -> None:
+    """Two active peers average at swarm step 20 (round 1); a joiner asks for state meanwhile. It waits for
+    the window, then gets the post-round state. A donor asked directly mid-round also serves only after."""
+    peers = [Peer(make_averager, run_id, seed=1, step=20), Peer(make_averager, run_id, seed=2, step=20)]
+    peers[0].averager.sharing = True
+    joiner = Peer(make_averager, run_id, seed=None)
+    swarm_step = [20]
+    window = JoinWindow(every=20, window=1)
+    events: dict[str, float] = {}
+    got: dict[str, StageState] = {}
+
+    def join() -> None:
+        window.wait(lambda: swarm_step[0], poll=0.02)
+        events["download"] = time.monotonic()
+        got["state"] = download_from_peers(joiner.averager, joiner.worker.backend.module, identity(run_id),
+                                           timeout=30, progress=False)
+
+    pre_round = peers[0].state()
+    results = {}
+    averaging = [threading.Thread(target=lambda i=i: results.__setitem__(i, peers[i].averager.average(1, 1.0)))
+                 for i in range(2)]
+    for thread in averaging:
+        thread.start()
+    while peers[0].averager.round_stage != "LOOKING_FOR_GROUP":
+        time.sleep(0.005)
+    joining = threading.Thread(target=join)
+    joining.start()
+    # The donor itself, asked mid-round, holds the request until its round ends.
+    direct = Peer(make_averager, run_id, seed=None)
+    mid_round = download_from_peers(direct.averager, direct.worker.backend.module, identity(run_id), timeout=30,
+                                    progress=False)
+    for thread in averaging:
+        thread.join(timeout=30)
+    finished = time.monotonic()
+    assert [results[i].status for i in (0, 1)] == [AveragingStatus.AVERAGED] * 2
+    post_round = peers[0].state()
+    assert not same(post_round, pre_round)
+    assert same(mid_round.tensors, post_round)
+
+    time.sleep(0.3)
+    assert "download" not in events  # still step 20: the joiner waits
+    swarm_step[0] = 21
+    time.sleep(0.3)
+    assert "download" not in events  # the step right after averaging is still in the window
+    swarm_step[0] = 22
+    joining.join(timeout=30)
+    assert events["download"] > finished
+    assert same(got["state"].tensors, post_round)
