@@ -7,20 +7,26 @@ from pathlib import Path
 import typer
 
 
+def load_spec_or_exit(path: Path):
+    """Read a state.toml for a command, or end the command with the reason it is invalid."""
+    from coordinator_program.config import load_run_spec
+    from coordinator_program.errors import CoordinatorError
+
+    try:
+        return load_run_spec(path)
+    except CoordinatorError as exc:
+        typer.secho(f"invalid config: {exc.detail}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+
+
 def validate_config(
     path: Path = typer.Argument(..., help="The run's state.toml (run_id, [config], [model], [checkpoint])."),
 ) -> None:
     """Check a run config and print what it implies: account size, witness proof size, bloom error rate."""
     from coordinator_program import limits
-    from coordinator_program.config import load_run_spec
-    from coordinator_program.errors import CoordinatorError
     from coordinator_program.facts import config_facts, fits_in_transaction
 
-    try:
-        spec = load_run_spec(path)
-    except CoordinatorError as exc:
-        typer.secho(f"invalid config: {exc.detail}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
+    spec = load_spec_or_exit(path)
     c = spec.config
     facts = config_facts(c)
     lines = [

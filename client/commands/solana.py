@@ -28,17 +28,13 @@ def create_run(
 ) -> None:
     """Create a run on chain, configure it from state.toml and open it to members, in one transaction."""
     from client.backend import BackendError
+    from client.commands.config import load_spec_or_exit
     from client.commands.coordinator import open_backend, open_identity
     from client.solana_backend import SolanaBackend
     from client.status import describe
-    from coordinator_program.config import load_run_spec
     from coordinator_program.errors import CoordinatorError
 
-    try:
-        spec = load_run_spec(config)
-    except CoordinatorError as exc:
-        typer.secho(f"invalid config: {exc.detail}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
+    spec = load_spec_or_exit(config)
     if run_id is not None and run_id != spec.run_id:
         raise typer.BadParameter(f"--run-id {run_id!r} differs from the config's run_id {spec.run_id!r}")
     authority = open_identity(keypair, required=True)
