@@ -109,11 +109,6 @@ class SpartaMasks:
             raise ValueError(f"partition must be in 0..{self.partitions - 1}, got {partition}")
         return [torch.from_numpy(np.flatnonzero(a == partition)) for a in self._assignment]
 
-    @property
-    def buffer_elements(self) -> int:
-        """Elements one averaging round exchanges (padding included)."""
-        return sum(self.slice_sizes)
-
 
 def averaging_index(step: int, every: int) -> int | None:
     """The averaging round due once the swarm has completed ``step`` optimizer steps, or None.

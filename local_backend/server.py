@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from solders.keypair import Keypair
 
@@ -54,17 +54,6 @@ class Connection:
         self.writer.write(p.frame(message.encode()))
 
 
-@dataclass
-class ServerStats:
-    """Counters the benchmark and the tests read."""
-
-    broadcasts: int = 0
-    bytes_broadcast: int = 0
-    rejected: int = 0
-    subscribers_dropped: int = 0
-    changes: list[float] = field(default_factory=list)
-
-
 class CoordinatorServer:
     """Owns one run's coordinator: applies requests, ticks, persists and broadcasts."""
 
@@ -72,9 +61,9 @@ class CoordinatorServer:
                  clock: Callable[[], float] = time.time) -> None:
         self.spec, self.store, self.authority, self.clock = spec, store, authority, clock
         self.connections: set[Connection] = set()
-        self.stats = ServerStats()
         self.state = self._load_or_create()
-        self.account = encode_state(self.state)
+        self.account = encode_state(self.state)  # what subscribers hold
+        self._committed = self.account  # what the store holds: encoded once per change, sent from here
         self._server: asyncio.base_events.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
 
@@ -101,7 +90,12 @@ class CoordinatorServer:
 
     def _persist(self, state: CoordinatorState, signer: bytes, instruction: bytes, change: Callable[[], None]) -> None:
         change()
-        self.store.save(state.run_id, state.nonce, encode_state(state), signer, instruction)
+        self._commit(state, signer, instruction)
+
+    def _commit(self, state: CoordinatorState, signer: bytes, instruction: bytes) -> None:
+        """Store an accepted change with the state it produced, encoding that state once."""
+        self._committed = encode_state(state)
+        self.store.save(state.run_id, state.nonce, self._committed, signer, instruction)
 
     def submit(self, signer: bytes, instruction: bytes, authorizer: bytes | None = None) -> None:
         """Apply one instruction from an authenticated signer, then tick; persist and broadcast the result.
@@ -114,7 +108,7 @@ class CoordinatorServer:
                                        "rent to return: stop the server to end the run")
         phase = self.state.phase
         apply(self.state, ix, signer, self._now(), secrets.randbits(64), authorizer)
-        self.store.save(self.state.run_id, self.state.nonce, encode_state(self.state), signer, instruction)
+        self._commit(self.state, signer, instruction)
         log.info("%s from %s accepted", ix.NAME, signer.hex()[:8])
         self._try_tick()
         self._announce(phase)
@@ -127,8 +121,7 @@ class CoordinatorServer:
         except CoordinatorError as exc:  # finished or uninitialised: nothing will ever be due
             log.debug("tick: %s", exc)
             return False
-        self.store.save(self.state.run_id, self.state.nonce, encode_state(self.state),
-                        bytes(self.authority.pubkey()), Tick().encode())
+        self._commit(self.state, bytes(self.authority.pubkey()), Tick().encode())
         return True
 
     def tick_once(self) -> None:
@@ -145,25 +138,21 @@ class CoordinatorServer:
         self._broadcast()
 
     def _broadcast(self) -> None:
-        new = encode_state(self.state)
+        new = self._committed
         if new == self.account:
             return
         old_nonce = int.from_bytes(self.account[8:16], "little")
         message = p.StatePatch(old_nonce, self.state.nonce, p.diff(self.account, new))
         self.account = new
         data = p.frame(message.encode())
-        self.stats.broadcasts += 1
-        self.stats.changes.append(time.perf_counter())
         for conn in list(self.connections):
             if not conn.identity:
                 continue
             transport = conn.writer.transport
             if transport.is_closing() or transport.get_write_buffer_size() > MAX_BUFFERED:
-                self.stats.subscribers_dropped += 1
                 self._drop(conn, "too slow to follow the run's state")
                 continue
             conn.writer.write(data)
-            self.stats.bytes_broadcast += len(data)
 
     # --- connections ----------------------------------------------------------------------------------
 
@@ -240,7 +229,6 @@ class CoordinatorServer:
         try:
             message = p.decode(payload)
         except p.ProtocolError as exc:
-            self.stats.rejected += 1
             conn.send(p.Reply(0, p.REPLY_MALFORMED, f"malformed message: {exc}"))
             return
         if not isinstance(message, p.Request):
@@ -250,23 +238,19 @@ class CoordinatorServer:
     def _on_request(self, conn: Connection, req: p.Request) -> p.Reply:
         signed = p.request_message(conn.challenge, req.sequence, req.instruction)
         if req.sequence <= conn.last_sequence:
-            self.stats.rejected += 1
             return p.Reply(req.sequence, p.REPLY_REPLAY, f"replayed request: sequence {req.sequence} is not "
                            f"above {conn.last_sequence}")
         if not verify(conn.identity, signed, req.signature):
-            self.stats.rejected += 1
             return p.Reply(req.sequence, p.REPLY_BAD_SIGNATURE, "the request's signature does not match your key")
         authorizer = None
         if req.authorizer:
             if not verify(req.authorizer, signed, req.authorizer_signature):
-                self.stats.rejected += 1
                 return p.Reply(req.sequence, p.REPLY_BAD_SIGNATURE, "the co-signature does not match its key")
             authorizer = req.authorizer
         conn.last_sequence = req.sequence
         try:
             self.submit(conn.identity, req.instruction, authorizer)
         except CoordinatorError as exc:
-            self.stats.rejected += 1
             # A tick with nothing due is routine (every client may tick); other rejections are worth a line.
             level = logging.DEBUG if isinstance(exc, NothingToTick) else logging.INFO
             log.log(level, "request from %s rejected: %s", conn.identity.hex()[:8], exc)
