@@ -198,9 +198,10 @@ def test_a_stage_that_empties_ends_the_epoch(tmp_path: Path) -> None:
         cooldowns = [s for s in history if s.phase == Phase.Cooldown]
         assert cooldowns and cooldowns[0].step < 30, "the epoch should end early, not after its 30 rounds"
         waiting = history[-1]
-        tail = bytes(load_keypair(tmp_path / "keys" / "worker2-tail.json").pubkey())
-        assert waiting.epoch == 1 and waiting.pending_index(tail) is None and waiting.clients == []
-        assert sorted(p.stage for p in waiting.pending if p.role == Role.Worker) == [0, 1]
+        # The dead tail may still be queued: it leaves the epoch only once a health check names it, and the
+        # epoch can end first (its trainer, starved of a tail, is checked out too).
+        assert waiting.epoch == 1 and waiting.clients == []
+        assert {0, 1} <= {p.stage for p in waiting.pending if p.role == Role.Worker}
     except (AssertionError, TimeoutError, RuntimeError) as exc:
         fail_with_logs(swarm, exc)
     finally:
