@@ -44,6 +44,12 @@ logger = get_logger(__name__)
 # hivemind streams state in chunks of 64 KiB; a donor may not send more than the expected bytes plus this.
 _CHUNK_SLACK_BYTES = 2**16
 _DONOR_POLL = 0.5  # seconds between looks for donors in the DHT
+_DONOR_ATTEMPTS = 3  # downloads from one donor whose stream broke off before giving up on it
+
+
+class _BrokenOff(ValueError):
+    """A donor's state stream ended before its last tensor: hivemind's transport closes a stream quietly when
+    a send fails, so this says nothing about the donor's honesty and the download may be tried again."""
 
 
 @dataclass(frozen=True)
@@ -213,17 +219,25 @@ class StageAverager(DecentralizedAverager):
         """Try donors, freshest first, until one serves an acceptable state; look again while none is listed
         (a donor that just turned sharing on is declared in the DHT a moment later). Ends by the caller's
         timeout when nobody serves."""
-        tried: set[PeerID] = set()
+        refused: set[PeerID] = set()
+        broken_off: dict[PeerID, int] = {}
         while True:
-            donors = {peer: priority for peer, priority in (await self._donors()).items() if peer not in tried}
+            donors = {peer: priority for peer, priority in (await self._donors()).items() if peer not in refused}
             # Highest priority (the freshest state) first; random among equals so one donor is not swamped.
             for peer in sorted(donors, key=lambda p: (-donors[p], random.random())):
-                tried.add(peer)
                 try:
                     stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
                     stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
                     metadata, tensors = await self._receive(stream, expect, chunk_timeout)
+                except _BrokenOff as exc:  # the transport ended the stream early: the donor may still be fine
+                    broken_off[peer] = broken_off.get(peer, 0) + 1
+                    if broken_off[peer] >= _DONOR_ATTEMPTS:
+                        refused.add(peer)
+                    refusals.append(f"{peer}: {exc} (attempt {broken_off[peer]} of {_DONOR_ATTEMPTS})")
+                    self._received.value = 0
+                    continue
                 except Exception as exc:  # a faulty or malicious donor: note why and try the next one
+                    refused.add(peer)
                     refusals.append(f"{peer}: {exc}")
                     self._received.value = 0
                     continue
@@ -282,5 +296,5 @@ class StageAverager(DecentralizedAverager):
         if metadata is None:
             raise ValueError("it does not share its state")
         if remaining or len(tensors) != len(expect.names):
-            raise ValueError(f"its state stopped after {len(tensors)} of {len(expect.names)} tensors")
+            raise _BrokenOff(f"its state stopped after {len(tensors)} of {len(expect.names)} tensors")
         return metadata, tensors
