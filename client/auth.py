@@ -186,6 +186,36 @@ class AuthClient:
             raise AuthError("unreachable", f"cannot reach the auth service at {self.url}: {reason}") from None
 
 
+@dataclass
+class AuthSession:
+    """A process's slot for the length of a run: renewed within its lease, left on exit."""
+
+    client: AuthClient
+    token: str
+    grant: Grant
+
+    @classmethod
+    def open(cls, url: str, keypair: Keypair, run_id: str, token: str, role: str) -> AuthSession:
+        client = AuthClient(url, keypair, run_id)
+        return cls(client, token, client.join(token, role))
+
+    @property
+    def snapshot(self) -> tuple[str, str] | None:
+        """The (Hub repo, revision) of the stage snapshots the service points joiners to, if any."""
+        checkpoint = self.grant.checkpoint
+        if not checkpoint or not checkpoint.get("repo"):
+            return None
+        return checkpoint["repo"], checkpoint.get("revision") or "main"
+
+    def renew_every(self) -> float:
+        """Seconds until the next renewal: a third of what is left of the lease, so two renewals may fail."""
+        return max(5.0, (self.grant.expires - time.time()) / 3)
+
+    def renew(self) -> Grant:
+        self.grant = self.client.join(self.token, self.grant.role)
+        return self.grant
+
+
 def _json(data: bytes, *, strict: bool = True) -> dict[str, Any]:
     try:
         value = json.loads(data)

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import torch
 
-from coordinator_program.config import Checkpoint, CheckpointKind
-
 log = logging.getLogger("psyswarm.checkpoints")
 
 
@@ -45,24 +43,3 @@ def upload_stage(files: list[Path], repo: str, revision: str, *, token: str | No
     api.create_commit(repo, operations=[CommitOperationAdd(path_in_repo=f.name, path_or_fileobj=str(f)) for f in files],
                       commit_message=f"psyswarm: {files[0].stem} at {revision}", revision=revision)
     log.info("uploaded %s to %s@%s", ", ".join(f.name for f in files), repo, revision)
-
-
-def fetch_stage(checkpoint: Checkpoint, stage: int, name: str, *, token: str | None,
-                endpoint: str | None) -> Path | None:
-    """The file to load stage ``stage`` (named ``name``) from, if the run's checkpoint holds it.
-
-    When the run says P2P (an epoch just ended), a local directory that still holds the stage is used as the
-    fallback: peers are where a joiner should get the freshest state, and that is the sync phases' job.
-    """
-    held = checkpoint.stages_done >> stage & 1
-    if checkpoint.repo == "":
-        return None
-    if checkpoint.kind == CheckpointKind.Hub and held:
-        from huggingface_hub import hf_hub_download
-
-        return Path(hf_hub_download(checkpoint.repo, f"{name}.pt", revision=checkpoint.revision or None,
-                                    endpoint=endpoint, token=token))
-    if checkpoint.kind == CheckpointKind.Local and held or checkpoint.kind == CheckpointKind.P2P:
-        path = Path(checkpoint.repo) / checkpoint.revision / f"{name}.pt"
-        return path if path.exists() else None
-    return None

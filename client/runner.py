@@ -1,17 +1,22 @@
 """The contributor's client: it follows the coordinator's phases and does what each one asks.
 
 - WaitingForMembers: make sure this identity is queued (joining again if it was dropped).
-- Warmup: load the model — a worker builds its assigned stage from the run's seed or a checkpoint, serves
+- Warmup: load the model — a worker takes its assigned stage (``client.stage_replica``: its state from a
+  snapshot, the run's checkpoint, its peers or the run's seed; sync phases if that state is stale), serves
   it over gRPC and announces it in the DHT; a trainer opens the dataset — then publish a signed Ready.
 - RoundTrain: a trainer runs its share of the global batch (from the round seed) through the pipeline and
   publishes a signed commitment; a worker publishes signed reports of the receipts it issued. Elected
   witnesses check the records and send their proof as soon as every batch is in (opportunistic), or at
   RoundWitness with what they have; they also health-check clients the previous round's witnesses missed.
-- Leaving RoundTrain: workers apply their accumulated gradients (one optimizer step per round).
+- Leaving RoundTrain: workers apply their accumulated gradients (one optimizer step per round); every
+  ``sparta_every`` steps each stage then averages a SPARTA partition among its workers, during RoundWitness
+  and possibly into the next round (the copy-back is atomic under the worker's lock).
 - Cooldown: workers save their stage to the checkpoint directory and report it.
 
 The backend (TCP server or Solana program) is behind ``client.backend.Backend``, so this runs unchanged on
-either. Blocking work (torch, the DHT) runs in threads so the state keeps flowing.
+either. Blocking work (torch, the DHT, averaging) runs in threads so the state keeps flowing. With an auth
+service (``client.auth``), the slot is renewed while the client runs, a joiner waits its turn in the join
+queue before it syncs, and it reports when it has synced.
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import torch
 from solders.keypair import Keypair
 
+from client.auth import AuthError, AuthSession
 from client.backend import Backend, BackendError
-from client.checkpoints import fetch_stage, revision_for, save_stage, upload_stage
+from client.checkpoints import revision_for, save_stage, upload_stage
 from client.records import Board, Commitment, Ready, Report, receipt_hash
+from client.stage_replica import StageReplica, StateSources, model_config
 from client.stages import stage_name
 from client.ticker import tick_when_due
 from client.witnessing import judge_round, judge_warmup, unhealthy_clients
@@ -42,6 +48,7 @@ log = logging.getLogger("psyswarm.client")
 
 POLL_INTERVAL = 0.5
 QUEUE_LOG_PERIOD = 30.0
+QUEUE_POLL = 2.0  # seconds between asks of the auth service whether this client's turn to integrate has come
 
 
 @dataclasses.dataclass
@@ -55,6 +62,7 @@ class RunnerOptions:
     hub_repo: str | None = None  # save checkpoints to this Hugging Face repo rather than checkpoint_dir
     hf_token: str | None = None
     hf_endpoint: str | None = None
+    auth: AuthSession | None = None  # the slot granted by the run's auth service, if it has one
 
 
 class Contributor:
@@ -65,10 +73,12 @@ class Contributor:
         self.me = bytes(keypair.pubkey())
         self.dht = None
         self.board: Board | None = None
-        self.worker = None
+        self.replica: StageReplica | None = None
         self.trainer = None
         self.prepared_epoch: int | None = None
-        self.open_round: tuple[int, int] | None = None  # a worker's round whose gradients are accumulating
+        self.open_round: tuple[int, int, int] | None = None  # (epoch, height, step) whose gradients accumulate
+        self.followed_step: int | None = None  # the swarm step the sync phases last followed
+        self.removed: str | None = None  # why this client left the run of its own accord
         self.round_receipts: list[str] = []
         self.reported: tuple[int, int, int] | None = None  # (epoch, round, receipts) last published
         self.stage = limits.NO_STAGE
@@ -97,6 +107,8 @@ class Contributor:
         background = asyncio.create_task(self._background())
         if not self.backend.ticks_itself:
             self._spawn(tick_when_due(lambda: self.backend))
+        if self.options.auth is not None:
+            self._spawn(self._renew_slot(self.options.auth))
         try:
             while True:
                 try:
@@ -105,6 +117,8 @@ class Contributor:
                         if state.phase == Phase.Finished:
                             log.info("the run has finished after %d steps", state.step)
                             return
+                        if self.removed is not None:
+                            raise ContributorRemoved(self.removed)
                 except BackendError as exc:
                     if reconnect is None:
                         raise
@@ -135,12 +149,20 @@ class Contributor:
     async def shutdown(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        if self.worker is not None:
-            await asyncio.to_thread(self.worker.stop)
+        if self.replica is not None:
+            await asyncio.to_thread(self.replica.stop)
         if self.trainer is not None:
             self.trainer.close()
         if self.dht is not None:
             await asyncio.to_thread(self.dht.shutdown)
+        if self.options.auth is not None:
+            with contextlib.suppress(AuthError):
+                await asyncio.to_thread(self.options.auth.client.leave)
+
+    @property
+    def worker(self):
+        """This client's stage worker, if it holds a stage."""
+        return self.replica.worker if self.replica is not None else None
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -157,8 +179,11 @@ class Contributor:
     async def on_state(self, state: CoordinatorState) -> None:
         index = state.client_index(self.me)
         if self.open_round is not None and (state.phase != Phase.RoundTrain or
-                                            (state.epoch, state.round.height) != self.open_round):
+                                            (state.epoch, state.round.height) != self.open_round[:2]):
             await self._close_round()
+        if self.replica is not None and state.step != self.followed_step:
+            self.followed_step = state.step
+            await self._follow(state.step)
         if index is None:
             position = state.pending_index(self.me)
             if position is None and state.phase not in (Phase.Finished, Phase.Uninitialized):
@@ -204,8 +229,8 @@ class Contributor:
 
     async def _on_round(self, state: CoordinatorState, role: Role) -> None:
         key = (state.epoch, state.round.height)
-        if role == Role.Worker and self.open_round != key:
-            self.open_round, self.round_receipts = key, []
+        if role == Role.Worker and (self.open_round is None or self.open_round[:2] != key):
+            self.open_round, self.round_receipts = (*key, state.step), []
         if role == Role.Trainer and key not in self.trained:
             self.trained.add(key)
             self._spawn(self._train(state))
@@ -218,23 +243,50 @@ class Contributor:
 
     async def _close_round(self) -> None:
         """The coordinator left RoundTrain: publish the last receipts and take this round's optimizer step."""
-        epoch, height = self.open_round  # type: ignore[misc]
+        epoch, height, step = self.open_round  # type: ignore[misc]
         self.open_round = None
-        if self.worker is None:
+        replica = self.replica
+        if replica is None:
             return
         await self._publish_receipts(epoch, height)
-        stats = await asyncio.to_thread(self.worker.step)
+        stats = await asyncio.to_thread(replica.step)
         log.info("round %d.%d: stepped on %d samples (grad norm %.3f)", epoch, height, stats.samples,
                  stats.grad_norm)
+        self._spawn(self._average(replica, step + 1))
+
+    async def _average(self, replica: StageReplica, completed_step: int) -> None:
+        """The SPARTA round due after ``completed_step``, if any; a worker whose rounds keep failing leaves."""
+        result = await asyncio.to_thread(replica.average, completed_step)
+        if result is None or not result.remove:
+            return
+        with contextlib.suppress(CoordinatorError, BackendError):
+            await self.backend.withdraw()
+        self.removed = (f"stage {replica.stage}: {result.consecutive_failures} averaging rounds failed in a row "
+                        f"(last: {result.reason}); withdrew from the run")
+
+    async def _follow(self, step: int) -> None:
+        """Move through the sync phases with the swarm's step; tell the auth service once synced."""
+        assert self.replica is not None
+        if await asyncio.to_thread(self.replica.follow, step) and self.options.auth is not None:
+            await self._report_synced()
+
+    async def _report_synced(self) -> None:
+        assert self.options.auth is not None
+        try:
+            await asyncio.to_thread(self.options.auth.client.synced)
+        except AuthError as exc:
+            log.warning("could not tell the auth service this client has synced: %s", exc)
+
+    async def _renew_slot(self, auth: AuthSession) -> None:
+        """Keep the auth service's lease on this process's slot alive."""
+        while True:
+            await asyncio.sleep(auth.renew_every())
+            try:
+                await asyncio.to_thread(auth.renew)
+            except AuthError as exc:
+                log.warning("could not renew the contributor slot: %s", exc)
 
     # --- warmup ---------------------------------------------------------------------------------------
-
-    def model_config(self, state: CoordinatorState):
-        from client.pipeline.model import ModelConfig
-
-        m = state.model
-        return ModelConfig(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len,
-                           num_stages=state.config.num_stages, seed=m.init_seed)
 
     async def _prepare(self, state: CoordinatorState, stage: int) -> None:
         if self.options.role == Role.Worker:
@@ -246,27 +298,36 @@ class Contributor:
         log.info("epoch %d: model loaded, ready", state.epoch)
 
     def _prepare_worker(self, state: CoordinatorState, stage: int) -> None:
-        from client.pipeline.optim import OptimizerConfig
-        from client.pipeline.worker import StageWorker
-
+        """Take the stage: find its state, wait for the join queue, start syncing or active, serve it."""
         name = stage_name(stage, state.config.num_stages)
         self.stage = stage
-        if self.worker is not None and self.worker.stage == name:
+        if self.replica is not None and self.replica.stage == name:
             return  # a worker that stays keeps its live parameters: they are newer than any checkpoint
-        if self.worker is not None:
-            self.worker.stop()
-        self.worker = StageWorker(self.model_config(state), name, keypair=self.keypair, dht=self.dht,
-                                  run_id=state.run_id, host=self.options.host,
-                                  optimizer=OptimizerConfig(lr=state.model.learning_rate_micros / 1e6))
-        source = fetch_stage(state.checkpoint, stage, name, token=self.options.hf_token,
-                             endpoint=self.options.hf_endpoint)
-        if source is not None:
-            saved = torch.load(source, weights_only=True)
-            with self.worker.backend.lock:
-                self.worker.backend.module.load_state_dict(saved)
-            log.info("loaded stage %s from %s", name, source)
-        self.worker.start()
-        log.info("serving stage %s as %s at %s", name, self.worker.uid, self.worker.address)
+        if self.replica is not None:
+            previous, self.replica = self.replica, None
+            previous.stop()
+        replica = StageReplica.create(state, name, dht=self.dht, keypair=self.keypair, host=self.options.host,
+                                      say=lambda line: print(line, flush=True))
+        auth = self.options.auth
+        sources = StateSources(snapshot=auth.snapshot if auth is not None else None, hf_token=self.options.hf_token,
+                               hf_endpoint=self.options.hf_endpoint)
+        replica.load(state, stage, sources, self._training_step)
+        if auth is not None:
+            auth.client.wait_turn(poll=QUEUE_POLL)
+        swarm_step = self.backend.state.step
+        phase = replica.begin(swarm_step)
+        replica.start()
+        self.replica, self.followed_step = replica, swarm_step
+        log.info("serving stage %s as %s at %s (%s)", name, replica.worker.uid, replica.worker.address,
+                 "active" if not phase else f"sync phase {int(phase)}")
+        if auth is not None and not phase:
+            with contextlib.suppress(AuthError):
+                auth.client.synced()
+
+    def _training_step(self) -> int | None:
+        """The swarm's step while rounds run (averaging may be under way), None between epochs."""
+        state = self.backend.state
+        return state.step if state.phase in (Phase.RoundTrain, Phase.RoundWitness) else None
 
     def _prepare_trainer(self, state: CoordinatorState) -> None:
         from client.pipeline.data import open_dataset
@@ -275,7 +336,11 @@ class Contributor:
 
         if self.trainer is not None:
             return
-        config = self.model_config(state)
+        if self.options.auth is not None:  # a trainer holds no state: once its turn comes it is integrated
+            self.options.auth.client.wait_turn(poll=QUEUE_POLL)
+            with contextlib.suppress(AuthError):
+                self.options.auth.client.synced()
+        config = model_config(state)
         dataset = open_dataset([state.model.dataset], config.seq_len)
         directory = ClientDirectory(WorkerDirectory(self.dht, state.run_id, config.fingerprint()), self)
         self.trainer = PipelineTrainer(config, dataset, directory, trainer_id=self.me.hex()[:16],
@@ -328,7 +393,7 @@ class Contributor:
             await asyncio.sleep(POLL_INTERVAL)
             try:
                 if self.open_round is not None:
-                    await self._publish_receipts(*self.open_round)
+                    await self._publish_receipts(*self.open_round[:2])
                 await self._witness(self.backend.state)
             except (BackendError, CoordinatorError, OSError) as exc:
                 log.debug("background: %s", exc)
@@ -389,6 +454,10 @@ class Contributor:
             log.info("epoch %d: stage %s saved to %s@%s", state.epoch, self.worker.stage, repo, revision)
         except CoordinatorError as exc:
             log.warning("checkpoint not recorded: %s", exc.detail)
+
+
+class ContributorRemoved(RuntimeError):
+    """This client withdrew from the run (its averaging kept failing); the message says why."""
 
 
 class ClientDirectory:

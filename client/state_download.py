@@ -71,14 +71,19 @@ class JoinWindow:
         phase = step % self.every
         return phase <= self.window or phase >= self.every - self.window
 
-    def wait(self, current_step: Callable[[], int], *, poll: float = 0.5, timeout: float | None = None,
-             say: Callable[[str], None] = log.info) -> int:
-        """Block until the swarm's step is outside the window; returns that step."""
+    def wait(self, current_step: Callable[[], int | None], *, poll: float = 0.5, timeout: float | None = None,
+             say: Callable[[str], None] = log.info) -> int | None:
+        """Block until the swarm's step is outside the window; returns that step.
+
+        ``current_step`` returns None while the swarm is between epochs: no round trains, so no averaging
+        round starts, and a round the last step began has run out its timeouts before the next Warmup (donors
+        still serve only between rounds).
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         step = current_step()
-        if self.blocked(step):
+        if step is not None and self.blocked(step):
             say(f"step {step} is next to an averaging round: waiting for a stable window to download state")
-        while self.blocked(step):
+        while step is not None and self.blocked(step):
             if deadline is not None and time.monotonic() > deadline:
                 raise StateDownloadError(f"the swarm stayed within an averaging window for {timeout:.0f} s")
             time.sleep(poll)
@@ -108,24 +113,48 @@ def download_from_hub(repo_id: str, stage: str, *, revision: str | None = None, 
         path = hf_hub_download(filename=state_file, **common)
     except (HfHubHTTPError, OSError) as exc:
         raise StateDownloadError(f"could not download {where}: {exc}") from None
-    step = None
+    meta: object = None
     try:
         meta = json.loads(Path(hf_hub_download(filename=meta_file, **common)).read_text())
-        step = meta.get("step") if isinstance(meta, dict) else None
     except EntryNotFoundError:
         log.info("%s has no %s: its step is unknown, so the node will sync", repo_id, meta_file)
     except (HfHubHTTPError, OSError, ValueError) as exc:
         log.warning("ignoring %s of %s: %s", meta_file, repo_id, exc)
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        log.warning("ignoring %s of %s: step %r is not a non-negative integer", meta_file, repo_id, step)
-        step = None
+    return StageState(tensors=_load_tensors(Path(path), where), step=_step_of(meta, f"{repo_id}/{meta_file}"),
+                      source=f"hub:{where}")
+
+
+def load_local(directory: Path, stage: str) -> StageState | None:
+    """``<stage>.pt`` (and its ``<stage>.json`` step) from a local checkpoint directory, if it is there."""
+    state_file, meta_file = (directory / name for name in hub_filenames(stage))
+    if not state_file.exists():
+        return None
+    meta: object = None
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as exc:
+        log.info("no readable step in %s (%s): the node will sync", meta_file, exc)
+    return StageState(tensors=_load_tensors(state_file, str(state_file)), step=_step_of(meta, str(meta_file)),
+                      source=f"local:{state_file}")
+
+
+def _load_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
     try:
         tensors = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # torch raises many types for a corrupt or hostile file; all mean "unusable"
         raise StateDownloadError(f"{where} is not a loadable state_dict: {exc}") from None
     if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
         raise StateDownloadError(f"{where} does not hold a state_dict of tensors")
-    return StageState(tensors=tensors, step=step, source=f"hub:{where}")
+    return tensors
+
+
+def _step_of(meta: object, where: str) -> int | None:
+    """The ``step`` of a checkpoint's metadata; None (unknown: the node syncs) unless a non-negative int."""
+    step = meta.get("step") if isinstance(meta, dict) else None
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        log.warning("ignoring %s: step %r is not a non-negative integer", where, step)
+        return None
+    return step
 
 
 # ----- peers -------------------------------------------------------------------------------------------

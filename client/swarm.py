@@ -18,6 +18,7 @@ from solders.keypair import Keypair
 from client.identity import save_keypair
 
 DHT_LINE = "DHT bootstrap listening: --initial-peer "
+AUTH_LINE = " listening on "
 CLIENT_LAMPORTS = 10_000_000_000
 """What the local chain gives each client: its transaction fees for a long run."""
 
@@ -111,6 +112,18 @@ class Swarm:
         self._wait(lambda: DHT_LINE in self.log_text("dht"), "the DHT bootstrap", "dht")
         line = next(x for x in self.log_text("dht").splitlines() if DHT_LINE in x)
         self.peer = line.split(DHT_LINE, 1)[1].strip()
+
+    def start_auth(self, *, stages: int, capacity: int, hf_endpoint: str, snapshot: tuple[str, str] | None = None,
+                   max_integrating: int = 1) -> str:
+        """Start the run's auth service (``psyswarm auth-service``) on a free port; returns its URL."""
+        args = ["auth-service", "--run-id", self.run_id(), "--stages", str(stages), "--capacity", str(capacity),
+                "--hf-endpoint", hf_endpoint, "--max-integrating", str(max_integrating)]
+        if snapshot is not None:
+            args += ["--checkpoint-repo", snapshot[0], "--checkpoint-revision", snapshot[1]]
+        self._spawn("auth", *args)
+        self._wait(lambda: AUTH_LINE in self.log_text("auth"), "the auth service", "auth")
+        line = next(x for x in self.log_text("auth").splitlines() if AUTH_LINE in x)
+        return line.split(AUTH_LINE, 1)[1].split()[0]
 
     def start_client(self, name: str, role: str, stage: str | None = None, extra: tuple[str, ...] = ()) -> Path:
         key = self._keypair(name)

@@ -50,8 +50,12 @@ def join_run(
     hub_repo: Annotated[str | None, typer.Option(help="A worker saves its stage at each epoch's end to this "
                                                       "Hugging Face repo (branch epoch-N) instead of "
                                                       "--checkpoint-dir.")] = None,
+    auth_url: Annotated[str | None, typer.Option(help="The run's auth service (`psyswarm auth-service`): it "
+                                                     "exchanges your Hugging Face token for a contributor slot "
+                                                     "and assigns the stage. Omit for an open run.")] = None,
     hf_token: Annotated[str | None, typer.Option(
-        envvar="HF_TOKEN", help="Hugging Face token for --hub-repo [default: the huggingface_hub login].")] = None,
+        envvar="HF_TOKEN", help="Hugging Face token for --auth-url and --hub-repo [default: the huggingface_hub "
+                                "login].")] = None,
     hf_endpoint: Annotated[str | None, typer.Option(envvar="HF_ENDPOINT", help="Hugging Face endpoint (for a "
                                                                                "mirror or a private hub).")] = None,
 ) -> None:
@@ -60,7 +64,8 @@ def join_run(
 
     from client.backend import BackendError
     from client.commands.coordinator import check_target, connect, open_backend, open_identity
-    from client.runner import Contributor, RunnerOptions
+    from client.runner import Contributor, ContributorRemoved, RunnerOptions
+    from coordinator_program import limits
     from coordinator_program.state import Role
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -74,11 +79,16 @@ def join_run(
     wanted = parse_stage(stage)
     if role == "trainer" and stage is not None:
         raise typer.BadParameter("a trainer holds no stage: drop --stage")
+    if auth_url and stage is not None:
+        raise typer.BadParameter("the auth service assigns the stage: drop --stage when using --auth-url")
     if threads:
         import torch
 
         torch.set_num_threads(threads)
     identity = open_identity(keypair, required=True)
+    auth = authorize(auth_url, identity, run_id, role, hf_token) if auth_url else None
+    if auth is not None and role == "worker":
+        wanted = auth.grant.stage
 
     async def run() -> None:
         backend = await connect(server, identity, url, run_id, program_id)
@@ -90,13 +100,14 @@ def join_run(
             raise typer.Exit(1)
         num_stages = state.config.num_stages
         chosen = num_stages - 1 if wanted == -1 else wanted
-        if role == "worker" and stage is not None and chosen >= num_stages:
+        if role == "worker" and chosen != limits.NO_STAGE and chosen >= num_stages:
             await backend.close()
-            raise typer.BadParameter(f"this run has {num_stages} stages; {stage!r} is not one of them")
+            asked = f"the auth service's stage {chosen}" if auth is not None else repr(stage)
+            raise typer.BadParameter(f"this run has {num_stages} stages; {asked} is not one of them")
         options = RunnerOptions(role=Role.Worker if role == "worker" else Role.Trainer,
                                 initial_peers=list(initial_peers), stage=chosen, checkpoint_dir=checkpoint_dir,
                                 host=host, wire_dtype=wire_dtype, hub_repo=hub_repo, hf_token=hf_token,
-                                hf_endpoint=hf_endpoint)
+                                hf_endpoint=hf_endpoint, auth=auth)
         async def reconnect():
             fresh = open_backend(server, url, run_id, program_id, identity)
             await fresh.connect()
@@ -109,6 +120,10 @@ def join_run(
             typer.secho(f"gave up on the coordinator: {exc}; rerun the same command to rejoin",
                         fg=typer.colors.RED, err=True)
             raise typer.Exit(1) from None
+        except ContributorRemoved as exc:
+            typer.secho(f"left the run: {exc}; check this machine's network, then rerun the same command",
+                        fg=typer.colors.RED, err=True)
+            raise typer.Exit(1) from None
         finally:
             await contributor.backend.close()
 
@@ -116,6 +131,19 @@ def join_run(
         asyncio.run(run())
     except KeyboardInterrupt:
         typer.echo("stopped; the coordinator drops this client at the next health check")
+
+
+def authorize(url: str, keypair, run_id: str, role: str, hf_token: str | None):
+    """Step 1 of the join flow: a Hugging Face token for a contributor slot and a stage, confirmed in one line."""
+    from client.auth import AuthError, AuthSession, confirmation_line, resolve_token
+
+    try:
+        session = AuthSession.open(url, keypair, run_id, resolve_token(hf_token), role)
+    except AuthError as exc:
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    typer.echo(confirmation_line(session.grant))
+    return session
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,226 @@
+"""A worker's place among its stage's replicas: the state it starts from, its sync phase, SPARTA averaging.
+
+The runner builds one ``StageReplica`` when a worker takes a stage. It carries out the worker's part of the
+join flow (seeds/contributor-join-flow.txt) and of fault tolerance (seeds/fault-tolerance.txt):
+
+- State: the first source that holds the stage, in order: the auth service's snapshot (the seed's periodic
+  checkpoint), the run's own checkpoint (Hub or a local directory), same-stage peers (hivemind state
+  sharing, outside the join blocking window), and at step 0 the run's seed, which every worker shares.
+- Sync: a state more than ``max_allowed_stale`` steps behind the swarm goes through phase 1 (invisible to
+  trainers, averaging weight 0) and phase 2 (routed to, weight 0) before full participation — provided the
+  stage has another worker to catch up with; a lone worker *is* its stage and starts active.
+- Averaging: after each optimizer step whose number is a multiple of ``sparta_every``, one SPARTA partition
+  with the stage's peers, weighted by the samples this worker processed since the last averaging round
+  (0 while syncing: it receives the average and adds nothing).
+
+Only an active worker serves its state to joiners; its sharing priority is the step its state belongs to,
+so joiners try the freshest donor first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from solders.keypair import Keypair
+
+from client.pipeline.discovery import WorkerDirectory
+from client.pipeline.model import ModelConfig
+from client.pipeline.optim import OptimizerConfig
+from client.pipeline.worker import StageWorker, StepStats
+from client.sparta import AveragingResult, AveragingStatus, SpartaAverager, SpartaSettings, averaging_index
+from client.state_download import (
+    JoinWindow,
+    StageState,
+    StateDownloadError,
+    download_from_hub,
+    download_from_peers,
+    load_local,
+    load_stage_state,
+    stage_identity,
+    worker_state_provider,
+)
+from client.sync import SyncPhase, SyncPolicy, SyncTracker
+from coordinator_program.config import CheckpointKind
+from coordinator_program.state import CoordinatorState
+
+log = logging.getLogger("psyswarm.replica")
+
+PEER_DOWNLOAD_TIMEOUT = 120.0  # seconds a joiner tries same-stage donors before falling back
+
+
+def model_config(state: CoordinatorState) -> ModelConfig:
+    """The model a run's state describes, as the pipeline builds it."""
+    m = state.model
+    return ModelConfig(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len,
+                       num_stages=state.config.num_stages, seed=m.init_seed)
+
+
+def sparta_settings(round_witness_time: int) -> SpartaSettings:
+    """Averaging timeouts that fit the run: matchmaking waits about one RoundWitness (1-5 s) for the stage's
+    peers, which leave RoundTrain within a state broadcast of each other."""
+    wait = float(min(max(round_witness_time, 1), 5))
+    return SpartaSettings(min_matchmaking_time=wait, request_timeout=wait / 2, matchmaking_timeout=wait + 4.0)
+
+
+@dataclass(frozen=True)
+class StateSources:
+    """Where a worker taking a stage may find its state, besides the run's checkpoint and its peers."""
+
+    snapshot: tuple[str, str] | None = None  # (Hub repo, revision) the auth service's grant names
+    hf_token: str | None = None
+    hf_endpoint: str | None = None
+
+
+class StageReplica:
+    """One worker of a stage with its averager and its sync tracker."""
+
+    def __init__(self, worker: StageWorker, averager: SpartaAverager, tracker: SyncTracker,
+                 directory: WorkerDirectory, *, every: int) -> None:
+        self.worker, self.averager, self.tracker, self.directory = worker, averager, tracker, directory
+        self.every = every
+        self.local_step: int | None = None  # the swarm step this worker's parameters belong to
+        self.samples_since_average = 0
+
+    @classmethod
+    def create(cls, state: CoordinatorState, stage: str, *, dht, keypair: Keypair, host: str,
+               say: Callable[[str], None] = print) -> StageReplica:
+        """Build the worker (not serving yet) and its averager: the averager forks hivemind's process, which is
+        safest before the worker's gRPC server starts its threads."""
+        config = model_config(state)
+        worker = StageWorker(config, stage, keypair=keypair, dht=dht, run_id=state.run_id, host=host,
+                             optimizer=OptimizerConfig(lr=state.model.learning_rate_micros / 1e6))
+        replica: StageReplica
+        averager = SpartaAverager.for_worker(
+            worker, dht, partitions=state.model.sparta_partitions, seed=state.model.init_seed,
+            settings=sparta_settings(state.config.round_witness_time),
+            state_provider=worker_state_provider(worker, lambda: replica.local_step or 0))
+        replica = cls(worker, averager, SyncTracker(SyncPolicy.from_model(state.model), say=say),
+                      WorkerDirectory(dht, state.run_id, config.fingerprint()), every=state.model.sparta_every)
+        return replica
+
+    @property
+    def stage(self) -> str:
+        return self.worker.stage
+
+    def peers(self) -> int:
+        """Other workers of this stage announced in the DHT, whatever their phase."""
+        return sum(1 for r in self.directory.records(self.stage) if r.uid != self.worker.uid)
+
+    # ----- the state a worker starts from -----
+
+    def load(self, state: CoordinatorState, stage_index: int, sources: StateSources,
+             swarm_step: Callable[[], int | None]) -> StageState | None:
+        """Load the first state that holds this stage; returns it (None: the run's seed, as built)."""
+        found = self._find_state(state, stage_index, sources, swarm_step)
+        if found is None:
+            self.local_step = 0 if state.step == 0 else None  # the seed is step 0's model, and only step 0's
+            log.info("stage %s starts from the run's seed (step %s)", self.stage,
+                     "0" if self.local_step == 0 else f"unknown: the swarm is at step {state.step}")
+            return None
+        load_stage_state(self.worker.backend.module, found, self.worker.backend.lock)
+        self.local_step = found.step
+        log.info("stage %s loaded from %s (step %s; the swarm is at step %d)", self.stage, found.source,
+                 "unknown" if found.step is None else found.step, state.step)
+        return found
+
+    def _find_state(self, state: CoordinatorState, stage_index: int, sources: StateSources,
+                    swarm_step: Callable[[], int | None]) -> StageState | None:
+        checkpoint = state.checkpoint
+        attempts: list[tuple[str, Callable[[], StageState | None]]] = []
+        if sources.snapshot is not None:
+            repo, revision = sources.snapshot
+            attempts.append((f"the auth service's snapshot {repo}@{revision}", lambda: download_from_hub(
+                repo, self.stage, revision=revision, endpoint=sources.hf_endpoint, token=sources.hf_token)))
+        held = bool(checkpoint.stages_done >> stage_index & 1) and checkpoint.repo != ""
+        if checkpoint.kind == CheckpointKind.Hub and held:
+            attempts.append((f"the run's checkpoint {checkpoint.repo}@{checkpoint.revision}", lambda: download_from_hub(
+                checkpoint.repo, self.stage, revision=checkpoint.revision or None, endpoint=sources.hf_endpoint,
+                token=sources.hf_token)))
+        if checkpoint.kind == CheckpointKind.Local and held:
+            attempts.append((f"the run's checkpoint {checkpoint.repo}",
+                             lambda: load_local(Path(checkpoint.repo) / checkpoint.revision, self.stage)))
+        if state.step > 0 and self.peers():  # at step 0 every peer holds the seed's model: nothing to fetch
+            attempts.append(("same-stage peers", lambda: self._from_peers(state, swarm_step)))
+        if checkpoint.kind == CheckpointKind.P2P and checkpoint.repo:  # the last saved copy, if it is on this disk
+            attempts.append((f"the last local checkpoint {checkpoint.repo}",
+                             lambda: load_local(Path(checkpoint.repo) / checkpoint.revision, self.stage)))
+        for what, attempt in attempts:
+            try:
+                found = attempt()
+            except StateDownloadError as exc:
+                log.warning("stage %s: nothing usable from %s: %s", self.stage, what, exc)
+                continue
+            if found is not None:
+                return found
+        return None
+
+    def _from_peers(self, state: CoordinatorState, swarm_step: Callable[[], int | None]) -> StageState:
+        JoinWindow(self.every).wait(swarm_step)
+        identity = stage_identity(state.run_id, self.stage, self.worker.config.fingerprint())
+        return download_from_peers(self.averager, self.worker.backend.module, identity,
+                                   timeout=PEER_DOWNLOAD_TIMEOUT)
+
+    # ----- sync phases -----
+
+    def begin(self, swarm_step: int) -> SyncPhase:
+        """Decide whether this worker syncs, before it starts serving (its first DHT record shows the phase)."""
+        if self.peers():
+            self.tracker.begin(swarm_step, self.local_step)
+        elif self.local_step is None:
+            self.local_step = swarm_step  # alone, it is the stage: its parameters are the stage's by definition
+        self._apply_phase()
+        return self.tracker.phase
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def follow(self, swarm_step: int) -> bool:
+        """Track the swarm's step: move through the sync phases, or re-enter sync after lagging behind the
+        stage. Returns True when this call completed the sync (the caller tells the auth service)."""
+        before = self.tracker.phase
+        if before == SyncPhase.ACTIVE:
+            if self.peers():
+                self.tracker.check(swarm_step, self.local_step)
+        else:
+            self.tracker.advance(swarm_step)
+        completed = before != SyncPhase.ACTIVE and self.tracker.phase == SyncPhase.ACTIVE
+        if completed:
+            self.local_step = swarm_step  # synchronised: its parameters are the swarm's now
+        self._apply_phase()
+        return completed
+
+    def _apply_phase(self) -> None:
+        if self.worker.sync_phase != int(self.tracker.phase):
+            self.worker.sync_phase = int(self.tracker.phase)  # re-announces the DHT record at once
+        self.averager.sharing = self.tracker.shares_state
+        if self.tracker.shares_state and self.local_step is not None:
+            self.averager.set_sharing_priority(self.local_step)
+
+    # ----- rounds -----
+
+    def step(self) -> StepStats:
+        """The optimizer step of a finished round."""
+        stats = self.worker.step()
+        self.samples_since_average += stats.samples
+        if self.local_step is not None:
+            self.local_step += 1
+        return stats
+
+    def average(self, completed_step: int) -> AveragingResult | None:
+        """Run the SPARTA round due once the swarm completed ``completed_step`` steps, if one is due."""
+        index = averaging_index(completed_step, self.every)
+        if index is None:
+            return None
+        weight = self.tracker.averaging_weight(float(self.samples_since_average))
+        self.samples_since_average = 0
+        result = self.averager.average(index, weight, peers=self.peers())
+        if result.status == AveragingStatus.FAILED and result.remove:
+            log.error("stage %s: %d averaging rounds in a row failed", self.stage, result.consecutive_failures)
+        return result
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.averager.shutdown()

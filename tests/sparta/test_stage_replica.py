@@ -1,0 +1,124 @@
+"""A worker taking its stage (client.stage_replica): which state it starts from, and when it syncs.
+
+Real DHT nodes, real averagers and real workers announcing themselves; the Hub is tests.fake_hub."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from solders.keypair import Keypair
+
+from client.checkpoints import save_stage
+from client.stage_replica import StageReplica, StateSources
+from client.sync import SyncPhase
+from coordinator_program.config import Checkpoint, CheckpointKind, parse_run_spec
+from coordinator_program.state import CoordinatorState, Phase
+from tests.fake_hub import FakeHub
+
+SPEC = {"run_id": "replica", "config": {"min_clients": 4, "max_clients": 8, "num_stages": 3, "witness_nodes": 1,
+                                         "witness_quorum": 1, "warmup_time": 10, "max_round_train_time": 10,
+                                         "round_witness_time": 1, "cooldown_time": 5, "rounds_per_epoch": 5,
+                                         "total_steps": 100, "global_batch_size": 8},
+        "model": {"n_layers": 3, "n_heads": 2, "d_model": 16, "seq_len": 16, "microbatch_size": 4,
+                  "learning_rate": 0.01, "sparta_every": 2, "sparta_partitions": 2, "max_allowed_stale": 3,
+                  "sync_phase1_steps": 2, "sync_phase2_steps": 3}}
+
+
+def run_state(run_id: str, step: int, checkpoint: Checkpoint | None = None) -> CoordinatorState:
+    spec = parse_run_spec({**SPEC, "run_id": run_id})
+    return CoordinatorState(run_id=run_id, main_authority=bytes(32), join_authority=bytes(32),
+                            phase=Phase.Warmup, step=step, config=spec.config, model=spec.model,
+                            checkpoint=checkpoint or spec.checkpoint)
+
+
+@pytest.fixture
+def make_replica(new_dht) -> Iterator[Callable[..., StageReplica]]:
+    made: list[StageReplica] = []
+
+    def make(state: CoordinatorState, stage: str = "body1") -> StageReplica:
+        replica = StageReplica.create(state, stage, dht=new_dht(), keypair=Keypair(), host="127.0.0.1",
+                                      say=lines.append)
+        made.append(replica)
+        return replica
+
+    lines: list[str] = []
+    make.lines = lines  # type: ignore[attr-defined]
+    yield make
+    for replica in made:
+        replica.stop()
+
+
+def perturbed(replica: StageReplica, by: float) -> dict[str, torch.Tensor]:
+    return {k: v + by for k, v in replica.worker.backend.module.state_dict().items()}
+
+
+def test_a_missing_snapshot_falls_back_to_the_runs_checkpoint_with_its_step(make_replica, run_id: str,
+                                                                           tmp_path: Path, fake_hub: FakeHub) -> None:
+    checkpoint = Checkpoint(CheckpointKind.Local, 0b111, str(tmp_path), "epoch-1")
+    state = run_state(run_id, 9, checkpoint)
+    replica = make_replica(state)
+    saved = perturbed(replica, 0.5)
+    save_stage(tmp_path / "epoch-1", "body1", saved, step=7)
+    sources = StateSources(snapshot=("org/none", "main"), hf_endpoint=fake_hub.url)  # the Hub has no such repo
+    found = replica.load(state, 1, sources, lambda: None)
+    assert found is not None and found.source.startswith("local:") and replica.local_step == 7
+    assert all(torch.equal(v, saved[k]) for k, v in replica.worker.backend.module.state_dict().items())
+
+
+def test_the_snapshot_comes_first_and_a_lone_worker_starts_active(make_replica, run_id: str, tmp_path: Path,
+                                                                  fake_hub: FakeHub) -> None:
+    import io
+    import json
+
+    state = run_state(run_id, 40)
+    replica = make_replica(state)
+    buffer = io.BytesIO()
+    torch.save(perturbed(replica, 0.25), buffer)
+    fake_hub.publish("org/snap", "body1.pt", buffer.getvalue())
+    fake_hub.publish("org/snap", "body1.json", json.dumps({"step": 3}).encode())
+    found = replica.load(state, 1, StateSources(snapshot=("org/snap", "main"), hf_endpoint=fake_hub.url),
+                         lambda: None)
+    assert found is not None and found.source == "hub:org/snap@main/body1.pt" and replica.local_step == 3
+    # 37 steps behind, but no other worker holds body1: this one is the stage, so it does not sync.
+    assert replica.begin(40) == SyncPhase.ACTIVE
+    assert replica.worker.sync_phase == 0 and replica.averager.sharing
+
+
+def test_without_any_source_the_seed_is_step_0_only(make_replica, run_id: str) -> None:
+    fresh = make_replica(run_state(run_id, 0))
+    assert fresh.load(run_state(run_id, 0), 1, StateSources(), lambda: None) is None and fresh.local_step == 0
+    late = make_replica(run_state(run_id, 12), "tail")
+    assert late.load(run_state(run_id, 12), 2, StateSources(), lambda: None) is None and late.local_step is None
+    late.begin(12)
+    assert late.local_step == 12  # alone in its stage: its parameters are the stage's
+
+
+def test_a_stale_worker_with_a_peer_syncs_then_rejoins_sync_when_it_lags(make_replica, run_id: str,
+                                                                         tmp_path: Path) -> None:
+    state = run_state(run_id, 10)
+    peer = make_replica(state)
+    peer.load(dataclasses.replace(state, step=0), 1, StateSources(), lambda: None)
+    peer.begin(0)
+    peer.start()
+    checkpoint = Checkpoint(CheckpointKind.Local, 0b111, str(tmp_path), "epoch-0")
+    joiner = make_replica(dataclasses.replace(state, checkpoint=checkpoint))
+    save_stage(tmp_path / "epoch-0", "body1", perturbed(joiner, 0.0), step=2)
+    joiner.load(dataclasses.replace(state, checkpoint=checkpoint), 1, StateSources(), lambda: None)
+    assert joiner.peers() == 1 and joiner.local_step == 2
+
+    assert joiner.begin(10) == SyncPhase.WEIGHTS  # 8 steps behind, more than max_allowed_stale = 3
+    assert joiner.worker.sync_phase == 1 and not joiner.averager.sharing
+    assert not joiner.follow(11) and joiner.tracker.phase == SyncPhase.WEIGHTS
+    assert not joiner.follow(12) and joiner.worker.sync_phase == 2 and not joiner.averager.sharing
+    assert joiner.follow(15)  # phase 2 lasted its 3 steps: synced
+    assert joiner.worker.sync_phase == 0 and joiner.averager.sharing and joiner.local_step == 15
+    assert make_replica.lines[-1].startswith("[SYNC] Sync complete")  # type: ignore[attr-defined]
+
+    joiner.step()  # one round stepped: it follows the swarm
+    assert not joiner.follow(16) and joiner.tracker.phase == SyncPhase.ACTIVE
+    assert not joiner.follow(20) and joiner.tracker.phase == SyncPhase.WEIGHTS  # missed 4 rounds: behind again
+    assert joiner.worker.sync_phase == 1 and not joiner.averager.sharing
