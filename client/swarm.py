@@ -36,6 +36,7 @@ class Swarm:
         if backend not in ("tcp", "solana"):
             raise ValueError(f"backend must be tcp or solana, not {backend!r}")
         self.backend = backend
+        workdir = workdir.resolve()  # children run in it: no path may depend on the caller's cwd
         self.workdir = workdir
         self.logs = workdir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)

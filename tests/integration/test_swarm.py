@@ -272,3 +272,15 @@ def test_workers_checkpoint_to_the_hub_and_cooldown_ends_when_every_stage_is_sav
     finally:
         swarm.stop()
         hub.shutdown()
+
+
+def test_a_swarm_in_a_relative_directory_starts_its_coordinator(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's default directory is relative; its processes run inside it, so every path must be absolute."""
+    monkeypatch.chdir(tmp_path)
+    swarm = Swarm(Path("runs/demo"), tiny())
+    try:
+        swarm.start_server()
+        assert swarm.procs["server"].poll() is None
+    finally:
+        swarm.stop()
