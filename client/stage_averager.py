@@ -22,7 +22,6 @@ import ctypes
 import math
 import multiprocessing as mp
 import random
-import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +37,8 @@ from hivemind.utils import MPFuture, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
+
+from client.helper_processes import stop_signals_blocked
 
 logger = get_logger(__name__)
 
@@ -118,14 +119,11 @@ class StageAverager(DecentralizedAverager):
         self._state_provider = state_provider
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         # Not hivemind's run_in_background: it sets SIGINT to SIG_IGN in this (host) process, which raises outside
-        # the main thread and leaves Ctrl+C ignored for good. The averaging process ignores SIGINT itself (run).
-        self.start()
+        # the main thread and leaves Ctrl+C ignored for good. The averaging process is deaf to Ctrl+C instead:
+        # the host shuts it down in order.
+        with stop_signals_blocked():
+            self.start()
         self.wait_until_ready()
-
-    def run(self) -> None:
-        """The averaging process: Ctrl+C reaches the host, which shuts this process down in order."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        super().run()
 
     # ----- host side -----
 

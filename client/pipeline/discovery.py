@@ -230,11 +230,14 @@ def start_dht(initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: 
     """A hivemind DHT node listening on ``host:port`` (0: any free port), joined to ``initial_peers``."""
     import hivemind
 
-    return hivemind.DHT(
-        initial_peers=list(initial_peers) or None,
-        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-        start=True,
-    )
+    from client.helper_processes import stop_signals_blocked
+
+    with stop_signals_blocked():  # the node's process is stopped by dht.shutdown(), not by Ctrl+C
+        return hivemind.DHT(
+            initial_peers=list(initial_peers) or None,
+            host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+            start=True,
+        )
 
 
 def run_bootstrap(initial_peers: Sequence[str], host: str, port: int, stop: threading.Event) -> None:
