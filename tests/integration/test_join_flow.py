@@ -108,6 +108,8 @@ def test_a_contributor_joins_through_auth_syncs_from_a_stale_snapshot_and_averag
         asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, 400))
         joiner = swarm.log_text("joiner")
         lines = [line for line in joiner.splitlines() if line.startswith(("[SYNC]", "[AUTH]"))]
+        proofs = [m for n in swarm.procs for m in re.findall(r"round proof sent for (\d+)\.(\d+): (\d+) participants",
+                                                             swarm.log_text(n))]
         head = next(n for n in ("worker-a", "worker-b", "worker-c") if "stage head" in swarm.log_text(n))
         peer_log = swarm.log_text(head)
     except (AssertionError, TimeoutError, RuntimeError, StopIteration) as exc:
@@ -138,6 +140,8 @@ def test_a_contributor_joins_through_auth_syncs_from_a_stale_snapshot_and_averag
     first = min(stepped)
     assert stepped[first] == 0, stepped
     assert sum(stepped.values()) > 0, stepped
+    # Presence is credited from phase 1: the witnesses counted all 5 clients in the joiner's phase-1 round.
+    assert max(int(n) for e, h, n in proofs if (int(e), int(h)) == first) == 5, proofs
     # SPARTA: the head's two workers averaged (the joiner with weight 0 while syncing).
     assert re.search(r"head averaging round \d+ \(partition \d\): averaged, group of 2", peer_log), peer_log[-3000:]
     assert re.search(r"head averaging round \d+ \(partition \d\): averaged, group of 2", joiner), joiner[-3000:]
