@@ -18,8 +18,11 @@ mid-round and the rest weigh 0) those elements keep their local value instead of
 
 Faults. hivemind bans a sender that stalls or dies, keeps each failed reducer's shard at its local value,
 and finishes the round with what it has; a round that raises still applies whatever parts completed. There
-is no retry: the next round starts afresh. ``average`` counts consecutive failures so the caller can
-withdraw a worker that keeps failing (``AveragingResult.remove``).
+is no retry: the next round starts afresh. ``average`` counts consecutive failures of this peer's own
+rounds (its averaging process dead or wedged, its all-reduce raising) so the caller can withdraw a worker
+that keeps failing (``AveragingResult.remove``). A round where no group formed at all is reported but not
+counted: it blames nobody in particular — in a two-worker stage both workers see it when either one is
+broken — and withdrawing on it could empty a stage, the one failure the swarm cannot survive.
 """
 
 from __future__ import annotations
@@ -266,8 +269,8 @@ class SpartaAverager:
         started = time.monotonic()
 
         def result(status: AveragingStatus, reason: str, group: int = 0, total: float = math.nan,
-                   delta: float = 0.0) -> AveragingResult:
-            if status == AveragingStatus.FAILED:
+                   delta: float = 0.0, counts: bool = True) -> AveragingResult:
+            if status == AveragingStatus.FAILED and counts:
                 self.consecutive_failures += 1
             elif status == AveragingStatus.AVERAGED:
                 self.consecutive_failures = 0
@@ -290,6 +293,7 @@ class SpartaAverager:
             if self._round_active:
                 return result(AveragingStatus.SKIPPED, "the previous averaging round is still running")
             self._round_active = True
+        wedged = False
         try:
             sent = self._load_buffers(indices)
             gathered, failure = self._step(averaging_index, weight)
@@ -297,7 +301,7 @@ class SpartaAverager:
             received = self._read_buffers() if self._averager.is_alive() else sent
             delta = self._apply(indices, sent, received)
         except _Wedged as exc:
-            gathered, failure, delta = {}, str(exc), 0.0
+            gathered, failure, delta, wedged = {}, str(exc), 0.0, True
         finally:
             self._control = None
             with self._round_cv:
@@ -305,7 +309,8 @@ class SpartaAverager:
                 self._round_cv.notify_all()
         group = self._averager.last_group_size
         if failure is not None:
-            return result(AveragingStatus.FAILED, failure, group, delta=delta)
+            own = group > 0 or wedged or not self._averager.is_alive()
+            return result(AveragingStatus.FAILED, failure, group, delta=delta, counts=own)
         total = sum(float(g.get("weight", 0.0)) for g in gathered.values())
         if total == 0:
             return result(AveragingStatus.SKIPPED, "every weight in the group is 0", group, total, delta)
