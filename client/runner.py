@@ -177,6 +177,8 @@ class Contributor:
     # --- reacting to the state ------------------------------------------------------------------------
 
     async def on_state(self, state: CoordinatorState) -> None:
+        if self.removed is not None:
+            return  # leaving: neither rejoin nor act in the run any more
         index = state.client_index(self.me)
         if self.open_round is not None and (state.phase != Phase.RoundTrain or
                                             (state.epoch, state.round.height) != self.open_round[:2]):
