@@ -4,8 +4,15 @@ Each worker's virtual runtime is the compute time the trainer has sent it so far
 the smallest, so work flows to whoever finishes soonest: a worker twice as fast accumulates runtime half
 as fast and receives twice the microbatches. A task is charged its *expected* duration when it is sent
 (so concurrent microbatches spread out at once) and corrected by the measured duration when it returns.
+A worker runs one task at a time, so a task's measured duration is the time from when it was sent or the
+worker last answered this trainer, whichever is later, to its answer: the time it spent waiting behind the
+trainer's own earlier tasks is theirs, already counted. Counting whole latencies instead would charge a
+worker that received k tasks at once about (k+1)/2 times their work, and the next round's tasks would all
+go to its peer, then all back: replicas taking turns at whole rounds rather than sharing each one.
 A newcomer enters at the current maximum, the bottom of the heap: otherwise a fresh worker with zero
-runtime would take every request until it caught up, however slow it is.
+runtime would take every request until it caught up, however slow it is. A backward is not chosen but
+claimed from the worker that ran its forward, so choosing a worker for a forward commits it to the backward
+too, and the forward is charged both in advance; each is corrected by its own measured duration.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class _WorkerState:
     vruntime: float
     throughput: float | None = None  # cost units per second, measured
     banned_until: float = 0.0
+    answered: float = float("-inf")  # when the worker last answered (the router's clock)
 
 
 class StageRouter:
@@ -94,11 +102,29 @@ class StageRouter:
             self._push(chosen.record.uid)
             return chosen.record
 
-    def report(self, uid: str, cost: float, seconds: float) -> None:
-        """A task of ``cost`` took ``seconds``: replace its estimate by the truth, update the throughput."""
+    def claim(self, record: WorkerRecord) -> WorkerRecord | None:
+        """This very worker, for the backward of a forward it ran; charged nothing, as the forward's choice
+        was charged for both. Report the backward as usual.
+
+        ``None`` if the worker is banned, no longer announced, or its uid now belongs to another identity
+        (whose parameters are not those the forward used); the caller then falls back to ``choose``.
+        """
+        with self._lock:
+            state = self._workers.get(record.uid)
+            if state is None or state.record.pubkey != record.pubkey or state.banned_until > self.clock():
+                return None
+            return state.record
+
+    def report(self, uid: str, cost: float, sent: float, answered: float) -> None:
+        """A task of ``cost`` sent at ``sent`` was answered at ``answered`` (the router's clock): replace its
+        estimate by the time the worker spent on it, update the throughput."""
         with self._lock:
             state = self._workers.get(uid)
-            if state is None or seconds <= 0:
+            if state is None:
+                return
+            seconds = answered - max(sent, state.answered)
+            state.answered = max(state.answered, answered)
+            if seconds <= 0:
                 return
             expected = cost / (state.throughput or self.default_throughput)
             state.vruntime += seconds - expected

@@ -2,8 +2,13 @@
 
 For each microbatch it sends the byte tokens through head → body… Forward calls, then a tail Backward
 (which recomputes the tail's forward, the loss and its gradient in one call), then Backward calls back to
-the head. It keeps every stage's input until the microbatch is done, so a backward can go to any replica
-of the stage: a worker that dies between the two passes costs one retry, not the microbatch.
+the head. A worker's Backward recomputes the forward with its own parameters, and same-stage replicas'
+parameters differ between SPARTA averaging rounds (each steps its own AdamW on the samples it saw), so a
+stage's backward goes to the worker that ran its forward: on another replica it would differentiate a
+function other than the one whose output the next stage saw, and the gradients would not match. The
+trainer still keeps every stage's input until the microbatch is done, so if that worker fails, is banned
+or leaves between the two passes, the backward falls back to any other replica of the stage: one retry
+with a slightly inconsistent gradient, not a lost microbatch.
 
 Every response comes from an untrusted worker and is checked (shapes, dtype, finite values, the receipt's
 digests against what was actually exchanged); a worker that answers badly or not at all is banned for
@@ -67,7 +72,8 @@ class Directory(Protocol):
 @dataclass(frozen=True)
 class MicrobatchResult:
     """One microbatch's outcome. ``workers`` are the uids that ran each stage's backward (and so hold its
-    gradient and issued its receipt); ``forward_workers`` those that ran the forward passes."""
+    gradient and issued its receipt); ``forward_workers`` those that ran the forward passes (every stage but
+    the tail). The two agree except where a forward's worker failed before its backward."""
 
     microbatch_id: str
     indices: tuple[int, ...]
@@ -185,10 +191,10 @@ class PipelineTrainer:
         tokens = self.dataset.batch(indices).to(torch.uint8)
         targets = tokens[:, 1:].contiguous()
         inputs = [tokens[:, :-1].contiguous()]
-        forward_workers: dict[str, str] = {}
+        forward_records: dict[str, WorkerRecord] = {}
         for stage in self.stages[:-1]:
             record, _, out = self._call(stage, microbatch_id, False, {"input": inputs[-1]})
-            forward_workers[stage] = record.uid
+            forward_records[stage] = record
             inputs.append(out["output"])
         workers: dict[str, str] = {}
         receipts: dict[str, Receipt] = {}
@@ -199,10 +205,12 @@ class PipelineTrainer:
         grad = out["grad_input"]
         for position in range(len(self.stages) - 2, -1, -1):
             stage = self.stages[position]
-            record, meta, out = self._call(stage, microbatch_id, True, {"input": inputs[position], "grad_output": grad})
+            tensors = {"input": inputs[position], "grad_output": grad}
+            record, meta, out = self._call(stage, microbatch_id, True, tensors, affinity=forward_records[stage])
             workers[stage], receipts[stage] = record.uid, self._receipt(meta)
             grad = out.get("grad_input")
         log.debug("microbatch %s: loss %.4f via %s", microbatch_id, loss, workers)
+        forward_workers = {stage: record.uid for stage, record in forward_records.items()}
         return MicrobatchResult(microbatch_id, tuple(indices), loss, workers, forward_workers, receipts)
 
     @staticmethod
@@ -212,11 +220,24 @@ class PipelineTrainer:
     # ----- one call, with routing, retries and bans -----
 
     def _call(
-        self, stage: str, microbatch_id: str, backward: bool, tensors: dict[str, torch.Tensor]
+        self,
+        stage: str,
+        microbatch_id: str,
+        backward: bool,
+        tensors: dict[str, torch.Tensor],
+        *,
+        affinity: WorkerRecord | None = None,
     ) -> tuple[WorkerRecord, dict[str, object], dict[str, torch.Tensor]]:
+        """One Forward or Backward, checked. ``affinity`` is the worker that ran this stage's forward: the
+        first attempt goes to it while it is usable; retries, and a first attempt without it, go to the
+        router's pick."""
         method = "Backward" if backward else "Forward"
         batch, length = tensors["input"].shape[:2]
         cost = batch * length * (BACKWARD_COST if backward else 1.0)
+        # Choosing a forward's worker also chooses its backward's, so the choice is charged with both: else a
+        # round's microbatches, all chosen before any backward, would crowd onto one replica. A Backward that
+        # is chosen at all is the tail's, which has no forward, or a failover, and is charged alone.
+        charge = cost if backward else batch * length * (1.0 + BACKWARD_COST)
         meta = {
             "stage": stage,
             "trainer": self.trainer_id,
@@ -229,8 +250,11 @@ class PipelineTrainer:
         failures = 0
         last_error = ""
         while failures < self.max_attempts:
-            record = self._pick(stage, cost, tried)
-            started = time.perf_counter()
+            record = self._claim(stage, affinity, microbatch_id) if affinity is not None else None
+            affinity = None  # only the first attempt: a retry goes wherever the router picks
+            if record is None:
+                record = self._pick(stage, charge, tried)
+            sent = router.clock()
             try:
                 response = self._client(record.address).call(method, request, timeout=self.timeouts[backward])
                 out_meta, out = decode_message(response, max_elements=batch * length * self.config.d_model)
@@ -253,7 +277,7 @@ class PipelineTrainer:
                 log.warning("worker %s sent a bad %s response, banned: %s", record.uid, method, exc)
                 router.ban(record.uid)
             else:
-                router.report(record.uid, cost, time.perf_counter() - started)
+                router.report(record.uid, cost, sent, router.clock())
                 with self._lock:
                     self.bytes_sent += len(request)
                     self.bytes_received += len(response)
@@ -305,13 +329,27 @@ class PipelineTrainer:
             if self._receipt(meta) != expected:
                 raise _BadResponse("the receipt does not match the exchanged tensors")
 
-    def _pick(self, stage: str, cost: float, tried: set[str]) -> WorkerRecord:
-        """A worker for the next attempt: preferably one not tried yet; stalls while the stage is empty."""
+    def _claim(self, stage: str, forward: WorkerRecord, microbatch_id: str) -> WorkerRecord | None:
+        """The forward's worker for the backward, if it is still announced and not banned."""
+        self._refresh(stage, force=False)
+        record = self.routers[stage].claim(forward)
+        if record is None:
+            log.info(
+                "backward of %s for stage %s moves off %s, which ran its forward but is banned or gone",
+                microbatch_id,
+                stage,
+                forward.uid,
+            )
+        return record
+
+    def _pick(self, stage: str, charge: float, tried: set[str]) -> WorkerRecord:
+        """A worker for the next attempt, charged ``charge`` in advance: preferably one not tried yet; stalls
+        while the stage is empty."""
         router = self.routers[stage]
         stalled_since: float | None = None
         while True:
             self._refresh(stage, force=stalled_since is not None)
-            record = router.choose(cost, exclude=tried) or router.choose(cost)
+            record = router.choose(charge, exclude=tried) or router.choose(charge)
             if record is not None:
                 with self._lock:  # one line per stage, however many microbatches were waiting
                     was_logged = self._stall_logged.pop(stage, None) is not None

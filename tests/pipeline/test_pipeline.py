@@ -1,4 +1,4 @@
-"""End to end over real gRPC and a real loopback DHT: equivalence, balancing, failover, stalls."""
+"""End to end over real gRPC and a real loopback DHT: equivalence, balancing, affinity, failover, stalls."""
 
 from __future__ import annotations
 
@@ -93,6 +93,67 @@ def test_fast_worker_gets_most_microbatches(start_worker, directory, make_traine
     fast_count, slow_count = used.count(fast.uid), used.count(slow.uid)
     assert fast_count + slow_count == 40
     assert fast_count >= 3 * slow_count, (fast_count, slow_count)
+
+
+def test_backward_runs_on_the_worker_that_ran_its_forward(start_worker, directory, make_trainer) -> None:
+    """Two replicas of head and body1: every backward goes back to its forward's replica, whose parameters
+    produced the activations the next stage saw, and balancing still spreads microbatches over both."""
+    replicas = {s: [start_worker(s, index=i) for i in (1, 2)] for s in ("head", "body1")}
+    start_worker("tail")
+    wait_for_stages(directory, {"head": 2, "body1": 2, "tail": 1})
+    result = make_trainer(max_inflight=3).train(range(24), microbatch_size=2)
+    assert len(result.losses) == 12
+    for micro in result.microbatches:
+        assert set(micro.forward_workers) == {"head", "body1"}
+        assert micro.workers == {**micro.forward_workers, "tail": micro.workers["tail"]}
+    for stage, workers in replicas.items():
+        forwards = [m.forward_workers[stage] for m in result.microbatches]
+        for worker in workers:
+            assert forwards.count(worker.uid) >= 3, (stage, forwards)
+            # The worker's own receipts: it differentiated exactly the microbatches it ran forward.
+            served = {r.microbatch_id for r in worker.drain_receipts()}
+            assert served == {m.microbatch_id for m in result.microbatches if m.forward_workers[stage] == worker.uid}
+
+
+@pytest.mark.parametrize("fault", ["killed", "banned"])
+def test_backward_fails_over_when_its_forward_worker_is_lost(fault, start_worker, directory, make_trainer, caplog):
+    """Between a microbatch's body1 forward and its backward, the body1 worker that ran the forward stops
+    (``killed``) or the trainer bans it (``banned``): the backward goes to the other body1, and training goes
+    on there."""
+    start_worker("head")
+    tail = start_worker("tail")
+    survivor = start_worker("body1", index=1)
+    victim = start_worker("body1", index=2)
+    wait_for_stages(directory, {"head": 1, "body1": 2, "tail": 1})
+    trainer = make_trainer()
+    ran_on_victim: set[str] = set()
+    lost: list[str] = []
+    victim_forward, tail_backward = victim.backend.forward, tail.backend.backward
+
+    def forward(request):
+        ran_on_victim.add(request.microbatch_id)
+        return victim_forward(request)
+
+    def backward(request):
+        # The tail's Backward comes after every forward of its microbatch and before body1's backward.
+        if not lost and request.microbatch_id in ran_on_victim:
+            lost.append(request.microbatch_id)
+            if fault == "killed":
+                victim.stop(leave=False, grace=0)  # its DHT record stays, as when a machine dies
+            else:
+                trainer.routers["body1"].ban(victim.uid)
+        return tail_backward(request)
+
+    victim.backend.forward, tail.backend.backward = forward, backward
+    with caplog.at_level(logging.INFO, logger="client.pipeline.trainer"):
+        result = trainer.train(range(12), microbatch_size=2)
+    assert len(result.losses) == 6 and all(torch.isfinite(torch.tensor(result.losses)))
+    [hit] = [m for m in result.microbatches if m.microbatch_id in lost]
+    assert hit.forward_workers["body1"] == victim.uid and hit.workers["body1"] == survivor.uid
+    later = result.microbatches[result.microbatches.index(hit) + 1 :]
+    assert later and all(m.workers["body1"] == m.forward_workers["body1"] == survivor.uid for m in later)
+    assert hit.microbatch_id in {r.microbatch_id for r in survivor.drain_receipts()}
+    assert ("banned" if fault == "killed" else "moves off " + victim.uid) in caplog.text
 
 
 def _cli_worker(stage: str, peer: str, run_id: str) -> subprocess.Popen[bytes]:

@@ -1,6 +1,9 @@
-"""The min-heap of virtual runtime: least-loaded first, newcomers at the bottom, bans that expire."""
+"""The min-heap of virtual runtime: least-loaded first, newcomers at the bottom, bans that expire, work charged
+rather than waits, and a backward claimed from its forward's worker."""
 
 from __future__ import annotations
+
+import pytest
 
 from client.pipeline.discovery import STATE_UP, WorkerRecord
 from client.pipeline.router import StageRouter
@@ -31,13 +34,42 @@ class FakeClock:
 
 
 def simulate(router: StageRouter, seconds_per_unit: dict[str, float], tasks: int) -> dict[str, int]:
+    """Tasks one after the other, each answered after its worker's compute time."""
     counts = dict.fromkeys(seconds_per_unit, 0)
+    now = 0.0
     for _ in range(tasks):
         chosen = router.choose(10.0)
         assert chosen is not None
         counts[chosen.uid] += 1
-        router.report(chosen.uid, 10.0, 10.0 * seconds_per_unit[chosen.uid])
+        sent, now = now, now + 10.0 * seconds_per_unit[chosen.uid]
+        router.report(chosen.uid, 10.0, sent, now)
     return counts
+
+
+def rounds(router: StageRouter, rounds: int, microbatches: int, forward: float) -> list[dict[str, int]]:
+    """Rounds of ``microbatches`` sent at once, as a trainer with that many in flight sends them: each forward
+    is chosen (charged with its backward too), then claimed back for its backward. Each worker runs its
+    forwards, then its backwards (three times as long), one at a time. Returns each round's split."""
+    splits = []
+    start = 0.0
+    for _ in range(rounds):
+        chosen = [router.choose(1.0 + 3.0) for _ in range(microbatches)]
+        split = {uid: [r.uid for r in chosen].count(uid) for uid in sorted({r.uid for r in chosen})}
+        finished = start
+        for uid, count in split.items():
+            now = start
+            for _ in range(count):
+                now += forward
+                router.report(uid, 1.0, start, now)
+            backward_sent = now
+            for record in [r for r in chosen if r.uid == uid]:
+                assert router.claim(record) == record
+                now += 3 * forward
+                router.report(uid, 3.0, backward_sent, now)
+            finished = max(finished, now)
+        start = finished
+        splits.append(split)
+    return splits
 
 
 def test_faster_worker_gets_proportionally_more_work() -> None:
@@ -87,3 +119,47 @@ def test_heap_stays_small_over_many_updates() -> None:
     router.update([record("a"), record("b")])
     simulate(router, {"a": 0.001, "b": 0.002}, 1000)
     assert len(router._heap) <= 4 * 2 + 16
+
+
+def test_tasks_sent_at_once_are_charged_their_work_not_their_wait() -> None:
+    """Four tasks sent together to one worker are answered after 1, 2, 3 and 4 s: it worked 4 s, not 10."""
+    router = StageRouter("body1", default_throughput=1.0)  # estimates right from the start, for exact figures
+    router.update([record("a"), record("b")])
+    for _ in range(4):
+        router.choose(1.0, exclude={"b"})
+    for position in range(1, 5):
+        router.report("a", 1.0, 0.0, float(position))
+    assert router._workers["a"].vruntime == pytest.approx(4.0)
+    assert router._workers["a"].throughput == pytest.approx(1.0)
+
+
+def test_concurrent_rounds_are_shared_not_taken_in_turns() -> None:
+    """Two equal replicas, four microbatches in flight per round, one replica a task ahead at the start: the
+    rounds settle to two and two. Charging a backward when it is sent rather than with its forward's choice,
+    or charging latencies (which count the wait behind the trainer's own earlier tasks), the replicas take
+    whole rounds, or 3 and 1, in turns for ever: each steps on few samples or none every other round."""
+    router = StageRouter("body1")
+    router.update([record("a"), record("b")])
+    router.choose(1.0, exclude={"b"})
+    router.report("a", 1.0, -0.05, 0.0)
+    splits = rounds(router, 30, 4, 0.05)
+    assert all(split == {"a": 2, "b": 2} for split in splits[3:]), splits
+
+
+def test_claim_returns_the_same_worker_while_it_is_usable() -> None:
+    clock = FakeClock()
+    router = StageRouter("body1", clock=clock)
+    router.update([record("a"), record("b")])
+    chosen = router.choose(4.0)
+    runtime = router._workers[chosen.uid].vruntime
+    assert router.claim(chosen) == chosen
+    assert router._workers[chosen.uid].vruntime == runtime  # charged with the forward's choice
+    router.ban(chosen.uid)
+    assert router.claim(chosen) is None
+    clock.now += router.ban_seconds + 1
+    assert router.claim(chosen) == chosen
+    other = ({"a", "b"} - {chosen.uid}).pop()
+    router.update([record(chosen.uid, pubkey="bb"), record(other)])  # the uid is another identity's now
+    assert router.claim(chosen) is None
+    router.update([record(other)])
+    assert router.claim(record(other)) is not None and router.claim(chosen) is None
