@@ -5,6 +5,7 @@ Sources:
   Hugging Face repo at a revision, through ``huggingface_hub.hf_hub_download`` (its endpoint configurable;
   its own progress bar). An optional ``<stage>.json`` beside it gives ``{"step": N}``, the swarm step the
   snapshot was taken at; without it the snapshot's age is unknown and the sync phases treat it as stale.
+- Local: the same two files in a local checkpoint directory (``load_local``), as workers save them.
 - Peers: hivemind's state sharing. Active same-stage workers serve their state (``worker_state_provider``);
   the joiner's own ``SpartaAverager`` downloads it with a progress bar, checking what arrives.
 

@@ -162,6 +162,10 @@ def test_the_window_blocks_the_steps_around_each_averaging_round() -> None:
     assert not any(JoinWindow(every=1).blocked(s) for s in range(5))  # no step is free: donors guard instead
     with pytest.raises(StateDownloadError, match="averaging window"):
         JoinWindow(every=20).wait(lambda: 20, poll=0.01, timeout=0.05)
+    # Between epochs (no step to report) no averaging round runs: the window is open.
+    assert JoinWindow(every=20).wait(lambda: None, poll=0.01, timeout=0.05) is None
+    steps = iter([20, 21, None])  # an epoch ends while the joiner waits out an averaging window: it goes
+    assert JoinWindow(every=20).wait(lambda: next(steps), poll=0.01, timeout=1) is None
 
 
 def test_a_state_download_requested_during_averaging_waits_for_the_window(make_averager, run_id: str) -> None:
