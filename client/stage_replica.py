@@ -92,7 +92,7 @@ class StageReplica:
         config = model_config(state)
         worker = StageWorker(config, stage, keypair=keypair, dht=dht, run_id=state.run_id, host=host,
                              optimizer=OptimizerConfig(lr=state.model.learning_rate_micros / 1e6))
-        replica: StageReplica
+        replica: StageReplica  # bound below; the provider only runs once sharing is on, long after
         averager = SpartaAverager.for_worker(
             worker, dht, partitions=state.model.sparta_partitions, seed=state.model.init_seed,
             settings=sparta_settings(state.config.round_witness_time),
