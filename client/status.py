@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from client.stages import stage_name
 from coordinator_program import rules
 from coordinator_program.config import CheckpointKind
 from coordinator_program.state import CoordinatorState, Health, Phase, Role
+
+if TYPE_CHECKING:
+    from client.pipeline.discovery import WorkerRecord
 
 _TIMEOUTS = {
     Phase.Warmup: "warmup_time",
@@ -59,3 +64,14 @@ def describe(state: CoordinatorState, now: float) -> str:
         cp.kind, f"{cp.kind.name} {cp.repo}@{cp.revision} (stages saved: {cp.stages_done:b})")
     lines.append(f"checkpoint: {where}")
     return "\n".join(lines)
+
+
+def workers_line(records: dict[str, list[WorkerRecord]]) -> str:
+    """The workers each stage announces in the DHT, and how many of them are still syncing (trainers skip
+    phase 1; phase 1 and 2 average with weight 0): what a stage really has to offer, beyond its member count."""
+    parts = []
+    for stage, found in records.items():
+        syncing = [sum(1 for r in found if r.sync_phase == phase) for phase in (1, 2)]
+        detail = ", ".join(f"{n} in sync phase {phase}" for phase, n in zip((1, 2), syncing, strict=True) if n)
+        parts.append(f"{stage}={len(found)}" + (f" ({detail})" if detail else ""))
+    return "workers in the DHT: " + " ".join(parts)

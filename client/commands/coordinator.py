@@ -156,7 +156,8 @@ def status(
     initial_peers: InitialPeers = [],  # noqa: B006 - typer reads the default, never mutates it
 ) -> None:
     """Show the run: phase, epoch, round, clients per stage, witnesses, checkpoint; with the run's DHT
-    (--initial-peer), also the last loss the trainers committed."""
+    (--initial-peer), also the last loss the trainers committed and the workers each stage announces, with
+    how many are still syncing."""
     from client.status import describe
 
     async def run() -> None:
@@ -167,6 +168,7 @@ def status(
                 text = describe(state, now=time.time())
                 if board is not None:
                     text += "\n" + await asyncio.to_thread(loss_line, board, state)
+                    text += "\n" + await asyncio.to_thread(dht_workers_line, board, state)
                 typer.echo(text + ("\n" if watch else ""))
                 if not watch:
                     return
@@ -196,6 +198,17 @@ def loss_line(board, state) -> str:
         return "last loss: none committed yet"
     epoch, round_, loss = found
     return f"last loss: {loss:.4f} (epoch {epoch}, round {round_ + 1})"
+
+
+def dht_workers_line(board, state) -> str:
+    from client.pipeline.discovery import WorkerDirectory
+    from client.stage_replica import model_config
+    from client.stages import stage_name
+    from client.status import workers_line
+
+    directory = WorkerDirectory(board.dht, state.run_id, model_config(state).fingerprint())
+    stages = [stage_name(i, state.config.num_stages) for i in range(state.config.num_stages)]
+    return workers_line({stage: directory.records(stage) for stage in stages})
 
 
 def tick(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import time
@@ -148,6 +149,7 @@ def test_full_lifecycle_over_two_epochs(tmp_path: Path, backend: str) -> None:
                                  "--initial-peer", swarm.peer], capture_output=True, text=True, timeout=120)
         assert status.returncode == 0, status.stderr
         assert "Finished" in status.stdout and f"last loss: {curve[-1]:.4f} (epoch 1, round 4)" in status.stdout
+        assert re.search(r"^workers in the DHT: head=\d+ body1=\d+ tail=\d+$", status.stdout, re.M), status.stdout
     except (AssertionError, TimeoutError, RuntimeError) as exc:
         fail_with_logs(swarm, exc)
     finally:
