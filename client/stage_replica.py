@@ -216,7 +216,8 @@ class StageReplica:
             return None
         weight = self.tracker.averaging_weight(float(self.samples_since_average))
         self.samples_since_average = 0
-        result = self.averager.average(index, weight, peers=self.peers())
+        with self.worker.batches_held():  # averaging happens outside training, even when it outlasts RoundWitness
+            result = self.averager.average(index, weight, peers=self.peers())
         if result.status == AveragingStatus.FAILED and result.remove:
             log.error("stage %s: %d averaging rounds in a row failed", self.stage, result.consecutive_failures)
         return result

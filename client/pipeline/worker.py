@@ -10,11 +10,12 @@ the coordinator calls it when a round ends, or, run standalone, the worker steps
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -104,6 +105,7 @@ class StageWorker:
             True: collections.deque(),
         }
         self._cv = threading.Condition()
+        self._holds = 0  # while positive, queued batches wait (an averaging round is updating the parameters)
         self._stopping = False
         self._stopped = False
         self._server: grpc.Server | None = None
@@ -176,6 +178,20 @@ class StageWorker:
         self._sync_phase = phase
         if self._announcer is not None:
             self._announcer.announce_now()
+
+    @contextlib.contextmanager
+    def batches_held(self) -> Iterator[None]:
+        """Queue batches without running them for the duration: SPARTA averaging, which may outlast the short
+        RoundWitness, must not compete with the next round's batches for the CPU (requests keep queuing, within
+        their own timeouts)."""
+        with self._cv:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holds -= 1
+                self._cv.notify_all()
 
     def step(self) -> StepStats:
         """Apply the accumulated gradients with AdamW and zero them."""
@@ -281,7 +297,7 @@ class StageWorker:
 
     def _next_task(self) -> _Task | None:
         with self._cv:
-            while not self._stopping and not (self._queues[True] or self._queues[False]):
+            while not self._stopping and (self._holds or not (self._queues[True] or self._queues[False])):
                 self._cv.wait()
             if self._stopping:
                 return None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 import torch
@@ -171,3 +174,22 @@ def test_half_precision_activations(workers) -> None:
     request = encode_message(meta("body1", dtype="float16"), {"input": hidden().half(), "grad_output": hidden().half()})
     _, out = decode_message(clients["body1"].call("Backward", request, timeout=10), max_elements=10**6)
     assert out["grad_input"].dtype == torch.float16
+
+
+def test_batches_wait_while_held_and_run_once_released(workers) -> None:
+    """While an averaging round holds the worker, requests queue instead of competing with it for the CPU."""
+    started, clients = workers
+    answered: list[float] = []
+
+    def forward() -> None:
+        clients["head"].call("Forward", valid("head", "Forward"), timeout=10)
+        answered.append(time.monotonic())
+
+    with started["head"].batches_held():
+        caller = threading.Thread(target=forward)
+        caller.start()
+        time.sleep(0.5)
+        assert not answered and started["head"].load == 1  # queued, not run
+        released = time.monotonic()
+    caller.join(10)
+    assert answered and answered[0] >= released
