@@ -9,8 +9,8 @@
   witnesses check the records and send their proof as soon as every batch is in (opportunistic), or at
   RoundWitness with what they have; they also health-check clients the previous round's witnesses missed.
 - Leaving RoundTrain: workers apply their accumulated gradients (one optimizer step per round); every
-  ``sparta_every`` steps each stage then averages a SPARTA partition among its workers, during RoundWitness
-  and possibly into the next round (the copy-back is atomic under the worker's lock).
+  ``sparta_every`` steps each stage then averages a SPARTA partition among its workers during RoundWitness;
+  a round that outlasts it holds the next round's batches until it is done, so the two never compete.
 - Cooldown: workers save their stage to the checkpoint directory and report it.
 
 The backend (TCP server or Solana program) is behind ``client.backend.Backend``, so this runs unchanged on
