@@ -27,6 +27,7 @@ from local_backend.auth_service import canonical
 log = logging.getLogger("psyswarm.auth")
 
 QUEUE_LOG_PERIOD = 60.0
+QUEUE_POLL = 2.0  # seconds between asks whether this process's turn to integrate has come
 
 
 class AuthError(RuntimeError):
@@ -214,6 +215,22 @@ class AuthSession:
     def renew(self) -> Grant:
         self.grant = self.client.join(self.token, self.grant.role)
         return self.grant
+
+    def wait_turn(self) -> None:
+        """Wait in the join queue; pacing is advisory, so a service that stops answering does not hold the join
+        of a process whose slot it already granted."""
+        try:
+            self.client.wait_turn(poll=QUEUE_POLL)
+        except AuthError as exc:
+            log.warning("the join queue cannot be asked (%s): integrating now", exc)
+
+    def report_synced(self) -> None:
+        """Free the join queue for the next joiner; a service that cannot be told is no reason to stop training
+        (its integration timeout frees the queue anyway)."""
+        try:
+            self.client.synced()
+        except AuthError as exc:
+            log.warning("could not tell the auth service this client has synced: %s", exc)
 
 
 def _json(data: bytes, *, strict: bool = True) -> dict[str, Any]:

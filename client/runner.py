@@ -48,7 +48,6 @@ log = logging.getLogger("psyswarm.client")
 
 POLL_INTERVAL = 0.5
 QUEUE_LOG_PERIOD = 30.0
-QUEUE_POLL = 2.0  # seconds between asks of the auth service whether this client's turn to integrate has come
 
 
 @dataclasses.dataclass
@@ -270,14 +269,7 @@ class Contributor:
         """Move through the sync phases with the swarm's step; tell the auth service once synced."""
         assert self.replica is not None
         if await asyncio.to_thread(self.replica.follow, step) and self.options.auth is not None:
-            await self._report_synced()
-
-    async def _report_synced(self) -> None:
-        assert self.options.auth is not None
-        try:
-            await asyncio.to_thread(self.options.auth.client.synced)
-        except AuthError as exc:
-            log.warning("could not tell the auth service this client has synced: %s", exc)
+            await asyncio.to_thread(self.options.auth.report_synced)
 
     async def _renew_slot(self, auth: AuthSession) -> None:
         """Keep the auth service's lease on this process's slot alive."""
@@ -315,7 +307,7 @@ class Contributor:
                                hf_endpoint=self.options.hf_endpoint)
         replica.load(state, stage, sources, self._training_step)
         if auth is not None:
-            auth.client.wait_turn(poll=QUEUE_POLL)
+            auth.wait_turn()
         swarm_step = self.backend.state.step
         phase = replica.begin(swarm_step)
         replica.start()
@@ -323,8 +315,7 @@ class Contributor:
         log.info("serving stage %s as %s at %s (%s)", name, replica.worker.uid, replica.worker.address,
                  "active" if not phase else f"sync phase {int(phase)}")
         if auth is not None and not phase:
-            with contextlib.suppress(AuthError):
-                auth.client.synced()
+            auth.report_synced()
 
     def _training_step(self) -> int | None:
         """The swarm's step while rounds run (averaging may be under way), None between epochs."""
@@ -339,9 +330,8 @@ class Contributor:
         if self.trainer is not None:
             return
         if self.options.auth is not None:  # a trainer holds no state: once its turn comes it is integrated
-            self.options.auth.client.wait_turn(poll=QUEUE_POLL)
-            with contextlib.suppress(AuthError):
-                self.options.auth.client.synced()
+            self.options.auth.wait_turn()
+            self.options.auth.report_synced()
         config = model_config(state)
         dataset = open_dataset([state.model.dataset], config.seq_len)
         directory = ClientDirectory(WorkerDirectory(self.dht, state.run_id, config.fingerprint()), self)

@@ -139,14 +139,14 @@ class StageReplica:
             attempts.append((f"the run's checkpoint {checkpoint.repo}@{checkpoint.revision}", lambda: download_from_hub(
                 checkpoint.repo, self.stage, revision=checkpoint.revision or None, endpoint=sources.hf_endpoint,
                 token=sources.hf_token)))
+        local = (f"the local checkpoint {checkpoint.repo}/{checkpoint.revision}",
+                 lambda: load_local(Path(checkpoint.repo) / checkpoint.revision, self.stage))
         if checkpoint.kind == CheckpointKind.Local and held:
-            attempts.append((f"the run's checkpoint {checkpoint.repo}",
-                             lambda: load_local(Path(checkpoint.repo) / checkpoint.revision, self.stage)))
+            attempts.append(local)
         if state.step > 0 and self.peers():  # at step 0 every peer holds the seed's model: nothing to fetch
             attempts.append(("same-stage peers", lambda: self._from_peers(state, swarm_step)))
         if checkpoint.kind == CheckpointKind.P2P and checkpoint.repo:  # the last saved copy, if it is on this disk
-            attempts.append((f"the last local checkpoint {checkpoint.repo}",
-                             lambda: load_local(Path(checkpoint.repo) / checkpoint.revision, self.stage)))
+            attempts.append(local)
         for what, attempt in attempts:
             try:
                 found = attempt()
@@ -181,11 +181,10 @@ class StageReplica:
         """Track the swarm's step: move through the sync phases, or re-enter sync after lagging behind the
         stage. Returns True when this call completed the sync (the caller tells the auth service)."""
         before = self.tracker.phase
-        if before == SyncPhase.ACTIVE:
-            if self.peers():
-                self.tracker.check(swarm_step, self.local_step)
-        else:
+        if before != SyncPhase.ACTIVE:
             self.tracker.advance(swarm_step)
+        elif self.tracker.policy.is_stale(self.local_step, swarm_step) and self.peers():  # the DHT only if behind
+            self.tracker.enter(swarm_step)
         completed = before != SyncPhase.ACTIVE and self.tracker.phase == SyncPhase.ACTIVE
         if completed:
             self.local_step = swarm_step  # synchronised: its parameters are the swarm's now
@@ -216,8 +215,9 @@ class StageReplica:
             return None
         weight = self.tracker.averaging_weight(float(self.samples_since_average))
         self.samples_since_average = 0
+        peers = self.peers()
         with self.worker.batches_held():  # averaging happens outside training, even when it outlasts RoundWitness
-            result = self.averager.average(index, weight, peers=self.peers())
+            result = self.averager.average(index, weight, peers=peers)
         if result.status == AveragingStatus.FAILED and result.remove:
             log.error("stage %s: %d averaging rounds in a row failed", self.stage, result.consecutive_failures)
         return result

@@ -79,12 +79,6 @@ class SyncTracker:
             self.enter(swarm_step)
         return self.phase
 
-    def check(self, swarm_step: int, local_step: int | None) -> SyncPhase:
-        """Re-enter sync if an active worker has fallen more than ``max_allowed_stale`` steps behind."""
-        if self.phase == SyncPhase.ACTIVE and self.policy.is_stale(local_step, swarm_step):
-            self.enter(swarm_step)
-        return self.phase
-
     def enter(self, swarm_step: int) -> None:
         """Start sync at phase 1 (or the first phase that lasts any steps)."""
         self._start(SyncPhase.WEIGHTS, swarm_step)
@@ -113,29 +107,9 @@ class SyncTracker:
 
     # ----- what the phase implies -----
 
-    @property
-    def visible_to_trainers(self) -> bool:
-        """Trainers route batches to the worker (its record is not ``sync_phase=1``)."""
-        return self.phase != SyncPhase.WEIGHTS
-
     def averaging_weight(self, active_weight: float = 1.0) -> float:
         """The weight to average with: 0 in both sync phases (receive only), ``active_weight`` once active."""
         return active_weight if self.phase == SyncPhase.ACTIVE else 0.0
-
-    @property
-    def counts_progress(self) -> bool:
-        """The worker's samples count toward the round's progress (phase 2 reports 0)."""
-        return self.phase == SyncPhase.ACTIVE
-
-    @property
-    def credits_presence(self) -> bool:
-        """Presence points accrue from phase 1 on: the worker reports to the DHT from then."""
-        return True
-
-    @property
-    def credits_compute(self) -> bool:
-        """Compute points accrue from phase 2 on, when the worker processes real batches."""
-        return self.phase != SyncPhase.WEIGHTS
 
     @property
     def shares_state(self) -> bool:

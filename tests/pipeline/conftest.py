@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from client.pipeline.data import ByteDataset, open_dataset
-from client.pipeline.discovery import WorkerDirectory, start_dht
+from client.pipeline.discovery import WorkerDirectory
 from client.pipeline.model import ModelConfig
 from client.pipeline.worker import StageWorker
 
@@ -24,19 +23,6 @@ def config() -> ModelConfig:
 @pytest.fixture(scope="session")
 def dataset() -> ByteDataset:
     return open_dataset(["stdlib"], TINY.seq_len)
-
-
-@pytest.fixture(scope="session")
-def dht():
-    """One DHT node on loopback; workers and trainers of a test share it (a fresh run id isolates tests)."""
-    node = start_dht()
-    yield node
-    node.shutdown()
-
-
-@pytest.fixture
-def run_id() -> str:
-    return f"test-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture

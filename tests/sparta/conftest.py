@@ -1,13 +1,12 @@
 """Fixtures for SPARTA, sync and join tests: real hivemind DHT nodes and averagers on loopback.
 
-Each averager takes its DHT node's peer id, so every simulated peer gets its own node, all joined to one
-bootstrap node. Timeouts are short (1 s matchmaking) so that a round takes about a second.
+Each averager takes its DHT node's peer id, so every simulated peer gets its own node, all joined to the
+session's node (``dht`` in tests/conftest.py). Timeouts are short (1 s matchmaking) so that a round takes about a second.
 """
 
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 
 import hivemind
@@ -22,25 +21,13 @@ FAST = SpartaSettings(min_matchmaking_time=1.0, request_timeout=0.5, matchmaking
                       allreduce_timeout=8.0, chunk_timeout=1.5)
 
 
-@pytest.fixture(scope="session")
-def bootstrap() -> Iterator[hivemind.DHT]:
-    node = start_dht()
-    yield node
-    node.shutdown()
-
-
 @pytest.fixture
-def run_id() -> str:
-    return f"sparta-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def new_dht(bootstrap: hivemind.DHT) -> Iterator[Callable[[], hivemind.DHT]]:
-    """Start DHT nodes joined to the bootstrap; all are shut down at the end of the test."""
+def new_dht(dht: hivemind.DHT) -> Iterator[Callable[[], hivemind.DHT]]:
+    """Start DHT nodes joined to the session's node; all are shut down at the end of the test."""
     started: list[hivemind.DHT] = []
 
     def new() -> hivemind.DHT:
-        node = start_dht([str(a) for a in bootstrap.get_visible_maddrs()])
+        node = start_dht([str(a) for a in dht.get_visible_maddrs()])
         started.append(node)
         return node
 
