@@ -5,13 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from client.commands.coordinator import KEYPAIR_HELP, ProgramId, Server, Url
 from client.commands.pipeline import InitialPeers
 from client.identity import DEFAULT_KEYPAIR_PATH
+
+if TYPE_CHECKING:
+    from solders.keypair import Keypair
+
+    from client.auth import AuthSession
 
 
 def parse_stage(text: str | None) -> int:
@@ -133,7 +138,7 @@ def join_run(
         typer.echo("stopped; the coordinator drops this client at the next health check")
 
 
-def authorize(url: str, keypair, run_id: str, role: str, hf_token: str | None):
+def authorize(url: str, keypair: Keypair, run_id: str, role: str, hf_token: str | None) -> AuthSession:
     """Step 1 of the join flow: a Hugging Face token for a contributor slot and a stage, confirmed in one line."""
     from client.auth import AuthError, AuthSession, confirmation_line, resolve_token
 
