@@ -1,7 +1,8 @@
 """Fixtures for SPARTA, sync and join tests: real hivemind DHT nodes and averagers on loopback.
 
 Each averager takes its DHT node's peer id, so every simulated peer gets its own node, all joined to the
-session's node (``dht`` in tests/conftest.py). Timeouts are short (1 s matchmaking) so that a round takes about a second.
+session's node (``dht`` in tests/conftest.py). Timeouts are short (1 s matchmaking) so that a round takes
+about a second.
 """
 
 from __future__ import annotations
