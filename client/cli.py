@@ -2,6 +2,8 @@
 
 Each command group lives in its own module under ``client.commands`` and registers itself here, so that
 ``psyswarm --help`` stays fast: heavy libraries (torch, hivemind, solana) are imported inside commands.
+
+May import: client.commands.
 """
 
 from __future__ import annotations

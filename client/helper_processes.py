@@ -5,6 +5,8 @@ helper that took the signal itself would die mid-operation with a KeyboardInterr
 is still shutting it down in order. A forked child inherits the forking thread's signal mask, so blocking
 SIGINT and SIGTERM in that thread for the duration of the fork leaves the helper deaf to both; the host's
 own handling (in its main thread) is untouched, and a signal that arrives meanwhile is delivered on unblock.
+
+May import: nothing outside this module.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 The same file that signs Solana transactions (``~/.config/solana/id.json``, a JSON list of 64 integers:
 secret seed followed by the public key) identifies a client to the TCP server, signs DHT records and
 result commitments, so a contributor has exactly one identity whichever backend a run uses.
+
+May import: nothing outside this module.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The contributor's client: it follows the coordinator's phases and does what each one asks.
 
 - WaitingForMembers: make sure this identity is queued (joining again if it was dropped).
-- Warmup: load the model — a worker takes its assigned stage (``client.stage_replica``: its state from a
+- Warmup: load the model — a worker takes its assigned stage (``client.join.stage_replica``: its state from a
   snapshot, the run's checkpoint, its peers or the run's seed; sync phases if that state is stale), serves
   it over gRPC and announces it in the DHT; a trainer opens the dataset — then publish a signed Ready.
 - RoundTrain: a trainer runs its share of the global batch (from the round seed) through the pipeline and
@@ -13,10 +13,13 @@
   a round that outlasts it holds the next round's batches until it is done, so the two never compete.
 - Cooldown: workers save their stage to the checkpoint directory and report it.
 
-The backend (TCP server or Solana program) is behind ``client.backend.Backend``, so this runs unchanged on
-either. Blocking work (torch, the DHT, averaging) runs in threads so the state keeps flowing. With an auth
-service (``client.auth``), the slot is renewed while the client runs, a joiner waits its turn in the join
-queue before it syncs, and it reports when it has synced.
+The backend (TCP server or Solana program) is behind ``client.coordinator.backend.Backend``, so this runs
+unchanged on either. Blocking work (torch, the DHT, averaging) runs in threads so the state keeps flowing.
+With an auth service (``client.join.auth``), the slot is renewed while the client runs, a joiner waits its
+turn in the join queue before it syncs, and it reports when it has synced.
+
+May import: coordinator_program, client.identity, client.stages, client.coordinator, client.witness,
+client.pipeline, client.join.
 """
 
 from __future__ import annotations
@@ -31,14 +34,14 @@ from pathlib import Path
 
 from solders.keypair import Keypair
 
-from client.auth import AuthError, AuthSession
-from client.backend import Backend, BackendError
-from client.checkpoints import revision_for, save_stage, upload_stage
-from client.records import Board, Commitment, Ready, Report, receipt_hash
-from client.stage_replica import StageReplica, StateSources, model_config
+from client.coordinator.backend import Backend, BackendError
+from client.coordinator.ticker import tick_when_due
+from client.join.auth import AuthError, AuthSession
+from client.join.checkpoints import revision_for, save_stage, upload_stage
+from client.join.stage_replica import StageReplica, StateSources, model_config
 from client.stages import stage_name
-from client.ticker import tick_when_due
-from client.witnessing import judge_round, judge_warmup, unhealthy_clients
+from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
+from client.witness.records import Board, Commitment, Ready, Report, receipt_hash
 from coordinator_program import limits, rules
 from coordinator_program.config import CheckpointKind
 from coordinator_program.errors import CoordinatorError

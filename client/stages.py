@@ -2,6 +2,8 @@
 
 Kept free of heavy imports so that the CLI's status view and the coordinator client can use them without
 loading torch.
+
+May import: nothing outside this module.
 """
 
 from __future__ import annotations

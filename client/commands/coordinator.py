@@ -116,13 +116,13 @@ def open_backend(server: str | None, url: str | None, run_id: str | None, progra
     """The backend ``--server`` or ``--url`` names, not yet connected."""
     check_target(server, url, run_id)
     if server is not None:
-        from client.tcp_backend import TcpBackend
+        from client.coordinator.tcp import TcpBackend
 
         return TcpBackend(server, keypair)
     assert url is not None and run_id is not None
     from solders.pubkey import Pubkey
 
-    from client.solana_backend import SolanaBackend
+    from client.coordinator.solana import SolanaBackend
     from coordinator_program.program_id import PROGRAM_ID
 
     try:
@@ -135,7 +135,7 @@ def open_backend(server: str | None, url: str | None, run_id: str | None, progra
 async def connect(server: str | None, keypair, url: str | None = None, run_id: str | None = None,
                   program_id: str | None = None):
     """A connected backend, or exit with the reason it could not connect."""
-    from client.backend import BackendError
+    from client.coordinator.backend import BackendError
 
     try:
         backend = open_backend(server, url, run_id, program_id, keypair)
@@ -158,7 +158,7 @@ def status(
     """Show the run: phase, epoch, round, clients per stage, witnesses, checkpoint; with the run's DHT
     (--initial-peer), also the last loss the trainers committed and the workers each stage announces, with
     how many are still syncing."""
-    from client.status import describe
+    from client.swarm.status import describe
 
     async def run() -> None:
         backend = await connect(server, open_identity(keypair, required=False), url, run_id, program_id)
@@ -185,13 +185,13 @@ def status(
 
 def open_board(initial_peers: list[str], run_id: str):
     from client.pipeline.discovery import start_dht
-    from client.records import Board
+    from client.witness.records import Board
 
     return Board(start_dht(initial_peers), run_id)
 
 
 def loss_line(board, state) -> str:
-    from client.records import last_loss
+    from client.witness.records import last_loss
 
     found = last_loss(board, state.epoch, state.round.height, state.config.rounds_per_epoch)
     if found is None:
@@ -201,10 +201,10 @@ def loss_line(board, state) -> str:
 
 
 def dht_workers_line(board, state) -> str:
+    from client.join.stage_replica import model_config
     from client.pipeline.discovery import WorkerDirectory
-    from client.stage_replica import model_config
     from client.stages import stage_name
-    from client.status import workers_line
+    from client.swarm.status import workers_line
 
     directory = WorkerDirectory(board.dht, state.run_id, model_config(state).fingerprint())
     stages = [stage_name(i, state.config.num_stages) for i in range(state.config.num_stages)]
@@ -220,7 +220,7 @@ def tick(
     every: str = typer.Option(None, help="Keep ticking at this interval (e.g. 1s); once if omitted."),
 ) -> None:
     """Move the run forward if a transition is due (anyone may tick; on Solana the keypair pays the fee)."""
-    from client.backend import BackendError
+    from client.coordinator.backend import BackendError
     from coordinator_program.errors import CoordinatorError, NothingToTick
 
     check_target(server, url, run_id)

@@ -21,7 +21,7 @@ def demo(
     """Start a coordinator, a DHT and a 3-stage pipeline on this machine and train on the stdlib's sources."""
     import shutil
 
-    from client.demo import plot, run_demo
+    from client.swarm.demo import plot, run_demo
 
     if backend not in ("tcp", "solana"):
         raise typer.BadParameter(f"--backend must be tcp or solana, not {backend!r}")

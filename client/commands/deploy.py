@@ -26,9 +26,9 @@ def deploy(
         "keypair's secret is public: use your own for a real deployment."))] = PROGRAM_KEYPAIR_PATH,
 ) -> None:
     """Deploy the coordinator program (the committed .so) through the upgradeable loader, or upgrade it."""
-    from client.backend import BackendError
+    from client.coordinator.backend import BackendError
+    from client.coordinator.solana import resolve_url
     from client.identity import KeypairError, load_keypair
-    from client.solana_backend import resolve_url
     from coordinator_program.deploy import DeployError
     from coordinator_program.deploy import deploy as deploy_program
     from coordinator_program.program.build import DEFAULT_OUTPUT

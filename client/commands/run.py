@@ -16,7 +16,7 @@ from client.identity import DEFAULT_KEYPAIR_PATH
 if TYPE_CHECKING:
     from solders.keypair import Keypair
 
-    from client.auth import AuthSession
+    from client.join.auth import AuthSession
 
 
 def parse_stage(text: str | None) -> int:
@@ -67,8 +67,8 @@ def join_run(
     """Join a run and contribute until it finishes: queue, load the model at warmup, train each round."""
     import signal
 
-    from client.backend import BackendError
     from client.commands.coordinator import check_target, connect, open_backend, open_identity
+    from client.coordinator.backend import BackendError
     from client.runner import Contributor, ContributorRemoved, RunnerOptions
     from coordinator_program import limits
     from coordinator_program.state import Role
@@ -140,7 +140,7 @@ def join_run(
 
 def authorize(url: str, keypair: Keypair, run_id: str, role: str, hf_token: str | None) -> AuthSession:
     """Step 1 of the join flow: a Hugging Face token for a contributor slot and a stage, confirmed in one line."""
-    from client.auth import AuthError, AuthSession, confirmation_line, resolve_token
+    from client.join.auth import AuthError, AuthSession, confirmation_line, resolve_token
 
     try:
         session = AuthSession.open(url, keypair, run_id, resolve_token(hf_token), role)

@@ -27,11 +27,11 @@ def create_run(
     program_id: ProgramId = None,
 ) -> None:
     """Create a run on chain, configure it from state.toml and open it to members, in one transaction."""
-    from client.backend import BackendError
     from client.commands.config import load_spec_or_exit
     from client.commands.coordinator import open_backend, open_identity
-    from client.solana_backend import SolanaBackend
-    from client.status import describe
+    from client.coordinator.backend import BackendError
+    from client.coordinator.solana import SolanaBackend
+    from client.swarm.status import describe
     from coordinator_program.errors import CoordinatorError
 
     spec = load_spec_or_exit(config)

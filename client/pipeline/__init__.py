@@ -1,2 +1,7 @@
 """Pipeline training: the model cut into stages, the workers that serve them, the trainers that route
-microbatches through them, and discovery over hivemind's DHT. See ``trainer.py`` for the flow of a step."""
+microbatches through them, and discovery over hivemind's DHT. See ``trainer.py`` for the flow of a step.
+
+It knows nothing of the coordinator or of witnessing: the runner ties a round to the pipeline's work.
+
+May import: client.identity, client.stages, client.helper_processes.
+"""

@@ -32,6 +32,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from client.averaging.sparta import (
+    AveragingResult,
+    AveragingStatus,
+    SpartaAverager,
+    SpartaMasks,
+    SpartaSettings,
+    averaging_index,
+)
 from client.pipeline.data import ByteDataset, open_dataset
 from client.pipeline.discovery import WorkerDirectory, start_dht
 from client.pipeline.local import LocalTrainer
@@ -39,7 +47,6 @@ from client.pipeline.model import ModelConfig, build_stage, stage_names
 from client.pipeline.optim import OptimizerConfig
 from client.pipeline.trainer import PipelineTrainer
 from client.pipeline.worker import StageWorker
-from client.sparta import AveragingResult, AveragingStatus, SpartaAverager, SpartaMasks, SpartaSettings, averaging_index
 
 SETTINGS = SpartaSettings(min_matchmaking_time=1.0, request_timeout=0.5, matchmaking_timeout=5.0,
                           allreduce_timeout=20.0, chunk_timeout=5.0)

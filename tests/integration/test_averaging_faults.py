@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 
 from client.identity import load_keypair
-from client.swarm import Swarm
+from client.swarm.launcher import Swarm
 from coordinator_program.state import CoordinatorState, Health, Phase
 from tests.integration.test_join_flow import wait_for_line
 from tests.integration.test_swarm import TINY, fail_with_logs, watch

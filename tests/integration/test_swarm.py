@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from client.backend import Backend
+from client.coordinator.backend import Backend
 from client.identity import load_keypair
-from client.records import Board, Commitment
-from client.swarm import Swarm
+from client.swarm.launcher import Swarm
+from client.witness.records import Board, Commitment
 from coordinator_program.state import CoordinatorState, Phase, Role
 from tests.fake_hub import FakeHub
 

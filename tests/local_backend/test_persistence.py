@@ -13,7 +13,7 @@ from pathlib import Path
 
 from solders.keypair import Keypair
 
-from client.tcp_backend import TcpBackend
+from client.coordinator.tcp import TcpBackend
 from coordinator_program.state import Phase, Role, decode_state
 from local_backend.store import RunStore
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from solders.keypair import Keypair
 
-from client.backend import BackendError
-from client.tcp_backend import TcpBackend
+from client.coordinator.backend import BackendError
+from client.coordinator.tcp import TcpBackend
 from coordinator_program import errors, rules
 from coordinator_program.bloom import build_filter, participant_key
 from coordinator_program.config import parse_run_spec

@@ -11,8 +11,8 @@ from anchorpy import Context
 from anchorpy.error import ProgramError
 from solders.keypair import Keypair
 
-from client.backend import BackendError
-from client.solana_backend import SolanaBackend
+from client.coordinator.backend import BackendError
+from client.coordinator.solana import SolanaBackend
 from coordinator_program import errors
 from coordinator_program.instructions import JoinRun
 from coordinator_program.state import Phase, Role, encode_state

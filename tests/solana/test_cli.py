@@ -11,8 +11,8 @@ from solders.keypair import Keypair
 from typer.testing import CliRunner
 
 from client.cli import app
+from client.coordinator.solana import SolanaBackend
 from client.identity import save_keypair
-from client.solana_backend import SolanaBackend
 from coordinator_program.state import Role
 from tests.solana.conftest import Localnet, new_run_id
 

@@ -9,8 +9,8 @@ import pytest
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 
-from client.backend import BackendError
-from client.solana_backend import SolanaBackend, resolve_url, websocket_url
+from client.coordinator.backend import BackendError
+from client.coordinator.solana import SolanaBackend, resolve_url, websocket_url
 from coordinator_program.config import Checkpoint, CheckpointKind, Config, Model
 from coordinator_program.instructions import (
     INSTRUCTIONS,

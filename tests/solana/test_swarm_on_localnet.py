@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from solders.keypair import Keypair
 
+from client.coordinator.solana import SolanaBackend
 from client.identity import save_keypair
-from client.solana_backend import SolanaBackend
-from client.swarm import Swarm
+from client.swarm.launcher import Swarm
 from coordinator_program.config import parse_run_spec
 from coordinator_program.state import CoordinatorState, Phase
 from tests.solana.conftest import Localnet, new_run_id

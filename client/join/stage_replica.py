@@ -26,12 +26,8 @@ from pathlib import Path
 
 from solders.keypair import Keypair
 
-from client.pipeline.discovery import WorkerDirectory
-from client.pipeline.model import ModelConfig
-from client.pipeline.optim import OptimizerConfig
-from client.pipeline.worker import StageWorker, StepStats
-from client.sparta import AveragingResult, AveragingStatus, SpartaAverager, SpartaSettings, averaging_index
-from client.state_download import (
+from client.averaging.sparta import AveragingResult, AveragingStatus, SpartaAverager, SpartaSettings, averaging_index
+from client.join.state_download import (
     JoinWindow,
     StageState,
     StateDownloadError,
@@ -42,7 +38,11 @@ from client.state_download import (
     stage_identity,
     worker_state_provider,
 )
-from client.sync import SyncPhase, SyncPolicy, SyncTracker
+from client.join.sync import SyncPhase, SyncPolicy, SyncTracker
+from client.pipeline.discovery import WorkerDirectory
+from client.pipeline.model import ModelConfig
+from client.pipeline.optim import OptimizerConfig
+from client.pipeline.worker import StageWorker, StepStats
 from coordinator_program.config import CheckpointKind
 from coordinator_program.state import CoordinatorState
 

@@ -8,7 +8,7 @@ import logging
 
 from solders.keypair import Keypair
 
-from client.backend import Backend, BackendError
+from client.coordinator.backend import Backend, BackendError
 from coordinator_program.errors import BY_CODE
 from coordinator_program.instructions import Instruction
 from coordinator_program.state import decode_state

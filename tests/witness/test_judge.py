@@ -6,8 +6,8 @@ import dataclasses
 
 from solders.keypair import Keypair
 
-from client.records import Commitment, Ready, Report
-from client.witnessing import judge_round, judge_warmup, unhealthy_clients
+from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
+from client.witness.records import Commitment, Ready, Report
 from coordinator_program import limits, rules
 from coordinator_program.bloom import batch_key, contains_raw, participant_key
 from coordinator_program.state import CoordinatorState, Phase, Role

@@ -11,10 +11,8 @@ import time
 import pytest
 import torch
 
-from client.pipeline.model import ModelConfig, build_stage
-from client.pipeline.worker import StageWorker
-from client.sparta import AveragingStatus, SpartaAverager
-from client.state_download import (
+from client.averaging.sparta import AveragingStatus, SpartaAverager
+from client.join.state_download import (
     JoinWindow,
     StageState,
     StateDownloadError,
@@ -24,7 +22,9 @@ from client.state_download import (
     stage_identity,
     worker_state_provider,
 )
-from client.sync import SyncPolicy
+from client.join.sync import SyncPolicy
+from client.pipeline.model import ModelConfig, build_stage
+from client.pipeline.worker import StageWorker
 
 TINY = ModelConfig(n_layers=3, d_model=32, n_heads=2, seq_len=16, num_stages=3, seed=7)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from client.records import Commitment, Ready, Report
 from client.stages import stage_name
+from client.witness.records import Commitment, Ready, Report
 from coordinator_program import rules
 from coordinator_program.bloom import batch_key, build_filter, participant_key
 from coordinator_program.state import CoordinatorState, Health, Role

@@ -9,9 +9,8 @@ import time
 
 import torch
 
-from client.sparta import AveragingStatus
-
-from .conftest import FAST, average_together
+from client.averaging.sparta import AveragingStatus
+from tests.averagers import FAST, average_together
 
 
 def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""A worker taking its stage (client.stage_replica): which state it starts from, and when it syncs.
+"""A worker taking its stage (client.join.stage_replica): which state it starts from, and when it syncs.
 
 Real DHT nodes, real averagers and real workers announcing themselves; the Hub is tests.fake_hub."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 from solders.keypair import Keypair
 
-from client.checkpoints import save_stage
-from client.stage_replica import StageReplica, StateSources
-from client.sync import SyncPhase
+from client.join.checkpoints import save_stage
+from client.join.stage_replica import StageReplica, StateSources
+from client.join.sync import SyncPhase
 from coordinator_program.config import Checkpoint, CheckpointKind, parse_run_spec
 from coordinator_program.state import CoordinatorState, Phase
 from tests.fake_hub import FakeHub

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from client.pipeline.discovery import STATE_UP, WorkerRecord
-from client.status import workers_line
+from client.swarm.status import workers_line
 
 
 def record(stage: str, n: int, sync_phase: int) -> WorkerRecord:

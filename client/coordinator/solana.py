@@ -48,7 +48,7 @@ from solders.transaction_status import (
 )
 from websockets.exceptions import WebSocketException
 
-from client.backend import Backend, BackendError
+from client.coordinator.backend import Backend, BackendError
 from coordinator_program.config import RunSpec
 from coordinator_program.errors import BY_CODE
 from coordinator_program.idl import IDL_PATH

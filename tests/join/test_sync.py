@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from client.sync import ACTIVE_LINE, PHASE1_LINE, PHASE2_LINE, SyncPhase, SyncPolicy, SyncTracker
+from client.join.sync import ACTIVE_LINE, PHASE1_LINE, PHASE2_LINE, SyncPhase, SyncPolicy, SyncTracker
 from coordinator_program.config import Model
 
 

@@ -16,9 +16,8 @@ import time
 
 import torch
 
-from client.sparta import AveragingResult, AveragingStatus, SpartaAverager
-
-from .conftest import average_together
+from client.averaging.sparta import AveragingResult, AveragingStatus, SpartaAverager
+from tests.averagers import average_together
 
 
 def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:

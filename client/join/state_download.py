@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from client.stage_averager import SharedState, StateExpectation
+from client.averaging.stage_averager import SharedState, StateExpectation
 
 if TYPE_CHECKING:
+    from client.averaging.sparta import SpartaAverager
     from client.pipeline.worker import StageWorker
-    from client.sparta import SpartaAverager
 
 log = logging.getLogger("psyswarm.state")
 

@@ -12,15 +12,14 @@ from functools import partial
 
 import torch
 
+from client.averaging.sparta import AveragingStatus, SpartaAverager
+from client.join.sync import ACTIVE_LINE, PHASE1_LINE, PHASE2_LINE, SyncPhase, SyncPolicy, SyncTracker
 from client.pipeline.data import open_dataset
 from client.pipeline.discovery import WorkerDirectory
 from client.pipeline.model import ModelConfig
 from client.pipeline.trainer import PipelineTrainer
 from client.pipeline.worker import StageWorker
-from client.sparta import AveragingStatus, SpartaAverager
-from client.sync import ACTIVE_LINE, PHASE1_LINE, PHASE2_LINE, SyncPhase, SyncPolicy, SyncTracker
-
-from .conftest import FAST, average_together
+from tests.averagers import FAST, average_together
 
 TINY = ModelConfig(n_layers=3, d_model=32, n_heads=2, seq_len=16, num_stages=3, seed=7)
 

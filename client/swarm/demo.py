@@ -13,9 +13,9 @@ import dataclasses
 import time
 from pathlib import Path
 
-from client.records import Board, Commitment
-from client.status import stage_counts
-from client.swarm import Swarm
+from client.swarm.launcher import Swarm
+from client.swarm.status import stage_counts
+from client.witness.records import Board, Commitment
 from coordinator_program.state import CoordinatorState, Phase
 
 DEMO_TOML = """\

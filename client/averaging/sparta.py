@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from client.stage_averager import SharedState, StageAverager, StateExpectation
+from client.averaging.stage_averager import SharedState, StageAverager, StateExpectation
 
 if TYPE_CHECKING:
     import hivemind

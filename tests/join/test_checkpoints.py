@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import hf_hub_download
 
-from client.checkpoints import revision_for, save_stage, upload_stage
+from client.join.checkpoints import revision_for, save_stage, upload_stage
 from tests.fake_hub import FakeHub
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from client.sparta import SpartaMasks, SpartaSettings, averager_prefix, averaging_index, element_ranks
+from client.averaging.sparta import SpartaMasks, SpartaSettings, averager_prefix, averaging_index, element_ranks
 
 SHAPES = [("layers.1.qkv.weight", 3 * 32 * 32), ("layers.1.qkv.bias", 96), ("norm.weight", 7), ("tiny", 1)]
 
@@ -42,7 +42,7 @@ def test_masks_are_pinned_and_independent_of_rng_state() -> None:
 def test_another_process_with_other_seeds_derives_the_same_masks() -> None:
     code = (
         "import hashlib, torch, numpy as np; torch.manual_seed(999); np.random.seed(7);"
-        "from client.sparta import SpartaMasks;"
+        "from client.averaging.sparta import SpartaMasks;"
         f"m = SpartaMasks({SHAPES!r}, 5, seed=11);"
         "print(hashlib.sha256(b''.join(t.numpy().tobytes() for k in range(5) for t in m.indices(k))).hexdigest())"
     )

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from solders.keypair import Keypair
 
-from client.auth import AuthClient, AuthError, Grant, confirmation_line, resolve_token
+from client.join.auth import AuthClient, AuthError, Grant, confirmation_line, resolve_token
 from local_backend.auth_service import AuthFailure, AuthHTTPServer, AuthService, HubIdentity
 
 RUN = "run-1"
@@ -97,7 +97,7 @@ def test_a_slot_frees_itself_when_its_lease_ends() -> None:
 
 def test_two_processes_with_one_token_are_one_contributor(service: AuthHTTPServer) -> None:
     code = (
-        "import json, sys; from solders.keypair import Keypair; from client.auth import AuthClient;"
+        "import json, sys; from solders.keypair import Keypair; from client.join.auth import AuthClient;"
         "g = AuthClient(sys.argv[1], Keypair(), 'run-1').join('tok-alice');"
         "print(json.dumps({'contributor': g.contributor, 'slot': g.slot, 'peer': g.peer, 'stage': g.stage}))"
     )

@@ -14,7 +14,7 @@ import random
 import time
 from collections.abc import Callable
 
-from client.backend import Backend, BackendError
+from client.coordinator.backend import Backend, BackendError
 from coordinator_program import rules
 from coordinator_program.errors import CoordinatorError, NothingToTick
 from coordinator_program.state import CoordinatorState

@@ -141,10 +141,10 @@ class Swarm:
     def observer(self):
         """A backend that only watches the run (a throwaway identity; it never joins)."""
         if self.backend == "solana":
-            from client.solana_backend import SolanaBackend
+            from client.coordinator.solana import SolanaBackend
 
             return SolanaBackend(self.address, Keypair(), self.run_id())
-        from client.tcp_backend import TcpBackend
+        from client.coordinator.tcp import TcpBackend
 
         return TcpBackend(self.address, Keypair())
 
