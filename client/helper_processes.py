@@ -1,28 +1,82 @@
-"""Helper processes (hivemind's DHT node and averager) must leave stopping to the process that started them.
+"""Helper processes (hivemind's DHT node, its p2pd daemon, the averager) live and die with their host.
 
-Ctrl+C signals the whole foreground process group, and ``Swarm.stop`` sends SIGTERM to a client's group: a
-helper that took the signal itself would die mid-operation with a KeyboardInterrupt traceback while its host
-is still shutting it down in order. A forked child inherits the forking thread's signal mask, so blocking
-SIGINT and SIGTERM in that thread for the duration of the fork leaves the helper deaf to both; the host's
-own handling (in its main thread) is untouched, and a signal that arrives meanwhile is delivered on unblock.
+Stopping is left to the host. Ctrl+C signals the whole foreground process group, and ``Swarm.stop`` sends
+SIGTERM to a client's group: a helper that took the signal itself would die mid-operation with a
+KeyboardInterrupt traceback while its host is still shutting it down in order. A forked child inherits the
+forking thread's signal mask, so blocking SIGINT and SIGTERM in that thread for the duration of the fork
+leaves the helper deaf to both; the host's own handling (in its main thread) is untouched, and a signal that
+arrives meanwhile is delivered on unblock.
+
+Dying is not. A host killed with SIGKILL cannot shut anything down, and helpers deaf to SIGTERM would be
+left running, reparented to init, holding hundreds of megabytes. So every helper forked under
+``forking_helpers`` asks the kernel (Linux's parent-death signal) to SIGKILL it when its host dies, and so does
+every program it starts in turn (hivemind's DHT node starts p2pd through asyncio, which offers no hook but
+``preexec_fn``). The signal follows the thread that forked, so helpers must be forked from a thread that lives
+as long as they do: the main thread, or a pool thread of the host's event loop.
 
 May import: nothing outside this module.
 """
 
 from __future__ import annotations
 
+import asyncio.subprocess
+import ctypes
+import functools
+import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_forking = False
 
 
 @contextmanager
-def stop_signals_blocked() -> Iterator[None]:
-    """Block SIGINT and SIGTERM in the calling thread (any thread) while helpers are forked."""
+def forking_helpers() -> Iterator[None]:
+    """Fork helpers inside this block: they ignore stop signals and die with this process."""
+    global _forking
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    _forking = True
     try:
         yield
     finally:
+        _forking = False
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when ``parent`` exits; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _spawn_children_that_die_with_us() -> None:
+    """In a helper: every program it starts through asyncio (p2pd) dies with it too."""
+    original = asyncio.subprocess.create_subprocess_exec
+    helper = os.getpid()
+
+    @functools.wraps(original)
+    async def create_subprocess_exec(*args, **kwargs):
+        kwargs.setdefault("preexec_fn", functools.partial(die_with_parent, helper))
+        return await original(*args, **kwargs)
+
+    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
+
+
+def _remember_parent() -> None:
+    global _parent
+    _parent = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    if _forking:
+        die_with_parent(_parent)
+        _spawn_children_that_die_with_us()
+
+
+_parent = os.getpid()
+os.register_at_fork(before=_remember_parent, after_in_child=_after_fork_in_child)

@@ -1,11 +1,15 @@
 """hivemind's helper processes ignore Ctrl+C and SIGTERM (sent to the whole process group) and stop only when
-their host shuts them down, so a stopping client prints no tracebacks from half-killed helpers."""
+their host shuts them down, so a stopping client prints no tracebacks from half-killed helpers; and they die
+with a host that is killed outright, p2pd included, so nothing is left running."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -38,3 +42,60 @@ def test_the_host_still_receives_stop_signals() -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert received == [signal.SIGTERM]
+
+
+HOST = """
+import sys, time, torch
+from client.averaging.sparta import SpartaAverager
+from client.pipeline.discovery import start_dht
+from tests.averagers import FAST
+
+averager = SpartaAverager([("w", torch.zeros(4))], start_dht(), run_id="pdeath", stage="head", partitions=1,
+                          seed=0, settings=FAST)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid``, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_helpers_and_p2pd_die_when_their_host_is_killed() -> None:
+    host = subprocess.Popen([sys.executable, "-c", HOST], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert host.stdout.readline().strip() == "ready"
+        helpers = descendants(host.pid)
+        names = {open(f"/proc/{pid}/comm").read().strip() for pid in helpers}
+        assert "p2pd" in names and len(helpers) >= 3, f"expected the DHT node, its p2pd and the averager: {names}"
+    finally:
+        host.kill()
+        host.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in helpers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in helpers if alive(pid)], "helpers outlived their SIGKILLed host"

@@ -38,7 +38,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from client.helper_processes import stop_signals_blocked
+from client.helper_processes import forking_helpers
 
 logger = get_logger(__name__)
 
@@ -121,7 +121,7 @@ class StageAverager(DecentralizedAverager):
         # Not hivemind's run_in_background: it sets SIGINT to SIG_IGN in this (host) process, which raises outside
         # the main thread and leaves Ctrl+C ignored for good. The averaging process is deaf to Ctrl+C instead:
         # the host shuts it down in order.
-        with stop_signals_blocked():
+        with forking_helpers():
             self.start()
         self.wait_until_ready()
 

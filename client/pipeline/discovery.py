@@ -230,9 +230,9 @@ def start_dht(initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: 
     """A hivemind DHT node listening on ``host:port`` (0: any free port), joined to ``initial_peers``."""
     import hivemind
 
-    from client.helper_processes import stop_signals_blocked
+    from client.helper_processes import forking_helpers
 
-    with stop_signals_blocked():  # the node's process is stopped by dht.shutdown(), not by Ctrl+C
+    with forking_helpers():  # stopped by dht.shutdown(), not by Ctrl+C; killed with this process
         return hivemind.DHT(
             initial_peers=list(initial_peers) or None,
             host_maddrs=[f"/ip4/{host}/tcp/{port}"],
