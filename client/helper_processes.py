@@ -9,10 +9,10 @@ arrives meanwhile is delivered on unblock.
 
 Dying is not. A host killed with SIGKILL cannot shut anything down, and helpers deaf to SIGTERM would be
 left running, reparented to init, holding hundreds of megabytes. So every helper forked under
-``forking_helpers`` asks the kernel (Linux's parent-death signal) to SIGKILL it when its host dies, and so does
-every program it starts in turn (hivemind's DHT node starts p2pd through asyncio, which offers no hook but
-``preexec_fn``). The signal follows the thread that forked, so helpers must be forked from a thread that lives
-as long as they do: the main thread, or a pool thread of the host's event loop.
+``forking_helpers`` watches its host and exits as soon as it is orphaned, and every program a helper starts
+(hivemind's DHT node starts p2pd through asyncio, which offers no hook but ``preexec_fn``) asks the kernel for
+Linux's parent-death signal, so it dies with the helper. The helper itself cannot use that signal: it follows
+the thread that forked, and the host may fork helpers from a short-lived thread.
 
 May import: nothing outside this module.
 """
@@ -24,6 +24,8 @@ import ctypes
 import functools
 import os
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -45,8 +47,14 @@ def forking_helpers() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+ORPHAN_POLL_SECONDS = 0.5
+
+
 def die_with_parent(parent: int) -> None:
-    """Have the kernel SIGKILL this process when ``parent`` exits; exit now if it already has."""
+    """Have the kernel SIGKILL this process when the thread that started it exits; exit now if it already has.
+
+    For programs a helper starts from its main thread, which lives exactly as long as the helper.
+    """
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
@@ -72,9 +80,15 @@ def _remember_parent() -> None:
     _parent = os.getpid()
 
 
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(ORPHAN_POLL_SECONDS)
+    os._exit(1)
+
+
 def _after_fork_in_child() -> None:
     if _forking:
-        die_with_parent(_parent)
+        threading.Thread(target=_exit_when_orphaned, args=(_parent,), name="orphan-watch", daemon=True).start()
         _spawn_children_that_die_with_us()
 
 

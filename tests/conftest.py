@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
 
 import hivemind
 import pytest
@@ -33,35 +34,27 @@ def run_id() -> str:
 @pytest.fixture
 def new_dht(dht: hivemind.DHT) -> Iterator[Callable[[], hivemind.DHT]]:
     """Start DHT nodes joined to the session's node; all are shut down at the end of the test."""
-    started: list[hivemind.DHT] = []
+    with ExitStack() as started:
+        def new() -> hivemind.DHT:
+            node = start_dht([str(a) for a in dht.get_visible_maddrs()])
+            started.callback(node.shutdown)
+            return node
 
-    def new() -> hivemind.DHT:
-        node = start_dht([str(a) for a in dht.get_visible_maddrs()])
-        started.append(node)
-        return node
-
-    yield new
-    for node in started:
-        node.shutdown()
+        yield new
 
 
 @pytest.fixture
 def make_averager(new_dht, run_id: str) -> Iterator[Callable[..., SpartaAverager]]:
     """``make_averager(named_parameters, **options)``: a SpartaAverager on a fresh DHT node of this test's run."""
-    started: list[SpartaAverager] = []
+    defaults = {"stage": "body1", "partitions": 1, "seed": 0, "settings": FAST}
+    with ExitStack() as started:
+        def make(named_parameters: Sequence[tuple[str, torch.Tensor]], **options: object) -> SpartaAverager:
+            averager = SpartaAverager(named_parameters, new_dht(), run_id=run_id,
+                                      **{**defaults, **options})  # type: ignore[arg-type]
+            started.callback(averager.shutdown)
+            return averager
 
-    def make(named_parameters: Sequence[tuple[str, torch.Tensor]], **options: object) -> SpartaAverager:
-        options.setdefault("stage", "body1")
-        options.setdefault("partitions", 1)
-        options.setdefault("seed", 0)
-        options.setdefault("settings", FAST)
-        averager = SpartaAverager(named_parameters, new_dht(), run_id=run_id, **options)  # type: ignore[arg-type]
-        started.append(averager)
-        return averager
-
-    yield make
-    for averager in started:
-        averager.shutdown()
+        yield make
 
 
 @pytest.fixture
