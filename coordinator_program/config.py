@@ -27,6 +27,7 @@ from coordinator_program.layout import (
     FixedStr,
     Struct,
 )
+from coordinator_program.selection import strict_majority
 
 BLOOM_MIN_SLICES = 11
 """pybloom-live hashes with SHA-256 (which the program gets from ``sol_sha256``) for 11 to 16 slices of
@@ -42,8 +43,8 @@ class Config:
 
     min_clients: int = 4
     max_clients: int = 64
-    witness_nodes: int = 2
-    witness_quorum: int = 1
+    witness_nodes: int = 3
+    witness_quorum: int = 2
     num_stages: int = 3
     bloom_slices: int = 11
     bloom_bits_per_slice: int = 85
@@ -156,8 +157,12 @@ def validate_config(c: Config) -> None:
     _need(c.min_clients <= c.max_clients, "min_clients", "must not exceed max_clients")
     _need(1 <= c.witness_nodes <= limits.MAX_WITNESSES, "witness_nodes",
           f"must be between 1 and {limits.MAX_WITNESSES}")
-    _need(c.witness_nodes <= c.max_clients, "witness_nodes", "must not exceed max_clients")
-    _need(1 <= c.witness_quorum <= c.witness_nodes, "witness_quorum", "must be between 1 and witness_nodes")
+    _need(c.witness_nodes <= c.min_clients, "witness_nodes",
+          "must not exceed min_clients (so that every round elects all of them)")
+    _need(strict_majority(c.witness_nodes) <= c.witness_quorum <= c.witness_nodes, "witness_quorum",
+          f"must be a strict majority of the {c.witness_nodes} witness_nodes, at least "
+          f"{strict_majority(c.witness_nodes)} and at most {c.witness_nodes} (no minority of witnesses may settle "
+          "a round)")
     for name in ("warmup_time", "max_round_train_time", "round_witness_time", "cooldown_time",
                  "rounds_per_epoch", "total_steps", "global_batch_size"):
         _need(getattr(c, name) >= 1, name, "must be at least 1")

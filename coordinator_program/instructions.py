@@ -203,7 +203,7 @@ def decode_instruction(data: bytes) -> Instruction:
         raise MalformedInstruction(f"{cls.NAME}: {exc}") from None
 
 
-def apply(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, seed: int,
+def apply(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, entropy: int,
           authorizer: bytes | None = None) -> None:
     """Apply one instruction from ``signer`` (already authenticated by the backend).
 
@@ -219,7 +219,7 @@ def apply(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, see
         case JoinRun(run_id, role, stage):
             rules.join(state, signer, run_id, role, stage, signer if authorizer is None else authorizer)
         case Tick():
-            rules.tick(state, now, seed)
+            rules.tick(state, now, entropy)
         case Witness(round_height, participant_bloom, batch_bloom):
             rules.witness(state, signer, round_height, participant_bloom, batch_bloom)
         case WarmupWitness(participant_bloom, batch_bloom):
@@ -239,12 +239,12 @@ TICKS_AFTER = (Witness, WarmupWitness, HealthCheck, CheckpointReport)
 run on in the same transaction."""
 
 
-def apply_then_tick(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, seed: int,
+def apply_then_tick(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, entropy: int,
                     authorizer: bytes | None = None) -> None:
     """What the on-chain program does: apply, then tick if the instruction is one that ticks after."""
-    apply(state, ix, signer, now, seed, authorizer)
+    apply(state, ix, signer, now, entropy, authorizer)
     if isinstance(ix, TICKS_AFTER):
         try:
-            rules.tick(state, now, seed)
+            rules.tick(state, now, entropy)
         except NothingToTick:
             pass

@@ -1,7 +1,8 @@
 """The coordinator's rules: every operation, and the tick that moves the run through its phases.
 
 This module is the executable specification. It is deterministic and does no I/O: the backend passes the
-time (its own clock: Solana's Clock sysvar, or the server's) and the seed of any round the call may start.
+time (its own clock: Solana's Clock sysvar, or the server's) and the entropy it mixes into the seed of any
+round the call may start (``selection.next_seed``: random bits on the TCP server, 0 on chain).
 Each operation checks everything first and only then changes the state, so a rejected operation raises a
 ``CoordinatorError`` and leaves the state exactly as it was; an accepted one bumps the nonce. The exception
 is ``close_run``, which only validates: a run it lets close ceases to exist, so its state is discarded.
@@ -12,6 +13,11 @@ that both reject the same operation with the same error.
 Phase changes happen only in ``tick``; operations record facts (a join, a witness proof, a health check)
 that the next tick acts on. The on-chain program ticks right after a witness, warmup witness, health check
 or checkpoint, as ``apply_then_tick`` does.
+
+Witnesses are trusted only as a majority: a quorum is a strict majority of a round's witnesses
+(``validate_config``), a round ends early only on a quorum of proofs, and a client is unhealthy only when a
+quorum of proofs leaves it out. A minority of witnesses, each sending an empty or false filter or none at
+all, can thus neither end a round nor get a client removed. A round nobody proved withdraws its clients.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ from coordinator_program.errors import (
     WrongPhase,
     WrongRunId,
 )
-from coordinator_program.selection import Assignment, assign_data, effective_quorum, elect_witnesses
+from coordinator_program.selection import Assignment, assign_data, effective_quorum, elect_witnesses, next_seed
 from coordinator_program.state import (
     Client,
     CoordinatorState,
@@ -83,6 +89,13 @@ def witnesses(state: CoordinatorState) -> list[bytes]:
 def quorum(state: CoordinatorState) -> int:
     """Proofs the current round needs (the configured quorum, capped by how many could be elected)."""
     return effective_quorum(state.config.witness_quorum, min(state.config.witness_nodes, len(state.clients)))
+
+
+def quorum_reached(state: CoordinatorState) -> bool:
+    """Whether the current round holds a quorum of proofs: what ends Warmup or RoundTrain early, and what a
+    round needs for the epoch to go on. Honest witnesses prove during RoundTrain only once they judge every
+    batch in, so a quorum of early proofs is a majority of the witnesses saying the round is complete."""
+    return state.round.witness_count >= quorum(state)
 
 
 def data_assignment(state: CoordinatorState) -> list[Assignment]:
@@ -287,9 +300,27 @@ def witnessed_by(state: CoordinatorState, round_: Round, client_id: bytes) -> in
     )
 
 
+def left_out_by(state: CoordinatorState, round_: Round, client_id: bytes) -> int:
+    """How many of a round's proofs leave ``client_id`` out of their participant filter. A proof that was
+    never sent leaves no one out: a dead or silent witness counts against nobody."""
+    return round_.witness_count - witnessed_by(state, round_, client_id)
+
+
+def missed_by_quorum(state: CoordinatorState, client_id: bytes) -> bool:
+    """The health rule: a client is unhealthy when a quorum of the previous round's proofs leave it out (the
+    epoch's first round has no previous round, and judges no one).
+
+    A quorum being a strict majority of the witnesses, a client the honest majority saw is always left out
+    by too few proofs, whatever the others send: no single witness gets a client removed.
+    """
+    if state.round.height == 0:
+        return False
+    return left_out_by(state, state.previous_round, client_id) >= quorum(state)
+
+
 def health_check(state: CoordinatorState, signer: bytes, target: bytes) -> None:
-    """Mark ``target`` for removal at the end of this round, if the previous round's witnesses did not see
-    it: it is healthy when at least min(quorum, proofs received) of their participant filters hold it."""
+    """Mark ``target`` for removal at the end of this round, if a quorum of the previous round's proofs left
+    it out (``missed_by_quorum``)."""
     if state.phase not in (Phase.RoundTrain, Phase.RoundWitness):
         raise WrongPhase(f"health checks are taken in RoundTrain and RoundWitness, not {state.phase.name}")
     _healthy_client(state, signer)
@@ -300,10 +331,8 @@ def health_check(state: CoordinatorState, signer: bytes, target: bytes) -> None:
         raise UnknownClient("the named client is not in the current epoch")
     if state.clients[index].health != Health.Healthy:
         raise AlreadyMarked("the named client is already leaving the epoch")
-    previous = state.previous_round
-    required = min(state.config.witness_quorum, previous.witness_count)
-    if witnessed_by(state, previous, target) >= required:
-        raise ClientHealthy("the previous round's witnesses saw this client's work")
+    if not missed_by_quorum(state, target):
+        raise ClientHealthy("fewer than a quorum of the previous round's proofs left this client out")
     state.clients[index].health = Health.Unhealthy
     state.nonce += 1
 
@@ -332,15 +361,16 @@ def checkpoint(state: CoordinatorState, signer: bytes, kind: CheckpointKind, rep
 
 # --- the tick -----------------------------------------------------------------------------------------
 
-def tick(state: CoordinatorState, now: int, seed: int) -> None:
-    """Make every transition that is due at time ``now``; ``seed`` seeds a round this tick starts.
+def tick(state: CoordinatorState, now: int, entropy: int) -> None:
+    """Make every transition that is due at time ``now``; a round this tick starts takes the seed
+    ``next_seed(seed of the round before, entropy)``.
 
     Raises ``NothingToTick`` when nothing is due, so a ticker can tell a useful tick from a wasted one.
     """
     handler = _TICKS.get(state.phase)
     if handler is None:
         raise (NotInitialized if state.phase == Phase.Uninitialized else RunFinished)("nothing to tick")
-    if not handler(state, now, seed):
+    if not handler(state, now, entropy):
         raise NothingToTick(f"{state.phase.name}: no transition is due")
     state.nonce += 1
 
@@ -350,20 +380,21 @@ def _enter(state: CoordinatorState, phase: Phase, now: int) -> None:
     state.phase_start = now
 
 
-def _tick_paused(state: CoordinatorState, now: int, seed: int) -> bool:
+def _tick_paused(state: CoordinatorState, now: int, entropy: int) -> bool:
     if state.pause_requested:
         return False
     _enter(state, Phase.WaitingForMembers, now)
     return True
 
 
-def _tick_waiting(state: CoordinatorState, now: int, seed: int) -> bool:
+def _tick_waiting(state: CoordinatorState, now: int, entropy: int) -> bool:
     if state.pause_requested:
         _enter(state, Phase.Paused, now)
         return True
     admitted = assign_stages(state.pending, state.config.num_stages)
     if not pipeline_complete(admitted, state.config):
         return False
+    seed = next_seed(state.round.seed, entropy)
     state.clients, state.pending = admitted, []
     state.current_round = 0
     state.rounds = [Round(0, seed, state.step * state.config.global_batch_size)] + [
@@ -379,7 +410,7 @@ def _return_to_waiting(state: CoordinatorState, now: int) -> None:
     _enter(state, Phase.WaitingForMembers, now)
 
 
-def _tick_warmup(state: CoordinatorState, now: int, seed: int) -> bool:
+def _tick_warmup(state: CoordinatorState, now: int, entropy: int) -> bool:
     changed = False
     if any(c.health != Health.Healthy for c in state.clients):
         state.clients = [c for c in state.clients if c.health == Health.Healthy]
@@ -390,31 +421,39 @@ def _tick_warmup(state: CoordinatorState, now: int, seed: int) -> bool:
         if not pipeline_complete(state.clients, state.config):
             _return_to_waiting(state, now)
             return True
-    if state.round.witness_count >= quorum(state) or now >= state.phase_start + state.config.warmup_time:
-        _start_round(state, now, seed, 0)
+    if quorum_reached(state) or now >= state.phase_start + state.config.warmup_time:
+        _start_round(state, now, entropy, 0)
         return True
     return changed
 
 
-def _start_round(state: CoordinatorState, now: int, seed: int, height: int) -> None:
+def _start_round(state: CoordinatorState, now: int, entropy: int, height: int) -> None:
+    seed = next_seed(state.round.seed, entropy)
     state.current_round = height % limits.ROUND_SLOTS
     state.rounds[state.current_round] = Round(height, seed, state.step * state.config.global_batch_size)
     _enter(state, Phase.RoundTrain, now)
 
 
-def _tick_train(state: CoordinatorState, now: int, seed: int) -> bool:
-    if state.round.witness_count >= quorum(state) or now >= state.phase_start + state.config.max_round_train_time:
+def _tick_train(state: CoordinatorState, now: int, entropy: int) -> bool:
+    if quorum_reached(state) or now >= state.phase_start + state.config.max_round_train_time:
         _enter(state, Phase.RoundWitness, now)
         return True
     return False
 
 
-def _tick_witness(state: CoordinatorState, now: int, seed: int) -> bool:
+def unproven(round_: Round) -> bool:
+    """A round no witness sent a proof for. Nobody can then tell who is alive (every client may be dead), so
+    all its clients leave at the round's end, as withdrawn, rather than stay Healthy and be queued again for
+    the next epoch; the live ones simply join again. Psyche does the same."""
+    return round_.witness_count == 0
+
+
+def _tick_witness(state: CoordinatorState, now: int, entropy: int) -> bool:
     if now < state.phase_start + state.config.round_witness_time:
         return False
-    reached_quorum = state.round.witness_count >= quorum(state)
+    reached_quorum = quorum_reached(state)
     state.step += 1
-    state.clients = [c for c in state.clients if c.health == Health.Healthy]
+    state.clients = [] if unproven(state.round) else [c for c in state.clients if c.health == Health.Healthy]
     if (state.round.height + 1 >= state.config.rounds_per_epoch
             or state.step >= state.config.total_steps
             or not reached_quorum
@@ -422,11 +461,11 @@ def _tick_witness(state: CoordinatorState, now: int, seed: int) -> bool:
         state.checkpoint = Checkpoint(CheckpointKind.P2P, 0, state.checkpoint.repo, state.checkpoint.revision)
         _enter(state, Phase.Cooldown, now)
     else:
-        _start_round(state, now, seed, state.round.height + 1)
+        _start_round(state, now, entropy, state.round.height + 1)
     return True
 
 
-def _tick_cooldown(state: CoordinatorState, now: int, seed: int) -> bool:
+def _tick_cooldown(state: CoordinatorState, now: int, entropy: int) -> bool:
     every_stage = (1 << state.config.num_stages) - 1
     saved = state.checkpoint.kind != CheckpointKind.P2P and state.checkpoint.stages_done == every_stage
     if not saved and now < state.phase_start + state.config.cooldown_time:

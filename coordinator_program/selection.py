@@ -1,4 +1,4 @@
-"""Everything a round's seed decides: the witnesses and the data each trainer trains on.
+"""Everything a round's seed decides, the witnesses and the data each trainer trains on, and how seeds chain.
 
 Both follow from the seed alone through SHA-256, so every client and the on-chain program (which has the
 ``sol_sha256`` syscall but no floating point) compute the same answer. Draws use rejection sampling, so
@@ -15,15 +15,26 @@ from dataclasses import dataclass
 
 WITNESS_DOMAIN = b"psyswarm:witness"
 DATA_DOMAIN = b"psyswarm:data"
+SEED_DOMAIN = b"psyswarm:seed"
+PROGRAM_ENTROPY = 0
+"""What the on-chain program mixes into each seed (``next_seed``): nothing any transaction chooses."""
 _U64 = 2**64
 
 
-def seed_from_clock(unix_timestamp: int, slot: int) -> int:
-    """The on-chain round seed: the first 8 bytes of sha256(timestamp ‖ slot), little-endian.
+def next_seed(previous: int, entropy: int) -> int:
+    """The seed of the round a tick starts: the first 8 bytes of sha256(domain ‖ previous ‖ entropy), as
+    little-endian u64s in and out, where ``previous`` is the seed of the round before (0 before a run's first).
 
-    Predictable by whoever ticks, as in Psyche; a centralised server passes a random u64 instead.
+    Seeds chain, so the next round's witnesses and data are fixed before anyone ticks: no ticker can pick
+    them by choosing when or in which slot to tick (Psyche hashes the tick's clock and slot, which lets a
+    ticker wait for a slot whose seed elects it). ``entropy`` is what the backend adds: the TCP server, the
+    run's one trusted host, adds random bits so that nobody can foresee an election; the program adds 0,
+    because anything a transaction could offer (its clock, its slot, its accounts) is chosen by whoever sends
+    it. On chain an election is thus foreseeable, but no single party can choose it. The round's proofs are
+    deliberately not mixed in: the last witness to prove could then try filter after filter until one
+    elected whom it wanted.
     """
-    digest = hashlib.sha256(struct.pack("<qQ", unix_timestamp, slot)).digest()
+    digest = hashlib.sha256(SEED_DOMAIN + struct.pack("<QQ", previous, entropy)).digest()
     return int.from_bytes(digest[:8], "little")
 
 
@@ -66,6 +77,12 @@ def elect_witnesses(seed: int, num_clients: int, witness_nodes: int) -> list[int
 def effective_quorum(witness_quorum: int, elected: int) -> int:
     """Proofs needed to settle a round: the configured quorum, capped by how many witnesses exist."""
     return min(witness_quorum, elected)
+
+
+def strict_majority(witnesses: int) -> int:
+    """The fewest of ``witnesses`` that outnumber the rest: the least a quorum may be, so that the honest
+    majority the coordinator relies on always holds more proofs than the others together."""
+    return witnesses // 2 + 1
 
 
 @dataclass(frozen=True)

@@ -114,15 +114,36 @@ class CoordinatorServer:
         self._announce(phase)
 
     def _try_tick(self) -> bool:
+        """Tick once, with random entropy for any seed it draws; True when the state changed."""
+        withdrew = self._withdraw_disconnected_joiners()
         try:
             rules.tick(self.state, self._now(), secrets.randbits(64))
         except NothingToTick:
-            return False
+            return withdrew
         except CoordinatorError as exc:  # finished or uninitialised: nothing will ever be due
             log.debug("tick: %s", exc)
-            return False
+            return withdrew
         self._commit(self.state, bytes(self.authority.pubkey()), Tick().encode())
         return True
+
+    def _withdraw_disconnected_joiners(self) -> bool:
+        """While the run waits for members, withdraw every queued joiner with no live connection, before a
+        tick can admit it; True when it withdrew any.
+
+        ``_on_disconnect`` withdraws a joiner whose connection closes, but a client whose connection closes
+        mid-round stays in the epoch (its witnesses judge it), and the epoch's end queues every client still
+        Healthy again, connected or not (as does a restart, which finds the queue with no one connected).
+        Only WaitingForMembers admits, so sweeping right before each of its ticks admits no one absent.
+        """
+        if self.state.phase != Phase.WaitingForMembers:
+            return False
+        live = {conn.identity for conn in self.connections if conn.identity}
+        absent = [joiner.id for joiner in self.state.pending if joiner.id not in live]
+        for who in absent:
+            rules.withdraw(self.state, who)
+            self._commit(self.state, who, Withdraw().encode())
+            log.info("%s is queued but not connected and was withdrawn", who.hex()[:8])
+        return bool(absent)
 
     def tick_once(self) -> None:
         phase = self.state.phase

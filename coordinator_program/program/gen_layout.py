@@ -34,7 +34,7 @@ from coordinator_program.errors import ALL_ERRORS
 from coordinator_program.instance import INSTANCE_DISCRIMINATOR, INSTANCE_LAYOUT, INSTANCE_SEED, INSTANCE_SIZE
 from coordinator_program.instructions import INSTRUCTIONS
 from coordinator_program.layout import BOOL, I64, U8, U16, U32, U64, Enum8, Struct
-from coordinator_program.selection import WITNESS_DOMAIN
+from coordinator_program.selection import SEED_DOMAIN, WITNESS_DOMAIN
 from coordinator_program.state import (
     ACCOUNT_DISCRIMINATOR,
     ACCOUNT_LAYOUT,
@@ -171,6 +171,7 @@ def render() -> str:
         "/* Seeds, domains and salts. */",
         f'#define PSY_INSTANCE_SEED "{INSTANCE_SEED.decode()}"',
         f'#define PSY_WITNESS_DOMAIN "{WITNESS_DOMAIN.decode()}"',
+        f'#define PSY_SEED_DOMAIN "{SEED_DOMAIN.decode()}"',
         f"#define PSY_BLOOM_SALT_PREFIX {byte_initializer(SALT_PREFIX)}",
         "",
         "#endif /* PSY_COORDINATOR_LAYOUT_H */",

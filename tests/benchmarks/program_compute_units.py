@@ -33,7 +33,7 @@ from coordinator_program.instructions import (
     Withdraw,
     Witness,
 )
-from coordinator_program.state import ACCOUNT_SIZE, Phase, Role
+from coordinator_program.state import ACCOUNT_SIZE, Health, Phase, Role
 from tests.program.coordinator_chain import ProgramChain, Replay, key
 
 SIZES = (1, 64, limits.MAX_CLIENTS)
@@ -44,7 +44,7 @@ TICK_BUDGET = 50_000
 def config_for(clients: int) -> Config:
     witnesses = min(limits.MAX_WITNESSES, clients)
     slices, bits = bloom_params(limits.MAX_CLIENTS, 0.0009)
-    return Config(min_clients=5, max_clients=limits.MAX_CLIENTS, witness_nodes=witnesses,
+    return Config(min_clients=max(5, witnesses), max_clients=limits.MAX_CLIENTS, witness_nodes=witnesses,
                   witness_quorum=max(1, witnesses * 2 // 3), num_stages=4, bloom_slices=slices,
                   bloom_bits_per_slice=bits, warmup_time=30, max_round_train_time=60, round_witness_time=5,
                   cooldown_time=30, rounds_per_epoch=2, total_steps=100, global_batch_size=1024)
@@ -77,13 +77,15 @@ class Bench:
     def state(self) -> rules.CoordinatorState:
         return self.replay.state
 
-    def prove(self, label: str, participants: list[bytes]) -> None:
+    def prove(self, label: str | None, participants: list[bytes], witnesses: int = limits.MAX_WITNESSES) -> None:
+        """The first ``witnesses`` healthy elected witnesses send a proof naming ``participants``."""
         config = self.state.config
         bloom = build_filter(config, [participant_key(p) for p in participants])
         batches = build_filter(config, [])
         warmup = self.state.phase == Phase.Warmup
         ix = WarmupWitness(bloom, batches) if warmup else Witness(self.state.round.height, bloom, batches)
-        for witness in rules.witnesses(self.state):
+        healthy = {c.id for c in self.state.clients if c.health == Health.Healthy}
+        for witness in [w for w in rules.witnesses(self.state) if w in healthy][:witnesses]:
             self.call(label, ix, self.of(witness))
 
     def run(self) -> None:
@@ -109,6 +111,7 @@ class Bench:
         checker = next(c.id for c in self.state.clients if c.id not in lazy)
         self.call("health_check (reads every proof)", HealthCheck(lazy[0]), self.of(checker))
         self.call("withdraw (a client)", Withdraw(), self.of(lazy[1]))
+        self.prove(None, [c.id for c in self.state.clients], witnesses=1)  # short of the quorum: the epoch ends
         self.call("tick: RoundTrain → RoundWitness", Tick(), authority, advance=config.max_round_train_time)
         self.call("tick: RoundWitness → Cooldown", Tick(), authority, advance=config.round_witness_time)
         savers = {c.stage: c.id for c in self.state.clients if c.role == Role.Worker}
@@ -119,6 +122,10 @@ class Bench:
         self.call(None, Withdraw(), self.of(self.state.clients[0].id))
         self.call("tick: Warmup drops a client", Tick(), authority)
         self.call("tick: Warmup → RoundTrain (time)", Tick(), authority, advance=config.warmup_time)
+        self.call(None, Tick(), authority, advance=config.max_round_train_time)
+        self.call("tick: RoundWitness → Cooldown (no proof: all leave)", Tick(), authority,
+                  advance=config.round_witness_time)
+        assert self.state.clients == []
 
 
 def main() -> int:

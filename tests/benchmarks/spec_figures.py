@@ -30,7 +30,7 @@ AUTHORITY = b"\xaa" * 32
 
 def full_config() -> Config:
     slices, bits = bloom_params(limits.MAX_CLIENTS, DEFAULT_BLOOM_ERROR_RATE)
-    return Config(min_clients=5, max_clients=limits.MAX_CLIENTS, witness_nodes=limits.MAX_WITNESSES,
+    return Config(min_clients=limits.MAX_WITNESSES, max_clients=limits.MAX_CLIENTS, witness_nodes=limits.MAX_WITNESSES,
                   witness_quorum=22, num_stages=4, bloom_slices=slices, bloom_bits_per_slice=bits,
                   rounds_per_epoch=10_000, total_steps=100_000, global_batch_size=1024)
 

@@ -23,7 +23,7 @@ from local_backend.store import RunStore
 
 SPEC = parse_run_spec({
     "run_id": "srv-test",
-    "config": {"min_clients": 4, "max_clients": 8, "witness_nodes": 2, "witness_quorum": 1, "warmup_time": 1,
+    "config": {"min_clients": 4, "max_clients": 8, "witness_nodes": 3, "witness_quorum": 2, "warmup_time": 1,
                "max_round_train_time": 30, "round_witness_time": 1, "cooldown_time": 1, "rounds_per_epoch": 3},
     "model": {"n_layers": 3, "d_model": 16, "n_heads": 2, "seq_len": 8},
 })
@@ -113,10 +113,10 @@ def test_witness_from_a_client_that_was_not_elected(tmp_path: Path) -> None:
         with pytest.raises(errors.NotAWitness):
             await outsider.witness(state.round.height, bloom, bloom)
         assert server.account == before
-        insider = next(c for c in clients if c.identity in elected)
-        await insider.witness(state.round.height, bloom, bloom)
+        for insider in [c for c in clients if c.identity in elected][:2]:  # a quorum ends training early
+            await insider.witness(state.round.height, bloom, bloom)
         after = await clients[0].wait_for(lambda s: s.phase == Phase.RoundWitness, 5)
-        assert after.round.witness_count == 1
+        assert after.round.witness_count == 2
         for c in clients:
             await c.close()
 

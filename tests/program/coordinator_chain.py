@@ -3,8 +3,9 @@ the compute-unit benchmark.
 
 ``Replay`` drives one run on both: every operation is sent as a real transaction, signed by real keypairs,
 at a clock the harness sets, and applied to the specification with ``apply_then_tick`` at the same time
-and seed; after each, the account bytes must equal ``encode_state`` of the specification's state, and an
-operation the specification rejects must fail on chain with the same custom error and change nothing.
+and with the program's entropy (none); after each, the account bytes must equal ``encode_state`` of the
+specification's state, and an operation the specification rejects must fail on chain with the same custom
+error and change nothing.
 ``close_run`` is validated by ``rules.close_run``; once accepted, the run's accounts must be gone on chain and
 their lamports credited to the authority.
 """
@@ -12,6 +13,7 @@ their lamports credited to the authority.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,18 +32,26 @@ from solders.transaction_metadata import FailedTransactionMetadata, TransactionM
 from solders.transaction_status import InstructionErrorCustom, TransactionErrorInstructionError
 
 from coordinator_program import rules
+from coordinator_program.bloom import build_filter, participant_key
+from coordinator_program.config import Checkpoint, Config, Model
 from coordinator_program.errors import CoordinatorError
 from coordinator_program.instance import CoordinatorInstance, encode_instance, instance_address
 from coordinator_program.instructions import (
     CloseRun,
     InitCoordinator,
     Instruction,
+    JoinRun,
+    SetPaused,
+    Tick,
+    Update,
+    WarmupWitness,
+    Witness,
     apply_then_tick,
     decode_instruction,
 )
 from coordinator_program.program.build import DEFAULT_OUTPUT
-from coordinator_program.selection import seed_from_clock
-from coordinator_program.state import ACCOUNT_SIZE, CoordinatorState, encode_state
+from coordinator_program.selection import PROGRAM_ENTROPY
+from coordinator_program.state import ACCOUNT_SIZE, CoordinatorState, Phase, Role, encode_state
 
 Result = TransactionMetadata | FailedTransactionMetadata
 PROGRAM_PATH: Path = DEFAULT_OUTPUT
@@ -84,7 +94,7 @@ class ProgramChain:
             self.svm.airdrop(keypair.pubkey(), FUNDS)
 
     def set_clock(self, now: int) -> None:
-        """Move to the next slot at unix time ``now`` (the slot feeds the on-chain seed)."""
+        """Move to the next slot at unix time ``now``."""
         self.slot += 1
         self.now = now
         self.svm.set_clock(Clock(self.slot, 0, 0, 0, now))
@@ -213,7 +223,6 @@ class Replay:
         """``apply`` for raw instruction data, sent with the accounts of ``kind``: the specification decodes
         it first (as the TCP backend does), so malformed data must fail alike."""
         self.chain.set_clock(self.now + advance)
-        seed = seed_from_clock(self.now, self.chain.slot)
         before = self.snapshot()
         authority_before = self.chain.lamports(self.authority.pubkey())
         instruction = program_instruction(self.chain.program_id, kind, self.accounts(signer, authorizer), data)
@@ -224,7 +233,7 @@ class Replay:
             if isinstance(ix, CloseRun):
                 rules.close_run(self.state, key(signer))
             else:
-                apply_then_tick(self.state, ix, key(signer), self.now, seed, key(authorizer or signer))
+                apply_then_tick(self.state, ix, key(signer), self.now, PROGRAM_ENTROPY, key(authorizer or signer))
         except CoordinatorError as exc:
             assert instruction_error(result) == InstructionErrorCustom(exc.code), f"{exc}\n{logs(result)}"
             assert self.snapshot() == before, f"a rejected {kind.NAME} changed the run's accounts"
@@ -236,3 +245,65 @@ class Replay:
         else:
             self.check()
         return None
+
+
+class Swarm:
+    """A replayed run and the keypairs of its members."""
+
+    def __init__(self, replay: Replay) -> None:
+        self.replay = replay
+        self.members: dict[bytes, Keypair] = {}
+
+    def new_members(self, n: int) -> list[Keypair]:
+        """Funded keypairs, the same on every run (bloom false positives depend on the keys)."""
+        first = len(self.members)
+        keypairs = [Keypair.from_seed(hashlib.sha256(b"member %d" % i).digest()) for i in range(first, first + n)]
+        self.replay.chain.fund(*keypairs)
+        self.members.update({key(kp): kp for kp in keypairs})
+        return keypairs
+
+    def of(self, identity: bytes) -> Keypair:
+        return self.members[identity]
+
+    @property
+    def state(self) -> CoordinatorState:
+        return self.replay.state
+
+    def filter_of(self, identities: list[bytes]) -> bytes:
+        return build_filter(self.state.config, [participant_key(i) for i in identities])
+
+    def proof(self, participant_bloom: bytes) -> Instruction:
+        """The proof instruction of the current phase (warmup or round) carrying ``participant_bloom``."""
+        batches = self.filter_of([])
+        if self.state.phase == Phase.Warmup:
+            return WarmupWitness(participant_bloom, batches)
+        return Witness(self.state.round.height, participant_bloom, batches)
+
+    def prove(self, participants: list[bytes], witnesses: list[bytes] | None = None) -> list[int | None]:
+        """``witnesses`` (by default every elected witness) each send a proof naming ``participants``;
+        returns each outcome."""
+        ix = self.proof(self.filter_of(participants))
+        chosen = rules.witnesses(self.state) if witnesses is None else witnesses
+        return [self.replay.apply(ix, self.of(witness)) for witness in chosen]
+
+    def clients(self) -> list[bytes]:
+        return [c.id for c in self.state.clients]
+
+
+def training_swarm(config: Config, model: Model, workers: int = 3, trainers: int = 1,
+                   run_id: str = "swarm") -> tuple[Swarm, Keypair]:
+    """A permissionless run on chain and in the specification, configured, resumed and ticked into round 0 of
+    its first epoch with ``workers`` auto-staged workers then ``trainers`` trainers; returns it and its
+    authority."""
+    authority = Keypair()
+    swarm = Swarm(Replay(ProgramChain(), authority, run_id))
+    apply = swarm.replay.apply
+    assert apply(Update(config, model, Checkpoint()), authority) is None
+    assert apply(SetPaused(False), authority) is None
+    assert apply(Tick(), authority) is None
+    for i, member in enumerate(swarm.new_members(workers + trainers)):
+        assert apply(JoinRun(run_id, Role.Worker if i < workers else Role.Trainer), member) is None
+    assert apply(Tick(), authority) is None and swarm.state.phase == Phase.Warmup
+    assert apply(Tick(), authority, advance=config.warmup_time) is None
+    assert swarm.state.phase == Phase.RoundTrain and swarm.state.round.height == 0
+    return swarm, authority

@@ -10,24 +10,21 @@ operation the specification rejects must fail on chain with the same custom erro
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections import Counter
 
 import pytest
-from coordinator_chain import ProgramChain, Replay, key
+from coordinator_chain import ProgramChain, Replay, Swarm, key
 from hypothesis import HealthCheck as HypothesisHealthCheck
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from solders.keypair import Keypair
 
 from coordinator_program import errors, limits, rules
-from coordinator_program.bloom import build_filter, participant_key
 from coordinator_program.config import Checkpoint, CheckpointKind, Config, Model, bloom_params
 from coordinator_program.instructions import (
     CheckpointReport,
     CloseRun,
     HealthCheck,
-    Instruction,
     JoinRun,
     SetPaused,
     Tick,
@@ -107,42 +104,6 @@ def test_random_sequences_reach_every_instruction_and_many_errors() -> None:
 # --- scenarios: paths random sequences rarely reach ----------------------------------------------------
 
 
-class Swarm:
-    """A replayed run and the keypairs of its members."""
-
-    def __init__(self, replay: Replay) -> None:
-        self.replay = replay
-        self.members: dict[bytes, Keypair] = {}
-
-    def new_members(self, n: int) -> list[Keypair]:
-        """Funded keypairs, the same on every run (bloom false positives depend on the keys)."""
-        first = len(self.members)
-        keypairs = [Keypair.from_seed(hashlib.sha256(b"member %d" % i).digest()) for i in range(first, first + n)]
-        self.replay.chain.fund(*keypairs)
-        self.members.update({key(kp): kp for kp in keypairs})
-        return keypairs
-
-    def of(self, identity: bytes) -> Keypair:
-        return self.members[identity]
-
-    @property
-    def state(self) -> rules.CoordinatorState:
-        return self.replay.state
-
-    def filter_of(self, identities: list[bytes]) -> bytes:
-        return build_filter(self.state.config, [participant_key(i) for i in identities])
-
-    def prove(self, participants: list[bytes]) -> list[int | None]:
-        """Every elected witness sends a proof naming ``participants``; returns each outcome."""
-        bloom, batches = self.filter_of(participants), self.filter_of([])
-        ix: Instruction = (WarmupWitness(bloom, batches) if self.state.phase == Phase.Warmup
-                           else Witness(self.state.round.height, bloom, batches))
-        return [self.replay.apply(ix, self.of(witness)) for witness in rules.witnesses(self.state)]
-
-    def clients(self) -> list[bytes]:
-        return [c.id for c in self.state.clients]
-
-
 def test_permissioned_run_through_every_instruction() -> None:
     """A small run with a join authority from creation to Finished, checking every rule's outcome."""
     chain = ProgramChain()
@@ -215,7 +176,9 @@ def test_permissioned_run_through_every_instruction() -> None:
     assert apply(CheckpointReport(CheckpointKind.Hub, "org/model", "v2"), swarm.of(checker)) == \
         errors.WrongPhase.code
 
-    # Round 1 times out without proofs: the epoch ends, and the lazy client leaves with it.
+    # Round 1 times out with one proof of the two it needs: the epoch ends, and the lazy client leaves with it.
+    lone = next(w for w in rules.witnesses(swarm.state) if w != lazy)
+    assert swarm.prove(swarm.clients(), [lone]) == [None]
     assert apply(Tick(), authority, advance=config.max_round_train_time - 1) == errors.NothingToTick.code
     assert apply(Tick(), authority, advance=1) is None and swarm.state.phase == Phase.RoundWitness
     assert apply(Tick(), authority, advance=config.round_witness_time) is None
@@ -330,7 +293,7 @@ def test_clock_extremes_match_the_specification(start: int) -> None:
 def full_config() -> Config:
     """256 clients, 32 witnesses, the default bloom error rate: the largest run the account holds."""
     slices, bits = bloom_params(limits.MAX_CLIENTS, 0.0009)
-    return Config(min_clients=5, max_clients=limits.MAX_CLIENTS, witness_nodes=limits.MAX_WITNESSES,
+    return Config(min_clients=limits.MAX_WITNESSES, max_clients=limits.MAX_CLIENTS, witness_nodes=limits.MAX_WITNESSES,
                   witness_quorum=22, num_stages=4, bloom_slices=slices, bloom_bits_per_slice=bits,
                   warmup_time=30, max_round_train_time=60, round_witness_time=5, cooldown_time=30,
                   rounds_per_epoch=3, total_steps=100, global_batch_size=1024)

@@ -33,7 +33,7 @@ def run_spec(run_id: str, warmup_time: int = 60) -> RunSpec:
     """Three stages, admitted at four clients (a worker per stage and a trainer)."""
     return parse_run_spec({
         "run_id": run_id,
-        "config": {"min_clients": 4, "max_clients": 8, "num_stages": 3, "witness_nodes": 2, "witness_quorum": 1,
+        "config": {"min_clients": 4, "max_clients": 8, "num_stages": 3, "witness_nodes": 2, "witness_quorum": 2,
                    "warmup_time": warmup_time, "max_round_train_time": 30, "round_witness_time": 1,
                    "cooldown_time": 1, "rounds_per_epoch": 3},
         "model": {"n_layers": 3, "d_model": 16, "n_heads": 2, "seq_len": 8},

@@ -23,7 +23,7 @@ TIMEOUT = 300.0
 def tiny_spec(run_id: str):
     return parse_run_spec({
         "run_id": run_id,
-        "config": {"min_clients": 4, "max_clients": 8, "num_stages": 3, "witness_nodes": 2, "witness_quorum": 1,
+        "config": {"min_clients": 4, "max_clients": 8, "num_stages": 3, "witness_nodes": 2, "witness_quorum": 2,
                    "warmup_time": 30, "max_round_train_time": 30, "round_witness_time": 1, "cooldown_time": 2,
                    "rounds_per_epoch": 3, "total_steps": 3, "global_batch_size": 8},
         "model": {"n_layers": 3, "n_heads": 2, "d_model": 32, "seq_len": 32, "microbatch_size": 8,

@@ -12,7 +12,7 @@ from coordinator_program.state import CoordinatorState, Health, Phase, Role
 AUTHORITY = b"\xaa" * 32
 RUN_ID = "test-run"
 
-SMALL = Config(min_clients=4, max_clients=8, witness_nodes=2, witness_quorum=1, num_stages=3,
+SMALL = Config(min_clients=4, max_clients=8, witness_nodes=3, witness_quorum=2, num_stages=3,
                bloom_slices=11, bloom_bits_per_slice=11, warmup_time=5, max_round_train_time=20,
                round_witness_time=2, cooldown_time=5, rounds_per_epoch=3, total_steps=7, global_batch_size=10)
 MODEL = Model(n_layers=3, n_heads=2, d_model=16, seq_len=8)

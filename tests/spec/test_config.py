@@ -35,8 +35,10 @@ GOOD = Config()
     ("min_clients", 65, "must not exceed max_clients"),
     ("witness_nodes", 0, "between 1 and 32"),
     ("witness_nodes", 33, "between 1 and 32"),
-    ("witness_quorum", 0, "between 1 and witness_nodes"),
-    ("witness_quorum", 3, "between 1 and witness_nodes"),
+    ("witness_nodes", 5, "must not exceed min_clients"),
+    ("witness_quorum", 0, "strict majority of the 3 witness_nodes, at least 2 and at most 3"),
+    ("witness_quorum", 1, "strict majority of the 3 witness_nodes, at least 2 and at most 3"),
+    ("witness_quorum", 4, "strict majority of the 3 witness_nodes, at least 2 and at most 3"),
     ("warmup_time", 0, "at least 1"),
     ("max_round_train_time", 0, "at least 1"),
     ("round_witness_time", 0, "at least 1"),
@@ -55,9 +57,16 @@ def test_config_rule_names_the_field(field: str, value: int, fragment: str) -> N
     assert info.value.detail.startswith(f"{field}:") and fragment in info.value.detail
 
 
-def test_witness_nodes_beyond_max_clients() -> None:
-    with pytest.raises(InvalidConfig, match="witness_nodes: must not exceed max_clients"):
-        validate_config(dataclasses.replace(GOOD, min_clients=4, max_clients=4, witness_nodes=5))
+@pytest.mark.parametrize(("nodes", "quorum"), [(1, 1), (2, 2), (3, 2), (4, 3), (5, 3), (32, 17), (32, 32)])
+def test_every_strict_majority_quorum_is_accepted(nodes: int, quorum: int) -> None:
+    validate_config(dataclasses.replace(GOOD, min_clients=32, witness_nodes=nodes, witness_quorum=quorum))
+
+
+@pytest.mark.parametrize(("nodes", "quorum"), [(2, 1), (4, 2), (32, 16)])
+def test_a_quorum_of_half_the_witnesses_is_refused(nodes: int, quorum: int) -> None:
+    """Half is not enough: that many lying witnesses would match the honest ones proof for proof."""
+    with pytest.raises(InvalidConfig, match="witness_quorum: must be a strict majority"):
+        validate_config(dataclasses.replace(GOOD, min_clients=32, witness_nodes=nodes, witness_quorum=quorum))
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -141,3 +150,6 @@ def test_validate_config_cli_prints_the_derived_facts(tmp_path: Path) -> None:
     bad.write_text('run_id = "demo"\n[config]\nwitness_nodes = 40\n')
     result = CliRunner().invoke(app, ["validate-config", str(bad)])
     assert result.exit_code == 1 and "witness_nodes: must be between 1 and 32" in result.output
+    bad.write_text('run_id = "demo"\n[config]\nwitness_nodes = 2\nwitness_quorum = 1\n')  # the old example's
+    result = CliRunner().invoke(app, ["validate-config", str(bad)])
+    assert result.exit_code == 1 and "witness_quorum: must be a strict majority" in result.output

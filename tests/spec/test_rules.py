@@ -10,6 +10,7 @@ from coordinator_program import errors, limits, rules
 from coordinator_program.bloom import build_filter
 from coordinator_program.config import Checkpoint, CheckpointKind, Config
 from coordinator_program.instructions import CloseRun, InitCoordinator, apply
+from coordinator_program.selection import next_seed
 from coordinator_program.state import CoordinatorState, Health, Phase, Role, encode_state
 from tests.spec.scenario import (
     AUTHORITY,
@@ -54,7 +55,7 @@ def test_admission_assigns_least_occupied_stages_and_enters_warmup() -> None:
     stages = [c.stage for c in state.clients if c.role == Role.Worker]
     assert stages == [0, 1, 2, 0]  # stage 0 asked for is counted first; ties go to the lowest stage
     assert [c.stage for c in state.clients if c.role == Role.Trainer] == [limits.NO_STAGE]
-    assert state.round.seed == 77 and state.round.height == 0
+    assert state.round.seed == next_seed(0, 77) and state.round.height == 0  # chained from the zero seed
 
 
 def test_admission_waits_for_every_stage_and_a_trainer() -> None:
@@ -143,7 +144,7 @@ def test_warmup_times_out_into_first_round() -> None:
     assert_rejected(state, errors.NothingToTick, lambda: rules.tick(state, 10 + SMALL.warmup_time - 1, 2))
     rules.tick(state, 10 + SMALL.warmup_time, 2)
     assert state.phase == Phase.RoundTrain
-    assert (state.round.height, state.round.seed, state.round.data_index) == (0, 2, 0)
+    assert (state.round.height, state.round.seed, state.round.data_index) == (0, next_seed(next_seed(0, 1), 2), 0)
 
 
 def test_warmup_witness_quorum_starts_training_early() -> None:
@@ -163,10 +164,12 @@ def test_warmup_witness_rejections() -> None:
     outsider = next(i for i in ids if i not in rules.witnesses(state))
     assert_rejected(state, errors.NotAWitness, lambda: rules.warmup_witness(state, outsider, f, f))
     assert_rejected(state, errors.NotAClient, lambda: rules.warmup_witness(state, ident(99), f, f))
-    w = rules.witnesses(state)[0]
+    w, other = rules.witnesses(state)[:2]
     assert_rejected(state, errors.BadFilter, lambda: rules.warmup_witness(state, w, f + b"\0", f))
     rules.warmup_witness(state, w, f, f)
     assert_rejected(state, errors.DuplicateWitness, lambda: rules.warmup_witness(state, w, f, f))
+    assert_rejected(state, errors.NothingToTick, lambda: rules.tick(state, 11, 2))  # one proof is no quorum
+    rules.warmup_witness(state, other, f, f)
     rules.tick(state, 11, 2)
     assert_rejected(state, errors.WrongPhase, lambda: rules.warmup_witness(state, w, f, f))
 
@@ -206,8 +209,7 @@ def test_round_train_times_out_into_witness() -> None:
 
 
 def test_opportunistic_witnessing_ends_training_early() -> None:
-    config = replace(SMALL, witness_nodes=3, witness_quorum=2)
-    state = new_run(config)
+    state = new_run()
     join_pipeline(state)
     now = start_training(state)
     ws = rules.witnesses(state)
@@ -234,6 +236,7 @@ def test_witness_rejections() -> None:
     assert_rejected(state, errors.DuplicateWitness, lambda: rules.witness(state, ws[0], 0, f, f))
     rules.withdraw(state, ws[1])
     assert_rejected(state, errors.NotHealthy, lambda: rules.witness(state, ws[1], 0, f, f))
+    rules.witness(state, ws[2], 0, f, f)
     rules.tick(state, now, 3)
     rules.tick(state, now + SMALL.round_witness_time, 4)
     state.phase = Phase.Cooldown
@@ -249,9 +252,11 @@ def test_witness_phase_times_out_into_next_round() -> None:
     witness_all(state)
     rules.tick(state, now, 3)
     assert_rejected(state, errors.NothingToTick, lambda: rules.tick(state, now + SMALL.round_witness_time - 1, 4))
+    round_zero = state.round.seed
     rules.tick(state, now + SMALL.round_witness_time, 42)
     assert state.phase == Phase.RoundTrain and state.step == 1
-    assert (state.round.height, state.round.seed, state.round.data_index) == (1, 42, SMALL.global_batch_size)
+    assert (state.round.height, state.round.seed, state.round.data_index) == (
+        1, next_seed(round_zero, 42), SMALL.global_batch_size)
     assert state.previous_round.height == 0
 
 
@@ -267,11 +272,14 @@ def test_last_round_of_epoch_enters_cooldown_with_p2p_checkpoint() -> None:
 
 def test_missing_quorum_ends_epoch() -> None:
     state = new_run()
-    join_pipeline(state)
+    ids = join_pipeline(state)
     now = start_training(state)
+    f = full_filter(state)
+    rules.witness(state, rules.witnesses(state)[0], 0, f, f)  # one proof of the two the round needs
     rules.tick(state, now + SMALL.max_round_train_time, 3)
     rules.tick(state, now + SMALL.max_round_train_time + SMALL.round_witness_time, 4)
     assert state.phase == Phase.Cooldown and state.step == 1
+    assert [c.id for c in state.clients] == ids, "a proved round keeps its healthy clients for the next epoch"
 
 
 def test_total_steps_finish_the_run() -> None:
@@ -416,7 +424,7 @@ def test_update_rules() -> None:
     state = new_run(started=False)
     assert state.phase == Phase.Paused
     assert_rejected(state, errors.NotAuthorized, lambda: rules.update(state, ident(1), SMALL, MODEL, Checkpoint()))
-    bad = replace(SMALL, witness_quorum=3)
+    bad = replace(SMALL, witness_quorum=1)  # not a strict majority of 3 witnesses
     assert_rejected(state, errors.InvalidConfig, lambda: rules.update(state, AUTHORITY, bad, MODEL, Checkpoint()))
     assert_rejected(state, errors.InvalidCheckpoint, lambda: rules.update(
         state, AUTHORITY, SMALL, MODEL, Checkpoint(CheckpointKind.Hub, 0b1, "org/m", "main")))

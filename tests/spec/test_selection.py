@@ -9,9 +9,10 @@ from collections import Counter
 from coordinator_program.selection import (
     assign_data,
     elect_witnesses,
+    next_seed,
     random_words,
-    seed_from_clock,
     shuffled_prefix,
+    strict_majority,
     uniform_below,
 )
 
@@ -24,10 +25,15 @@ def chi_square(observed: list[int], expected: float) -> float:
     return sum((o - expected) ** 2 / expected for o in observed)
 
 
-def test_seed_from_clock_hashes_timestamp_and_slot() -> None:
-    digest = hashlib.sha256(struct.pack("<qQ", 1_700_000_000, 42)).digest()
-    assert seed_from_clock(1_700_000_000, 42) == int.from_bytes(digest[:8], "little")
-    assert seed_from_clock(1_700_000_000, 43) != seed_from_clock(1_700_000_000, 42)
+def test_next_seed_hashes_the_previous_seed_and_the_entropy() -> None:
+    digest = hashlib.sha256(b"psyswarm:seed" + struct.pack("<QQ", 2**64 - 1, 42)).digest()
+    assert next_seed(2**64 - 1, 42) == int.from_bytes(digest[:8], "little")
+    assert next_seed(2**64 - 1, 43) != next_seed(2**64 - 1, 42) != next_seed(7, 42)
+
+
+def test_strict_majority_outnumbers_the_rest() -> None:
+    assert [strict_majority(n) for n in (1, 2, 3, 4, 5, 32)] == [1, 2, 2, 3, 3, 17]
+    assert all(2 * strict_majority(n) > n >= 2 * (strict_majority(n) - 1) for n in range(1, 33))
 
 
 def test_random_words_are_sha256_blocks() -> None:

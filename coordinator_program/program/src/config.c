@@ -21,8 +21,8 @@ uint64_t psy_validate_config(const uint8_t *c) {
   bool ok = num_stages >= 2 && num_stages <= PSY_MAX_STAGES &&
             max_clients >= 1 && max_clients <= PSY_MAX_CLIENTS &&
             min_clients >= num_stages + 1 && min_clients <= max_clients &&
-            witness_nodes >= 1 && witness_nodes <= PSY_MAX_WITNESSES && witness_nodes <= max_clients &&
-            witness_quorum >= 1 && witness_quorum <= witness_nodes &&
+            witness_nodes >= 1 && witness_nodes <= PSY_MAX_WITNESSES && witness_nodes <= min_clients &&
+            witness_quorum >= witness_nodes / 2 + 1 && witness_quorum <= witness_nodes && /* a strict majority */
             PSY_CONFIG_WARMUP_TIME_GET(c) >= 1 && PSY_CONFIG_MAX_ROUND_TRAIN_TIME_GET(c) >= 1 &&
             PSY_CONFIG_ROUND_WITNESS_TIME_GET(c) >= 1 && PSY_CONFIG_COOLDOWN_TIME_GET(c) >= 1 &&
             PSY_CONFIG_ROUNDS_PER_EPOCH_GET(c) >= 1 && PSY_CONFIG_TOTAL_STEPS_GET(c) >= 1 &&

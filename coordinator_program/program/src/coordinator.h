@@ -55,7 +55,6 @@ typedef struct {
   const uint8_t *signer;     /* key of the acting account */
   const uint8_t *authorizer; /* join_run's co-signer */
   int64_t now;               /* Clock.unix_timestamp, for the operations that tick */
-  uint64_t seed;             /* seed_from_clock(now, slot), for the operations that tick */
 } psy_op_t;
 
 /* Validates the data of every instruction but init_coordinator (init.c checks its own) and sets
@@ -151,7 +150,9 @@ uint64_t psy_requeue_clients(uint8_t *s);
 
 /* ---- selection (selection.c) and bloom (bloom.c) ------------------------------------------------- */
 
-uint64_t psy_seed_from_clock(int64_t unix_timestamp, uint64_t slot);
+/* selection.next_seed(previous, 0): the seed of the round after the one whose seed is `previous`. Nothing
+ * from the transaction or the clock goes in, so no ticker chooses an election by when it ticks. */
+uint64_t psy_next_seed(uint64_t previous);
 /* elect_witnesses: fills order[0..min(k, n)) with the witnesses' client indices, in election order, and
  * returns how many; `order` must have room for n entries (the shuffle works on all of them). */
 uint64_t psy_elect_witnesses(uint64_t seed, uint64_t n, uint64_t k, uint16_t *order);
@@ -182,6 +183,6 @@ uint64_t psy_warmup_witness(const psy_op_t *op);
 uint64_t psy_health_check(const psy_op_t *op);
 /* The signer's client index if it is a healthy client (rules._healthy_client), else its error. */
 uint64_t psy_healthy_client(uint8_t *s, const uint8_t *signer, uint64_t *index);
-uint64_t psy_tick(uint8_t *s, int64_t now, uint64_t seed);
+uint64_t psy_tick(uint8_t *s, int64_t now);
 
 #endif /* PSY_COORDINATOR_H */

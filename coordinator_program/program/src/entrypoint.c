@@ -17,7 +17,7 @@ static uint64_t apply(const psy_op_t *op) {
     case PSY_OP_JOIN_RUN:
       return psy_join(op);
     case PSY_OP_TICK:
-      return psy_tick(op->state, op->now, op->seed);
+      return psy_tick(op->state, op->now);
     case PSY_OP_WITNESS:
       return psy_witness(op);
     case PSY_OP_WARMUP_WITNESS:
@@ -49,16 +49,15 @@ uint64_t entrypoint(const uint8_t *input) {
     return err;
   }
   bool ticks = ticks_after(op.kind);
-  if (ticks || op.kind == PSY_OP_TICK) { /* time and seed come from the Clock sysvar, never the caller */
+  if (ticks || op.kind == PSY_OP_TICK) { /* time comes from the Clock sysvar, never the caller */
     psy_clock_t clock;
     sol_get_clock_sysvar(&clock);
     op.now = clock.unix_timestamp;
-    op.seed = psy_seed_from_clock(clock.unix_timestamp, clock.slot);
   }
   err = apply(&op);
   if (err != PSY_SUCCESS || !ticks) {
     return err;
   }
-  err = psy_tick(op.state, op.now, op.seed);
+  err = psy_tick(op.state, op.now);
   return err == PSY_ERR_NOTHING_TO_TICK ? PSY_SUCCESS : err; /* nothing due is no error here */
 }

@@ -1,5 +1,5 @@
 /* proofs.c: what witnesses prove and what health checks judge by (rules.witness, warmup_witness,
- * _record_proof, witnessed_by, health_check). */
+ * _record_proof, witnessed_by, left_out_by, missed_by_quorum, health_check). */
 #include "coordinator.h"
 
 static bool training(const uint8_t *s) {
@@ -109,12 +109,11 @@ uint64_t psy_health_check(const psy_op_t *op) {
   if (PSY_CLIENT_HEALTH_GET(client) != PSY_HEALTH_HEALTHY) {
     return PSY_ERR_ALREADY_MARKED;
   }
+  /* rules.missed_by_quorum: unhealthy only when a quorum of the previous round's proofs left it out; a
+   * proof never sent leaves no one out. */
   const uint8_t *previous = psy_previous_round(s);
-  uint64_t required = psy_witness_count(previous);
-  if (PSY_ACCOUNT_CONFIG_WITNESS_QUORUM_GET(s) < required) {
-    required = PSY_ACCOUNT_CONFIG_WITNESS_QUORUM_GET(s);
-  }
-  if (witnessed_by(s, previous, target) >= required) {
+  uint64_t left_out = psy_witness_count(previous) - witnessed_by(s, previous, target);
+  if (left_out < psy_quorum(s)) {
     return PSY_ERR_CLIENT_HEALTHY;
   }
   PSY_CLIENT_HEALTH_SET(client, PSY_HEALTH_UNHEALTHY);

@@ -1,13 +1,13 @@
 /* selection.c: the round seed and the witness election of selection.py, on the sol_sha256 syscall. */
 #include "coordinator.h"
 
-uint64_t psy_seed_from_clock(int64_t unix_timestamp, uint64_t slot) {
-  uint8_t packed[16]; /* struct.pack("<qQ", unix_timestamp, slot) */
-  psy_store_u64(packed, (uint64_t)unix_timestamp);
-  psy_store_u64(packed + 8, slot);
-  psy_bytes_t piece = {packed, sizeof packed};
+uint64_t psy_next_seed(uint64_t previous) {
+  uint8_t packed[16]; /* struct.pack("<QQ", previous, 0): the program adds no entropy (see selection.py) */
+  psy_store_u64(packed, previous);
+  psy_store_u64(packed + 8, 0);
+  psy_bytes_t pieces[2] = {{(const uint8_t *)PSY_SEED_DOMAIN, sizeof(PSY_SEED_DOMAIN) - 1}, {packed, sizeof packed}};
   uint8_t digest[32];
-  sol_sha256(&piece, 1, digest);
+  sol_sha256(pieces, 2, digest);
   return psy_load_u64(digest);
 }
 

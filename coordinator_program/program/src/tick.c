@@ -23,6 +23,7 @@ static void enter(uint8_t *s, uint64_t phase, int64_t now) {
   PSY_ACCOUNT_PHASE_START_SET(s, now);
 }
 
+/* rules.quorum_reached: the current round holds a quorum of proofs. */
 static bool reached_quorum(uint8_t *s) {
   return psy_witness_count(psy_current_round(s)) >= psy_quorum(s);
 }
@@ -33,8 +34,9 @@ static bool clients_complete(uint8_t *s) {
   return psy_pipeline_complete(s, &census);
 }
 
-/* rules._start_round: a fresh round in slot height % ROUND_SLOTS. */
-static void start_round(uint8_t *s, int64_t now, uint64_t seed, uint64_t height) {
+/* rules._start_round: a fresh round in slot height % ROUND_SLOTS, its seed chained from the current one. */
+static void start_round(uint8_t *s, int64_t now, uint64_t height) {
+  uint64_t seed = psy_next_seed(PSY_ROUND_SEED_GET(psy_current_round(s)));
   uint64_t slot = height % PSY_ROUND_SLOTS;
   uint8_t *round = psy_round(s, slot);
   PSY_ACCOUNT_CURRENT_ROUND_SET(s, slot);
@@ -64,7 +66,7 @@ static uint8_t least_occupied(const psy_census_t *census, uint64_t num_stages) {
   return (uint8_t)best;
 }
 
-static uint64_t tick_waiting(uint8_t *s, int64_t now, uint64_t seed) {
+static uint64_t tick_waiting(uint8_t *s, int64_t now) {
   if (PSY_ACCOUNT_PAUSE_REQUESTED_GET(s)) {
     enter(s, PSY_PHASE_PAUSED, now);
     return PSY_SUCCESS;
@@ -97,7 +99,8 @@ static uint64_t tick_waiting(uint8_t *s, int64_t now, uint64_t seed) {
   }
   psy_list_set_count(s, &PSY_CLIENTS, joiners);
   psy_list_set_count(s, &PSY_PENDING, 0);
-  /* The epoch's warmup is round 0 in slot 0; slot 1 starts empty. */
+  /* The epoch's warmup is round 0 in slot 0, its seed chained from the last round's; slot 1 starts empty. */
+  uint64_t seed = psy_next_seed(PSY_ROUND_SEED_GET(psy_current_round(s)));
   sol_memset_(s + PSY_ACCOUNT_ROUNDS_OFFSET, 0, PSY_ACCOUNT_ROUNDS_SIZE);
   PSY_ACCOUNT_CURRENT_ROUND_SET(s, 0);
   uint8_t *warmup = psy_round(s, 0);
@@ -107,7 +110,7 @@ static uint64_t tick_waiting(uint8_t *s, int64_t now, uint64_t seed) {
   return PSY_SUCCESS;
 }
 
-static uint64_t tick_warmup(uint8_t *s, int64_t now, uint64_t seed) {
+static uint64_t tick_warmup(uint8_t *s, int64_t now) {
   bool changed = false;
   uint64_t clients = psy_list_count(s, &PSY_CLIENTS);
   psy_keep_healthy_clients(s);
@@ -127,7 +130,7 @@ static uint64_t tick_warmup(uint8_t *s, int64_t now, uint64_t seed) {
     }
   }
   if (reached_quorum(s) || phase_time_reached(s, now, PSY_ACCOUNT_CONFIG_WARMUP_TIME_GET(s))) {
-    start_round(s, now, seed, 0);
+    start_round(s, now, 0);
     return PSY_SUCCESS;
   }
   return changed ? PSY_SUCCESS : NOTHING;
@@ -141,14 +144,18 @@ static uint64_t tick_train(uint8_t *s, int64_t now) {
   return NOTHING;
 }
 
-static uint64_t tick_witness(uint8_t *s, int64_t now, uint64_t seed) {
+static uint64_t tick_witness(uint8_t *s, int64_t now) {
   if (!phase_time_reached(s, now, PSY_ACCOUNT_CONFIG_ROUND_WITNESS_TIME_GET(s))) {
     return NOTHING;
   }
   bool quorum = reached_quorum(s); /* judged with the round's clients, before the unhealthy leave */
   uint32_t step = PSY_ACCOUNT_STEP_GET(s) + 1;
   PSY_ACCOUNT_STEP_SET(s, step);
-  psy_keep_healthy_clients(s);
+  if (psy_witness_count(psy_current_round(s)) == 0) {
+    psy_list_set_count(s, &PSY_CLIENTS, 0); /* rules.unproven: nobody can tell who is alive, so all leave */
+  } else {
+    psy_keep_healthy_clients(s);
+  }
   uint64_t next_height = (uint64_t)PSY_ROUND_HEIGHT_GET(psy_current_round(s)) + 1;
   if (next_height >= PSY_ACCOUNT_CONFIG_ROUNDS_PER_EPOCH_GET(s) || step >= PSY_ACCOUNT_CONFIG_TOTAL_STEPS_GET(s) ||
       !quorum || !clients_complete(s)) {
@@ -157,7 +164,7 @@ static uint64_t tick_witness(uint8_t *s, int64_t now, uint64_t seed) {
     PSY_ACCOUNT_CHECKPOINT_STAGES_DONE_SET(s, 0);
     enter(s, PSY_PHASE_COOLDOWN, now);
   } else {
-    start_round(s, now, seed, next_height);
+    start_round(s, now, next_height);
   }
   return PSY_SUCCESS;
 }
@@ -184,23 +191,23 @@ static uint64_t tick_cooldown(uint8_t *s, int64_t now) {
   return PSY_SUCCESS;
 }
 
-uint64_t psy_tick(uint8_t *s, int64_t now, uint64_t seed) {
+uint64_t psy_tick(uint8_t *s, int64_t now) {
   uint64_t result;
   switch (PSY_ACCOUNT_PHASE_GET(s)) {
     case PSY_PHASE_PAUSED:
       result = tick_paused(s, now);
       break;
     case PSY_PHASE_WAITING_FOR_MEMBERS:
-      result = tick_waiting(s, now, seed);
+      result = tick_waiting(s, now);
       break;
     case PSY_PHASE_WARMUP:
-      result = tick_warmup(s, now, seed);
+      result = tick_warmup(s, now);
       break;
     case PSY_PHASE_ROUND_TRAIN:
       result = tick_train(s, now);
       break;
     case PSY_PHASE_ROUND_WITNESS:
-      result = tick_witness(s, now, seed);
+      result = tick_witness(s, now);
       break;
     case PSY_PHASE_COOLDOWN:
       result = tick_cooldown(s, now);
