@@ -9,8 +9,10 @@ A local run on one machine::
     psyswarm trainer --initial-peer … --steps 200
 
 Without a coordinator, workers step on their own every ``--step-every`` samples; give the trainer the same
-``--batch-size`` so that a step covers one batch. torch and hivemind are imported inside the commands so
-that ``psyswarm --help`` stays fast.
+``--batch-size`` so that a step covers one batch. The trainer signs its requests with its ``--keypair``, and
+a standalone worker serves any trainer that signs them (in a run with a coordinator, ``psyswarm run``, a
+worker serves only the trainers of the current epoch). torch and hivemind are imported inside the commands
+so that ``psyswarm --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+from client.identity import DEFAULT_KEYPAIR_PATH
 
 if TYPE_CHECKING:
     from client.pipeline.model import ModelConfig
@@ -97,7 +101,11 @@ def worker_command(
     threads: Annotated[int, typer.Option(help="torch threads (0: torch's default).")] = 0,
     announce_period: Annotated[float, typer.Option(help="Seconds between DHT re-announcements.")] = 10.0,
 ) -> None:
-    """Serve one pipeline stage: Forward/Backward/Info over gRPC, announced in the DHT."""
+    """Serve one pipeline stage: Forward/Backward/Info over gRPC, announced in the DHT.
+
+    Without a coordinator there is no list of the run's trainers: this worker serves any trainer that signs
+    its requests (with any keypair) for --run-id.
+    """
     from client.identity import load_keypair
     from client.pipeline.model import stage_names
     from client.pipeline.optim import OptimizerConfig
@@ -147,8 +155,15 @@ def trainer_command(
         str, typer.Option(help="Activation dtype on the wire: float32, float16, bfloat16.")
     ] = "float32",
     inflight: Annotated[int, typer.Option(help="Microbatches in flight at once.")] = 2,
+    keypair: Annotated[
+        Path, typer.Option(help="Solana keypair file that signs this trainer's requests; workers name it in receipts.")
+    ] = DEFAULT_KEYPAIR_PATH,
 ) -> None:
-    """Route microbatches through the stage workers found in the DHT; holds no parameters."""
+    """Route microbatches through the stage workers found in the DHT; holds no parameters.
+
+    Every request is signed with --keypair; standalone workers serve any trainer that signs its requests.
+    """
+    from client.identity import KeypairError, load_keypair
     from client.pipeline.data import open_dataset
     from client.pipeline.discovery import WorkerDirectory, start_dht
     from client.pipeline.trainer import PipelineTrainer
@@ -160,12 +175,18 @@ def trainer_command(
         dataset = open_dataset(data, config.seq_len)
     except (OSError, ValueError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--data") from None
+    try:
+        identity = load_keypair(keypair)
+    except KeypairError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--keypair") from None
     dht = start_dht(initial_peers, host)
     try:
         trainer = PipelineTrainer(
             config,
             dataset,
             WorkerDirectory(dht, run_id, config.fingerprint()),
+            keypair=identity,
+            run_id=run_id,
             wire_dtype=wire_dtype,
             max_inflight=inflight,
         )

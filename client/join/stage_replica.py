@@ -86,11 +86,13 @@ class StageReplica:
 
     @classmethod
     def create(cls, state: CoordinatorState, stage: str, *, dht, keypair: Keypair, host: str,
-               say: Callable[[str], None] = print) -> StageReplica:
+               trainer_allowed: Callable[[bytes], bool], say: Callable[[str], None] = print) -> StageReplica:
         """Build the worker (not serving yet) and its averager: the averager forks hivemind's process, which is
-        safest before the worker's gRPC server starts its threads."""
+        safest before the worker's gRPC server starts its threads. The worker serves the trainers for which
+        ``trainer_allowed`` (a public key) is true."""
         config = model_config(state)
         worker = StageWorker(config, stage, keypair=keypair, dht=dht, run_id=state.run_id, host=host,
+                             trainer_allowed=trainer_allowed,
                              optimizer=OptimizerConfig(lr=state.model.learning_rate_micros / 1e6))
         replica: StageReplica  # bound below; the provider only runs once sharing is on, long after
         averager = SpartaAverager.for_worker(

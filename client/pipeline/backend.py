@@ -2,21 +2,26 @@
 
 Kept free of networking and threading so that what a worker computes can be tested and reasoned about on
 its own. Every request comes from an untrusted trainer, so each field is checked (stage, ids, dtypes,
-shapes, token range, finiteness, size) before any computation, and a bad one is refused with the reason.
+shapes, token range, finiteness, size) and its signature verified (``admission``) before any computation,
+and a bad one is refused with the reason.
 
 Backward re-runs the forward pass from the input the trainer sends again (activation recomputation): the
-worker keeps no per-microbatch state between RPCs, so a backward may land on any replica of the stage and a
-worker that dies loses nothing but its accumulated gradients.
+worker keeps no activations between RPCs, only the ticket of each Forward (``admission.MicrobatchLedger``,
+kept by the worker). Its parameter gradients are computed apart and checked (``admission.GradientBound``)
+before they are added to the stage's accumulated gradient, so a refused contribution leaves no trace.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import torch
 
+from client.pipeline.admission import GradientBound, GradientRefused, RequestHeader, authenticate, read_header
 from client.pipeline.model import ModelConfig, build_stage
 from client.pipeline.optim import OptimizerConfig, StageOptimizer, StepStats
 from client.pipeline.rpc import InvalidRequest
@@ -34,18 +39,20 @@ _TOKEN_DTYPES = (torch.uint8, torch.int64)
 
 @dataclass(frozen=True)
 class Receipt:
-    """Evidence that a worker processed one backward: who asked, for which microbatch, on which data.
+    """Evidence that a worker processed one backward: which trainer asked (its public key, as authenticated by
+    the request's signature), for which microbatch and samples, on which data.
 
     Digests are sha256 of the tensors' wire form (``tensor_codec.tensor_digest``), so the trainer computes
-    the same values from what it sent and received. ``input_digest`` covers the stage input and, for the
-    tail, the targets; the head returns no gradient and the tail receives none (empty digests).
+    the same values from what it sent and received (``input_digest`` for how the tail's targets count). The
+    head returns no gradient and the tail receives none (empty digests).
     """
 
     trainer_id: str
     microbatch_id: str
     stage: str
     worker_uid: str
-    samples: int
+    sample_start: int
+    sample_end: int
     input_digest: str
     grad_output_digest: str
     grad_input_digest: str
@@ -55,16 +62,31 @@ class Receipt:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
 
+def input_digest(digests: Mapping[str, str]) -> str:
+    """What a receipt records of a stage's input, from the tensors' digests: the input's; for the tail, whose
+    input is the hidden state and the targets, the sha256 of both digests, so that it is one digest too."""
+    if "targets" not in digests:
+        return digests["input"]
+    return hashlib.sha256(f"{digests['input']}:{digests['targets']}".encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class StageRequest:
-    """A validated Forward or Backward request, tensors still in the dtype they arrived in."""
+    """A validated, authenticated Forward or Backward request, tensors still in the dtype they arrived in."""
 
-    trainer_id: str
-    microbatch_id: str
+    header: RequestHeader
     wire_dtype: torch.dtype
     inputs: torch.Tensor
     targets: torch.Tensor | None
     grad_output: torch.Tensor | None
+
+    @property
+    def trainer(self) -> str:
+        return self.header.trainer
+
+    @property
+    def microbatch_id(self) -> str:
+        return self.header.microbatch_id
 
     @property
     def batch_size(self) -> int:
@@ -75,36 +97,32 @@ class StageRequest:
         return int(self.inputs.shape[0] * self.inputs.shape[1])
 
     def input_digest(self) -> str:
-        return input_digest(self.inputs, self.targets)
-
-
-def input_digest(inputs: torch.Tensor, targets: torch.Tensor | None) -> str:
-    """What a receipt records of a stage's input: its digest, plus the targets' for the tail."""
-    digest = tensor_digest(inputs)
-    return digest if targets is None else f"{digest}:{tensor_digest(targets)}"
-
-
-def _text_field(meta: dict[str, object], key: str) -> str:
-    value = meta.get(key)
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
-        raise InvalidRequest(f"field {key!r} must be a string of 1..{MAX_ID_CHARS} characters")
-    return value
+        return input_digest(self.header.digests)
 
 
 class StageBackend:
     """A stage's module and optimizer, with the three operations the worker exposes."""
 
     def __init__(
-        self, config: ModelConfig, stage: str, optimizer: OptimizerConfig, *, uid: str, max_batch_size: int
+        self,
+        config: ModelConfig,
+        stage: str,
+        optimizer: OptimizerConfig,
+        *,
+        uid: str,
+        run_id: str,
+        max_batch_size: int,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         self.config = config
         self.stage = stage
         self.uid = uid
+        self.run_id = run_id
         self.max_batch_size = max_batch_size
         self.module = build_stage(config, stage)
         self.optimizer = StageOptimizer(self.module, stage, config.num_stages, optimizer)
+        self.bound = GradientBound(self.optimizer.clip)
         self.samples_accumulated = 0
         self.steps = 0
         # Serialises computation with step() and parameter reads coming from other threads.
@@ -123,7 +141,8 @@ class StageBackend:
     # ----- validation -----
 
     def parse(self, payload: bytes, *, backward: bool) -> StageRequest:
-        """Decode and check a Forward (``backward=False``) or Backward request; raises ``InvalidRequest``."""
+        """Decode, authenticate and check a Forward (``backward=False``) or Backward request; raises
+        ``InvalidRequest``, or ``RequestRejected`` for a request its trainer did not sign (or no longer valid)."""
         if len(payload) > self.max_message_bytes:
             raise InvalidRequest(f"request of {len(payload)} bytes exceeds this worker's {self.max_message_bytes}")
         try:
@@ -133,11 +152,22 @@ class StageBackend:
         stage = meta.get("stage")
         if stage != self.stage:
             raise InvalidRequest(f"request for stage {stage!r} sent to a worker of stage {self.stage!r}")
-        trainer_id = _text_field(meta, "trainer")
-        microbatch_id = _text_field(meta, "microbatch")
         dtype_name = meta.get("dtype")
         if dtype_name not in FLOAT_DTYPES:
             raise InvalidRequest(f"field 'dtype' must be one of {sorted(FLOAT_DTYPES)}, got {dtype_name!r}")
+        header = read_header(meta, tensors, "backward" if backward else "forward", MAX_ID_CHARS)
+        authenticate(header, meta.get("signature"), run_id=self.run_id)
+        self._check_tensors(tensors, backward)
+        batch = int(tensors["input"].shape[0])
+        if header.sample_end - header.sample_start != batch:
+            raise InvalidRequest(
+                f"samples [{header.sample_start}, {header.sample_end}) do not match the batch of {batch} samples"
+            )
+        return StageRequest(
+            header, FLOAT_DTYPES[dtype_name], tensors["input"], tensors.get("targets"), tensors.get("grad_output")
+        )
+
+    def _check_tensors(self, tensors: dict[str, torch.Tensor], backward: bool) -> None:
         is_head, is_tail = self.module.is_head, self.module.is_tail
         expected = (
             {"input"} | ({"targets"} if is_tail else set()) | ({"grad_output"} if backward and not is_tail else set())
@@ -164,14 +194,6 @@ class StageBackend:
                     f"grad_output shape {list(tensors['grad_output'].shape)} must match the "
                     f"output shape {[batch, length, self.config.d_model]}"
                 )
-        return StageRequest(
-            trainer_id,
-            microbatch_id,
-            FLOAT_DTYPES[dtype_name],
-            inputs,
-            tensors.get("targets"),
-            tensors.get("grad_output"),
-        )
 
     def _check_batch_shape(self, name: str, tensor: torch.Tensor, ndim: int) -> None:
         if tensor.dim() != ndim:
@@ -211,50 +233,65 @@ class StageBackend:
         return encode_message({}, {"output": out.to(request.wire_dtype)})
 
     def backward(self, request: StageRequest) -> tuple[bytes, Receipt]:
-        """Recompute the forward pass, accumulate parameter gradients, return the input gradient.
+        """Recompute the forward pass, check the parameter gradients, accumulate them, return the input gradient.
 
         The tail differentiates loss × batch size, so accumulated gradients are sums over samples and
         ``step`` divides by the sample count. Its response also carries the loss it recomputed, which saves
-        the trainer a separate tail Forward.
+        the trainer a separate tail Forward. Gradients are computed apart (``torch.autograd.grad``) and added
+        only once ``bound`` accepts them; a refused contribution raises ``GradientRefused`` and changes nothing.
         """
         with self.lock:
             inputs = self._as_input(request.inputs)
             if not self.module.is_head:
                 inputs.requires_grad_(True)
             out = self.module(inputs, request.targets)
+            params = self.optimizer.params
+            wrt = [*params, inputs] if not self.module.is_head else params
             if self.module.is_tail:
-                (out * request.batch_size).backward()
+                grads = torch.autograd.grad(out * request.batch_size, wrt)
             else:
-                out.backward(request.grad_output.float())
+                grads = torch.autograd.grad(out, wrt, grad_outputs=request.grad_output.float())
+            param_grads, grad_input = grads[: len(params)], (None if self.module.is_head else grads[-1])
+            if grad_input is not None and not bool(torch.isfinite(grad_input).all()):
+                raise GradientRefused("Backward refused: the input gradient holds NaN or infinite values")
+            self.bound.admit(request.trainer, param_grads, request.batch_size)
+            for param, grad in zip(params, param_grads, strict=True):
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
             self.samples_accumulated += request.batch_size
         meta: dict[str, object] = {}
         tensors: dict[str, torch.Tensor] = {}
         grad_input_digest = ""
-        if not self.module.is_head:
-            grad_input = inputs.grad.to(request.wire_dtype)
-            tensors["grad_input"] = grad_input
-            grad_input_digest = tensor_digest(grad_input)
+        if grad_input is not None:
+            tensors["grad_input"] = grad_input.to(request.wire_dtype)
+            grad_input_digest = tensor_digest(tensors["grad_input"])
         if self.module.is_tail:
             meta["loss"] = float(out.detach())
+        header = request.header
         receipt = Receipt(
-            trainer_id=request.trainer_id,
-            microbatch_id=request.microbatch_id,
+            trainer_id=header.trainer,
+            microbatch_id=header.microbatch_id,
             stage=self.stage,
             worker_uid=self.uid,
-            samples=request.batch_size,
+            sample_start=header.sample_start,
+            sample_end=header.sample_end,
             input_digest=request.input_digest(),
-            grad_output_digest="" if request.grad_output is None else tensor_digest(request.grad_output),
+            grad_output_digest=header.digests.get("grad_output", ""),
             grad_input_digest=grad_input_digest,
         )
         meta.update({f"receipt.{k}": v for k, v in asdict(receipt).items()})
         return encode_message(meta, tensors), receipt
 
     def step(self) -> StepStats:
-        """Apply and clear the gradients accumulated since the last step."""
+        """Apply and clear the gradients accumulated since the last step (not applied if the result would be
+        non-finite: see ``StageOptimizer.step``)."""
         with self.lock:
             stats = self.optimizer.step(self.samples_accumulated)
             self.samples_accumulated = 0
-            if stats.samples:
+            self.bound.end_step()
+            if stats.samples and stats.applied:
                 self.steps += 1
             return stats
 

@@ -6,11 +6,16 @@ pipeline and one process is a property of the transport alone.
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,12 +42,21 @@ def max_grad_norm(stage: str, num_stages: int) -> float:
     return (5.0 if stage == "tail" else 1.0) / math.sqrt(num_stages)
 
 
+def gradient_norm(grads: Iterable[torch.Tensor]) -> float:
+    """The joint L2 norm, computed in float64: fp32 squares overflow from 1.9e19 on and would turn a large but
+    finite gradient into an infinite norm (and clipping would then zero every gradient). It is non-finite
+    exactly when some element is NaN or infinite."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads))
+
+
 @dataclass(frozen=True)
 class StepStats:
-    """What one optimizer step did: samples averaged over and the gradient norm before clipping."""
+    """What one optimizer step did: samples averaged over, the gradient norm before clipping, and whether
+    the update was applied (it is not when it would have left a non-finite parameter or optimizer state)."""
 
     samples: int
     grad_norm: float
+    applied: bool = True
 
 
 class StageOptimizer:
@@ -54,6 +68,7 @@ class StageOptimizer:
     """
 
     def __init__(self, module: nn.Module, stage: str, num_stages: int, config: OptimizerConfig) -> None:
+        self.stage = stage
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.clip = max_grad_norm(stage, num_stages)
         decay = [p for p in self.params if p.dim() >= 2]
@@ -70,17 +85,49 @@ class StageOptimizer:
         )
 
     def step(self, samples: int) -> StepStats:
-        """Apply the gradients accumulated over ``samples`` samples; a no-op when nothing was accumulated."""
+        """Apply the gradients accumulated over ``samples`` samples; a no-op when nothing was accumulated.
+
+        The update is kept only if every parameter and every optimizer state tensor is finite after it. If
+        not, or if torch cannot even compute it (a step size overflowing float32 raises half-way through the
+        parameters), the stage returns to the state it had before the step, parameters and optimizer state,
+        logs a warning, and the gradients are dropped: one bad step must not end the stage's training.
+        """
         if samples <= 0:
             self.zero_grad()
             return StepStats(samples=0, grad_norm=0.0)
         grads = [p.grad for p in self.params if p.grad is not None]
         for grad in grads:
             grad.div_(samples)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=False)
-        self.optimizer.step()
+        norm = gradient_norm(grads)
+        if norm > self.clip:
+            for grad in grads:
+                grad.mul_(self.clip / (norm + 1e-6))
+        saved = ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()))
+        try:
+            self.optimizer.step()
+            problem = None if self._finite() else "it would have left a parameter or the optimizer state non-finite"
+        except RuntimeError as exc:
+            problem = f"torch could not compute it ({exc})"
         self.zero_grad()
-        return StepStats(samples=samples, grad_norm=float(norm))
+        if problem is None:
+            return StepStats(samples=samples, grad_norm=norm)
+        with torch.no_grad():
+            for param, before in zip(self.params, saved[0], strict=True):
+                param.copy_(before)
+        self.optimizer.load_state_dict(saved[1])
+        log.warning(
+            "stage %s: optimizer step over %d samples (gradient norm %.3g) not applied: %s; the stage keeps its "
+            "last good state",
+            self.stage,
+            samples,
+            norm,
+            problem,
+        )
+        return StepStats(samples=samples, grad_norm=norm, applied=False)
+
+    def _finite(self) -> bool:
+        state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return all(bool(torch.isfinite(t).all()) for t in [*self.params, *state])
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -5,10 +5,16 @@ For each microbatch it sends the byte tokens through head → body… Forward ca
 the head. A worker's Backward recomputes the forward with its own parameters, and same-stage replicas'
 parameters differ between SPARTA averaging rounds (each steps its own AdamW on the samples it saw), so a
 stage's backward goes to the worker that ran its forward: on another replica it would differentiate a
-function other than the one whose output the next stage saw, and the gradients would not match. The
-trainer still keeps every stage's input until the microbatch is done, so if that worker fails, is banned
-or leaves between the two passes, the backward falls back to any other replica of the stage: one retry
-with a slightly inconsistent gradient, not a lost microbatch.
+function other than the one whose output the next stage saw, and the gradients would not match. Workers
+insist on it: a head or body Backward needs the ticket its Forward left on that very worker. The trainer
+still keeps every stage's input until the microbatch is done, so if that worker fails, is banned or leaves
+between the two passes, the backward falls back to any other replica of the stage, running the Forward
+there first: one retry with a slightly inconsistent gradient, not a lost microbatch.
+
+Every request is signed with the trainer's keypair over the run, the stage, the kind, the microbatch, its
+sample range and the digests of the tensors sent (``admission.RequestHeader``); a worker's receipt names the
+trainer by its public key. A microbatch is a consecutive range of sample indices, so its receipts can name
+it by ``[sample_start, sample_end)``.
 
 Every response comes from an untrusted worker and is checked (shapes, dtype, finite values, the receipt's
 digests against what was actually exchanged); a worker that answers badly or not at all is banned for
@@ -30,7 +36,9 @@ from typing import Protocol
 
 import grpc
 import torch
+from solders.keypair import Keypair
 
+from client.pipeline.admission import RequestHeader, encode_request, now_ms
 from client.pipeline.backend import Receipt, input_digest
 from client.pipeline.data import ByteDataset, microbatches
 from client.pipeline.discovery import WorkerRecord
@@ -41,7 +49,6 @@ from client.pipeline.tensor_codec import (
     FLOAT_DTYPES,
     CodecError,
     decode_message,
-    encode_message,
     tensor_digest,
 )
 
@@ -67,6 +74,15 @@ class Directory(Protocol):
     """Where the trainer learns which workers serve a stage (``discovery.WorkerDirectory``)."""
 
     def workers(self, stage: str) -> list[WorkerRecord]: ...
+
+
+@dataclass(frozen=True)
+class _Microbatch:
+    """A microbatch in flight: its id and the sample indices ``[start, end)`` it covers."""
+
+    id: str
+    start: int
+    end: int
 
 
 @dataclass(frozen=True)
@@ -106,7 +122,8 @@ class PipelineTrainer:
         dataset: ByteDataset,
         directory: Directory,
         *,
-        trainer_id: str | None = None,
+        keypair: Keypair | None = None,
+        run_id: str = "psyswarm",
         wire_dtype: str = "float32",
         forward_timeout: float = 30.0,
         backward_timeout: float = 75.0,
@@ -117,8 +134,9 @@ class PipelineTrainer:
         refresh_period: float = 2.0,
         stall_log_period: float = 10.0,
     ) -> None:
-        """``stall_timeout=None`` waits for a missing stage forever; ``max_inflight`` microbatches run at
-        once, keeping several stages busy (pipeline parallelism)."""
+        """``keypair`` signs every request (a fresh identity if omitted, which only workers serving any signed
+        trainer accept) for the run ``run_id``. ``stall_timeout=None`` waits for a missing stage forever;
+        ``max_inflight`` microbatches run at once, keeping several stages busy (pipeline parallelism)."""
         if wire_dtype not in FLOAT_DTYPES:
             raise ValueError(f"wire_dtype must be one of {sorted(FLOAT_DTYPES)}")
         if dataset.seq_len != config.seq_len:
@@ -128,7 +146,10 @@ class PipelineTrainer:
         self.config = config
         self.dataset = dataset
         self.directory = directory
-        self.trainer_id = trainer_id or uuid.uuid4().hex[:12]
+        self.keypair = keypair or Keypair()
+        self.trainer_id = bytes(self.keypair.pubkey()).hex()
+        self.run_id = run_id
+        self._session = uuid.uuid4().hex[:12]  # microbatch ids never repeat, even across restarts
         self.wire_dtype = wire_dtype
         self.timeouts = {False: forward_timeout, True: backward_timeout}
         self.max_attempts = max_attempts
@@ -156,12 +177,16 @@ class PipelineTrainer:
         *,
         on_microbatch: Callable[[MicrobatchResult], None] | None = None,
     ) -> TrainResult:
-        """Forward and backward every microbatch of ``indices``; gradients accumulate on the workers.
+        """Forward and backward every microbatch of ``indices``; gradients accumulate on the workers. Each
+        microbatch (consecutive chunks of ``indices``) must be a consecutive range of sample indices.
 
         Results come back in the order of ``indices``; ``on_microbatch`` sees each as it completes in that
         order (progress logs, or a test acting mid-run).
         """
         chunks = microbatches(indices, microbatch_size)
+        for chunk in chunks:
+            if chunk != list(range(chunk[0], chunk[0] + len(chunk))):
+                raise ValueError(f"microbatch {chunk} is not a consecutive range of sample indices")
         result = TrainResult()
         started = time.perf_counter()
         with ThreadPoolExecutor(self.max_inflight, thread_name_prefix="microbatch") as pool:
@@ -187,31 +212,31 @@ class PipelineTrainer:
     # ----- one microbatch -----
 
     def _microbatch(self, indices: list[int]) -> MicrobatchResult:
-        microbatch_id = f"{self.trainer_id}/{next(self._ids)}"
+        micro = _Microbatch(f"{self._session}/{next(self._ids)}", indices[0], indices[-1] + 1)
         tokens = self.dataset.batch(indices).to(torch.uint8)
         targets = tokens[:, 1:].contiguous()
         inputs = [tokens[:, :-1].contiguous()]
         forward_records: dict[str, WorkerRecord] = {}
         for stage in self.stages[:-1]:
-            record, _, out = self._call(stage, microbatch_id, False, {"input": inputs[-1]})
+            record, _, out = self._call(stage, micro, False, {"input": inputs[-1]})
             forward_records[stage] = record
             inputs.append(out["output"])
         workers: dict[str, str] = {}
         receipts: dict[str, Receipt] = {}
         tail = self.stages[-1]
-        record, meta, out = self._call(tail, microbatch_id, True, {"input": inputs[-1], "targets": targets})
+        record, meta, out = self._call(tail, micro, True, {"input": inputs[-1], "targets": targets})
         loss = float(meta["loss"])
         workers[tail], receipts[tail] = record.uid, self._receipt(meta)
         grad = out["grad_input"]
         for position in range(len(self.stages) - 2, -1, -1):
             stage = self.stages[position]
             tensors = {"input": inputs[position], "grad_output": grad}
-            record, meta, out = self._call(stage, microbatch_id, True, tensors, affinity=forward_records[stage])
+            record, meta, out = self._call(stage, micro, True, tensors, affinity=forward_records[stage])
             workers[stage], receipts[stage] = record.uid, self._receipt(meta)
             grad = out.get("grad_input")
-        log.debug("microbatch %s: loss %.4f via %s", microbatch_id, loss, workers)
+        log.debug("microbatch %s: loss %.4f via %s", micro.id, loss, workers)
         forward_workers = {stage: record.uid for stage, record in forward_records.items()}
-        return MicrobatchResult(microbatch_id, tuple(indices), loss, workers, forward_workers, receipts)
+        return MicrobatchResult(micro.id, tuple(indices), loss, workers, forward_workers, receipts)
 
     @staticmethod
     def _receipt(meta: dict[str, object]) -> Receipt:
@@ -222,7 +247,7 @@ class PipelineTrainer:
     def _call(
         self,
         stage: str,
-        microbatch_id: str,
+        micro: _Microbatch,
         backward: bool,
         tensors: dict[str, torch.Tensor],
         *,
@@ -230,37 +255,35 @@ class PipelineTrainer:
     ) -> tuple[WorkerRecord, dict[str, object], dict[str, torch.Tensor]]:
         """One Forward or Backward, checked. ``affinity`` is the worker that ran this stage's forward: the
         first attempt goes to it while it is usable; retries, and a first attempt without it, go to the
-        router's pick."""
+        router's pick, which must first run the stage's Forward for a head or body Backward (the worker's
+        ticket for it)."""
         method = "Backward" if backward else "Forward"
         batch, length = tensors["input"].shape[:2]
-        cost = batch * length * (BACKWARD_COST if backward else 1.0)
+        costs = {False: batch * length * 1.0, True: batch * length * BACKWARD_COST}
+        needs_ticket = backward and stage != self.stages[-1]
         # Choosing a forward's worker also chooses its backward's, so the choice is charged with both: else a
         # round's microbatches, all chosen before any backward, would crowd onto one replica. A Backward that
-        # is chosen at all is the tail's, which has no forward, or a failover, and is charged alone.
-        charge = cost if backward else batch * length * (1.0 + BACKWARD_COST)
-        meta = {
-            "stage": stage,
-            "trainer": self.trainer_id,
-            "microbatch": microbatch_id,
-            "dtype": self.wire_dtype,
-        }
-        request = encode_message(meta, tensors)
+        # is chosen at all is the tail's, which has no forward, or a failover, which runs the forward first.
+        charge = costs[True] + (costs[False] if stage != self.stages[-1] else 0.0)
         router = self.routers[stage]
         tried: set[str] = set()
         failures = 0
         last_error = ""
         while failures < self.max_attempts:
-            record = self._claim(stage, affinity, microbatch_id) if affinity is not None else None
+            claimed = self._claim(stage, affinity, micro.id) if affinity is not None else None
             affinity = None  # only the first attempt: a retry goes wherever the router picks
-            if record is None:
-                record = self._pick(stage, charge, tried)
-            sent = router.clock()
+            record = claimed or self._pick(stage, charge, tried)
             try:
-                response = self._client(record.address).call(method, request, timeout=self.timeouts[backward])
-                out_meta, out = decode_message(response, max_elements=batch * length * self.config.d_model)
-                self._check_response(stage, backward, record, microbatch_id, tensors, out_meta, out)
+                if needs_ticket and claimed is None:
+                    self._exchange(stage, record, micro, False, {"input": tensors["input"]}, costs[False])
+                out_meta, out = self._exchange(stage, record, micro, backward, tensors, costs[backward])
             except grpc.RpcError as exc:
                 last_error = f"{exc.code().name}: {exc.details()}"
+                if claimed is not None and needs_ticket and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # Routine when the worker stepped between the two passes (its tickets go with the step):
+                    # not a failure; the next attempt runs the Forward first, wherever the router picks.
+                    log.info("%s of %s: %s; running its Forward again", method, micro.id, exc.details())
+                    continue
                 if exc.code() in _BAN_CODES:
                     log.warning(
                         "worker %s (%s) unreachable, banned for %.0f s: %s",
@@ -277,26 +300,60 @@ class PipelineTrainer:
                 log.warning("worker %s sent a bad %s response, banned: %s", record.uid, method, exc)
                 router.ban(record.uid)
             else:
-                router.report(record.uid, cost, sent, router.clock())
-                with self._lock:
-                    self.bytes_sent += len(request)
-                    self.bytes_received += len(response)
                 return record, out_meta, out
             failures += 1
             tried.add(record.uid)
         raise PipelineError(f"{method} for stage {stage} failed {failures} times; last error: {last_error}")
 
-    def _check_response(
+    def _exchange(
         self,
         stage: str,
-        backward: bool,
         record: WorkerRecord,
-        microbatch_id: str,
+        micro: _Microbatch,
+        backward: bool,
+        tensors: dict[str, torch.Tensor],
+        cost: float,
+    ) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+        """Sign and send one request to ``record``, check the answer, and tell the router how long it took;
+        raises ``grpc.RpcError``, ``CodecError`` or ``_BadResponse``."""
+        digests = {name: tensor_digest(tensor) for name, tensor in tensors.items()}
+        header = RequestHeader(
+            run_id=self.run_id,
+            stage=stage,
+            kind="backward" if backward else "forward",
+            trainer=self.trainer_id,
+            microbatch_id=micro.id,
+            sample_start=micro.start,
+            sample_end=micro.end,
+            dtype=self.wire_dtype,
+            issued_at=now_ms(),
+            digests=digests,
+        )
+        request = encode_request(self.keypair, header, tensors)
+        router = self.routers[stage]
+        batch, length = tensors["input"].shape[:2]
+        sent = router.clock()
+        response = self._client(record.address).call(
+            "Backward" if backward else "Forward", request, timeout=self.timeouts[backward]
+        )
+        meta, out = decode_message(response, max_elements=batch * length * self.config.d_model)
+        self._check_response(header, record, tensors, meta, out)
+        router.report(record.uid, cost, sent, router.clock())
+        with self._lock:
+            self.bytes_sent += len(request)
+            self.bytes_received += len(response)
+        return meta, out
+
+    def _check_response(
+        self,
+        header: RequestHeader,
+        record: WorkerRecord,
         sent: dict[str, torch.Tensor],
         meta: dict[str, object],
         out: dict[str, torch.Tensor],
     ) -> None:
         """Raise ``_BadResponse`` unless the answer has exactly the expected form and a truthful receipt."""
+        stage, backward = header.stage, header.kind == "backward"
         is_head, is_tail = stage == self.stages[0], stage == self.stages[-1]
         batch, length = sent["input"].shape[:2]
         hidden_shape = (batch, length, self.config.d_model)
@@ -318,12 +375,13 @@ class PipelineTrainer:
         if backward:
             expected = Receipt(
                 trainer_id=self.trainer_id,
-                microbatch_id=microbatch_id,
+                microbatch_id=header.microbatch_id,
                 stage=stage,
                 worker_uid=record.uid,
-                samples=int(batch),
-                input_digest=input_digest(sent["input"], sent.get("targets")),
-                grad_output_digest=tensor_digest(sent["grad_output"]) if "grad_output" in sent else "",
+                sample_start=header.sample_start,
+                sample_end=header.sample_end,
+                input_digest=input_digest(header.digests),
+                grad_output_digest=header.digests.get("grad_output", ""),
                 grad_input_digest=tensor_digest(out[name]) if name else "",
             )
             if self._receipt(meta) != expected:

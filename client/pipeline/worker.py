@@ -1,6 +1,7 @@
 """A stage worker: gRPC server, forward/backward queues, one runtime thread, DHT announcements.
 
-gRPC handler threads only validate requests and queue them; a single runtime thread drains the queues,
+gRPC handler threads only validate and admit requests (``admission``: signed by a trainer the worker serves;
+a Backward after its own Forward, once) and queue them; a single runtime thread drains the queues,
 backward first (it completes a microbatch and frees the trainer's memory), so computation never competes
 with itself for the CPU and parameters change only between tasks. Gradients accumulate until ``step()``:
 the coordinator calls it when a round ends, or, run standalone, the worker steps by itself every
@@ -25,6 +26,7 @@ import grpc
 import torch
 from solders.keypair import Keypair
 
+from client.pipeline.admission import MicrobatchLedger, Ticket, TrainerAllowed, any_signed_trainer
 from client.pipeline.backend import Receipt, StageBackend, StageRequest
 from client.pipeline.discovery import (
     STATE_UP,
@@ -69,6 +71,7 @@ class StageWorker:
         port: int = 0,
         dht: hivemind.DHT | None = None,
         run_id: str = "psyswarm",
+        trainer_allowed: TrainerAllowed = any_signed_trainer,
         announce_period: float = 10.0,
         max_batch_size: int = 32,
         auto_step_samples: int | None = None,
@@ -77,7 +80,10 @@ class StageWorker:
         request_timeout: float = 120.0,
         rpc_threads: int = 8,
     ) -> None:
-        """``compute_delay`` adds seconds to every task, standing in for slower hardware in experiments."""
+        """``trainer_allowed`` says whether a signed request's trainer (its public key) is served: a coordinated
+        run passes the current epoch's trainers; the default serves any trainer that signs its requests, as
+        a standalone run must. ``compute_delay`` adds seconds to every task, standing in for slower hardware
+        in experiments."""
         stage_index(config, stage)  # fail early on an unknown stage name
         self.config = config
         self.stage = stage
@@ -88,6 +94,7 @@ class StageWorker:
         self.port = port
         self.dht = dht
         self.run_id = run_id
+        self.trainer_allowed = trainer_allowed
         self.announce_period = announce_period
         self.auto_step_samples = auto_step_samples
         self.compute_delay = compute_delay
@@ -95,8 +102,9 @@ class StageWorker:
         self.request_timeout = request_timeout
         self.rpc_threads = rpc_threads
         self.backend = StageBackend(
-            config, stage, optimizer or OptimizerConfig(), uid=self.uid, max_batch_size=max_batch_size
+            config, stage, optimizer or OptimizerConfig(), uid=self.uid, run_id=run_id, max_batch_size=max_batch_size
         )
+        self.ledger = MicrobatchLedger()
         self.throughput = 0.0  # tokens per second of compute, EMA
         self._sync_phase = 0
         self._receipts: list[Receipt] = []
@@ -194,9 +202,11 @@ class StageWorker:
                 self._cv.notify_all()
 
     def step(self) -> StepStats:
-        """Apply the accumulated gradients with AdamW and zero them."""
+        """Apply the accumulated gradients with AdamW and zero them; forward tickets end with the parameters
+        their forwards used."""
         stats = self.backend.step()
-        if stats.samples:
+        self.ledger.drop_tickets()
+        if stats.samples and stats.applied:
             log.info(
                 "%s step %d: %d samples, grad norm %.3f",
                 self.uid,
@@ -276,7 +286,37 @@ class StageWorker:
                 f"worker {self.uid} is in sync phase 1 and serves no batches",
                 grpc.StatusCode.FAILED_PRECONDITION,
             )
-        task = _Task(backward, request, Future())
+        if not self.trainer_allowed(request.header.pubkey):
+            raise RequestRejected(
+                f"trainer {request.trainer} is not one this worker serves (not a trainer of the run's current epoch)",
+                grpc.StatusCode.PERMISSION_DENIED,
+            )
+        if backward:
+            self.ledger.claim(request.trainer, request.microbatch_id, self._ticket(request))
+        try:
+            return self._run_task(_Task(backward, request, Future()))
+        except BaseException:
+            if backward:
+                self.ledger.release(request.trainer, request.microbatch_id)
+            raise
+
+    def _ticket(self, request: StageRequest) -> Ticket | None:
+        """The ticket a head or body Forward leaves and its Backward must match; None for the tail.
+
+        A head or body Backward brings a ``grad_output`` that only makes sense for the output this worker
+        gave that trainer for that input, so it must follow that Forward. The tail's Backward brings no
+        gradient: it recomputes its forward from the input and targets, and its gradient is the loss's own,
+        computed here; a Forward first would only cost a round trip (the trainer never sends one), and the
+        ledger still refuses a replay of it.
+        """
+        if self.backend.module.is_tail:
+            return None
+        header = request.header
+        return Ticket(request.input_digest(), header.sample_start, header.sample_end)
+
+    def _run_task(self, task: _Task) -> bytes:
+        """Queue the task and wait for its result; raises what it raised, or a rejection if it could not run.
+        A task that timed out but is already running is left to finish (its effect stands)."""
         with self._cv:
             if self._stopping:
                 raise RequestRejected("worker is shutting down", grpc.StatusCode.UNAVAILABLE)
@@ -285,12 +325,13 @@ class StageWorker:
                     f"worker {self.uid} is overloaded ({self.max_queue} tasks queued)",
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                 )
-            self._queues[backward].append(task)
+            self._queues[task.backward].append(task)
             self._cv.notify()
         try:
             return task.future.result(timeout=self.request_timeout)
         except FutureTimeout:
-            task.future.cancel()
+            if not task.future.cancel():
+                return task.future.result()
             raise RequestRejected("timed out in the worker's queue", grpc.StatusCode.DEADLINE_EXCEEDED) from None
 
     # ----- runtime (one thread) -----
@@ -312,6 +353,10 @@ class StageWorker:
                 time.sleep(self.compute_delay)
             try:
                 result = self._execute(task)
+            except RequestRejected as exc:
+                log.warning("%s refused for trainer %s: %s", self.uid, task.request.trainer[:16], exc)
+                task.future.set_exception(exc)
+                continue
             except Exception as exc:
                 log.exception("%s of %s failed", "backward" if task.backward else "forward", self.uid)
                 task.future.set_exception(exc)
@@ -324,7 +369,10 @@ class StageWorker:
 
     def _execute(self, task: _Task) -> bytes:
         if not task.backward:
-            return self.backend.forward(task.request)
+            response = self.backend.forward(task.request)
+            if (ticket := self._ticket(task.request)) is not None:
+                self.ledger.issue(task.request.trainer, task.request.microbatch_id, ticket)
+            return response
         response, receipt = self.backend.backward(task.request)
         with self._cv:
             self._receipts.append(receipt)

@@ -89,7 +89,7 @@ def main() -> None:
     workers = spawn_workers(config, peers, run_id, args.worker_threads, args.batch_size)
     directory = WorkerDirectory(dht, run_id, config.fingerprint())
     trainers = {
-        dtype: PipelineTrainer(config, dataset, directory, wire_dtype=dtype, max_inflight=args.inflight)
+        dtype: PipelineTrainer(config, dataset, directory, run_id=run_id, wire_dtype=dtype, max_inflight=args.inflight)
         for dtype in ("float32", "float16")
     }
     local = LocalTrainer(config, dataset)

@@ -109,7 +109,7 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
                                                       settings=SETTINGS)
                      for replicas in workers.values() for w in replicas}
     directory = WorkerDirectory(bootstrap, run_id, config.fingerprint())
-    trainer = PipelineTrainer(config, dataset, directory, max_inflight=args.inflight, refresh_period=1.0)
+    trainer = PipelineTrainer(config, dataset, directory, run_id=run_id, max_inflight=args.inflight, refresh_period=1.0)
     samples = {w.uid: 0 for replicas in workers.values() for w in replicas}
     try:
         for replicas in workers.values():
@@ -125,7 +125,7 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
                 run.crossed += sum(micro.workers[s] != uid for s, uid in micro.forward_workers.items())
             for replicas in workers.values():
                 for worker in replicas:
-                    samples[worker.uid] += sum(r.samples for r in worker.drain_receipts())
+                    samples[worker.uid] += sum(r.sample_end - r.sample_start for r in worker.drain_receipts())
                     worker.step()
             index = averaging_index(round_ + 1, every) if every else None
             if index is not None:

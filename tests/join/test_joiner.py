@@ -64,8 +64,8 @@ def test_a_stale_joiner_syncs_through_both_phases(new_dht, run_id: str) -> None:
     assert sync.begin(swarm_step=step, local_step=3) == SyncPhase.WEIGHTS
     joiner.sync_phase = int(sync.phase)
     directory = WorkerDirectory(shared, run_id, TINY.fingerprint())
-    trainer = PipelineTrainer(TINY, open_dataset(["stdlib"], TINY.seq_len), directory, refresh_period=0.1,
-                              max_inflight=2)
+    trainer = PipelineTrainer(TINY, open_dataset(["stdlib"], TINY.seq_len), directory, run_id=run_id,
+                              refresh_period=0.1, max_inflight=2)
     try:
         for worker in workers.values():
             worker.start()

@@ -41,7 +41,7 @@ def make_replica(new_dht) -> Iterator[Callable[..., StageReplica]]:
 
     def make(state: CoordinatorState, stage: str = "body1") -> StageReplica:
         replica = StageReplica.create(state, stage, dht=new_dht(), keypair=Keypair(), host="127.0.0.1",
-                                      say=lines.append)
+                                      trainer_allowed=lambda pubkey: False, say=lines.append)
         made.append(replica)
         return replica
 

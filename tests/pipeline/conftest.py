@@ -1,15 +1,21 @@
-"""Shared fixtures: a tiny model, the stdlib dataset, one real loopback DHT, workers that clean up."""
+"""Shared fixtures: a tiny model, the stdlib dataset, one real loopback DHT, workers that clean up, and
+signed requests as a trainer sends them."""
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
+from solders.keypair import Keypair
 
+from client.pipeline.admission import RequestHeader, encode_request, now_ms
 from client.pipeline.data import ByteDataset, open_dataset
 from client.pipeline.discovery import WorkerDirectory
 from client.pipeline.model import ModelConfig
+from client.pipeline.tensor_codec import decode_message, encode_message, tensor_digest
 from client.pipeline.worker import StageWorker
 
 TINY = ModelConfig(n_layers=3, d_model=32, n_heads=2, seq_len=16, num_stages=3, seed=7)
@@ -55,3 +61,40 @@ def wait_until(predicate: Callable[[], object], timeout: float = 20.0, what: str
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def signed_request(
+    keypair: Keypair,
+    stage: str,
+    method: str,
+    tensors: dict[str, torch.Tensor],
+    *,
+    run_id: str = "psyswarm",
+    microbatch: str | None = None,
+    start: int = 0,
+    end: int | None = None,
+    dtype: str = "float32",
+    issued_at: int | None = None,
+    **meta_overrides: object,
+) -> bytes:
+    """A Forward or Backward request signed by ``keypair`` as ``PipelineTrainer`` signs one, covering samples
+    ``[start, end)`` (``end`` defaults to ``start + batch``); ``meta_overrides`` then replace metadata fields
+    without re-signing."""
+    batch = int(tensors["input"].shape[0]) if "input" in tensors and tensors["input"].dim() else 1
+    header = RequestHeader(
+        run_id=run_id,
+        stage=stage,
+        kind=method.lower(),
+        trainer=bytes(keypair.pubkey()).hex(),
+        microbatch_id=microbatch or uuid.uuid4().hex[:12],
+        sample_start=start,
+        sample_end=start + batch if end is None else end,
+        dtype=dtype,
+        issued_at=now_ms() if issued_at is None else issued_at,
+        digests={name: tensor_digest(tensor) for name, tensor in tensors.items()},
+    )
+    payload = encode_request(keypair, header, tensors)
+    if not meta_overrides:
+        return payload
+    meta, decoded = decode_message(payload, max_elements=1 << 30)
+    return encode_message({**meta, **meta_overrides}, decoded)  # type: ignore[dict-item]

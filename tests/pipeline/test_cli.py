@@ -10,9 +10,11 @@ import sys
 
 import pytest
 import typer
+from solders.keypair import Keypair
 from typer.testing import CliRunner
 
 from client.commands import pipeline
+from client.identity import save_keypair
 
 
 @pytest.fixture
@@ -36,6 +38,7 @@ def test_commands_are_registered_with_help(app: typer.Typer) -> None:
         (["worker", "--stage", "body9"], "stage must be one of head, body1, tail"),
         (["worker", "--stage", "head", "--layers", "2"], "n_layers must be at least num_stages"),
         (["trainer", "--data", "/nonexistent/corpus"], "does not exist"),
+        (["trainer", "--keypair", "/nonexistent/id.json"], "create one with `psyswarm keygen"),
     ],
 )
 def test_bad_options_fail_with_a_clear_message(app: typer.Typer, args: list[str], message: str) -> None:
@@ -56,9 +59,10 @@ def _cli(*args: str) -> subprocess.Popen[str]:
 
 
 @pytest.mark.slow
-def test_standalone_run_from_the_command_line() -> None:
+def test_standalone_run_from_the_command_line(tmp_path) -> None:
     """``psyswarm dht``, three workers and a trainer as separate processes, as a user would run them."""
     model = ["--layers", "3", "--width", "32", "--heads", "2", "--seq-len", "16"]
+    keypair = save_keypair(Keypair(), tmp_path / "trainer.json")
     processes = [_cli("dht")]
     try:
         peer = None
@@ -97,6 +101,8 @@ def test_standalone_run_from_the_command_line() -> None:
                 "8",
                 "--microbatch-size",
                 "4",
+                "--keypair",
+                str(keypair),
                 *model,
             ],
             capture_output=True,

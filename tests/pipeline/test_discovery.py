@@ -7,7 +7,16 @@ from dataclasses import asdict, replace
 from hivemind.utils import get_dht_time
 from solders.keypair import Keypair
 
-from client.pipeline.discovery import STATE_UP, WorkerDirectory, WorkerRecord, stage_key
+from client.pipeline.discovery import (
+    HAND_PICKED_INDICES,
+    STATE_UP,
+    WorkerDirectory,
+    WorkerRecord,
+    default_index,
+    stage_key,
+    worker_uid,
+)
+from client.sealed import owner_of, store_sealed
 
 from .conftest import TINY, wait_until
 
@@ -38,45 +47,50 @@ def test_clean_stop_leaves_at_once_and_a_dead_worker_expires(start_worker, direc
     wait_until(lambda: not directory.workers("head"), timeout=10, what="the record to expire")
 
 
-def _store(dht, run_id: str, record: WorkerRecord, expiration: float | None = None) -> None:
-    assert dht.store(
-        stage_key(run_id, record.stage),
-        asdict(record),
-        expiration_time=expiration or record.expires,
-        subkey=record.uid,
-    )
+def _announce(dht, run_id: str, record: WorkerRecord, keypair: Keypair, expiration: float | None = None) -> None:
+    """Store ``record`` as its owner does: sealed under the owner's subkey."""
+    assert store_sealed(dht, keypair, stage_key(run_id, record.stage), asdict(record), expiration or record.expires)
+
+
+def _record(run: str, stage: str, index: int, keypair: Keypair, **changes: object) -> WorkerRecord:
+    fields = dict(run_id=run, stage=stage, uid=f"{stage}.0.{index}", address="127.0.0.1:1", sync_phase=0, load=0,
+                  throughput=0.0, model=TINY.fingerprint(), pubkey="", expires=get_dht_time() + 30, state=STATE_UP)
+    return replace(WorkerRecord(**fields), **changes).signed_by(keypair)  # type: ignore[arg-type]
 
 
 def test_forged_tampered_and_foreign_records_are_ignored(dht, run_id: str, directory: WorkerDirectory) -> None:
     now = get_dht_time()
-    keypair = Keypair()
-    good = WorkerRecord(
-        run_id=run_id,
-        stage="tail",
-        uid="tail.0.1",
-        address="127.0.0.1:1",
-        sync_phase=0,
-        load=0,
-        throughput=0.0,
-        model=TINY.fingerprint(),
-        pubkey="",
-        expires=now + 30,
-        state=STATE_UP,
-    ).signed_by(keypair)
-    _store(dht, run_id, good)
+    owner = Keypair()
+    good = _record(run_id, "tail", 1, owner)
+    _announce(dht, run_id, good, owner)
     assert directory.workers("tail") == [good]
 
-    tampered = replace(good, uid="tail.0.2", address="127.0.0.1:666")  # signature no longer matches
-    other_model = replace(good, uid="tail.0.3", model="0" * 16).signed_by(keypair)
-    stretched = replace(good, uid="tail.0.4").signed_by(keypair)
-    _store(dht, run_id, tampered)
-    _store(dht, run_id, other_model)
-    _store(dht, run_id, stretched, expiration=now + 300)  # outlives its signed expiration
-    assert dht.store(stage_key(run_id, "tail"), {"junk": 1}, expiration_time=now + 30, subkey="tail.0.5")
-    assert dht.store(stage_key(run_id, "tail"), "not a dict", expiration_time=now + 30, subkey="tail.0.6")
+    # Each stand-in owner seals its own record under its own subkey, so only the record's content is at fault.
+    keys = [Keypair() for _ in range(7)]
+    tampered = replace(_record(run_id, "tail", 2, keys[0]), address="127.0.0.1:666")  # signature no longer matches
+    _announce(dht, run_id, tampered, keys[0])
+    _announce(dht, run_id, _record(run_id, "tail", 3, keys[1], model="0" * 16), keys[1])
+    _announce(dht, run_id, _record(run_id, "tail", 4, keys[2]), keys[2], expiration=now + 300)  # outlives its signature
+    _announce(dht, run_id, _record(run_id, "tail", 5, keys[3], run_id="another-run"), keys[3])
+    _announce(dht, run_id, _record(run_id, "tail", 6, keys[4], sync_phase=7), keys[4])
+    _announce(dht, run_id, _record(run_id, "tail", 7, keys[5]), keys[0])  # sealed under another identity's subkey
+    # Its owner may announce it for a day, but a dead worker would then stay routable for a day.
+    _announce(dht, run_id, _record(run_id, "tail", 10, keys[6], expires=now + 24 * 3600), keys[6])
+    assert not dht.store(stage_key(run_id, "tail"), {"junk": 1}, expiration_time=now + 30, subkey="tail.0.8")
+    assert not dht.store(stage_key(run_id, "tail"), "not a dict", expiration_time=now + 30, subkey=owner_of(keys[5]))
     assert {r.uid for r in directory.records("tail")} == {"tail.0.1"}
     # A record stored under another stage's key does not count for that stage.
-    _store(dht, run_id, replace(good, stage="head", uid="head.0.1").signed_by(keypair))
+    other = Keypair()
+    _announce(dht, run_id, _record(run_id, "head", 1, other), other)
     assert WorkerDirectory(dht, run_id, TINY.fingerprint()).records("head")[0].uid == "head.0.1"
-    _store(dht, run_id, replace(good, uid="body1.0.9").signed_by(keypair))
+    stray = Keypair()
+    _announce(dht, run_id, _record(run_id, "tail", 9, stray, uid="body1.0.9"), stray)
     assert {r.uid for r in directory.records("tail")} == {"tail.0.1"}
+
+
+def test_a_worker_announces_the_uid_its_key_derives(start_worker, directory: WorkerDirectory) -> None:
+    worker = start_worker("body1")
+    assert worker.uid == worker_uid("body1", default_index(worker.pubkey))
+    assert default_index(worker.pubkey) >= HAND_PICKED_INDICES
+    [found] = wait_until(lambda: directory.workers("body1"), what="the announcement")
+    assert (found.uid, found.pubkey) == (worker.uid, worker.pubkey.hex())

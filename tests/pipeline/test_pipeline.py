@@ -22,12 +22,15 @@ STAGES = ("head", "body1", "tail")
 
 
 @pytest.fixture
-def make_trainer(dataset: ByteDataset, directory: WorkerDirectory):
+def make_trainer(dataset: ByteDataset, directory: WorkerDirectory, run_id: str):
+    """Trainers of this test's run, each with a fresh keypair (the workers serve any signed trainer)."""
     trainers: list[PipelineTrainer] = []
 
     def make(**options: object) -> PipelineTrainer:
         options.setdefault("stall_timeout", 30.0)
-        trainer = PipelineTrainer(TINY, dataset, directory, refresh_period=0.5, **options)  # type: ignore[arg-type]
+        trainer = PipelineTrainer(
+            TINY, dataset, directory, run_id=run_id, refresh_period=0.5, **options  # type: ignore[arg-type]
+        )
         trainers.append(trainer)
         return trainer
 
@@ -156,6 +159,31 @@ def test_backward_fails_over_when_its_forward_worker_is_lost(fault, start_worker
     assert ("banned" if fault == "killed" else "moves off " + victim.uid) in caplog.text
 
 
+def test_backward_runs_the_forward_again_after_its_worker_stepped(start_worker, directory, make_trainer, caplog):
+    """A worker's forward tickets end with its optimizer step: a microbatch whose body1 worker steps between
+    its forward and its backward gets its Forward run again there, and completes."""
+    start_worker("head")
+    tail = start_worker("tail")
+    body = start_worker("body1")
+    wait_for_stages(directory, dict.fromkeys(STAGES, 1))
+    stepped: list[str] = []
+    tail_backward = tail.backend.backward
+
+    def backward(request):
+        if not stepped:  # between body1's forward and its backward of this microbatch
+            stepped.append(request.microbatch_id)
+            body.step()
+        return tail_backward(request)
+
+    tail.backend.backward = backward
+    with caplog.at_level(logging.INFO, logger="client.pipeline.trainer"):
+        result = make_trainer().train(range(4), microbatch_size=2)
+    assert len(result.losses) == 2 and stepped
+    [hit] = [m for m in result.microbatches if m.microbatch_id in stepped]
+    assert hit.workers["body1"] == body.uid and "running its Forward again" in caplog.text
+    assert [r.microbatch_id for r in body.drain_receipts()] == [m.microbatch_id for m in result.microbatches]
+
+
 def _cli_worker(stage: str, peer: str, run_id: str) -> subprocess.Popen[bytes]:
     """``psyswarm worker`` in its own session, so that killing the group takes its DHT daemons with it,
     as when a machine dies."""
@@ -206,6 +234,12 @@ def test_killed_worker_fails_over_to_its_stage_peer(dht, run_id, start_worker, d
         if victim.poll() is None:
             os.killpg(victim.pid, signal.SIGKILL)
         victim.wait(10)
+
+
+def test_microbatches_must_be_consecutive_sample_ranges(make_trainer) -> None:
+    """Receipts name a microbatch by its sample range, so a trainer refuses indices that do not form one."""
+    with pytest.raises(ValueError, match=r"microbatch \[0, 2, 4\] is not a consecutive range"):
+        make_trainer().train([0, 2, 4], 3)
 
 
 def test_trainer_stalls_with_a_clear_log_when_a_stage_is_empty(start_worker, directory, make_trainer, caplog):

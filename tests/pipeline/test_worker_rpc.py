@@ -8,13 +8,14 @@ import time
 import grpc
 import pytest
 import torch
+from solders.keypair import Keypair
 
 from client.identity import verify
 from client.pipeline.rpc import StageClient
 from client.pipeline.tensor_codec import decode_message, encode_message
 from client.pipeline.worker import StageWorker
 
-from .conftest import TINY
+from .conftest import TINY, signed_request
 
 B, T, D = 2, TINY.seq_len, TINY.d_model
 MAX_BATCH = 4
@@ -32,8 +33,11 @@ def workers():
         worker.stop(grace=0)
 
 
-def meta(stage: str, **overrides: object) -> dict:
-    return {"stage": stage, "trainer": "t", "microbatch": "m", "dtype": "float32", **overrides}
+TRAINER = Keypair()
+
+
+def request(stage: str, method: str, tensors: dict[str, torch.Tensor], **options: object) -> bytes:
+    return signed_request(TRAINER, stage, method, tensors, **options)  # type: ignore[arg-type]
 
 
 def tokens(batch: int = B, length: int = T) -> torch.Tensor:
@@ -50,65 +54,53 @@ def valid(stage: str, method: str) -> bytes:
         tensors["targets"] = tokens()
     elif method == "Backward":
         tensors["grad_output"] = hidden()
-    return encode_message(meta(stage), tensors)
+    return request(stage, method, tensors)
 
 
 BAD = [
     ("head", "Forward", b"garbage", "bad magic"),
     ("head", "Forward", b"", "truncated"),
     ("head", "Forward", valid("head", "Forward")[:-3], "truncated"),
-    (
-        "head",
-        "Forward",
-        encode_message(meta("body1"), {"input": tokens()}),
-        "stage 'body1' sent to a worker of stage 'head'",
-    ),
-    ("head", "Forward", encode_message(meta("head", trainer=""), {"input": tokens()}), "'trainer'"),
-    ("head", "Forward", encode_message(meta("head", microbatch=7), {"input": tokens()}), "'microbatch'"),
-    ("head", "Forward", encode_message(meta("head", dtype="float64"), {"input": tokens()}), "'dtype'"),
-    ("head", "Forward", encode_message(meta("head"), {}), "needs tensors"),
-    ("head", "Forward", encode_message(meta("head"), {"input": tokens(), "x": tokens()}), "needs tensors"),
-    ("head", "Forward", encode_message(meta("head"), {"input": hidden()}), "uint8 or int64"),
-    ("head", "Forward", encode_message(meta("head"), {"input": torch.full((B, T), 300)}), "outside 0..255"),
-    ("head", "Forward", encode_message(meta("head"), {"input": torch.full((B, T), -1)}), "outside 0..255"),
-    ("head", "Forward", encode_message(meta("head"), {"input": tokens(length=T + 1)}), "sequence length"),
-    ("head", "Forward", encode_message(meta("head"), {"input": tokens(batch=MAX_BATCH + 1)}), "batch size"),
-    ("head", "Forward", encode_message(meta("head"), {"input": tokens()[0]}), "2 dimensions"),
-    ("body1", "Forward", encode_message(meta("body1"), {"input": hidden(width=D + 1)}), "d_model"),
-    (
-        "body1",
-        "Forward",
-        encode_message(meta("body1"), {"input": hidden().double().float()[..., :0]}),
-        "d_model",
-    ),
-    ("body1", "Forward", encode_message(meta("body1"), {"input": hidden() * float("nan")}), "NaN"),
-    ("body1", "Forward", encode_message(meta("body1"), {"input": tokens()}), "float32, float16 or bfloat16"),
+    ("head", "Forward", request("body1", "Forward", {"input": tokens()}), "stage 'body1' sent to a worker of stage"),
+    ("head", "Forward", request("head", "Forward", {"input": tokens()}, trainer=""), "'trainer'"),
+    ("head", "Forward", request("head", "Forward", {"input": tokens()}, trainer="t"), "64 lowercase hex"),
+    ("head", "Forward", request("head", "Forward", {"input": tokens()}, microbatch=7), "'microbatch'"),
+    ("head", "Forward", request("head", "Forward", {"input": tokens()}, dtype="float64"), "'dtype'"),
+    ("head", "Forward", request("head", "Forward", {"input": tokens()}, sample_start=-1), "'sample_start'"),
+    ("head", "Forward", request("head", "Forward", {"input": tokens()}, end=B + 1), "do not match the batch of 2"),
+    ("head", "Forward", request("head", "Forward", {}), "needs tensors"),
+    ("head", "Forward", request("head", "Forward", {"input": tokens(), "x": tokens()}), "needs tensors"),
+    ("head", "Forward", request("head", "Forward", {"input": hidden()}), "uint8 or int64"),
+    ("head", "Forward", request("head", "Forward", {"input": torch.full((B, T), 300)}), "outside 0..255"),
+    ("head", "Forward", request("head", "Forward", {"input": torch.full((B, T), -1)}), "outside 0..255"),
+    ("head", "Forward", request("head", "Forward", {"input": tokens(length=T + 1)}), "sequence length"),
+    ("head", "Forward", request("head", "Forward", {"input": tokens(batch=MAX_BATCH + 1)}), "batch size"),
+    ("head", "Forward", request("head", "Forward", {"input": tokens()[0]}), "2 dimensions"),
+    ("body1", "Forward", request("body1", "Forward", {"input": hidden(width=D + 1)}), "d_model"),
+    ("body1", "Forward", request("body1", "Forward", {"input": hidden()[..., :0]}), "d_model"),
+    ("body1", "Forward", request("body1", "Forward", {"input": hidden() * float("nan")}), "NaN"),
+    ("body1", "Forward", request("body1", "Forward", {"input": tokens()}), "float32, float16 or bfloat16"),
     # A full-size tensor beyond the worker's batch limit is refused before being decoded.
-    ("body1", "Forward", encode_message(meta("body1"), {"input": hidden(batch=64)}), "exceeds"),
-    ("body1", "Backward", encode_message(meta("body1"), {"input": hidden()}), "grad_output"),
+    ("body1", "Forward", request("body1", "Forward", {"input": hidden(batch=64)}), "exceeds"),
+    ("body1", "Backward", request("body1", "Backward", {"input": hidden()}), "grad_output"),
     (
         "body1",
         "Backward",
-        encode_message(meta("body1"), {"input": hidden(), "grad_output": hidden(batch=1)}),
+        request("body1", "Backward", {"input": hidden(), "grad_output": hidden(batch=1)}),
         "must match the output shape",
     ),
-    (
-        "head",
-        "Backward",
-        encode_message(meta("head"), {"input": tokens(), "grad_output": hidden() / 0}),
-        "NaN",
-    ),
-    ("tail", "Forward", encode_message(meta("tail"), {"input": hidden()}), "targets"),
+    ("head", "Backward", request("head", "Backward", {"input": tokens(), "grad_output": hidden() / 0}), "NaN"),
+    ("tail", "Forward", request("tail", "Forward", {"input": hidden()}), "targets"),
     (
         "tail",
         "Backward",
-        encode_message(meta("tail"), {"input": hidden(), "targets": tokens(length=3)}),
+        request("tail", "Backward", {"input": hidden(), "targets": tokens(length=3)}),
         "targets shape",
     ),
     (
         "tail",
         "Backward",
-        encode_message(meta("tail"), {"input": hidden(), "targets": tokens(), "grad_output": hidden()}),
+        request("tail", "Backward", {"input": hidden(), "targets": tokens(), "grad_output": hidden()}),
         "needs tensors",
     ),
     ("tail", "Info", b"junk", "malformed Info"),
@@ -141,13 +133,14 @@ def test_every_method_answers_a_valid_request(workers) -> None:
     )
     assert tail_out["grad_input"].shape == (B, T, D) and 4 < tail_meta["loss"] < 7
     [receipt] = started["tail"].drain_receipts()
-    assert (receipt.trainer_id, receipt.microbatch_id, receipt.samples) == ("t", "m", B)
+    assert (receipt.trainer_id, receipt.sample_start, receipt.sample_end) == (bytes(TRAINER.pubkey()).hex(), 0, B)
     assert receipt.grad_input_digest == tail_meta["receipt.grad_input_digest"]
     assert started["tail"].drain_receipts() == []
     # The canonical bytes are what the client signs for witnesses, with the worker's identity.
     signature = bytes(started["tail"].keypair.sign_message(receipt.to_bytes()))
     assert verify(started["tail"].pubkey, receipt.to_bytes(), signature)
-    assert not verify(started["tail"].pubkey, receipt.to_bytes().replace(b'"samples":2', b'"samples":3'), signature)
+    altered = receipt.to_bytes().replace(b'"sample_end":2', b'"sample_end":3')
+    assert altered != receipt.to_bytes() and not verify(started["tail"].pubkey, altered, signature)
 
     before = [p.clone() for p in started["tail"].parameters()]
     stats = started["tail"].step()
@@ -171,8 +164,14 @@ def test_phase_one_worker_refuses_batches(workers) -> None:
 
 def test_half_precision_activations(workers) -> None:
     _, clients = workers
-    request = encode_message(meta("body1", dtype="float16"), {"input": hidden().half(), "grad_output": hidden().half()})
-    _, out = decode_message(clients["body1"].call("Backward", request, timeout=10), max_elements=10**6)
+    inputs = hidden().half()
+    forward = request("body1", "Forward", {"input": inputs}, microbatch="half", dtype="float16")
+    _, out = decode_message(clients["body1"].call("Forward", forward, timeout=10), max_elements=10**6)
+    assert out["output"].dtype == torch.float16
+    backward = request(
+        "body1", "Backward", {"input": inputs, "grad_output": hidden().half()}, microbatch="half", dtype="float16"
+    )
+    _, out = decode_message(clients["body1"].call("Backward", backward, timeout=10), max_elements=10**6)
     assert out["grad_input"].dtype == torch.float16
 
 

@@ -1,0 +1,340 @@
+"""What a stage worker admits, and on whose word: signed requests, forward tickets and gradient bounds.
+
+Forward and Backward requests come from the network, and a Backward changes the stage's parameters. So a
+worker serves a request only if
+
+1. a trainer signed it with its ed25519 keypair (the Solana keypair it runs with) over everything that gives
+   the request its meaning: the run, the stage, the kind (forward or backward), the microbatch, the samples it
+   covers, the wire dtype, when it was issued and the digest of every tensor it carries. Nothing in it can be
+   altered, moved to another run, stage or method, or kept and replayed later (``RequestHeader``);
+2. the signer is a trainer the worker serves (``trainer_allowed``: in a coordinated run, a Trainer of the
+   current epoch; standalone, any signer: ``any_signed_trainer``);
+3. a Backward follows a Forward this worker ran for the same trainer, microbatch, samples and input (a ticket,
+   consumed by the Backward), and its microbatch has not been differentiated already (``MicrobatchLedger``);
+4. its parameter gradients are finite and in line with the stage's recent ones (``GradientBound``), checked
+   before they are added to the stage's accumulated gradient.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+from solders.keypair import Keypair
+
+from client.identity import verify
+from client.pipeline.optim import gradient_norm
+from client.pipeline.rpc import InvalidRequest, RequestRejected
+from client.pipeline.tensor_codec import MetaValue, encode_message, tensor_digest
+
+DOMAIN = "psyswarm/stage-request/v1"
+MAX_REQUEST_AGE = 600.0
+"""Seconds a signed request stays valid, either way of the worker's clock (so clocks must agree within it)."""
+
+TrainerAllowed = Callable[[bytes], bool]
+
+
+def any_signed_trainer(pubkey: bytes) -> bool:
+    """The policy of a worker run without a coordinator: every trainer that signs its requests is served."""
+    return True
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _hex(value: object, size: int) -> bool:
+    return isinstance(value, str) and len(value) == 2 * size and all(c in "0123456789abcdef" for c in value)
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+@dataclass(frozen=True)
+class RequestHeader:
+    """What a trainer signs for one Forward or Backward. ``digests`` maps each tensor's name to the sha256
+    of its wire form (``tensor_codec.tensor_digest``), which the worker recomputes from what it received."""
+
+    run_id: str
+    stage: str
+    kind: str
+    trainer: str  # the signer's public key, 64 lowercase hex characters
+    microbatch_id: str
+    sample_start: int
+    sample_end: int
+    dtype: str
+    issued_at: int  # unix time in milliseconds
+    digests: dict[str, str]
+
+    def message(self) -> bytes:
+        """The canonical bytes signed: JSON with sorted keys, under a domain tag no other signed record uses."""
+        fields = {"domain": DOMAIN, **dataclasses.asdict(self)}
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def pubkey(self) -> bytes:
+        return bytes.fromhex(self.trainer)
+
+
+# Wire metadata field of each signed header field; ``kind`` is the method called and ``digests`` are the tensors.
+_WIRE = {
+    "run_id": "run",
+    "stage": "stage",
+    "trainer": "trainer",
+    "microbatch_id": "microbatch",
+    "sample_start": "sample_start",
+    "sample_end": "sample_end",
+    "dtype": "dtype",
+    "issued_at": "issued_at",
+}
+
+
+def encode_request(keypair: Keypair, header: RequestHeader, tensors: dict[str, torch.Tensor]) -> bytes:
+    """A signed request message: the header's fields and the signature as metadata, then the tensors."""
+    if header.trainer != bytes(keypair.pubkey()).hex():
+        raise ValueError("the header names another trainer than the keypair that signs it")
+    meta: dict[str, MetaValue] = {wire: getattr(header, name) for name, wire in _WIRE.items()}
+    meta["signature"] = bytes(keypair.sign_message(header.message())).hex()
+    return encode_message(meta, tensors)
+
+
+def read_header(
+    meta: dict[str, MetaValue], tensors: dict[str, torch.Tensor], kind: str, max_id_chars: int
+) -> RequestHeader:
+    """The header a request claims, each field checked for form, with the digests of the tensors it carries;
+    raises ``InvalidRequest`` naming the field."""
+    for name in ("run", "stage", "microbatch", "dtype"):
+        value = meta.get(name)
+        if not isinstance(value, str) or not 0 < len(value) <= max_id_chars or not value.isprintable():
+            raise InvalidRequest(f"field {name!r} must be a string of 1..{max_id_chars} printable characters")
+    if not _hex(meta.get("trainer"), 32):
+        raise InvalidRequest("field 'trainer' must be the trainer's public key as 64 lowercase hex characters")
+    for name in ("sample_start", "sample_end", "issued_at"):
+        if not _integer(meta.get(name)):
+            raise InvalidRequest(f"field {name!r} must be a non-negative integer")
+    fields = {name: meta[wire] for name, wire in _WIRE.items()}
+    digests = {name: tensor_digest(tensor) for name, tensor in tensors.items()}
+    return RequestHeader(kind=kind, digests=digests, **fields)  # type: ignore[arg-type]
+
+
+def authenticate(header: RequestHeader, signature: MetaValue, *, run_id: str) -> None:
+    """Refuse a request for another run, too old or too far ahead of this clock, or not signed by its trainer."""
+    if header.run_id != run_id:
+        raise InvalidRequest(f"request for run {header.run_id!r} sent to a worker of run {run_id!r}")
+    age = (now_ms() - header.issued_at) / 1000
+    if abs(age) > MAX_REQUEST_AGE:
+        raise RequestRejected(
+            f"request issued {age:.0f} s ago by this worker's clock; requests are valid for {MAX_REQUEST_AGE:.0f} s "
+            "either way (a replay, or clocks that disagree)",
+            grpc.StatusCode.UNAUTHENTICATED,
+        )
+    signed = _hex(signature, 64) and verify(header.pubkey, header.message(), bytes.fromhex(signature))  # type: ignore[arg-type]
+    if not signed:
+        raise RequestRejected(
+            f"request is not signed by trainer {header.trainer[:16]}… (missing or bad signature, or altered)",
+            grpc.StatusCode.UNAUTHENTICATED,
+        )
+
+
+# ----- forward tickets and differentiated microbatches -----
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A Forward this worker ran: the Backward of the same microbatch must carry the same samples and input."""
+
+    input_digest: str
+    sample_start: int
+    sample_end: int
+
+
+class MicrobatchLedger:
+    """Which Backwards a worker may still accept; thread-safe.
+
+    A head or body Backward carries a ``grad_output`` the worker cannot check against anything but its own
+    forward: so it needs the ticket its Forward left (same trainer, microbatch, samples and input digest), and
+    consumes it. Tickets are bounded per trainer (its oldest goes first) and in all (the oldest goes first),
+    and all are dropped at the optimizer step: a Backward differentiates the parameters its Forward used.
+
+    Every Backward, the tail's included, claims its (trainer, microbatch) once: a replayed Backward, or a
+    replayed Forward followed by its replayed Backward, is refused while the claim is remembered, which is
+    for ``2 * MAX_REQUEST_AGE`` (afterwards the signature itself has expired); at most ``max_claims`` are kept,
+    the oldest forgotten first.
+    """
+
+    def __init__(self, *, tickets_per_trainer: int = 64, max_tickets: int = 4096, max_claims: int = 1 << 16) -> None:
+        self.tickets_per_trainer = tickets_per_trainer
+        self.max_tickets = max_tickets
+        self.max_claims = max_claims
+        self._tickets: collections.OrderedDict[tuple[str, str], Ticket] = collections.OrderedDict()
+        self._held: collections.Counter[str] = collections.Counter()
+        self._claims: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def issue(self, trainer: str, microbatch_id: str, ticket: Ticket) -> None:
+        """Record a Forward this worker ran (a repeated Forward of the microbatch replaces its ticket)."""
+        key = (trainer, microbatch_id)
+        with self._lock:
+            if self._tickets.pop(key, None) is None:
+                if self._held[trainer] >= self.tickets_per_trainer:
+                    self._remove(next(k for k in self._tickets if k[0] == trainer))
+                elif len(self._tickets) >= self.max_tickets:
+                    self._remove(next(iter(self._tickets)))
+                self._held[trainer] += 1
+            self._tickets[key] = ticket
+
+    def claim(self, trainer: str, microbatch_id: str, ticket: Ticket | None) -> None:
+        """Admit a Backward, consuming the Forward's ticket when ``ticket`` (what the Backward carries) is given;
+        raises ``RequestRejected`` (FAILED_PRECONDITION) without changing anything otherwise."""
+        key = (trainer, microbatch_id)
+        now = time.monotonic()
+        with self._lock:
+            while self._claims and next(iter(self._claims.values())) < now:
+                self._claims.popitem(last=False)
+            if key in self._claims:
+                raise RequestRejected(
+                    f"microbatch {microbatch_id!r} of this trainer was already differentiated here (a replay)",
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                )
+            if ticket is not None:
+                issued = self._tickets.get(key)
+                if issued is None:
+                    raise RequestRejected(
+                        f"no Forward of microbatch {microbatch_id!r} by this trainer ran on this worker since its "
+                        "last step; run the Forward here first",
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                    )
+                if issued != ticket:
+                    raise RequestRejected(
+                        f"Backward of microbatch {microbatch_id!r} carries other samples or another input than "
+                        "its Forward did",
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                    )
+                self._remove(key)
+            self._claims[key] = now + 2 * MAX_REQUEST_AGE
+            if len(self._claims) > self.max_claims:
+                self._claims.popitem(last=False)
+
+    def release(self, trainer: str, microbatch_id: str) -> None:
+        """The claimed Backward was not applied (refused or never run): the trainer may try it again, after a
+        new Forward where it needs one."""
+        with self._lock:
+            self._claims.pop((trainer, microbatch_id), None)
+
+    def drop_tickets(self) -> None:
+        with self._lock:
+            self._tickets.clear()
+            self._held.clear()
+
+    def _remove(self, key: tuple[str, str]) -> None:
+        del self._tickets[key]
+        self._held[key[0]] -= 1
+        if not self._held[key[0]]:
+            del self._held[key[0]]
+
+
+# ----- gradient bound -----
+
+
+class GradientRefused(InvalidRequest):
+    """A Backward whose gradient the stage will not accumulate; nothing was added."""
+
+
+def _lower_median(values: Sequence[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+@dataclass
+class _Voter:
+    norms: collections.deque[float]
+    accepted: bool = False
+    last_step: int = 0
+
+
+class GradientBound:
+    """Which Backward contributions a stage accumulates: finite ones whose per-sample gradient norm is at
+    most ``factor`` × the stage's recent typical one.
+
+    The per-sample norm of a contribution is the L2 norm of its parameter gradient (a sum over its samples)
+    divided by its sample count; its influence on the accumulated sum is then at most ``factor`` honest samples'
+    worth per sample it claims, and samples are what the step averages over.
+
+    The reference is the lower median, over the trainers seen in the last ``stale_steps`` steps that have had
+    a contribution accepted, of each one's median per-sample norm over its last ``window`` contributions: one
+    vote per trainer, so a trainer, however many requests it sends, moves the reference only with the
+    majority of the trainers. A refused contribution enters its trainer's window at the bound it exceeded, so
+    that when the stage's honest gradients really grow the bound follows, ``factor``-fold every ``window / 2 + 1``
+    refused contributions per trainer, instead of refusing forever. Honest per-sample norms stay within 4× the
+    median at the 99th percentile and reach 85× at the 99.9th (tiny and default models), hence ``factor`` 100;
+    loss spikes go further (200× on the default benchmark, 10⁴× measured once): their first contributions are
+    refused, and the trainer's retries, each refused contribution moving its vote, get through.
+
+    Before any contribution has been accepted there is no reference, and the bound is ``fresh_multiple`` ×
+    the stage's clip threshold (``optim.max_grad_norm``): honest per-sample norms of freshly initialised
+    models measure 4–60× it (d_model 32–256), while a hostile first request of the 1e18 kind is refused and a
+    fresh worker cannot be poisoned by it. A trainer that is alone is compared only with itself.
+    """
+
+    def __init__(
+        self,
+        clip: float,
+        *,
+        factor: float = 100.0,
+        fresh_multiple: float = 1000.0,
+        window: int = 8,
+        stale_steps: int = 2,
+        max_trainers: int = 256,
+    ) -> None:
+        self.factor = factor
+        self.fresh_bound = fresh_multiple * clip
+        self.window = window
+        self.stale_steps = stale_steps
+        self.max_trainers = max_trainers
+        self.steps = 0
+        self._voters: collections.OrderedDict[str, _Voter] = collections.OrderedDict()
+
+    def reference(self) -> float | None:
+        """The typical per-sample norm of the stage's recent contributions; None before any was accepted."""
+        votes = [_lower_median(v.norms) for v in self._voters.values() if v.accepted]
+        return _lower_median(votes) if votes else None
+
+    def admit(self, trainer: str, grads: Sequence[torch.Tensor], samples: int) -> float:
+        """Check one contribution; returns its per-sample norm, or raises ``GradientRefused`` saying why."""
+        per_sample = gradient_norm(grads) / samples
+        if not math.isfinite(per_sample):
+            raise GradientRefused("Backward refused: the parameter gradient holds NaN or infinite values")
+        reference = self.reference()
+        bound = self.fresh_bound if reference is None else self.factor * reference
+        accepted = per_sample <= bound
+        self._record(trainer, min(per_sample, bound), accepted)
+        if not accepted:
+            why = "no contribution accepted yet" if reference is None else f"{self.factor:g} × recent {reference:.3g}"
+            raise GradientRefused(
+                f"Backward refused: per-sample gradient norm {per_sample:.3g} exceeds this stage's bound "
+                f"{bound:.3g} ({why}); nothing was accumulated"
+            )
+        return per_sample
+
+    def end_step(self) -> None:
+        """The optimizer stepped: forget trainers that contributed nothing for ``stale_steps`` steps."""
+        self.steps += 1
+        for trainer in [t for t, v in self._voters.items() if self.steps - v.last_step > self.stale_steps]:
+            del self._voters[trainer]
+
+    def _record(self, trainer: str, norm: float, accepted: bool) -> None:
+        voter = self._voters.pop(trainer, None) or _Voter(collections.deque(maxlen=self.window))
+        voter.norms.append(norm)
+        voter.accepted |= accepted
+        voter.last_step = self.steps
+        self._voters[trainer] = voter  # most recently seen last
+        if len(self._voters) > self.max_trainers:
+            self._voters.popitem(last=False)
