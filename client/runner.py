@@ -51,6 +51,8 @@ log = logging.getLogger("psyswarm.client")
 
 POLL_INTERVAL = 0.5
 QUEUE_LOG_PERIOD = 30.0
+SUPERVISOR_BACKOFF = (0.5, 5.0)
+"""Seconds a failed background loop waits before it restarts: the first wait, and the longest."""
 
 
 @dataclasses.dataclass
@@ -106,11 +108,7 @@ class Contributor:
 
         self.dht = await asyncio.to_thread(start_dht, self.options.initial_peers, self.options.host)
         self.board = Board(self.dht, self.backend.state.run_id)
-        background = asyncio.create_task(self._background())
-        if not self.backend.ticks_itself:
-            self._spawn(tick_when_due(lambda: self.backend))
-        if self.options.auth is not None:
-            self._spawn(self._renew_slot(self.options.auth))
+        self.start_background()
         try:
             while True:
                 try:
@@ -127,9 +125,6 @@ class Contributor:
                     log.warning("lost the coordinator (%s); reconnecting", exc)
                     self.backend = await self._reconnect(reconnect, max_outage)
         finally:
-            background.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await background
             await self.shutdown()
 
     async def _reconnect(self, reconnect: Callable[[], Awaitable[Backend]], max_outage: float) -> Backend:
@@ -149,8 +144,7 @@ class Contributor:
             return backend
 
     async def shutdown(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        self.stop_background()
         if self.replica is not None:
             await asyncio.to_thread(self.replica.stop)
         if self.trainer is not None:
@@ -166,15 +160,57 @@ class Contributor:
         """This client's stage worker, if it holds a stage."""
         return self.replica.worker if self.replica is not None else None
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
+    def _spawn(self, coro, name: str | None = None) -> None:
+        task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("background work failed: %r", task.exception(), exc_info=task.exception())
+            log.error("background work %s failed (%s): %r", task.get_name(), self._where(), task.exception(),
+                      exc_info=task.exception())
+
+    def start_background(self) -> None:
+        """Start the loops that run for the client's whole life, each supervised on its own: a failure in one
+        (witnessing a peer's records, say) never stops another (publishing this client's own reports)."""
+        self._supervise("publishing receipts", lambda: self._poll(self._publish_open_round))
+        self._supervise("witnessing", lambda: self._poll(self._witness_current))
+        if not self.backend.ticks_itself:
+            self._supervise("ticking", lambda: tick_when_due(lambda: self.backend))
+        if self.options.auth is not None:
+            auth = self.options.auth
+            self._supervise("renewing the slot", lambda: self._renew_slot(auth))
+
+    def stop_background(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    def _supervise(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
+        self._spawn(self._supervised(name, loop), name)
+
+    async def _supervised(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run ``loop`` until it returns; if it raises, log why, with where the run stood, and restart it after
+        a backoff that grows while it keeps failing quickly."""
+        first, longest = SUPERVISOR_BACKOFF
+        delay = first / 2
+        while True:
+            started = time.monotonic()
+            try:
+                await loop()
+                return
+            except Exception:  # noqa: BLE001 - the loop must outlive any one failure; the log says what it was
+                delay = first if time.monotonic() - started > longest else min(delay * 2, longest)
+                log.exception("%s failed (%s); restarting it in %.1f s", name, self._where(), delay)
+            await asyncio.sleep(delay)
+
+    def _where(self) -> str:
+        """Where the run stands, for logs."""
+        try:
+            state = self.backend.state
+        except BackendError:
+            return "no coordinator state"
+        return f"{state.phase.name}, epoch {state.epoch}, round {state.round.height}"
 
     # --- reacting to the state ------------------------------------------------------------------------
 
@@ -291,7 +327,8 @@ class Contributor:
         else:
             await asyncio.to_thread(self._prepare_trainer, state)
         assert self.board is not None
-        await asyncio.to_thread(self.board.publish, Ready.create(self.keypair, epoch=state.epoch))
+        ready = Ready.create(self.keypair, run_id=state.run_id, epoch=state.epoch)
+        await asyncio.to_thread(self.board.publish, ready, self.keypair)
         log.info("epoch %d: model loaded, ready", state.epoch)
 
     def _prepare_worker(self, state: CoordinatorState, stage: int) -> None:
@@ -304,7 +341,7 @@ class Contributor:
             previous, self.replica = self.replica, None
             previous.stop()
         replica = StageReplica.create(state, name, dht=self.dht, keypair=self.keypair, host=self.options.host,
-                                      say=lambda line: print(line, flush=True))
+                                      trainer_allowed=self._is_epoch_trainer, say=lambda line: print(line, flush=True))
         auth = self.options.auth
         sources = StateSources(snapshot=auth.snapshot if auth is not None else None, hf_token=self.options.hf_token,
                                hf_endpoint=self.options.hf_endpoint)
@@ -325,6 +362,13 @@ class Contributor:
         state = self.backend.state
         return state.step if state.phase in (Phase.RoundTrain, Phase.RoundWitness) else None
 
+    def _is_epoch_trainer(self, pubkey: bytes) -> bool:
+        """Whether a trainer is one of the current epoch's (as the coordinator's state last said): the only
+        trainers this client's worker serves, whose receipts the witnesses count (called from gRPC threads)."""
+        state = self.backend.state
+        index = state.client_index(pubkey)
+        return index is not None and state.clients[index].role == Role.Trainer
+
     def _prepare_trainer(self, state: CoordinatorState) -> None:
         from client.pipeline.data import open_dataset
         from client.pipeline.discovery import WorkerDirectory
@@ -338,7 +382,7 @@ class Contributor:
         config = model_config(state)
         dataset = open_dataset([state.model.dataset], config.seq_len)
         directory = ClientDirectory(WorkerDirectory(self.dht, state.run_id, config.fingerprint()), self)
-        self.trainer = PipelineTrainer(config, dataset, directory, trainer_id=self.me.hex()[:16],
+        self.trainer = PipelineTrainer(config, dataset, directory, keypair=self.keypair, run_id=state.run_id,
                                        wire_dtype=self.options.wire_dtype,
                                        stall_timeout=float(state.config.max_round_train_time))
 
@@ -360,13 +404,12 @@ class Contributor:
                 return
         losses = result.losses
         loss = sum(losses) / len(losses)
-        receipts = tuple((stage, r.worker_uid, receipt_hash(r.to_bytes()))
-                         for m in result.microbatches for stage, r in sorted(m.receipts.items()))
-        commitment = Commitment.create(self.keypair, epoch=state.epoch, round=state.round.height, start=share.start,
-                                       end=share.end, loss=loss, tokens=share.size * state.model.seq_len,
-                                       receipts=receipts)
+        receipts = tuple(dataclasses.asdict(r) for m in result.microbatches for _, r in sorted(m.receipts.items()))
+        commitment = Commitment.create(self.keypair, run_id=state.run_id, epoch=state.epoch, round=state.round.height,
+                                       start=share.start, end=share.end, loss=loss,
+                                       tokens=share.size * state.model.seq_len, receipts=receipts)
         assert self.board is not None
-        await asyncio.to_thread(self.board.publish, commitment, state.round.height)
+        await asyncio.to_thread(self.board.publish, commitment, self.keypair)
         seconds = time.perf_counter() - started
         log.info("round %d.%d: trained samples %d-%d, loss %.4f, %.0f tokens/s", state.epoch, state.round.height,
                  share.start, share.end, loss, share.size * state.model.seq_len / max(seconds, 1e-9))
@@ -377,21 +420,27 @@ class Contributor:
         self.round_receipts.extend(receipt_hash(r.to_bytes()) for r in self.worker.drain_receipts())
         if self.reported == (epoch, height, len(self.round_receipts)):
             return  # nothing new: the DHT already has this report (an empty one proves presence)
-        report = Report.create(self.keypair, epoch=epoch, round=height, stage=self.stage, uid=self.worker.uid,
-                               receipts=tuple(self.round_receipts))
-        await asyncio.to_thread(self.board.publish, report, height)
-        self.reported = (epoch, height, len(self.round_receipts))
+        report = Report.create(self.keypair, run_id=self.board.run_id, epoch=epoch, round=height, stage=self.stage,
+                               uid=self.worker.uid, receipts=tuple(self.round_receipts))
+        if await asyncio.to_thread(self.board.publish, report, self.keypair):
+            self.reported = (epoch, height, len(self.round_receipts))
 
-    async def _background(self) -> None:
-        """Publish receipts as they come and do the elected witness's work, every POLL_INTERVAL."""
+    async def _poll(self, step: Callable[[], Awaitable[None]]) -> None:
+        """Run ``step`` every POLL_INTERVAL; the coordinator or the network being briefly away is routine."""
         while True:
             await asyncio.sleep(POLL_INTERVAL)
             try:
-                if self.open_round is not None:
-                    await self._publish_receipts(*self.open_round[:2])
-                await self._witness(self.backend.state)
+                await step()
             except (BackendError, CoordinatorError, OSError) as exc:
                 log.debug("background: %s", exc)
+
+    async def _publish_open_round(self) -> None:
+        """Publish the receipts of the round under way as they come."""
+        if self.open_round is not None:
+            await self._publish_receipts(*self.open_round[:2])
+
+    async def _witness_current(self) -> None:
+        await self._witness(self.backend.state)
 
     async def _witness(self, state: CoordinatorState) -> None:
         if state.phase not in (Phase.Warmup, Phase.RoundTrain, Phase.RoundWitness):
@@ -411,18 +460,21 @@ class Contributor:
         if not evidence.complete and state.phase != Phase.RoundWitness:
             return
         participants, batches = evidence.filters(state)
-        self.proved.add(key)
-        try:
+        try:  # a proof that did not get through (a network error, say) is sent again at the next poll
             if warmup:
                 await self.backend.warmup_witness(participants, batches)
             else:
                 await self.backend.witness(state.round.height, participants, batches)
         except CoordinatorError as exc:
+            self.proved.add(key)
             log.info("witness proof not taken: %s", exc.detail)
             return
+        self.proved.add(key)
         log.info("%s proof sent for %d.%d: %d participants, %d batches%s", "warmup" if warmup else "round",
                  state.epoch, state.round.height, len(evidence.participants), len(evidence.batches),
                  "" if evidence.complete else f", {len(evidence.missing)} missing")
+        for client, why in evidence.why_missing.items():
+            log.info("  %s not counted: %s", client.hex()[:8], why)
 
     # --- cooldown -------------------------------------------------------------------------------------
 

@@ -1,11 +1,19 @@
 """Worker discovery over hivemind's DHT: signed, expiring, stage-keyed announcements.
 
-Each worker stores a record under the DHT key ``<run_id>.<stage>``, subkey its uid (``body1.0.N``), with
-its gRPC address, sync phase, load and model fingerprint, signed with its ed25519 identity. It re-announces
-every ``period`` seconds with an expiration of two periods, so a worker that dies vanishes on its own; one
-that stops cleanly overwrites its record with a "left" one. A DHT is writable by anyone, so readers keep
-only records whose signature verifies, whose subkey is the signed uid and whose DHT expiration does not
-outlive the signed one (an old record re-stored by someone else cannot be stretched).
+Each worker stores a record under the DHT key ``<run_id>.<stage>`` with its uid (``body1.0.N``), gRPC
+address, sync phase, load and model fingerprint, signed with its ed25519 identity. It re-announces every
+``period`` seconds with an expiration of two periods, so a worker that dies vanishes on its own; one that
+stops cleanly overwrites its record with a "left" one.
+
+A DHT is writable by anyone, so:
+- the record lives under its owner's subkey, sealed (``client.sealed``: every node psyswarm starts refuses
+  anything else there), so nobody can overwrite, hide or stretch another worker's announcement;
+- a uid is bound to a key: its index N is derived from the worker's public key (64 bits of a hash, too many
+  to grind a key that derives another's), and a directory refuses a record whose uid another key derives.
+  Indices below ``HAND_PICKED_INDICES`` are chosen by hand (tests and benchmarks pass ``index=``); they bind
+  to no key, so when two keys announce the same one, neither is listed;
+- readers keep only records whose every field is well formed, whose signature verifies, that name this run
+  and stage, and whose DHT expiration neither outlives the signed one nor any record's lifetime.
 """
 
 from __future__ import annotations
@@ -13,7 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import re
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
@@ -35,6 +46,8 @@ SYNC_PHASES = (
     2,
 )  # 0: active; 1: catching up, serves no batches; 2: serves batches, averages with weight 0
 _EXPIRY_SLACK = 1e-3
+HAND_PICKED_INDICES = 1 << 16
+"""uid indices below this are chosen by hand; every index derived from a key is above it."""
 
 
 def worker_uid(stage: str, index: int) -> str:
@@ -43,8 +56,33 @@ def worker_uid(stage: str, index: int) -> str:
 
 
 def default_index(pubkey: bytes) -> int:
-    """A uid index derived from the identity, so that honest workers never collide on a subkey."""
-    return int.from_bytes(hashlib.sha256(pubkey).digest()[:4], "little")
+    """The uid index bound to an identity: nobody else can announce it, and honest workers never collide."""
+    return HAND_PICKED_INDICES + int.from_bytes(hashlib.sha256(pubkey).digest()[:8], "little")
+
+
+def uid_index(uid: str, stage: str) -> int | None:
+    """N of a ``<stage>.0.N`` uid (decimal, no leading zeros), or None if ``uid`` is not one."""
+    prefix = f"{stage}.0."
+    digits = uid[len(prefix):]
+    if not uid.startswith(prefix) or not re.fullmatch(r"0|[1-9][0-9]{0,24}", digits):
+        return None
+    return int(digits)
+
+
+def _text(limit: int) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, str) and 0 < len(v) <= limit and v.isprintable()
+
+
+def _hex(nbytes: int) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, str) and re.fullmatch(f"[0-9a-f]{{{2 * nbytes}}}", v) is not None
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
 def stage_key(run_id: str, stage: str) -> str:
@@ -85,14 +123,30 @@ class WorkerRecord:
 
     @classmethod
     def from_value(cls, value: object) -> WorkerRecord:
-        """Parse a DHT value, raising ``ValueError`` for anything that is not exactly a record."""
-        if not isinstance(value, dict) or set(value) != set(cls.__dataclass_fields__):
+        """Parse a DHT value, raising ``ValueError`` for anything that is not exactly a well-formed record."""
+        if not isinstance(value, dict) or set(value) != set(_FIELD_RULES):
             raise ValueError("not a worker record")
-        types = {"sync_phase": int, "load": int, "throughput": (int, float), "expires": (int, float)}
         for key, item in value.items():
-            if not isinstance(item, types.get(key, str)) or isinstance(item, bool):
-                raise ValueError(f"worker record field {key} has type {type(item).__name__}")
+            if not _FIELD_RULES[key](item):
+                raise ValueError(f"worker record field {key} is malformed ({type(item).__name__})")
         return cls(**value)
+
+
+_FIELD_RULES: dict[str, Callable[[object], bool]] = {
+    "run_id": _text(64),
+    "stage": _text(64),
+    "uid": _text(128),
+    "address": _text(255),
+    "sync_phase": lambda v: _count(v) and v in SYNC_PHASES,
+    "load": _count,
+    "throughput": _finite,
+    "model": _text(64),
+    "pubkey": _hex(32),
+    "expires": _finite,
+    "state": lambda v: v in (STATE_UP, STATE_LEFT),
+    "signature": _hex(64),
+}
+"""What each field of a worker record read from the DHT must be."""
 
 
 class Announcer:
@@ -107,8 +161,10 @@ class Announcer:
         period: float,
     ) -> None:
         """``make_record(expires)`` returns the worker's current, unsigned record."""
-        if period <= 0:
-            raise ValueError("announce period must be positive")
+        from client.sealed import MAX_LIFETIME
+
+        if not 0 < period <= MAX_LIFETIME / 2:
+            raise ValueError(f"announce period must be positive and at most {MAX_LIFETIME / 2:.0f} s")
         self.dht = dht
         self.keypair = keypair
         self.make_record = make_record
@@ -148,20 +204,20 @@ class Announcer:
     def _publish(self) -> None:
         from hivemind.utils import get_dht_time
 
-        record = self.make_record(get_dht_time() + 2 * self.period).signed_by(self.keypair)
+        try:
+            record = self.make_record(get_dht_time() + 2 * self.period).signed_by(self.keypair)
+        except Exception:  # the thread keeps announcing: a worker that stops announcing drops out of the run
+            log.exception("building this worker's announcement failed; trying again in %.0f s", self.period)
+            return
         if self._store(record):
             self._last = record
 
     def _store(self, record: WorkerRecord) -> bool:
+        from client.sealed import store_sealed
+
         try:
-            ok = bool(
-                self.dht.store(
-                    stage_key(record.run_id, record.stage),
-                    asdict(record),
-                    expiration_time=record.expires,
-                    subkey=record.uid,
-                )
-            )
+            key = stage_key(record.run_id, record.stage)
+            ok = store_sealed(self.dht, self.keypair, key, asdict(record), record.expires)
         except Exception as exc:  # the DHT being briefly unreachable must not kill the worker
             log.warning("announcing %s failed: %s", record.uid, exc)
             return False
@@ -199,23 +255,29 @@ class WorkerDirectory:
                 self._warn(f"{record.uid}/{record.pubkey}", f"ignoring worker {record.uid}: {problem}")
                 continue
             valid.append(record)
-        return sorted(valid, key=lambda r: r.uid)
+        claims = Counter(r.uid for r in valid)
+        for uid in (uid for uid, n in claims.items() if n > 1):
+            self._warn(f"{uid}/contested", f"ignoring worker {uid}: {claims[uid]} identities announce this uid")
+        return sorted((r for r in valid if claims[r.uid] == 1), key=lambda r: r.uid)
 
     def workers(self, stage: str) -> list[WorkerRecord]:
         """Workers a trainer may route to: up and not in sync phase 1."""
         return [r for r in self.records(stage) if r.state == STATE_UP and r.sync_phase != 1]
 
     def _problem(self, record: WorkerRecord, subkey: object, stage: str, expiration: float, now: float) -> str:
-        if record.run_id != self.run_id or record.stage != stage or subkey != record.uid:
+        from client.sealed import within_lifetime
+
+        if record.run_id != self.run_id or record.stage != stage or subkey != record.pubkey:
             return "record does not match its DHT key"
-        if not record.uid.startswith(f"{stage}.0."):
-            return f"uid is not prefixed with {stage}.0."
+        index = uid_index(record.uid, stage)
+        if index is None:
+            return f"uid is not {stage}.0.N"
+        if index >= HAND_PICKED_INDICES and index != default_index(bytes.fromhex(record.pubkey)):
+            return "its uid belongs to another identity"
         if not record.verifies():
             return "signature does not verify"
-        if expiration > record.expires + _EXPIRY_SLACK or record.expires < now:
-            return "expired or re-stored past its signed expiration"
-        if record.sync_phase not in SYNC_PHASES:
-            return f"unknown sync phase {record.sync_phase}"
+        if expiration > record.expires + _EXPIRY_SLACK or record.expires < now or not within_lifetime(record.expires):
+            return "expired, or stored to outlive its signed expiration or any announcement"
         if record.model != self.model_fingerprint:
             return f"it serves model {record.model}, this run uses {self.model_fingerprint}"
         return ""
@@ -227,15 +289,18 @@ class WorkerDirectory:
 
 
 def start_dht(initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0) -> hivemind.DHT:
-    """A hivemind DHT node listening on ``host:port`` (0: any free port), joined to ``initial_peers``."""
+    """A hivemind DHT node listening on ``host:port`` (0: any free port), joined to ``initial_peers``, that
+    stores and reads only records sealed by the owner their subkey names (``client.sealed``)."""
     import hivemind
 
     from client.helper_processes import forking_helpers
+    from client.sealed import SealValidator
 
     with forking_helpers():  # stopped by dht.shutdown(), not by Ctrl+C; killed with this process
         return hivemind.DHT(
             initial_peers=list(initial_peers) or None,
             host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+            record_validators=[SealValidator()],
             start=True,
         )
 

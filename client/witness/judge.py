@@ -1,21 +1,33 @@
 """What an elected witness concludes from a round's records, and the filters it sends.
 
-A trainer's commitment counts when it is signed by a trainer of the epoch, covers exactly the sample range
-the round's seed assigned it, and every receipt it lists was also reported, signed, by the worker that
-issued it (a worker of the epoch, in the stage the receipt names). Workers that published a signed report
-for the round were present. The participant filter holds every counted trainer and present worker; the
-batch filter holds the hash of every counted commitment. A round is complete (the witness may send its
-proof opportunistically) once every trainer with data has a counted commitment.
+Every record is admitted first (``SignedRecord.admit``: well-formed field by field, signed by the client it is
+filed under, of this run, epoch and round); one that is not counts against its author as missing work, and
+nothing a record holds can make the judgement fail.
+
+Workers that published an admitted report for the round, in the stage the coordinator gave them, were present.
+A trainer's commitment counts when it covers exactly the sample range the round's seed assigned it and each of
+its receipts
+- name the commitment's author as their trainer: a receipt's hash covers that name, so a receipt copied from
+  another trainer's commitment (they are public) counts for nobody but the trainer it was issued to, and no
+  receipt can count in two commitments;
+- cover the commitment's range exactly once in every stage of the run: no sample missing, none run twice (a
+  receipt listed twice covers its samples twice);
+- were each reported, by hash, by a present worker of the stage the receipt names, under the uid it names.
+Its tokens must be its samples times the run's sequence length. The participant filter holds every counted
+trainer and present worker; the batch filter holds the hash of every counted commitment. A round is complete
+(the witness may send its proof opportunistically) once every trainer with data has a counted commitment.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
-from client.stages import stage_name
-from client.witness.records import Commitment, Ready, Report
+from client.stages import stage_names
+from client.witness.records import ClaimedReceipt, Commitment, Ready, RecordError, Report, SignedRecord
 from coordinator_program import rules
 from coordinator_program.bloom import batch_key, build_filter, participant_key
+from coordinator_program.selection import Assignment
 from coordinator_program.state import CoordinatorState, Health, Role
 
 
@@ -26,61 +38,128 @@ class Evidence:
     losses: dict[bytes, float] = dataclasses.field(default_factory=dict)
     complete: bool = False
     missing: list[bytes] = dataclasses.field(default_factory=list)
+    why_missing: dict[bytes, str] = dataclasses.field(default_factory=dict)
 
     def filters(self, state: CoordinatorState) -> tuple[bytes, bytes]:
         participants = build_filter(state.config, sorted(participant_key(p) for p in self.participants))
         batches = build_filter(state.config, sorted(batch_key(b) for b in self.batches))
         return participants, batches
 
+    def miss(self, client: bytes, why: str) -> None:
+        self.missing.append(client)
+        self.why_missing[client] = why
 
-def judge_round(state: CoordinatorState, commitments: dict[str, Commitment], reports: dict[str, Report]) -> Evidence:
+
+Issued = dict[str, set[tuple[str, str]]]
+"""Receipt hash -> the (worker uid, stage name) pairs of the present workers that reported it."""
+
+
+def admitted(kind: type[SignedRecord], records: Mapping[str, object], author: str, state: CoordinatorState,
+             round_: int | None) -> SignedRecord:
+    """``author``'s record of ``kind`` for this run, epoch and round; ``RecordError`` saying why if there is none
+    that passes every check."""
+    record = records.get(author)
+    if record is None:
+        raise RecordError(f"no {kind.KIND}")
+    if not isinstance(record, kind):
+        raise RecordError(f"not a {kind.KIND}")
+    record.admit(author, state.run_id, state.epoch, round_)
+    return record
+
+
+def judge_round(state: CoordinatorState, commitments: Mapping[str, Commitment],
+                reports: Mapping[str, Report]) -> Evidence:
     """Check a round's records against the coordinator state (pure: the caller fetched the records)."""
-    clients = {c.id: c for c in state.clients}
     evidence = Evidence()
-    issued: dict[str, tuple[str, str]] = {}  # receipt hash -> (worker uid, stage name)
-    for author, report in reports.items():
-        worker = clients.get(bytes.fromhex(author))
-        if worker is None or worker.role != Role.Worker or worker.stage != report.stage:
-            continue
-        evidence.participants.add(worker.id)
-        for receipt in report.receipts:
-            issued[receipt] = (report.uid, stage_name(worker.stage, state.config.num_stages))
-    every_stage = {stage_name(s, state.config.num_stages) for s in range(state.config.num_stages)}
+    issued = present_workers(state, reports, evidence)
     for share in rules.data_assignment(state):
-        commitment = commitments.get(share.client.hex())
         if share.size == 0:
             continue
-        if commitment is None or (commitment.start, commitment.end) != (share.start, share.end):
-            evidence.missing.append(share.client)
-            continue
-        confirmed = all(issued.get(h) == (uid, stage) for stage, uid, h in commitment.receipts)
-        if not confirmed or {stage for stage, _, _ in commitment.receipts} != every_stage:
-            evidence.missing.append(share.client)
+        try:
+            commitment = admitted(Commitment, commitments, share.client.hex(), state, state.round.height)
+            credit(state, share, commitment, issued)  # type: ignore[arg-type]
+        except RecordError as exc:
+            evidence.miss(share.client, str(exc))
             continue
         evidence.participants.add(share.client)
         evidence.batches.add(commitment.digest())
-        evidence.losses[share.client] = commitment.loss
+        evidence.losses[share.client] = commitment.loss  # type: ignore[attr-defined]
     evidence.complete = not evidence.missing
     return evidence
 
 
-def judge_warmup(state: CoordinatorState, ready: dict[str, Ready]) -> Evidence:
+def present_workers(state: CoordinatorState, reports: Mapping[str, Report], evidence: Evidence) -> Issued:
+    """Mark every worker with an admitted report in its own stage present; return what they reported."""
+    names = stage_names(state.config.num_stages)
+    issued: Issued = {}
+    for worker in state.clients:
+        if worker.role != Role.Worker:
+            continue
+        try:
+            report = admitted(Report, reports, worker.id.hex(), state, state.round.height)
+        except RecordError:
+            continue
+        if report.stage != worker.stage:  # type: ignore[attr-defined]
+            continue
+        evidence.participants.add(worker.id)
+        for h in report.receipts:  # type: ignore[attr-defined]
+            issued.setdefault(h, set()).add((report.uid, names[worker.stage]))  # type: ignore[attr-defined]
+    return issued
+
+
+def credit(state: CoordinatorState, share: Assignment, commitment: Commitment, issued: Issued) -> None:
+    """Raise ``RecordError`` saying why ``commitment`` does not earn ``share``'s credit."""
+    if (commitment.start, commitment.end) != (share.start, share.end):
+        raise RecordError(f"commits samples {commitment.start}-{commitment.end}, assigned {share.start}-{share.end}")
+    if commitment.tokens != share.size * state.model.seq_len:
+        raise RecordError(f"claims {commitment.tokens} tokens for {share.size} samples")
+    claims = commitment.claims()
+    receipts_name_their_trainer(claims, commitment.author)
+    receipts_cover_the_range_once(claims, share, stage_names(state.config.num_stages))
+    receipts_were_reported(claims, issued)
+
+
+def receipts_name_their_trainer(claims: tuple[ClaimedReceipt, ...], author: str) -> None:
+    for claim in claims:
+        if claim.trainer_id != author:
+            raise RecordError(f"quotes a receipt issued to trainer {claim.trainer_id[:8]}")
+
+
+def receipts_were_reported(claims: tuple[ClaimedReceipt, ...], issued: Issued) -> None:
+    for claim in claims:
+        if (claim.worker_uid, claim.stage) not in issued.get(claim.hash(), ()):
+            raise RecordError(f"its {claim.stage} receipt for {claim.microbatch_id!r} was not reported by "
+                              f"{claim.worker_uid}")
+
+
+def receipts_cover_the_range_once(claims: tuple[ClaimedReceipt, ...], share: Assignment, stages: list[str]) -> None:
+    if any(claim.stage not in stages for claim in claims):
+        raise RecordError("quotes a receipt of a stage the run does not have")
+    for stage in stages:
+        covered = share.start
+        for start, end in sorted((c.sample_start, c.sample_end) for c in claims if c.stage == stage):
+            if start != covered:
+                raise RecordError(f"its {stage} receipts {'skip' if start > covered else 'repeat'} sample {covered}")
+            covered = end
+        if covered != share.end:
+            raise RecordError(f"its {stage} receipts end at sample {covered}, not {share.end}")
+
+
+def judge_warmup(state: CoordinatorState, ready: Mapping[str, Ready]) -> Evidence:
     """A warmup is complete when every client of the epoch has said, signed, that its model is loaded."""
     evidence = Evidence()
     for client in state.clients:
-        if client.id.hex() in ready:
-            evidence.participants.add(client.id)
-        else:
-            evidence.missing.append(client.id)
+        try:
+            admitted(Ready, ready, client.id.hex(), state, None)
+        except RecordError as exc:
+            evidence.miss(client.id, str(exc))
+            continue
+        evidence.participants.add(client.id)
     evidence.complete = not evidence.missing
     return evidence
 
 
 def unhealthy_clients(state: CoordinatorState) -> list[bytes]:
-    """Healthy-listed clients the previous round's witnesses did not see: the targets of health checks."""
-    if state.round.height == 0:
-        return []
-    previous = state.previous_round
-    required = min(state.config.witness_quorum, previous.witness_count)
-    return [c.id for c in state.clients if c.health == Health.Healthy
-            and rules.witnessed_by(state, previous, c.id) < required]
+    """Healthy-listed clients that a quorum of the previous round's proofs left out: the targets of health
+    checks, by the coordinator's own rule (``rules.missed_by_quorum``), so no check is sent that it refuses."""
+    return [c.id for c in state.clients if c.health == Health.Healthy and rules.missed_by_quorum(state, c.id)]

@@ -1,13 +1,16 @@
 """Signed round records that clients publish in the DHT, and the board that stores and reads them.
 
-- ``Commitment``: a trainer's result for its share of a round (its sample range, its mean loss, and the
-  hash of every stage receipt the workers gave it). Its hash is the key of a witness's batch filter.
+- ``Commitment``: a trainer's result for its share of a round: its sample range, its mean loss, and every
+  stage receipt the workers gave it, in full. Its hash is the key of a witness's batch filter.
 - ``Report``: a worker's list of receipt hashes for the backward passes it ran in a round; it is also the
   worker's proof of presence.
 - ``Ready``: a client's statement that it has loaded the model for an epoch (warmup witnesses read it).
 
-Every record is signed by its author's ed25519 key over its canonical JSON; a record whose signature does
-not verify, or that sits under another author's subkey, is ignored.
+Every record names its run and is signed by its author's ed25519 key over its canonical JSON. Anyone can
+publish anything, so a record is admitted (``SignedRecord.admit``) only once every field has the type, length
+and range it must have, the signature verifies, and it names the run, epoch and round it is read for: a
+malformed or foreign record is refused with the reason, and never reaches a computation that could fail on it.
+In the DHT each record lives under its author's subkey, sealed (``client.sealed``).
 """
 
 from __future__ import annotations
@@ -16,30 +19,108 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
+import re
 from typing import Any, ClassVar
 
 from solders.keypair import Keypair
 
 from client.identity import verify
+from coordinator_program.config import valid_run_id
 
 log = logging.getLogger("psyswarm.records")
 
 RECORD_TTL = 3600.0
 """How long a record lives in the DHT: long enough for a slow epoch, short enough not to pile up."""
+MAX_RECEIPTS = 4096
+"""The most receipts one record may list: a share of the global batch, one per microbatch and stage."""
+MAX_TEXT = 128
+"""The longest id (microbatch id, worker uid, stage name) a record may carry."""
+MAX_NUMBER = 2**63 - 1
+
+_HEX = re.compile(r"[0-9a-f]*")
+
+
+class RecordError(ValueError):
+    """A record that is malformed, forged, or filed for another run, epoch or round; the message says which."""
+
+
+def _require(condition: bool, problem: str) -> None:
+    if not condition:
+        raise RecordError(problem)
+
+
+def _is_number(value: object) -> bool:
+    """A non-negative integer a record may hold (not a bool, which Python counts as an int)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_NUMBER
+
+
+def _is_hex(value: object, nbytes: int) -> bool:
+    return isinstance(value, str) and len(value) == 2 * nbytes and _HEX.fullmatch(value) is not None
+
+
+def _is_text(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_TEXT and value.isprintable()
+
+
+def canonical(fields: dict[str, Any]) -> bytes:
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimedReceipt:
+    """A worker's receipt as a trainer quotes it in a commitment (the pipeline's ``Receipt``, field for field).
+
+    Its hash is the sha256 of the same canonical JSON the worker hashed, so a witness can match it against the
+    hashes workers reported without importing the pipeline.
+    """
+
+    trainer_id: str  # the trainer's public key (hex), as authenticated by the worker
+    microbatch_id: str
+    stage: str
+    worker_uid: str
+    sample_start: int  # the microbatch covers global sample indices [sample_start, sample_end)
+    sample_end: int
+    input_digest: str
+    grad_output_digest: str  # "" where the stage receives no gradient (the tail)
+    grad_input_digest: str  # "" where the stage returns none (the head)
+
+    @classmethod
+    def parse(cls, value: object) -> ClaimedReceipt:
+        names = {f.name for f in dataclasses.fields(cls)}
+        _require(isinstance(value, dict) and set(value) == names,
+                 f"a receipt must be an object with exactly the fields {', '.join(sorted(names))}")
+        receipt = cls(**value)  # type: ignore[arg-type]
+        _require(_is_hex(receipt.trainer_id, 32), "receipt.trainer_id must be a 64-hex public key")
+        for name in ("microbatch_id", "stage", "worker_uid"):
+            _require(_is_text(getattr(receipt, name)), f"receipt.{name} must be text of 1-{MAX_TEXT} characters")
+        _require(_is_number(receipt.sample_start) and _is_number(receipt.sample_end)
+                 and receipt.sample_start < receipt.sample_end, "receipt samples must be a non-empty range")
+        _require(_is_hex(receipt.input_digest, 32), "receipt.input_digest must be a sha256 hex digest")
+        for name in ("grad_output_digest", "grad_input_digest"):
+            digest = getattr(receipt, name)
+            _require(digest == "" or _is_hex(digest, 32), f"receipt.{name} must be a sha256 hex digest or empty")
+        return receipt
+
+    def hash(self) -> str:
+        return receipt_hash(canonical(dataclasses.asdict(self)))
 
 
 @dataclasses.dataclass(frozen=True)
 class SignedRecord:
-    """Fields plus ``author`` (hex public key) and ``signature`` (hex) over the other fields."""
+    """Fields plus ``author`` (hex public key), the run and epoch it belongs to, and ``signature`` (hex) over
+    the rest."""
 
     KIND: ClassVar[str]
     author: str
     signature: str
+    run_id: str
+    epoch: int
 
     def signed_bytes(self) -> bytes:
         fields = dataclasses.asdict(self)
         del fields["signature"]
-        return json.dumps({"kind": self.KIND, **fields}, sort_keys=True, separators=(",", ":")).encode()
+        return canonical({"kind": self.KIND, **fields})
 
     def digest(self) -> bytes:
         return hashlib.sha256(self.signed_bytes()).digest()
@@ -47,7 +128,7 @@ class SignedRecord:
     def verifies(self) -> bool:
         try:
             return verify(bytes.fromhex(self.author), self.signed_bytes(), bytes.fromhex(self.signature))
-        except ValueError:
+        except (ValueError, TypeError):
             return False
 
     @classmethod
@@ -60,53 +141,83 @@ class SignedRecord:
 
     @classmethod
     def from_value(cls, value: object):
-        """Parse a DHT value; ``ValueError`` for anything that is not exactly a record of this kind."""
+        """Parse a DHT value; ``RecordError`` for anything that is not a well-formed record of this kind."""
         names = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(value, dict) or set(value) != names:
-            raise ValueError(f"not a {cls.__name__}")
-        fields = {}
-        for f in dataclasses.fields(cls):
-            item = value[f.name]
-            if f.type in ("str", str) and not isinstance(item, str):
-                raise ValueError(f"{cls.__name__}.{f.name} must be a string")
-            if f.type in ("int", int) and (isinstance(item, bool) or not isinstance(item, int)):
-                raise ValueError(f"{cls.__name__}.{f.name} must be an integer")
-            if f.type in ("float", float) and (isinstance(item, bool) or not isinstance(item, (int, float))):
-                raise ValueError(f"{cls.__name__}.{f.name} must be a number")
-            fields[f.name] = _freeze(item) if isinstance(item, list) else item
-        return cls(**fields)
+        _require(isinstance(value, dict) and set(value) == names, f"not a {cls.__name__}")
+        record = cls(**{k: tuple(v) if isinstance(v, list | tuple) else v for k, v in value.items()})  # type: ignore
+        record.check()
+        return record
 
+    def check(self) -> None:
+        """Raise ``RecordError`` unless every field has the type, length and range it must have."""
+        _require(_is_hex(self.author, 32), f"{self.KIND}.author must be a 64-hex public key")
+        _require(_is_hex(self.signature, 64), f"{self.KIND}.signature must be 128 hex characters")
+        _require(isinstance(self.run_id, str) and valid_run_id(self.run_id), f"{self.KIND}.run_id is not a run id")
+        _require(_is_number(self.epoch), f"{self.KIND}.epoch must be a non-negative integer")
+        _require(self.round_height() is None or _is_number(self.round_height()),
+                 f"{self.KIND}.round must be a non-negative integer")
 
-def _freeze(items: list) -> tuple:
-    return tuple(tuple(i) if isinstance(i, list) else i for i in items)
+    def round_height(self) -> int | None:
+        """The round a round record belongs to (None for an epoch record such as Ready)."""
+        return getattr(self, "round", None)
+
+    def admit(self, author: str, run_id: str, epoch: int, round_: int | None = None) -> None:
+        """Raise ``RecordError`` unless this is a well-formed record by ``author``, signed, for this run, epoch
+        and (for round records) round: the one test every record passes before anything uses it."""
+        self.check()
+        _require(self.author == author, f"a {self.KIND} filed under another author")
+        _require(self.run_id == run_id, f"a {self.KIND} of run {self.run_id!r}, not {run_id!r}")
+        _require(self.epoch == epoch and self.round_height() == round_,
+                 f"a {self.KIND} of another epoch or round")
+        _require(self.verifies(), f"a {self.KIND} whose signature does not verify")
 
 
 @dataclasses.dataclass(frozen=True)
 class Commitment(SignedRecord):
     KIND = "commitment"
-    epoch: int = 0
     round: int = 0
     start: int = 0
     end: int = 0
     loss: float = 0.0
     tokens: int = 0
-    receipts: tuple = ()  # (stage name, worker uid, receipt hash hex) for every backward of the batch
+    receipts: tuple = ()  # every backward's receipt, as a JSON object with ClaimedReceipt's fields
+
+    def check(self) -> None:
+        super().check()
+        for name in ("start", "end", "tokens"):
+            _require(_is_number(getattr(self, name)), f"commitment.{name} must be a non-negative integer")
+        _require(self.start <= self.end, "commitment.start must not exceed commitment.end")
+        _require(isinstance(self.loss, int | float) and not isinstance(self.loss, bool) and math.isfinite(self.loss)
+                 and self.loss >= 0, "commitment.loss must be a finite, non-negative number")
+        self.claims()
+
+    def claims(self) -> tuple[ClaimedReceipt, ...]:
+        """The receipts, parsed and checked field by field (``RecordError`` on the first bad one)."""
+        _require(isinstance(self.receipts, tuple) and len(self.receipts) <= MAX_RECEIPTS,
+                 f"commitment.receipts must be a list of at most {MAX_RECEIPTS} receipts")
+        return tuple(ClaimedReceipt.parse(r) for r in self.receipts)
 
 
 @dataclasses.dataclass(frozen=True)
 class Report(SignedRecord):
     KIND = "report"
-    epoch: int = 0
     round: int = 0
     stage: int = 0
     uid: str = ""
     receipts: tuple = ()  # receipt hashes (hex)
 
+    def check(self) -> None:
+        super().check()
+        _require(_is_number(self.stage) and self.stage < 256, "report.stage must be a stage number")
+        _require(_is_text(self.uid), f"report.uid must be text of 1-{MAX_TEXT} characters")
+        _require(isinstance(self.receipts, tuple) and len(self.receipts) <= MAX_RECEIPTS
+                 and all(_is_hex(h, 32) for h in self.receipts),
+                 f"report.receipts must be a list of at most {MAX_RECEIPTS} sha256 hex digests")
+
 
 @dataclasses.dataclass(frozen=True)
 class Ready(SignedRecord):
     KIND = "ready"
-    epoch: int = 0
 
 
 def receipt_hash(receipt_bytes: bytes) -> str:
@@ -114,37 +225,42 @@ def receipt_hash(receipt_bytes: bytes) -> str:
 
 
 class Board:
-    """Stores and reads one run's round records in the DHT, one subkey per author."""
+    """Stores and reads one run's round records in the DHT, one sealed subkey per author."""
 
     def __init__(self, dht, run_id: str) -> None:
         self.dht, self.run_id = dht, run_id
 
-    def _key(self, kind: type[SignedRecord], epoch: int, round_: int | None) -> str:
+    def key(self, kind: type[SignedRecord], epoch: int, round_: int | None = None) -> str:
+        """The DHT key of a run's records of ``kind`` for an epoch (and round)."""
         where = f"e{epoch}" if round_ is None else f"e{epoch}.r{round_}"
         return f"{self.run_id}.{kind.KIND}.{where}"
 
-    def publish(self, record: SignedRecord, round_: int | None = None) -> bool:
+    def publish(self, record: SignedRecord, keypair: Keypair) -> bool:
+        """Store ``record``, signed by ``keypair``, for this run; whether the DHT accepted it. A record readers
+        would not admit is refused here (``RecordError``), before it leaves this client."""
         from hivemind.utils import get_dht_time
 
-        key = self._key(type(record), record.epoch, round_)  # type: ignore[attr-defined]
-        return bool(self.dht.store(key, record.to_value(), get_dht_time() + RECORD_TTL, subkey=record.author))
+        from client.sealed import store_sealed
+
+        record.admit(bytes(keypair.pubkey()).hex(), self.run_id, record.epoch, record.round_height())
+        key = self.key(type(record), record.epoch, record.round_height())
+        return store_sealed(self.dht, keypair, key, record.to_value(), get_dht_time() + RECORD_TTL)
 
     def fetch(self, kind: type[SignedRecord], epoch: int, round_: int | None = None) -> dict[str, SignedRecord]:
-        """Verified records by author (hex); forged, malformed or misfiled ones are skipped."""
-        found = self.dht.get(self._key(kind, epoch, round_), latest=True)
+        """Admitted records by author (hex); anything malformed, forged, misfiled or foreign is skipped."""
+        from client.sealed import within_lifetime
+
+        found = self.dht.get(self.key(kind, epoch, round_), latest=True)
         if found is None or not isinstance(found.value, dict):
             return {}
         out: dict[str, SignedRecord] = {}
         for subkey, item in found.value.items():
             try:
                 record = kind.from_value(item.value)
-            except (ValueError, TypeError) as exc:
-                log.debug("skipping a malformed %s: %s", kind.KIND, exc)
-                continue
-            if subkey != record.author or not record.verifies() or record.epoch != epoch:  # type: ignore[attr-defined]
-                log.debug("skipping a %s that does not verify", kind.KIND)
-                continue
-            if round_ is not None and record.round != round_:  # type: ignore[attr-defined]
+                record.admit(subkey, self.run_id, epoch, round_)
+                _require(within_lifetime(item.expiration_time), f"a {kind.KIND} stored to outlive any record")
+            except RecordError as exc:
+                log.debug("skipping a %s under %r: %s", kind.KIND, subkey, exc)
                 continue
             out[record.author] = record
         return out

@@ -1,0 +1,185 @@
+"""Attacks on what the DHT holds, on a real loopback hivemind DHT: an attacker's node (plain hivemind, no
+validator) stores junk, forged, replayed and hijacking values with long expirations; psyswarm's nodes refuse
+them, and readers still get every honest record (and the witness still counts its author)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, replace
+
+import hivemind
+import pytest
+from hivemind.utils import get_dht_time
+from solders.keypair import Keypair
+
+from client.pipeline.discovery import (
+    STATE_UP,
+    Announcer,
+    WorkerDirectory,
+    WorkerRecord,
+    default_index,
+    stage_key,
+    worker_uid,
+)
+from client.sealed import owner_of, store_sealed
+from client.witness.judge import judge_round
+from client.witness.records import Board, Commitment, Report
+from tests.pipeline.conftest import TINY, wait_until
+from tests.witness.rounds import commitment, honest_round, run_with_keys, shares, workers_by_stage
+
+A_DAY = 24 * 3600.0
+
+
+@pytest.fixture
+def attacker(dht: hivemind.DHT) -> Iterator[hivemind.DHT]:
+    """The attacker's node: it keeps whatever it stores and offers it to every reader that asks."""
+    node = hivemind.DHT(initial_peers=[str(a) for a in dht.get_visible_maddrs()], start=True)
+    yield node
+    node.shutdown()
+
+
+def published_round(dht: hivemind.DHT, run_id: str):
+    """An honest round, every record published by its author."""
+    state, keys = run_with_keys(run_id=run_id)
+    commitments, reports = honest_round(state, keys)
+    board = Board(dht, run_id)
+    for records in (commitments, reports):
+        for author, record in records.items():
+            assert board.publish(record, keys[bytes.fromhex(author)])
+    return state, keys, board, commitments, reports
+
+
+def judged(state, board: Board):
+    return judge_round(state, board.fetch(Commitment, 0, 0), board.fetch(Report, 0, 0))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("junk", [{"junk": 1}, {"value": {"junk": 1}, "seal": "00" * 64}, "junk"])
+def test_junk_under_a_trainers_subkey_does_not_hide_its_commitment(dht, new_dht, attacker, run_id, junk) -> None:
+    state, keys, board, commitments, _ = published_round(dht, run_id)
+    victim = shares(state)[0].client.hex()
+    key = board.key(Commitment, 0, 0)
+    attacker.store(key, junk, get_dht_time() + A_DAY, subkey=victim)
+    assert attacker.get(key, latest=True).value[victim].value == junk, "the attacker's own node keeps the junk"
+    for reader in (board, Board(new_dht(), run_id)):
+        assert reader.fetch(Commitment, 0, 0) == commitments
+    evidence = judged(state, board)
+    assert evidence.complete and bytes.fromhex(victim) in evidence.participants
+
+
+def test_junk_under_a_workers_subkey_does_not_hide_its_report(dht, attacker, run_id) -> None:
+    state, keys, board, _, reports = published_round(dht, run_id)
+    victim = workers_by_stage(state)[1].hex()
+    attacker.store(board.key(Report, 0, 0), {"junk": 1}, get_dht_time() + A_DAY, subkey=victim)
+    assert board.fetch(Report, 0, 0)[victim] == reports[victim]
+    evidence = judged(state, board)
+    assert evidence.complete and bytes.fromhex(victim) in evidence.participants
+
+
+def test_a_plain_value_cannot_replace_a_rounds_records(dht, attacker, run_id) -> None:
+    """hivemind replaces a whole dictionary by a plain value that expires later."""
+    state, _, board, commitments, _ = published_round(dht, run_id)
+    attacker.store(board.key(Commitment, 0, 0), "junk", get_dht_time() + A_DAY)
+    assert board.fetch(Commitment, 0, 0) == commitments
+
+
+def test_a_record_stored_to_outlive_any_run_is_not_read(dht, run_id) -> None:
+    state, keys, board, commitments, _ = published_round(dht, run_id)
+    trainer = shares(state)[0].client
+    assert store_sealed(dht, keys[trainer], board.key(Commitment, 0, 0), commitments[trainer.hex()].to_value(),
+                        get_dht_time() + A_DAY)  # its owner may seal it so, but nobody reads it
+    assert trainer.hex() not in board.fetch(Commitment, 0, 0)
+
+
+def test_a_forged_seal_or_a_record_filed_under_another_author_is_refused(dht, attacker, run_id) -> None:
+    state, keys, board, commitments, _ = published_round(dht, run_id)
+    victim = shares(state)[0].client.hex()
+    key = board.key(Commitment, 0, 0)
+    cheaper = replace(commitments[victim], loss=0.001).to_value()
+    attacker.store(key, {"value": cheaper, "seal": "00" * 64}, get_dht_time() + A_DAY, subkey=victim)
+    stranger = Keypair()  # seals, under its own subkey (which the DHT lets it do), the victim's signed record
+    assert store_sealed(dht, stranger, key, commitments[victim].to_value(), get_dht_time() + 60)
+    found = board.fetch(Commitment, 0, 0)
+    assert found == commitments and owner_of(stranger) not in found
+
+
+def test_a_record_replayed_into_another_run_is_refused(dht, attacker, run_id) -> None:
+    """A trainer's sealed record of run A, copied into run B (same epoch and round), where it would expire later
+    than the trainer's own record of run B."""
+    state, keys = run_with_keys(run_id=run_id)
+    trainer = shares(state)[0]
+    here, there = Board(dht, run_id), Board(dht, f"{run_id}-b")
+    own = honest_round(state, keys)[0][trainer.client.hex()]
+    assert there.publish(commitment(state, keys, trainer, list(own.receipts), run_id=there.run_id),
+                         keys[trainer.client])
+    time.sleep(0.05)
+    assert here.publish(own, keys[trainer.client])
+    sealed = attacker.get(here.key(Commitment, 0, 0), latest=True).value[trainer.client.hex()]
+    for value in (sealed.value, sealed.value["value"]):  # with its seal, and bare
+        attacker.store(there.key(Commitment, 0, 0), value, sealed.expiration_time, subkey=trainer.client.hex())
+    [found] = there.fetch(Commitment, 0, 0).values()
+    assert found.run_id == there.run_id  # type: ignore[attr-defined]
+    assert attacker.get(there.key(Commitment, 0, 0), latest=True).value[trainer.client.hex()].expiration_time == \
+        sealed.expiration_time, "the replay was live on the attacker's node"
+
+
+# --- worker announcements ---------------------------------------------------------------------------------------
+
+
+def announcer(dht: hivemind.DHT, run_id: str, keypair: Keypair, address: str, uid: str | None = None) -> Announcer:
+    """A worker's real announcer for stage head, under the uid its key derives unless told otherwise."""
+    uid = uid or worker_uid("head", default_index(bytes(keypair.pubkey())))
+
+    def record(expires: float) -> WorkerRecord:
+        return WorkerRecord(run_id=run_id, stage="head", uid=uid, address=address, sync_phase=0, load=0,
+                            throughput=0.0, model=TINY.fingerprint(), pubkey="", expires=expires, state=STATE_UP)
+
+    return Announcer(dht, keypair, record, period=2.0)
+
+
+def test_a_strangers_announcement_under_a_victims_uid_is_refused(dht, attacker, run_id) -> None:
+    directory = WorkerDirectory(dht, run_id, TINY.fingerprint())
+    victim = announcer(dht, run_id, Keypair(), "127.0.0.1:1111")
+    victim.start()
+    try:
+        [found] = wait_until(lambda: directory.workers("head"), what="the victim's announcement")
+        stranger = Keypair()
+        hijack = replace(found, address="127.0.0.1:6666", expires=get_dht_time() + 60).signed_by(stranger)
+        # Under the victim's uid as the subkey (the old layout) for a day, and sealed under the stranger's own subkey.
+        attacker.store(stage_key(run_id, "head"), asdict(hijack), get_dht_time() + A_DAY, subkey=found.uid)
+        assert store_sealed(dht, stranger, stage_key(run_id, "head"), asdict(hijack), hijack.expires)
+        assert [(r.uid, r.address) for r in directory.workers("head")] == [(found.uid, "127.0.0.1:1111")]
+        victim.announce_now()
+        time.sleep(0.5)
+        assert [(r.uid, r.address) for r in directory.workers("head")] == [(found.uid, "127.0.0.1:1111")]
+    finally:
+        victim.stop()
+    assert directory.workers("head") == [], "gone when the victim leaves: the stranger's claim never counts"
+
+
+def test_junk_under_a_workers_subkey_does_not_hide_its_announcement(dht, attacker, run_id) -> None:
+    directory = WorkerDirectory(dht, run_id, TINY.fingerprint())
+    keypair = Keypair()
+    victim = announcer(dht, run_id, keypair, "127.0.0.1:1111")
+    victim.start()
+    try:
+        wait_until(lambda: directory.workers("head"), what="the victim's announcement")
+        attacker.store(stage_key(run_id, "head"), {"junk": 1}, get_dht_time() + A_DAY, subkey=owner_of(keypair))
+        assert [r.address for r in directory.workers("head")] == ["127.0.0.1:1111"]
+    finally:
+        victim.stop()
+
+
+def test_a_hand_picked_uid_two_identities_announce_is_listed_for_neither(dht, run_id, caplog) -> None:
+    directory = WorkerDirectory(dht, run_id, TINY.fingerprint())
+    first = announcer(dht, run_id, Keypair(), "127.0.0.1:1111", uid="head.0.1")
+    second = announcer(dht, run_id, Keypair(), "127.0.0.1:2222", uid="head.0.1")
+    first.start()
+    try:
+        wait_until(lambda: directory.workers("head"), what="the first announcement")
+        second.start()
+        wait_until(lambda: not directory.workers("head"), what="the contested uid to be dropped")
+        assert len(directory.records("head")) == 0 and "2 identities announce" in caplog.text
+    finally:
+        first.stop()
+        second.stop()
