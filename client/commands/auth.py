@@ -14,6 +14,11 @@ def auth_service(
     run_id: Annotated[str, typer.Option(help="The run this service admits contributors to.")],
     stages: Annotated[int, typer.Option(help="Pipeline stages of the run (joiners get the least occupied).")],
     capacity: Annotated[int, typer.Option(help="Contributor slots (one per process); a full swarm rejects joins.")],
+    max_slots_per_token: Annotated[int, typer.Option(
+        min=1, help="Slots one contributor may hold: every process under a token (or another token of the same "
+                    "Hub user) counts toward it, so no one fills the swarm.")] = 4,
+    db: Annotated[Path, typer.Option(help="SQLite file keeping the slots (and spent request nonces) across "
+                                          "restarts.")] = Path("auth.sqlite"),
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one.")] = 0,
     hf_endpoint: Annotated[str | None, typer.Option(help="Hugging Face Hub asked who owns a token "
@@ -29,7 +34,7 @@ def auth_service(
 ) -> None:
     """Serve PUT /api/join (Bearer <HF token>), POST /api/queue|synced|leave and GET /api/occupancy."""
     from client.identity import KeypairError, load_keypair
-    from local_backend.auth_service import AuthHTTPServer, AuthService, HubIdentity
+    from local_backend.auth_service import AuthHTTPServer, AuthService, HubIdentity, StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
@@ -40,25 +45,30 @@ def auth_service(
     checkpoint = {"repo": checkpoint_repo, "revision": checkpoint_revision} if checkpoint_repo else None
     identity = HubIdentity(endpoint)
     try:
-        service = AuthService(run_id=run_id, num_stages=stages, capacity=capacity,
-                              identify=identity, lease_seconds=lease, max_integrating=max_integrating,
-                              integration_seconds=integration_time, checkpoint=checkpoint,
-                              **({"keypair": signer} if signer else {}))
+        service = AuthService(run_id=run_id, num_stages=stages, capacity=capacity, identify=identity,
+                              max_slots_per_token=max_slots_per_token, db=db, lease_seconds=lease,
+                              max_integrating=max_integrating, integration_seconds=integration_time,
+                              checkpoint=checkpoint, **({"keypair": signer} if signer else {}))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    except StoreError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--db") from None
     try:
         server = AuthHTTPServer(service, host, port)
     except OSError as exc:
+        service.close()
         typer.secho(f"cannot listen on {host}:{port}: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     typer.echo(f"auth service for run {run_id} listening on {server.url} "
-               f"({capacity} slots, {stages} stages, identities from {identity.endpoint})")
+               f"({capacity} slots, at most {max_slots_per_token} per contributor, {stages} stages, "
+               f"identities from {identity.endpoint}, slots kept in {db})")
     try:
         server.serve_forever()
     except KeyboardInterrupt:
-        typer.echo("auth service stopped")
+        typer.echo("auth service stopped; its slots are kept in the same --db")
     finally:
         server.server_close()
+        service.close()
 
 
 def register(app: typer.Typer) -> None:

@@ -10,7 +10,8 @@ import typer
 
 
 def demo(
-    workdir: Annotated[Path, typer.Option(help="Where the run's database, logs, checkpoints and plot go.")] = Path(
+    workdir: Annotated[Path, typer.Option(help="Where the run's database, logs, checkpoints and plot go: a new or "
+                                               "empty directory, or one an earlier demo made (it is emptied).")] = Path(
         "runs/demo"),
     epochs: Annotated[int, typer.Option(min=1, help="Epochs to train.")] = 3,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds (optimizer steps) per epoch.")] = 8,
@@ -19,17 +20,16 @@ def demo(
                                               "chain, ticked by the clients).")] = "tcp",
 ) -> None:
     """Start a coordinator, a DHT and a 3-stage pipeline on this machine and train on the stdlib's sources."""
-    import shutil
-
-    from client.swarm.demo import plot, run_demo
+    from client.swarm.demo import WorkdirNotOurs, plot, run_demo
 
     if backend not in ("tcp", "solana"):
         raise typer.BadParameter(f"--backend must be tcp or solana, not {backend!r}")
-    if workdir.exists():
-        shutil.rmtree(workdir)
     started = time.monotonic()
     try:
         results = run_demo(workdir, epochs, rounds, timeout, out=typer.echo, backend=backend)
+    except WorkdirNotOurs as exc:
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         typer.echo("\ninterrupted: every child process was stopped")
         raise typer.Exit(130) from None

@@ -3,14 +3,17 @@
 ``AuthClient.join`` exchanges the contributor's Hugging Face token for a contributor slot and a stage with the
 run's auth service (``local_backend.auth_service``); ``wait_turn`` waits in the join queue, logging the
 position once a minute, while the downloaded state stays in memory. Every request is signed with the
-client's ed25519 identity, which binds the slot to this process's key; the grant comes back signed by the
-service.
+client's ed25519 identity over the run, the action, the sha256 of the token (never the token) and a fresh
+nonce, which binds the slot to this process's key and token and makes a captured request useless to replay;
+the grant comes back signed by the service.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
+import secrets
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +25,7 @@ from solders.keypair import Keypair
 
 from client.identity import verify
 from client.stages import stage_name
-from local_backend.auth_service import canonical
+from local_backend.auth_service import NONCE_BYTES, canonical, token_sha256
 
 log = logging.getLogger("psyswarm.auth")
 
@@ -112,16 +115,23 @@ class QueueStatus:
 
 
 class AuthClient:
-    """Talks to one run's auth service on behalf of one process (one keypair)."""
+    """Talks to one run's auth service on behalf of one process (one keypair) and its token.
 
-    def __init__(self, url: str, keypair: Keypair, run_id: str, *, timeout: float = 30.0) -> None:
+    The token is the one this process joins with: ``join`` sets it, and every later request is signed over
+    its hash, as the service expects of the slot's holder.
+    """
+
+    def __init__(self, url: str, keypair: Keypair, run_id: str, *, timeout: float = 30.0,
+                 token: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.keypair = keypair
         self.run_id = run_id
         self.timeout = timeout
+        self.token = token
 
     def join(self, token: str, role: str = "worker") -> Grant:
         """Ask for (or renew) this process's slot; ``AuthError`` says why a join is refused."""
+        self.token = token
         answer = self._call("PUT", "/api/join", self._signed("join", role=role),
                             headers={"Authorization": f"Bearer {token}"})
         grant = Grant.from_answer(answer)
@@ -165,8 +175,11 @@ class AuthClient:
     # ----- transport -----
 
     def _signed(self, action: str, **fields: Any) -> dict[str, Any]:
+        if self.token is None:
+            raise AuthError("no_slot", "join first: requests are signed over the hash of the token joined with")
         request = {"run_id": self.run_id, "action": action, "peer": bytes(self.keypair.pubkey()).hex(),
-                   "time": time.time(), **fields}
+                   "time": time.time(), "nonce": secrets.token_hex(NONCE_BYTES),
+                   "token_sha256": token_sha256(self.token), **fields}
         return {**request, "signature": bytes(self.keypair.sign_message(canonical(request))).hex()}
 
     def _call(self, method: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
@@ -182,7 +195,7 @@ class AuthClient:
             code = answer.get("error", f"http_{exc.code}")
             message = answer.get("message", f"the auth service answered HTTP {exc.code}")
             raise AuthError(code, _explain(code, message)) from None
-        except (urllib.error.URLError, OSError) as exc:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", exc)
             raise AuthError("unreachable", f"cannot reach the auth service at {self.url}: {reason}") from None
 
@@ -197,7 +210,7 @@ class AuthSession:
 
     @classmethod
     def open(cls, url: str, keypair: Keypair, run_id: str, token: str, role: str) -> AuthSession:
-        client = AuthClient(url, keypair, run_id)
+        client = AuthClient(url, keypair, run_id, token=token)
         return cls(client, token, client.join(token, role))
 
     @property
@@ -248,6 +261,6 @@ def _json(data: bytes, *, strict: bool = True) -> dict[str, Any]:
 def _explain(code: str, message: str) -> str:
     if code == "invalid_token":
         return f"the Hugging Face token was rejected: {message} (check --hf-token, HF_TOKEN or `hf auth login`)"
-    if code == "swarm_full":
+    if code in ("swarm_full", "contributor_full"):
         return f"join rejected: {message}"
     return message

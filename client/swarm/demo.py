@@ -4,12 +4,16 @@ It starts the coordinator (the TCP server, or with ``--backend solana`` a local 
 a DHT bootstrap, one worker per pipeline stage and a trainer as separate processes on loopback, follows the
 run with a live view (phase, round, loss, tokens/s, clients per stage), and ends with a summary and a
 loss-curve PNG. Ctrl-C stops every child.
+
+Each run starts from an empty work directory, yet the demo deletes only what an earlier demo wrote there: a
+directory it creates carries ``DEMO_MARKER``, and it clears only such a directory (or an empty one).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import shutil
 import time
 from pathlib import Path
 
@@ -17,6 +21,8 @@ from client.swarm.launcher import Swarm
 from client.swarm.status import stage_counts
 from client.witness.records import Board, Commitment
 from coordinator_program.state import CoordinatorState, Phase
+
+DEMO_MARKER = ".psyswarm-demo"
 
 DEMO_TOML = """\
 # The demo run: a 3-stage byte-level transformer trained on the Python standard library's sources.
@@ -27,7 +33,7 @@ min_clients = 4
 max_clients = 16
 num_stages = 3
 witness_nodes = 2
-witness_quorum = 1
+witness_quorum = 2
 warmup_time = 30
 max_round_train_time = 60
 round_witness_time = 1
@@ -148,9 +154,34 @@ def plot(results: list[RoundResult], path: Path) -> Path:
     return path
 
 
+class WorkdirNotOurs(RuntimeError):
+    """The work directory holds files the demo did not write; it deletes none of them."""
+
+
+def claim_workdir(workdir: Path) -> None:
+    """Make ``workdir`` an empty directory marked as the demo's, clearing it only if an earlier demo made it."""
+    if workdir.exists() and not workdir.is_dir():
+        raise WorkdirNotOurs(f"--workdir {workdir} is a file, not a directory; pass a new or empty directory")
+    entries = list(workdir.iterdir()) if workdir.exists() else []
+    marker = workdir / DEMO_MARKER
+    if entries and not (marker.is_file() and not marker.is_symlink()):
+        raise WorkdirNotOurs(f"--workdir {workdir} is not empty and was not created by the demo (it has no "
+                             f"{DEMO_MARKER}), so nothing was deleted; pass a new or empty directory, or empty it "
+                             "yourself")
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        elif entry != marker:
+            entry.unlink()
+    workdir.mkdir(parents=True, exist_ok=True)
+    marker.write_text("Written by `psyswarm demo`: the next demo run with this --workdir empties this directory.\n")
+
+
 def run_demo(workdir: Path, epochs: int, rounds: int, timeout: float, out=print,
              backend: str = "tcp") -> list[RoundResult]:
-    """Run the demo end to end; returns each round's result (the CLI prints the summary)."""
+    """Run the demo end to end in a cleared ``workdir`` (``WorkdirNotOurs`` if it is not the demo's to clear);
+    returns each round's result (the CLI prints the summary)."""
+    claim_workdir(workdir)
     toml = DEMO_TOML.format(rounds=rounds, steps=epochs * rounds)
     swarm = Swarm(workdir, toml, backend=backend)
     view = LiveView(out)

@@ -1,6 +1,7 @@
 """Authorization and the join queue: a Hugging Face token for a contributor slot and a stage.
 
 The service asks a local stand-in for the Hub (``fake_hub``) who owns a token, through huggingface_hub.
+``serving`` and ``client`` are shared with the attacks on the service (tests/adversarial/test_auth_*.py).
 """
 
 from __future__ import annotations
@@ -13,29 +14,51 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 from solders.keypair import Keypair
 
 from client.join.auth import AuthClient, AuthError, Grant, confirmation_line, resolve_token
-from local_backend.auth_service import AuthFailure, AuthHTTPServer, AuthService, HubIdentity
+from local_backend.auth_service import (
+    MAX_CONNECTIONS,
+    REQUEST_TIMEOUT,
+    AuthFailure,
+    AuthHTTPServer,
+    AuthService,
+    HubIdentity,
+)
+from tests.fake_hub import FakeHub
 
 RUN = "run-1"
+TOKENS = {"tok-alice": "alice", "tok-bob": "bob", "tok-carol": "carol", "tok-dave": "dave"}
+
+
+@contextmanager
+def serving(hub: FakeHub, *, request_timeout: float = REQUEST_TIMEOUT, max_connections: int = MAX_CONNECTIONS,
+            **settings: Any) -> Iterator[AuthHTTPServer]:
+    """A real auth service on loopback (3 stages, 3 slots, a join queue of 1 unless ``settings`` say else)."""
+    hub.users.update(TOKENS)
+    service = AuthService(**{"run_id": RUN, "num_stages": 3, "capacity": 3, "identify": HubIdentity(hub.url),
+                             "max_slots_per_token": 4, "db": ":memory:", "max_integrating": 1, **settings})
+    server = AuthHTTPServer(service, request_timeout=request_timeout, max_connections=max_connections).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        service.close()
 
 
 @pytest.fixture
 def service(fake_hub) -> Iterator[AuthHTTPServer]:
-    fake_hub.users.update({"tok-alice": "alice", "tok-bob": "bob", "tok-carol": "carol", "tok-dave": "dave"})
-    server = AuthHTTPServer(AuthService(run_id=RUN, num_stages=3, capacity=3, identify=HubIdentity(fake_hub.url),
-                                        max_integrating=1,
-                                        checkpoint={"repo": "swarm/run-1", "revision": "epoch-2"})).start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with serving(fake_hub, checkpoint={"repo": "swarm/run-1", "revision": "epoch-2"}) as server:
+        yield server
 
 
-def client(server: AuthHTTPServer, keypair: Keypair | None = None) -> AuthClient:
-    return AuthClient(server.url, keypair or Keypair(), RUN, timeout=10)
+def client(server: AuthHTTPServer, keypair: Keypair | None = None, token: str | None = None) -> AuthClient:
+    return AuthClient(server.url, keypair or Keypair(), RUN, timeout=10, token=token)
 
 
 def test_a_good_token_gets_a_signed_slot_and_stage(service: AuthHTTPServer) -> None:
@@ -50,7 +73,7 @@ def test_a_good_token_gets_a_signed_slot_and_stage(service: AuthHTTPServer) -> N
 
 
 def test_a_tampered_grant_is_refused(service: AuthHTTPServer) -> None:
-    answer = service.service.join("tok-alice", client(service)._signed("join", role="worker"))
+    answer = service.service.join("tok-alice", client(service, token="tok-alice")._signed("join", role="worker"))
     assert Grant.from_answer(answer).stage == 0
     answer["grant"]["stage"] = 2  # a man in the middle moving the joiner to another stage
     with pytest.raises(AuthError, match="signature does not verify"):
@@ -82,10 +105,10 @@ def test_a_full_swarm_rejects_the_join(service: AuthHTTPServer) -> None:
 def test_a_slot_frees_itself_when_its_lease_ends() -> None:
     now = [time.time()]
     service = AuthService(run_id=RUN, num_stages=2, capacity=1, identify=lambda token: "alice",
-                          lease_seconds=60, clock=lambda: now[0])
+                          max_slots_per_token=4, db=":memory:", lease_seconds=60, clock=lambda: now[0])
 
     def request() -> dict:
-        return AuthClient("http://unused", Keypair(), RUN)._signed("join", role="worker")
+        return AuthClient("http://unused", Keypair(), RUN, token="tok")._signed("join", role="worker")
 
     service.join("tok", request())
     with pytest.raises(AuthFailure, match="is full"):
@@ -118,7 +141,7 @@ def test_two_processes_with_one_token_are_one_contributor(service: AuthHTTPServe
 
 
 def test_forged_stale_and_malformed_requests_are_refused(service: AuthHTTPServer) -> None:
-    me = client(service)
+    me = client(service, token="tok-alice")
     request = me._signed("join", role="worker")
     forged = {**request, "peer": bytes(Keypair().pubkey()).hex()}  # someone else's key: signature fails
     with pytest.raises(AuthError, match="signature does not verify"):
@@ -126,15 +149,20 @@ def test_forged_stale_and_malformed_requests_are_refused(service: AuthHTTPServer
     stale = {**request, "time": time.time() - 3600}
     with pytest.raises(AuthError, match="clock"):
         me._call("PUT", "/api/join", stale, headers={"Authorization": "Bearer tok-alice"})
+    with pytest.raises(AuthError, match="join first"):
+        client(service).queue_status()  # a client signs over the hash of the token it joined with
     with pytest.raises(AuthError, match="serves run 'run-1', not 'other'"):
         AuthClient(service.url, Keypair(), "other").join("tok-alice")
     with pytest.raises(AuthError, match="no Hugging Face token"):
         me._call("PUT", "/api/join", request)
-    raw = urllib.request.Request(f"{service.url}/api/join", data=b"{not json", method="PUT",
-                                 headers={"Authorization": "Bearer tok-alice"})
-    with pytest.raises(urllib.error.HTTPError) as caught:
-        urllib.request.urlopen(raw, timeout=10)
-    assert caught.value.code == 400 and json.loads(caught.value.read())["error"] == "bad_request"
+    for body, reason in ((b"{not json", "not JSON"), (b'{"run_id": "\xff"}', "not JSON"),
+                         (b"[1, 2]", "must be a JSON object"), (b"", "must be 1..16384 bytes")):
+        raw = urllib.request.Request(f"{service.url}/api/join", data=body, method="PUT",
+                                     headers={"Authorization": "Bearer tok-alice"})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(raw, timeout=10)
+        answer = json.loads(caught.value.read())
+        assert (caught.value.code, answer["error"], reason in answer["message"]) == (400, "bad_request", True)
     assert service.service.occupancy()["slots"] == 0  # nothing above took a slot
 
 
@@ -189,14 +217,19 @@ def test_the_token_comes_from_the_flag_then_hf_token(monkeypatch, tmp_path) -> N
         resolve_token(None)
 
 
-def test_the_auth_service_command_serves_joins(fake_hub) -> None:
+def test_the_auth_service_command_serves_joins(fake_hub, tmp_path) -> None:
     fake_hub.users["tok-alice"] = "alice"
+    usage = subprocess.run([sys.executable, "-m", "client.cli", "auth-service", "--help"], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "--max-slots-per-token" in usage and "[default: 4; x>=1]" in usage, usage
     process = subprocess.Popen(
         [sys.executable, "-m", "client.cli", "auth-service", "--run-id", RUN, "--stages", "4", "--capacity", "2",
-         "--hf-endpoint", fake_hub.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--hf-endpoint", fake_hub.url, "--db", str(tmp_path / "auth.sqlite")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()  # type: ignore[union-attr]
         assert "auth service for run run-1 listening on http://127.0.0.1:" in line, line
+        assert "at most 4 per contributor" in line and f"slots kept in {tmp_path / 'auth.sqlite'}" in line, line
         url = line.split("listening on ")[1].split()[0]
         grant = AuthClient(url, Keypair(), RUN).join("tok-alice")
         assert (grant.contributor, grant.num_stages, grant.capacity) == ("alice", 4, 2)
