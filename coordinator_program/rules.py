@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import based58
+
 from coordinator_program import limits
 from coordinator_program.bloom import contains_raw, participant_key
 from coordinator_program.config import (
@@ -76,6 +78,14 @@ from coordinator_program.state import (
 
 NO_AUTHORITY = bytes(32)
 """A join authority of all zeros makes a run permissionless."""
+
+
+def admission(join_authority: bytes) -> str:
+    """How a run with this join authority admits joiners, in words: "permissioned by <its base58 key>" (each
+    join needs that key's countersignature) or "permissionless" (anyone may join)."""
+    if join_authority == NO_AUTHORITY:
+        return "permissionless"
+    return f"permissioned by {based58.b58encode(join_authority).decode()}"
 
 
 # --- derived facts every client computes the same way -------------------------------------------------

@@ -27,6 +27,12 @@ service's key.
 Slots and spent nonces live in SQLite (``SlotStore``): each request is one transaction, answered only after
 it commits, so a restart forgets no contributor and re-opens no replay.
 
+The service's key is the run's join authority: the coordinator (``psyswarm serve`` or ``create-run``
+``--join-authority``) admits a join only with its countersignature, so admission holds even against a client
+that never asks the service. ``countersign`` signs the join of a slot's holder, for its run, role and stage
+and for its key only: on the TCP backend the ``join_authorization`` the server verifies (which names the
+joiner's key), on Solana the join_run transaction message itself (see ``solana_join``).
+
 HTTP: h11 (already a dependency) parses HTTP/1.1 under asyncio, which holds an idle connection without a
 thread; uvicorn would add a dependency and still has no deadline for a half-sent request, the defence needed.
 """
@@ -54,8 +60,16 @@ from typing import Any
 
 import h11
 from solders.keypair import Keypair
+from solders.message import Message
+from solders.pubkey import Pubkey
 
 from client.identity import verify
+from coordinator_program import limits
+from coordinator_program.errors import MalformedInstruction
+from coordinator_program.instance import instance_address
+from coordinator_program.instructions import JoinRun, decode_instruction
+from coordinator_program.program_id import PROGRAM_ID
+from local_backend import protocol
 
 log = logging.getLogger("psyswarm.auth")
 
@@ -70,6 +84,7 @@ WORKERS = 8  # threads running requests (they may wait on the Hub or on SQLite)
 LISTEN_BACKLOG = 1024
 LINGER_SECONDS = 1.0  # after answering, how long the rest of a client's input is read and discarded
 ROLES = ("worker", "trainer")
+MAX_COUNTERSIGNED_BYTES = 1232  # a Solana transaction's limit; a TCP join authorization is far smaller
 
 
 class AuthFailure(Exception):
@@ -153,7 +168,8 @@ class HubIdentity:
 # ----- signed requests ----------------------------------------------------------------------------------
 
 _SIGNED_FIELDS = ("run_id", "action", "peer", "time", "nonce", "token_sha256", "signature")
-_ACTION_FIELDS: dict[str, tuple[str, ...]] = {"join": ("role",), "queue": (), "synced": (), "leave": ()}
+_ACTION_FIELDS: dict[str, tuple[str, ...]] = {"join": ("role",), "queue": (), "synced": (), "leave": (),
+                                               "countersign": ("message",)}
 _HEX_DIGITS = {"peer": 64, "nonce": 2 * NONCE_BYTES, "token_sha256": 64, "signature": 128}
 
 
@@ -215,6 +231,74 @@ def _finite_time(value: Any) -> float:
 def _token_mismatch() -> AuthFailure:
     return AuthFailure(HTTPStatus.UNAUTHORIZED, "token_mismatch",
                        "the request is signed for another Hugging Face token than the one its slot is held under")
+
+
+# ----- joins to countersign -----------------------------------------------------------------------------
+
+
+def refused_join(message: str) -> AuthFailure:
+    return AuthFailure(HTTPStatus.FORBIDDEN, "not_countersigned", message)
+
+
+def message_bytes(text: str) -> bytes:
+    """A countersign request's message: 1..``MAX_COUNTERSIGNED_BYTES`` bytes as lowercase hex."""
+    if not re.fullmatch(f"(?:[0-9a-f]{{2}}){{1,{MAX_COUNTERSIGNED_BYTES}}}", text):
+        raise bad_request(f"message must be 1..{MAX_COUNTERSIGNED_BYTES} bytes as lowercase hex")
+    return bytes.fromhex(text)
+
+
+def join_to_countersign(message: bytes, authority: Pubkey, program_id: Pubkey, run_id: str) -> tuple[bytes, JoinRun]:
+    """The joiner's key and the join a message to countersign carries: a TCP ``join_authorization``, or a Solana
+    join_run transaction message (``solana_join``); ``AuthFailure`` for anything else."""
+    carried = protocol.split_join_authorization(message)
+    joiner, instruction = carried if carried is not None else solana_join(message, authority, program_id, run_id)
+    try:
+        join = decode_instruction(instruction)
+    except MalformedInstruction as exc:
+        raise refused_join(f"the message carries no well-formed instruction: {exc.detail}") from None
+    if not isinstance(join, JoinRun):
+        raise refused_join(f"the join authority countersigns join_run only, not {join.NAME}")
+    return joiner, join
+
+
+def solana_join(message: bytes, authority: Pubkey, program_id: Pubkey, run_id: str) -> tuple[bytes, bytes]:
+    """The joiner and the instruction data of a Solana join_run transaction message, checked to be nothing else.
+
+    On Solana the authority co-signs the transaction: the client sends the message it will submit, and adds the
+    returned signature with a ``Presigner``. The program already requires the authorizer to sign join_run, so it
+    needs no change; the other way, an ed25519-program instruction checked through the instructions sysvar,
+    would add a message format, a sysvar parser and compute units to the program for the same guarantee.
+    Signing a whole transaction is what needs care: it must hold this one join_run instruction of the coordinator
+    program and nothing else (no transfer from, or other use of, the authority's key), the joiner must be its
+    fee payer and its only other signer, the authority read-only, and the instance the run's own PDA (the program
+    checks the run id against it, and the coordinator account against the instance).
+    """
+    try:
+        parsed = Message.from_bytes(message)
+    except ValueError:
+        parsed = None
+    if parsed is None or bytes(parsed) != message:
+        raise refused_join("the message is neither a TCP join authorization nor a Solana transaction message")
+    keys, header = parsed.account_keys, parsed.header
+    if len(parsed.instructions) != 1:
+        raise refused_join("a countersigned transaction holds the join_run instruction and nothing else")
+    (compiled,) = parsed.instructions
+    indexes = [compiled.program_id_index, *compiled.accounts]
+    if max(indexes) >= len(keys) or parsed.has_duplicates():
+        raise refused_join("the transaction message is malformed")
+    if keys[compiled.program_id_index] != program_id:
+        raise refused_join(f"the instruction is not for the coordinator program {program_id}")
+    accounts = [keys[i] for i in compiled.accounts]
+    instance, _ = instance_address(program_id, run_id)
+    if len(accounts) != 4 or accounts[1:3] != [authority, instance]:
+        raise refused_join(f"join_run takes [joiner, authorizer, instance, coordinator], the authorizer being this "
+                           f"join authority {authority} and the instance run {run_id}'s, {instance}")
+    joiner = accounts[0]
+    if keys[:header.num_required_signatures] != [joiner, authority]:
+        raise refused_join("the joiner must pay for its join and be its only signer besides the join authority")
+    if header.num_readonly_signed_accounts < 1:
+        raise refused_join("the join authority must be a read-only account of the transaction")
+    return bytes(joiner), bytes(compiled.data)
 
 
 # ----- slots and their storage --------------------------------------------------------------------------
@@ -367,6 +451,7 @@ class AuthService:
     checkpoint: dict[str, str] | None = None
     clock: Callable[[], float] = time.time
     nonce_capacity: int = NONCE_CAPACITY
+    program_id: Pubkey = PROGRAM_ID  # the coordinator program whose joins it countersigns on Solana
 
     def __post_init__(self) -> None:
         if (self.num_stages < 2 or self.capacity < 1 or self.lease_seconds <= 0 or self.max_integrating < 0
@@ -408,6 +493,15 @@ class AuthService:
     def leave(self, request: Any) -> dict[str, Any]:
         signed = check_signed(request, "leave", self.run_id, self.clock())
         return self._apply(signed, lambda now: self._release(signed))
+
+    def countersign(self, request: Any) -> dict[str, str]:
+        """The join authority's signature over ``message``, a join of the requesting peer's own key into this
+        run, in the role (and, for a worker, the stage) its slot was granted; the slot must be live."""
+        signed = check_signed(request, "countersign", self.run_id, self.clock())
+        message = message_bytes(signed.fields["message"])
+        joiner, join = join_to_countersign(message, self.keypair.pubkey(), self.program_id, self.run_id)
+        self._apply(signed, lambda now: self._check_join(self._own(signed), joiner, join))
+        return {"signature": bytes(self.keypair.sign_message(message)).hex()}
 
     def occupancy(self) -> dict[str, Any]:
         """Live slots per stage and contributors (the dashboard's view); needs no authentication."""
@@ -538,6 +632,21 @@ class AuthService:
         self._renew(slot, now)
         return {"ok": True}
 
+    def _check_join(self, slot: Slot, joiner: bytes, join: JoinRun) -> dict[str, Any]:
+        """A join may be countersigned for the key, run, role and stage its slot was granted, and only those."""
+        if joiner.hex() != slot.peer:
+            raise refused_join(f"the join is for key {joiner.hex()[:8]}…, but this slot belongs to {slot.peer[:8]}…: "
+                               "a slot admits only the key it was granted to")
+        if join.run_id != self.run_id:
+            raise refused_join(f"the join is for run {join.run_id!r}; this service admits to run {self.run_id!r}")
+        if join.role.name.lower() != slot.role:
+            raise refused_join(f"the join is as a {join.role.name.lower()}; the slot was granted for a {slot.role}")
+        stage = slot.stage if slot.role == "worker" else limits.NO_STAGE
+        if join.stage != stage:
+            raise refused_join(f"the join asks for stage {join.stage}; the slot was granted stage {slot.stage}")
+        log.info("countersigned the join of slot %d (%s, peer %s…)", slot.index, slot.role, slot.peer[:8])
+        return {}
+
     def _release(self, signed: SignedRequest) -> dict[str, Any]:
         slot = self._slots.get(signed.peer)
         if slot is not None:
@@ -605,7 +714,7 @@ class AuthService:
 
 
 class AuthHTTPServer:
-    """The auth service over HTTP: PUT /api/join, POST /api/queue|synced|leave, GET /api/occupancy.
+    """The auth service over HTTP: PUT /api/join, POST /api/queue|synced|leave|countersign, GET /api/occupancy.
 
     One asyncio loop holds the connections; each must deliver its whole request within ``request_timeout``
     (else 408), at most ``max_connections`` are open at once (more are answered 503), and requests run on
@@ -713,7 +822,8 @@ class AuthHTTPServer:
         if (method, target) == ("PUT", "/api/join"):
             request = _json_body(body)
             return service.join(_bearer(headers), request)
-        actions = {"/api/queue": service.queue, "/api/synced": service.synced, "/api/leave": service.leave}
+        actions = {"/api/queue": service.queue, "/api/synced": service.synced, "/api/leave": service.leave,
+                   "/api/countersign": service.countersign}
         action = actions.get(target) if method == "POST" else None
         if action is None:
             raise AuthFailure(HTTPStatus.NOT_FOUND, "not_found", f"no {method} {target}")

@@ -9,7 +9,8 @@ Session: the server sends ``Challenge``; the client answers ``Hello`` with its p
 over the challenge; the server answers ``Welcome`` and the full state, then a ``StatePatch`` whenever the
 coordinator changes. Each ``Request`` carries a sequence number, strictly increasing per connection, and a
 signature over (challenge, sequence, instruction), so a captured request cannot be replayed, in this
-connection or another.
+connection or another. The server sends ``Ping`` to a connection that has been quiet and closes one that
+stays quiet; the client answers ``Pong``, so a client that only follows the state stays connected.
 """
 
 from __future__ import annotations
@@ -21,25 +22,36 @@ import zlib
 from typing import ClassVar
 
 MAX_FRAME = 1 << 20
-"""Largest payload either side accepts; the whole state compresses to a few KiB, a request is < 2 KiB."""
+"""Largest payload a client accepts; the whole state compresses to a few KiB."""
+MAX_REQUEST_FRAME = 4096
+"""Largest payload the server accepts: a request carries one instruction, which fits a Solana transaction
+(1,232 bytes), and its signatures. The server refuses a longer frame as soon as its header arrives, before
+holding any of it."""
 MAX_STATE_BYTES = 1 << 20
 """Largest decompressed state a client accepts (the account is about 49 KB)."""
 
 AUTH_DOMAIN = b"psyswarm-auth-v1"
 REQUEST_DOMAIN = b"psyswarm-request-v1"
+JOIN_AUTHORIZATION_DOMAIN = b"psyswarm-join-authorization-v1"
+CHALLENGE_BYTES = 32
+"""A ``Challenge``'s nonce: its length is fixed, so a request's instruction starts at a fixed offset."""
 
 
 class ProtocolError(ValueError):
     """A frame or message that breaks the protocol; the message says what was wrong."""
 
 
+def frame_length(header: bytes, limit: int) -> int:
+    """The payload length a frame's 4-byte header announces, refused when over ``limit``."""
+    (length,) = struct.unpack(">I", header)
+    if length > limit:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {limit}-byte limit")
+    return length
+
+
 async def read_frame(reader: asyncio.StreamReader) -> bytes:
     """Read one frame; EOF between frames raises ``asyncio.IncompleteReadError``."""
-    header = await reader.readexactly(4)
-    (length,) = struct.unpack(">I", header)
-    if length > MAX_FRAME:
-        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
-    return await reader.readexactly(length)
+    return await reader.readexactly(frame_length(await reader.readexactly(4), MAX_FRAME))
 
 
 def frame(payload: bytes) -> bytes:
@@ -131,18 +143,22 @@ def auth_message(challenge: bytes) -> bytes:
     return AUTH_DOMAIN + challenge
 
 
-@dataclasses.dataclass(frozen=True)
-class Welcome(Message):
-    """Server → client: authentication succeeded."""
-
-    TYPE = 0x02
+class _Bare(Message):
+    """A message whose type says it all: no body."""
 
     def body(self) -> bytes:
         return b""
 
     @classmethod
-    def parse(cls, cur: _Cursor) -> Welcome:
+    def parse(cls, cur: _Cursor) -> _Bare:
         return cls()
+
+
+@dataclasses.dataclass(frozen=True)
+class Welcome(_Bare):
+    """Server → client: authentication succeeded."""
+
+    TYPE = 0x02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,12 +268,33 @@ def request_message(challenge: bytes, sequence: int, instruction: bytes) -> byte
     return REQUEST_DOMAIN + challenge + struct.pack(">Q", sequence) + instruction
 
 
+def join_authorization(joiner: bytes, request: bytes) -> bytes:
+    """What a run's join authority co-signs: the joiner's key and its ``request_message``. The request alone
+    names no key (its challenge is the connection's), so a countersignature over it could be carried to a
+    connection of another key; over this, it admits only the key it was given for."""
+    return JOIN_AUTHORIZATION_DOMAIN + joiner + request
+
+
+def split_join_authorization(message: bytes) -> tuple[bytes, bytes] | None:
+    """The (joiner key, instruction) a ``join_authorization`` message carries; None when it is not one."""
+    head = len(JOIN_AUTHORIZATION_DOMAIN)
+    joiner, request = message[head:head + 32], message[head + 32:]
+    instruction_at = len(REQUEST_DOMAIN) + CHALLENGE_BYTES + 8
+    if (not message.startswith(JOIN_AUTHORIZATION_DOMAIN) or len(joiner) != 32
+            or not request.startswith(REQUEST_DOMAIN) or len(request) < instruction_at):
+        return None
+    return joiner, request[instruction_at:]
+
+
 REPLY_OK = 0
 REPLY_BAD_SIGNATURE = 1
 REPLY_REPLAY = 2
 REPLY_MALFORMED = 3
 """Codes of requests the server refuses before the coordinator sees them; a coordinator rejection carries
 the error's own code (6000 and up), the same number the Solana program returns."""
+REPLY_NOT_STORED = 4
+"""The coordinator accepted the request but the server could not store the result, so nothing changed:
+the server acknowledges only what it has stored. The request may be sent again."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,8 +330,22 @@ class Fatal(Message):
         return cls(cur.rest().decode(errors="replace"))
 
 
+@dataclasses.dataclass(frozen=True)
+class Ping(_Bare):
+    """Server → client: the connection has been quiet; answer ``Pong`` or be closed as idle."""
+
+    TYPE = 0x03
+
+
+@dataclasses.dataclass(frozen=True)
+class Pong(_Bare):
+    """Client → server: the answer to ``Ping``; the client is still there."""
+
+    TYPE = 0x83
+
+
 MESSAGES: dict[int, type[Message]] = {m.TYPE: m for m in (Challenge, Hello, Welcome, FullState, StatePatch,
-                                                          Request, Reply, Fatal)}
+                                                          Request, Reply, Fatal, Ping, Pong)}
 
 
 def decode(payload: bytes) -> Message:

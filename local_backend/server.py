@@ -3,6 +3,10 @@
 It runs the Python specification directly, ticks it every ``TICK_INTERVAL`` seconds from its own clock,
 authenticates every connection by challenge and response, applies the signed instructions clients send,
 persists every change before announcing it, and sends each subscriber the byte ranges that changed.
+
+A change is applied to a copy of the state, stored from a worker thread, and only then adopted and
+acknowledged, one change at a time: a write that fails leaves memory and disk as they were, and a slow or
+locked database never stalls the connections. What each peer may hold is bounded in ``peers``.
 """
 
 from __future__ import annotations
@@ -10,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import pickle
 import secrets
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 
 from solders.keypair import Keypair
 
@@ -32,39 +36,43 @@ from coordinator_program.instructions import (
 )
 from coordinator_program.state import CoordinatorState, Health, Phase, decode_state, encode_state
 from local_backend import protocol as p
-from local_backend.store import RunStore
+from local_backend.peers import Limits, LogThrottle, Peer, PeerClosed, Peers, listen
+from local_backend.store import RunStore, StoreError
 
 log = logging.getLogger("psyswarm.server")
 
 TICK_INTERVAL = 0.5
-HELLO_TIMEOUT = 10.0
-MAX_BUFFERED = 4 << 20
-"""A subscriber that lets this much unsent data pile up is too slow to follow the run and is dropped."""
 
 
-@dataclass(eq=False)
-class Connection:
-    writer: asyncio.StreamWriter
-    challenge: bytes
-    identity: bytes = b""
-    last_sequence: int = 0
-    peer: str = ""
+def copy_of(state: CoordinatorState) -> CoordinatorState:
+    """A deep copy of the state, taken for every change: a pickle round trip of the server's own plain data
+    (never bytes from a peer) is three times faster than ``copy.deepcopy``."""
+    return pickle.loads(pickle.dumps(state, pickle.HIGHEST_PROTOCOL))
 
-    def send(self, message: p.Message) -> None:
-        self.writer.write(p.frame(message.encode()))
+
+def account_nonce(account: bytes) -> int:
+    """The nonce an encoded coordinator account holds, after its 8-byte discriminator."""
+    return int.from_bytes(account[8:16], "little")
 
 
 class CoordinatorServer:
     """Owns one run's coordinator: applies requests, ticks, persists and broadcasts."""
 
     def __init__(self, spec: RunSpec, store: RunStore, authority: Keypair,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, *, join_authority: bytes,
+                 limits: Limits = Limits()) -> None:
+        """``join_authority`` is the key that must countersign every join (the auth service's), or
+        ``rules.NO_AUTHORITY`` for a permissionless run: there is no default, the creator chooses."""
         self.spec, self.store, self.authority, self.clock = spec, store, authority, clock
-        self.connections: set[Connection] = set()
-        self.state = self._load_or_create()
+        self.throttle = LogThrottle(log)
+        self.peers = Peers(limits, self.throttle)
+        self.state = self._load_or_create(join_authority)
         self.account = encode_state(self.state)  # what subscribers hold
         self._committed = self.account  # what the store holds: encoded once per change, sent from here
-        self._server: asyncio.base_events.Server | None = None
+        self._full_state = (b"", b"")  # (account, its FullState frame)
+        self._lock = asyncio.Lock()  # one change at a time
+        self._changing: set[asyncio.Task[None]] = set()
+        self._serving: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
 
     # --- the coordinator ------------------------------------------------------------------------------
@@ -72,20 +80,24 @@ class CoordinatorServer:
     def _now(self) -> int:
         return int(self.clock())
 
-    def _load_or_create(self) -> CoordinatorState:
+    def _load_or_create(self, join_authority: bytes) -> CoordinatorState:
         stored = self.store.load(self.spec.run_id)
         if stored is not None:
             state = decode_state(stored)
-            log.info("resumed run %r from %s: %s, epoch %d, step %d", state.run_id, self.store.path,
-                     state.phase.name, state.epoch, state.step)
+            if state.join_authority != join_authority:
+                held, asked = rules.admission(state.join_authority), rules.admission(join_authority)
+                raise StoreError(f"{self.store.path} holds run {state.run_id!r}, {held}, not {asked}: a run's join "
+                                 "authority is fixed when it is created; give the run's own, or another --db")
+            log.info("resumed run %r from %s: %s, epoch %d, step %d, %s", state.run_id, self.store.path,
+                     state.phase.name, state.epoch, state.step, rules.admission(state.join_authority))
             return state
         me = bytes(self.authority.pubkey())
-        state = rules.init_coordinator(self.spec.run_id, me, bytes(32))
+        state = rules.init_coordinator(self.spec.run_id, me, join_authority)
         self._persist(state, me, Update(self.spec.config, self.spec.model, self.spec.checkpoint).encode(),
                       lambda: rules.update(state, me, self.spec.config, self.spec.model, self.spec.checkpoint))
         self._persist(state, me, SetPaused(False).encode(), lambda: rules.set_paused(state, me, False))
         self._persist(state, me, Tick().encode(), lambda: rules.tick(state, self._now(), secrets.randbits(64)))
-        log.info("created run %r in %s", state.run_id, self.store.path)
+        log.info("created run %r in %s, %s", state.run_id, self.store.path, rules.admission(state.join_authority))
         return state
 
     def _persist(self, state: CoordinatorState, signer: bytes, instruction: bytes, change: Callable[[], None]) -> None:
@@ -97,58 +109,97 @@ class CoordinatorServer:
         self._committed = encode_state(state)
         self.store.save(state.run_id, state.nonce, self._committed, signer, instruction)
 
-    def submit(self, signer: bytes, instruction: bytes, authorizer: bytes | None = None) -> None:
-        """Apply one instruction from an authenticated signer, then tick; persist and broadcast the result.
+    async def submit(self, signer: bytes, instruction: bytes, authorizer: bytes | None = None) -> None:
+        """Apply one instruction from an authenticated signer, then tick; store each change, then broadcast.
 
-        Raises ``CoordinatorError`` (the state untouched) when the coordinator rejects it.
+        Raises ``CoordinatorError`` when the coordinator rejects it and ``StoreError`` when its result cannot
+        be stored; either way the state, in memory and on disk, is as it was.
         """
         ix = decode_instruction(instruction)
         if isinstance(ix, CloseRun):
             raise MalformedInstruction("close_run returns an on-chain run's rent, and a run on this server has no "
                                        "rent to return: stop the server to end the run")
-        phase = self.state.phase
-        apply(self.state, ix, signer, self._now(), secrets.randbits(64), authorizer)
-        self._commit(self.state, signer, instruction)
-        log.info("%s from %s accepted", ix.NAME, signer.hex()[:8])
-        self._try_tick()
-        self._announce(phase)
 
-    def _try_tick(self) -> bool:
-        """Tick once, with random entropy for any seed it draws; True when the state changed."""
-        withdrew = self._withdraw_disconnected_joiners()
+        async def apply_then_tick() -> None:
+            await self._change(signer, instruction,
+                               lambda state: apply(state, ix, signer, self._now(), secrets.randbits(64), authorizer))
+            self.throttle(logging.INFO, "accepted-request", "%s from %s accepted", ix.NAME, signer.hex()[:8])
+            await self._try_tick()
+
+        await self._serialised(apply_then_tick)
+
+    async def tick_once(self) -> None:
+        await self._serialised(self._try_tick)
+
+    async def _serialised(self, change: Callable[[], Awaitable[None]]) -> None:
+        """Run ``change`` alone, then broadcast what it changed.
+
+        Changes are applied, stored and adopted one at a time, each to the state the last one left; and one
+        whose asker goes away (a closed connection, a stopping server) still runs to its end, so memory never
+        falls behind what the store holds.
+        """
+        async def alone() -> None:
+            async with self._lock:
+                phase = self.state.phase
+                try:
+                    await change()
+                finally:
+                    self._announce(phase)
+
+        task = asyncio.ensure_future(alone())
+        self._changing.add(task)
+        task.add_done_callback(self._settled)
+        await asyncio.shield(task)
+
+    def _settled(self, task: asyncio.Task[None]) -> None:
+        self._changing.discard(task)
+        if not task.cancelled():
+            task.exception()  # marked as seen: an asker that went away cannot see it, one still there re-raises it
+
+    async def _change(self, signer: bytes, instruction: bytes, change: Callable[[CoordinatorState], None]) -> None:
+        """Apply ``change`` to a copy of the state, store the copy from a worker thread, then adopt it.
+
+        A change the coordinator rejects (``CoordinatorError``) or the store cannot keep (``StoreError``)
+        leaves memory and disk as they were, and the event loop serves everyone else while the disk is slow or
+        locked. Only under ``self._lock``.
+        """
+        candidate = copy_of(self.state)
+        change(candidate)
+        account = encode_state(candidate)
+        await asyncio.to_thread(self.store.save, candidate.run_id, candidate.nonce, account, signer, instruction)
+        self.state, self._committed = candidate, account
+
+    async def _try_tick(self) -> None:
+        """Tick once, with random entropy for any seed it draws. A change the store cannot keep is not applied,
+        and the next tick tries again."""
         try:
-            rules.tick(self.state, self._now(), secrets.randbits(64))
+            await self._withdraw_disconnected_joiners()
+            await self._change(bytes(self.authority.pubkey()), Tick().encode(),
+                               lambda state: rules.tick(state, self._now(), secrets.randbits(64)))
         except NothingToTick:
-            return withdrew
+            pass
         except CoordinatorError as exc:  # finished or uninitialised: nothing will ever be due
             log.debug("tick: %s", exc)
-            return withdrew
-        self._commit(self.state, bytes(self.authority.pubkey()), Tick().encode())
-        return True
+        except StoreError as exc:
+            self.throttle(logging.WARNING, "unstored-tick", "the run did not move on: %s", exc)
 
-    def _withdraw_disconnected_joiners(self) -> bool:
+    async def _withdraw_disconnected_joiners(self) -> None:
         """While the run waits for members, withdraw every queued joiner with no live connection, before a
-        tick can admit it; True when it withdrew any.
+        tick can admit it.
 
         ``_on_disconnect`` withdraws a joiner whose connection closes, but a client whose connection closes
         mid-round stays in the epoch (its witnesses judge it), and the epoch's end queues every client still
         Healthy again, connected or not (as does a restart, which finds the queue with no one connected).
-        Only WaitingForMembers admits, so sweeping right before each of its ticks admits no one absent.
+        Only WaitingForMembers admits, so sweeping right before each of its ticks admits no one absent; a
+        withdrawal that cannot be stored stops the tick.
         """
         if self.state.phase != Phase.WaitingForMembers:
-            return False
-        live = {conn.identity for conn in self.connections if conn.identity}
+            return
+        live = self.peers.identities()
         absent = [joiner.id for joiner in self.state.pending if joiner.id not in live]
         for who in absent:
-            rules.withdraw(self.state, who)
-            self._commit(self.state, who, Withdraw().encode())
+            await self._change(who, Withdraw().encode(), lambda state, who=who: rules.withdraw(state, who))
             log.info("%s is queued but not connected and was withdrawn", who.hex()[:8])
-        return bool(absent)
-
-    def tick_once(self) -> None:
-        phase = self.state.phase
-        if self._try_tick():
-            self._announce(phase)
 
     def _announce(self, previous_phase: Phase) -> None:
         s = self.state
@@ -162,101 +213,102 @@ class CoordinatorServer:
         new = self._committed
         if new == self.account:
             return
-        old_nonce = int.from_bytes(self.account[8:16], "little")
-        message = p.StatePatch(old_nonce, self.state.nonce, p.diff(self.account, new))
+        message = p.StatePatch(account_nonce(self.account), self.state.nonce, p.diff(self.account, new))
         self.account = new
         data = p.frame(message.encode())
-        for conn in list(self.connections):
-            if not conn.identity:
-                continue
-            transport = conn.writer.transport
-            if transport.is_closing() or transport.get_write_buffer_size() > MAX_BUFFERED:
-                self._drop(conn, "too slow to follow the run's state")
-                continue
-            conn.writer.write(data)
+        for peer in self.peers:
+            peer.send_frame(data)
+
+    def _full_state_frame(self) -> bytes:
+        """What subscribers hold, whole: compressed once per change rather than once per login."""
+        if self._full_state[0] is not self.account:
+            whole = p.FullState.of(account_nonce(self.account), self.account)
+            self._full_state = (self.account, p.frame(whole.encode()))
+        return self._full_state[1]
+
+    def _members(self) -> set[bytes]:
+        """The keys in the run, admitted or queued: their connections never give way to a newcomer's."""
+        return {client.id for client in self.state.clients} | {joiner.id for joiner in self.state.pending}
 
     # --- connections ----------------------------------------------------------------------------------
 
     async def start(self, host: str = "127.0.0.1", port: int = 7070) -> int:
         """Listen and start ticking; returns the bound port (useful with port 0)."""
-        self._server = await asyncio.start_server(self._handle, host, port, limit=p.MAX_FRAME + 8)
+        self.peers.limits = self.peers.limits.fitted_to_open_files()
+        listener = listen(host, port)
+        bound = listener.getsockname()[1]
+        self._serving = asyncio.create_task(self.peers.serve(listener, self._session))
         self._ticker = asyncio.create_task(self._tick_loop())
-        bound = self._server.sockets[0].getsockname()[1]
         log.info("serving run %r on %s:%d", self.state.run_id, host, bound)
         return bound
 
     async def stop(self) -> None:
-        if self._ticker:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
-        if self._server:
-            self._server.close()
-            for conn in list(self.connections):
-                conn.writer.close()
-            await self._server.wait_closed()
-        self.store.close()
+        """Stop ticking and serving, let a change being stored finish, then close the store."""
+        for task in (self._ticker, self._serving):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await asyncio.gather(*self._changing, return_exceptions=True)
+        await asyncio.to_thread(self.store.close)
 
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(TICK_INTERVAL)
             try:
-                self.tick_once()
+                await self.tick_once()
             except Exception:  # a bug must not stop the run's clock; it is logged with its trace
-                log.exception("tick failed")
+                self.throttle(logging.ERROR, "failed-tick", "tick failed", exc_info=True)
 
-    def _drop(self, conn: Connection, why: str) -> None:
-        with contextlib.suppress(Exception):
-            conn.send(p.Fatal(why))
-        conn.writer.close()
-        self.connections.discard(conn)
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        conn = Connection(writer, secrets.token_bytes(32), peer=f"{peer[0]}:{peer[1]}" if peer else "?")
-        self.connections.add(conn)
+    async def _session(self, peer: Peer) -> None:
+        """One connection: its login, then its messages in order until it closes; then what its leaving means
+        for the run (not when the server stops)."""
         try:
-            conn.send(p.Challenge(conn.challenge, self.state.run_id))
-            await self._authenticate(conn, reader)
-            conn.send(p.Welcome())
-            conn.send(p.FullState.of(self.state.nonce, self.account))
+            if not await self._log_in(peer):
+                return
+            peer.send(p.Welcome())
+            peer.send_frame(self._full_state_frame())
             while True:
-                payload = await p.read_frame(reader)
-                self._on_message(conn, payload)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
+                await self._on_message(peer, await peer.next_frame())
+        except PeerClosed:
             pass
         except p.ProtocolError as exc:
-            log.info("dropping %s: %s", conn.peer, exc)
-            self._drop(conn, str(exc))
-        except TimeoutError:
-            self._drop(conn, f"no Hello within {HELLO_TIMEOUT:.0f} s")
-        finally:
-            self.connections.discard(conn)
-            writer.close()
-            self._on_disconnect(conn)
+            peer.close(str(exc))
+        await self._on_disconnect(peer)
 
-    async def _authenticate(self, conn: Connection, reader: asyncio.StreamReader) -> None:
-        payload = await asyncio.wait_for(p.read_frame(reader), HELLO_TIMEOUT)
+    async def _log_in(self, peer: Peer) -> bool:
+        """Challenge ``peer`` and admit the key that answers in time; False (``peer`` told why) otherwise."""
+        peer.send(p.Challenge(peer.challenge, self.state.run_id))
+        try:
+            hello = await asyncio.wait_for(peer.next_frame(), self.peers.limits.login_timeout)
+        except TimeoutError:
+            peer.close(f"no Hello within {self.peers.limits.login_timeout:g} s")
+            return False
+        return self.peers.admit(peer, self._authenticate(peer, hello), self._members())
+
+    def _authenticate(self, peer: Peer, payload: bytes) -> bytes:
+        """The key that signed ``peer``'s challenge in ``payload``, its Hello."""
         hello = p.decode(payload)
         if not isinstance(hello, p.Hello):
             raise p.ProtocolError("authenticate first: the first message must be Hello")
-        if not verify(hello.pubkey, p.auth_message(conn.challenge), hello.signature):
+        if not verify(hello.pubkey, p.auth_message(peer.challenge), hello.signature):
             raise p.ProtocolError("authentication failed: the signature does not match the key")
-        conn.identity = hello.pubkey
-        log.info("%s authenticated as %s", conn.peer, hello.pubkey.hex()[:8])
+        self.throttle(logging.INFO, "login", "%s authenticated as %s", peer.address, hello.pubkey.hex()[:8])
+        return hello.pubkey
 
-    def _on_message(self, conn: Connection, payload: bytes) -> None:
+    async def _on_message(self, peer: Peer, payload: bytes) -> None:
         try:
             message = p.decode(payload)
         except p.ProtocolError as exc:
-            conn.send(p.Reply(0, p.REPLY_MALFORMED, f"malformed message: {exc}"))
+            peer.send(p.Reply(0, p.REPLY_MALFORMED, f"malformed message: {exc}"))
             return
+        if isinstance(message, p.Pong):
+            return  # it arrived: that was the point
         if not isinstance(message, p.Request):
             raise p.ProtocolError(f"unexpected {type(message).__name__} from a client")
-        conn.send(self._on_request(conn, message))
+        peer.send(await self._on_request(peer, message))
 
-    def _on_request(self, conn: Connection, req: p.Request) -> p.Reply:
+    async def _on_request(self, conn: Peer, req: p.Request) -> p.Reply:
         signed = p.request_message(conn.challenge, req.sequence, req.instruction)
         if req.sequence <= conn.last_sequence:
             return p.Reply(req.sequence, p.REPLY_REPLAY, f"replayed request: sequence {req.sequence} is not "
@@ -265,30 +317,42 @@ class CoordinatorServer:
             return p.Reply(req.sequence, p.REPLY_BAD_SIGNATURE, "the request's signature does not match your key")
         authorizer = None
         if req.authorizer:
-            if not verify(req.authorizer, signed, req.authorizer_signature):
-                return p.Reply(req.sequence, p.REPLY_BAD_SIGNATURE, "the co-signature does not match its key")
+            if not verify(req.authorizer, p.join_authorization(conn.identity, signed), req.authorizer_signature):
+                return p.Reply(req.sequence, p.REPLY_BAD_SIGNATURE, "the co-signature does not match its key, or "
+                               "was given for another key than this connection's")
             authorizer = req.authorizer
         conn.last_sequence = req.sequence
         try:
-            self.submit(conn.identity, req.instruction, authorizer)
+            await self.submit(conn.identity, req.instruction, authorizer)
         except CoordinatorError as exc:
             # A tick with nothing due is routine (every client may tick); other rejections are worth a line.
             level = logging.DEBUG if isinstance(exc, NothingToTick) else logging.INFO
-            log.log(level, "request from %s rejected: %s", conn.identity.hex()[:8], exc)
+            self.throttle(level, "rejected-request", "request from %s rejected: %s", conn.identity.hex()[:8], exc)
             return p.Reply(req.sequence, exc.code, f"{type(exc).__name__}: {exc.detail}")
+        except StoreError as exc:
+            self.throttle(logging.WARNING, "unstored-request", "request from %s not applied: %s",
+                          conn.identity.hex()[:8], exc)
+            return p.Reply(req.sequence, p.REPLY_NOT_STORED, f"not applied, for the server could not store it ({exc}): "
+                           "send it again")
         return p.Reply(req.sequence, p.REPLY_OK, "applied")
 
-    def _on_disconnect(self, conn: Connection) -> None:
+    async def _on_disconnect(self, peer: Peer) -> None:
         """A joiner whose last connection closes leaves the queue, and drops out of a warmup, as the seed's
         centralised backend does; during rounds a silent client is left to the health checks."""
-        who = conn.identity
-        if not who or any(c.identity == who for c in self.connections):
+        who = peer.identity
+        if not who or self.peers.holds(who):
             return
         s = self.state
         index = s.client_index(who)
         leaving = s.pending_index(who) is not None or (
             index is not None and s.phase == Phase.Warmup and s.clients[index].health == Health.Healthy)
-        if leaving:
-            with contextlib.suppress(CoordinatorError):
-                self.submit(who, Withdraw().encode())
-                log.info("%s disconnected and was withdrawn", who.hex()[:8])
+        if not leaving:
+            return
+        try:
+            await self.submit(who, Withdraw().encode())
+        except CoordinatorError:
+            return
+        except StoreError as exc:
+            self.throttle(logging.WARNING, "unstored-withdrawal", "%s disconnected and stays: %s", who.hex()[:8], exc)
+            return
+        log.info("%s disconnected and was withdrawn", who.hex()[:8])

@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from client.commands.coordinator import ProgramId, program_address
+
 
 def auth_service(
     run_id: Annotated[str, typer.Option(help="The run this service admits contributors to.")],
@@ -23,24 +25,33 @@ def auth_service(
     port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one.")] = 0,
     hf_endpoint: Annotated[str | None, typer.Option(help="Hugging Face Hub asked who owns a token "
                                                          "(default: HF_ENDPOINT or huggingface.co).")] = None,
-    keypair: Annotated[Path | None, typer.Option(help="Solana keypair file that signs grants; a fresh "
-                                                      "identity if omitted.")] = None,
+    keypair: Annotated[Path | None, typer.Option(help="The run's join authority: a Solana keypair file that "
+                                                      "signs grants and countersigns joins; give its public key "
+                                                      "to `serve`/`create-run --join-authority` [default: next to "
+                                                      "--db, created if absent].")] = None,
     lease: Annotated[float, typer.Option(help="Seconds a slot lives without being renewed.")] = 600.0,
     max_integrating: Annotated[int, typer.Option(help="Joins allowed to sync at once (0: no join queue).")] = 1,
     integration_time: Annotated[float, typer.Option(help="Seconds a join may hold the queue at most.")] = 900.0,
     checkpoint_repo: Annotated[str | None, typer.Option(help="Hub repo of the stage snapshots joiners "
                                                              "download.")] = None,
     checkpoint_revision: Annotated[str, typer.Option(help="Revision of --checkpoint-repo.")] = "main",
+    program_id: ProgramId = None,
 ) -> None:
-    """Serve PUT /api/join (Bearer <HF token>), POST /api/queue|synced|leave and GET /api/occupancy."""
-    from client.identity import KeypairError, load_keypair
+    """Serve PUT /api/join (Bearer <HF token>), POST /api/queue|synced|leave|countersign and GET /api/occupancy."""
+    from solders.keypair import Keypair
+
+    from client.identity import KeypairError, load_keypair, save_keypair
     from local_backend.auth_service import AuthHTTPServer, AuthService, HubIdentity, StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    key_path = keypair or db.with_suffix(".join-authority.json")
     try:
-        signer = load_keypair(keypair) if keypair else None
+        if keypair is None and not key_path.exists():  # the run's join authority must outlive a restart
+            save_keypair(Keypair(), key_path)
+        signer = load_keypair(key_path)
     except KeypairError as exc:
         raise typer.BadParameter(str(exc), param_hint="--keypair") from None
+    program = program_address(program_id)
     endpoint = hf_endpoint or os.environ.get("HF_ENDPOINT") or None
     checkpoint = {"repo": checkpoint_repo, "revision": checkpoint_revision} if checkpoint_repo else None
     identity = HubIdentity(endpoint)
@@ -48,7 +59,7 @@ def auth_service(
         service = AuthService(run_id=run_id, num_stages=stages, capacity=capacity, identify=identity,
                               max_slots_per_token=max_slots_per_token, db=db, lease_seconds=lease,
                               max_integrating=max_integrating, integration_seconds=integration_time,
-                              checkpoint=checkpoint, **({"keypair": signer} if signer else {}))
+                              checkpoint=checkpoint, keypair=signer, program_id=program)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     except StoreError as exc:
@@ -62,6 +73,8 @@ def auth_service(
     typer.echo(f"auth service for run {run_id} listening on {server.url} "
                f"({capacity} slots, at most {max_slots_per_token} per contributor, {stages} stages, "
                f"identities from {identity.endpoint}, slots kept in {db})")
+    typer.echo(f"join authority {signer.pubkey()} (from {key_path}): start the run with `psyswarm serve` or "
+               f"`psyswarm create-run` --join-authority {signer.pubkey()}")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

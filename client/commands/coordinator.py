@@ -2,6 +2,10 @@
 
 A coordinator is reached either with ``--server`` (the TCP backend) or with ``--url`` and ``--run-id``
 (the Solana program on a cluster); ``open_backend`` checks that exactly one was given.
+
+Who may join a run is fixed when it is created (``serve`` here, ``create-run`` on Solana), and its creator must
+say it: ``--join-authority`` names the key that countersigns every join (the run's auth service), and only
+``--permissionless`` opens the run to anyone.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import typer
 
 from client.commands.pipeline import InitialPeers
 from client.identity import DEFAULT_KEYPAIR_PATH
+from local_backend.peers import Limits
 
 SERVER_HELP = "The TCP coordinator as HOST:PORT (started with `psyswarm serve`); or give --url."
 KEYPAIR_HELP = "Your identity: a Solana keypair file."
@@ -25,6 +30,52 @@ Url = Annotated[str | None, typer.Option(help="A Solana cluster instead of --ser
 RunId = Annotated[str | None, typer.Option(help="The run (required with --url: it locates the run on chain).")]
 ProgramId = Annotated[str | None, typer.Option(envvar="PSYSWARM_PROGRAM_ID", help=(
     "The coordinator program's address on the cluster [default: the project's development program id]."))]
+JoinAuthority = Annotated[str | None, typer.Option(metavar="PUBKEY_OR_KEYPAIR_FILE", help=(
+    "The run's join authority: the key of its auth service (`psyswarm auth-service` prints it), as a public "
+    "key or a keypair file. The coordinator then admits only joins it countersigned."))]
+Permissionless = Annotated[bool, typer.Option(help="Let anyone join the run, with no auth service.")]
+
+
+def public_key(text: str, option: str):
+    """A base58 public key, or the public key of the keypair file ``text`` names; a usage error otherwise."""
+    from solders.pubkey import Pubkey
+
+    from client.identity import KeypairError, load_keypair
+
+    try:
+        return Pubkey.from_string(text)
+    except ValueError:
+        pass
+    try:
+        return load_keypair(text).pubkey()
+    except KeypairError as exc:
+        raise typer.BadParameter(f"{option} {text!r}: not a public key, and {exc}") from None
+
+
+def chosen_join_authority(join_authority: str | None, permissionless: bool) -> bytes:
+    """The join authority a run's creator chose: a key, or none (``NO_AUTHORITY``) only when it says
+    ``--permissionless``. Neither, or both, exits with a one-line error."""
+    from coordinator_program.rules import NO_AUTHORITY
+
+    if (join_authority is None) != permissionless:
+        both = "give --join-authority or --permissionless, not both: a run with a join authority is not permissionless"
+        neither = ("say who may join the run: --join-authority PUBKEY_OR_KEYPAIR_FILE (its auth service's key) or "
+                   "--permissionless (anyone)")
+        typer.secho(both if permissionless else neither, fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    if join_authority is None:
+        return NO_AUTHORITY
+    key = bytes(public_key(join_authority, "--join-authority"))
+    if key == NO_AUTHORITY:
+        raise typer.BadParameter("the all-zero key means no join authority: say --permissionless instead",
+                                 param_hint="--join-authority")
+    return key
+
+
+def admission_line(state) -> str:
+    from coordinator_program.rules import admission
+
+    return f"admission: {admission(state.join_authority)}"
 
 
 def parse_interval(text: str) -> float:
@@ -51,14 +102,37 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for every interface)."),
     db: Path = typer.Option(Path("run.sqlite"), help="SQLite file keeping the run across restarts."),
     keypair: Path = typer.Option(None, help="The server's authority keypair [default: next to --db]."),
+    join_authority: JoinAuthority = None,
+    permissionless: Permissionless = False,
+    max_connections: int = typer.Option(Limits.max_connections, help=(
+        "Logged-in connections at once (fewer if the open-file limit is lower); when full, a newcomer takes the "
+        "place of the oldest connection of a key outside the run.")),
+    max_per_key: int = typer.Option(Limits.max_per_identity, help=(
+        "Connections one key may hold; its oldest gives way to a newer one.")),
+    idle_timeout: str = typer.Option(f"{Limits.idle_timeout:g}s", help=(
+        "Close a connection that sends nothing for this long (a client answers the server's pings, so following "
+        "the run is not idle).")),
+    login_timeout: str = typer.Option(f"{Limits.login_timeout:g}s", help=(
+        "Close a connection that has not logged in after this long.")),
+    max_buffered: int = typer.Option(Limits.max_buffered, help=(
+        "Bytes received from clients and not yet processed that the server holds in all; past it, the "
+        "connections holding the most are closed.")),
 ) -> None:
-    """Run the centralised coordinator: it ticks the run, authenticates clients and broadcasts the state."""
+    """Run the centralised coordinator: it ticks the run, authenticates clients and broadcasts the state.
+    Give --join-authority (joins need the auth service's countersignature) or --permissionless."""
     from client.identity import KeypairError, load_keypair, save_keypair
     from coordinator_program.config import load_run_spec
     from coordinator_program.errors import CoordinatorError
     from local_backend.server import CoordinatorServer
     from local_backend.store import RunStore, StoreError
 
+    admits = chosen_join_authority(join_authority, permissionless)
+    try:
+        limits = Limits(max_connections=max_connections, max_per_identity=max_per_key,
+                        login_timeout=parse_interval(login_timeout), idle_timeout=parse_interval(idle_timeout),
+                        max_buffered=max_buffered)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         spec = load_run_spec(config)
@@ -68,7 +142,7 @@ def serve(
 
             save_keypair(Keypair(), key_path)
         authority = load_keypair(key_path)
-        server = CoordinatorServer(spec, RunStore(db), authority)
+        server = CoordinatorServer(spec, RunStore(db), authority, join_authority=admits, limits=limits)
     except (CoordinatorError, KeypairError, StoreError) as exc:
         typer.secho(f"cannot serve: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
@@ -84,7 +158,7 @@ def serve(
         asyncio.run(run())
     except KeyboardInterrupt:
         typer.echo("stopped; the run is saved and resumes with the same --db")
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: the open-file limit leaves no room for connections
         typer.secho(f"cannot listen on {host}:{port}: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
 
@@ -112,33 +186,40 @@ def check_target(server: str | None, url: str | None, run_id: str | None) -> Non
         raise typer.BadParameter("--url needs --run-id: the run id locates the run's accounts on chain")
 
 
-def open_backend(server: str | None, url: str | None, run_id: str | None, program_id: str | None, keypair):
-    """The backend ``--server`` or ``--url`` names, not yet connected."""
+def open_backend(server: str | None, url: str | None, run_id: str | None, program_id: str | None, keypair,
+                 authorizer=None):
+    """The backend ``--server`` or ``--url`` names, not yet connected; ``authorizer`` co-signs its joins (the
+    client's ``AuthSession`` on a permissioned run)."""
     check_target(server, url, run_id)
     if server is not None:
         from client.coordinator.tcp import TcpBackend
 
-        return TcpBackend(server, keypair)
+        return TcpBackend(server, keypair, authorizer=authorizer)
     assert url is not None and run_id is not None
+    from client.coordinator.solana import SolanaBackend
+
+    return SolanaBackend(url, keypair, run_id, program_id=program_address(program_id), authorizer=authorizer)
+
+
+def program_address(program_id: str | None):
+    """``--program-id`` as a public key; the project's development program when it is not given."""
     from solders.pubkey import Pubkey
 
-    from client.coordinator.solana import SolanaBackend
     from coordinator_program.program_id import PROGRAM_ID
 
     try:
-        program = Pubkey.from_string(program_id) if program_id else PROGRAM_ID
+        return Pubkey.from_string(program_id) if program_id else PROGRAM_ID
     except ValueError:
         raise typer.BadParameter(f"--program-id {program_id!r} is not a base58 public key") from None
-    return SolanaBackend(url, keypair, run_id, program_id=program)
 
 
 async def connect(server: str | None, keypair, url: str | None = None, run_id: str | None = None,
-                  program_id: str | None = None):
+                  program_id: str | None = None, authorizer=None):
     """A connected backend, or exit with the reason it could not connect."""
     from client.coordinator.backend import BackendError
 
     try:
-        backend = open_backend(server, url, run_id, program_id, keypair)
+        backend = open_backend(server, url, run_id, program_id, keypair, authorizer)
         await backend.connect()
     except BackendError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
@@ -165,7 +246,7 @@ def status(
         board = await asyncio.to_thread(open_board, initial_peers, backend.state.run_id) if initial_peers else None
         try:
             async for state in backend.updates():
-                text = describe(state, now=time.time())
+                text = describe(state, now=time.time()) + "\n" + admission_line(state)
                 if board is not None:
                     text += "\n" + await asyncio.to_thread(loss_line, board, state)
                     text += "\n" + await asyncio.to_thread(dht_workers_line, board, state)

@@ -10,7 +10,7 @@ from solders.keypair import Keypair
 
 from client.coordinator.backend import Backend, BackendError
 from coordinator_program.errors import BY_CODE
-from coordinator_program.instructions import Instruction
+from coordinator_program.instructions import Instruction, JoinRun
 from coordinator_program.state import decode_state
 from local_backend import protocol as p
 
@@ -117,6 +117,9 @@ class TcpBackend(Backend):
                 future.set_result(message)
             elif message.code:
                 log.warning("coordinator: %s", message.message)
+        elif isinstance(message, p.Ping):  # the server closes a connection that stays quiet
+            with contextlib.suppress(BackendError):  # closing already
+                self._send(p.Pong())
         elif isinstance(message, p.Fatal):
             self._fatal = f"the coordinator closed the connection: {message.message}"
         else:
@@ -133,8 +136,9 @@ class TcpBackend(Backend):
         data = ix.encode()
         signed = p.request_message(self._challenge, self._sequence, data)
         co_key, co_sig = b"", b""
-        if self.authorizer is not None:
-            co_key, co_sig = bytes(self.authorizer.pubkey()), bytes(self.authorizer.sign_message(signed))
+        if self.authorizer is not None and isinstance(ix, JoinRun):  # the join authority admits this key only
+            co_key = bytes(self.authorizer.pubkey())
+            co_sig = bytes(self.authorizer.sign_message(p.join_authorization(self.identity, signed)))
         future: asyncio.Future[p.Reply] = asyncio.get_running_loop().create_future()
         self._replies[self._sequence] = future
         self._send(p.Request(self._sequence, data, bytes(self.keypair.sign_message(signed)), co_key, co_sig))

@@ -6,6 +6,10 @@ position once a minute, while the downloaded state stays in memory. Every reques
 client's ed25519 identity over the run, the action, the sha256 of the token (never the token) and a fresh
 nonce, which binds the slot to this process's key and token and makes a captured request useless to replay;
 the grant comes back signed by the service.
+
+The service's key is the run's join authority, and ``AuthSession`` signs like a keypair of it (``pubkey``,
+``sign_message``): given to the coordinator backend as its authorizer, it has the service countersign the join
+the backend is about to send, which the coordinator requires of a permissioned run.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from solders.keypair import Keypair
+from solders.pubkey import Pubkey
+from solders.signature import Signature
 
 from client.identity import verify
 from client.stages import stage_name
@@ -172,6 +178,18 @@ class AuthClient:
     def leave(self) -> None:
         self._call("POST", "/api/leave", self._signed("leave"))
 
+    def countersign(self, message: bytes, authority: Pubkey) -> Signature:
+        """``authority``'s signature over ``message``, a join of this process's key (``AuthSession.sign_message``);
+        ``AuthError`` when the service refuses it or answers with anything else."""
+        answer = self._call("POST", "/api/countersign", self._signed("countersign", message=message.hex()))
+        try:
+            signature = Signature.from_bytes(bytes.fromhex(answer["signature"]))
+        except (KeyError, TypeError, ValueError):
+            signature = None
+        if signature is None or not signature.verify(authority, message):
+            raise AuthError("bad_answer", f"the auth service's countersignature does not verify under {authority}")
+        return signature
+
     # ----- transport -----
 
     def _signed(self, action: str, **fields: Any) -> dict[str, Any]:
@@ -236,6 +254,15 @@ class AuthSession:
             self.client.wait_turn(poll=QUEUE_POLL)
         except AuthError as exc:
             log.warning("the join queue cannot be asked (%s): integrating now", exc)
+
+    def pubkey(self) -> Pubkey:
+        """The join authority: the service's key, which signed the grant."""
+        return Pubkey.from_bytes(bytes.fromhex(self.grant.service))
+
+    def sign_message(self, message: bytes) -> Signature:
+        """The service's countersignature over a join of this process (a TCP ``join_authorization``, or a Solana
+        join_run transaction message), asked over HTTP: it blocks for up to the client's timeout."""
+        return self.client.countersign(message, self.pubkey())
 
     def report_synced(self) -> None:
         """Free the join queue for the next joiner; a service that cannot be told is no reason to stop training

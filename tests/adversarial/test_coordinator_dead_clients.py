@@ -77,7 +77,8 @@ class Clock:
 def run_server(tmp_path: Path, body: Callable[[CoordinatorServer, str, Clock], Awaitable[None]]) -> None:
     async def main() -> None:
         clock = Clock()
-        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(), clock=clock)
+        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(), clock=clock,
+                                   join_authority=rules.NO_AUTHORITY)
         port = await server.start(port=0)
         try:
             await body(server, f"127.0.0.1:{port}", clock)

@@ -127,7 +127,7 @@ def main() -> None:
         config.write_text(STATE_TOML)
         port = free_port()
         server = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", "--config", str(config), "--db",
-                                   str(Path(tmp) / "run.sqlite"), "--port", str(port)],
+                                   str(Path(tmp) / "run.sqlite"), "--port", str(port), "--permissionless"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             for _ in range(300):

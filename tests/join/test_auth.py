@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from solders.keypair import Keypair
 
+from client.identity import load_keypair
 from client.join.auth import AuthClient, AuthError, Grant, confirmation_line, resolve_token
 from local_backend.auth_service import (
     MAX_CONNECTIONS,
@@ -233,6 +234,11 @@ def test_the_auth_service_command_serves_joins(fake_hub, tmp_path) -> None:
         url = line.split("listening on ")[1].split()[0]
         grant = AuthClient(url, Keypair(), RUN).join("tok-alice")
         assert (grant.contributor, grant.num_stages, grant.capacity) == ("alice", 4, 2)
+        # Its key is the run's join authority: kept next to --db (a restart keeps it), printed for serve/create-run.
+        authority = load_keypair(tmp_path / "auth.join-authority.json").pubkey()
+        line = process.stdout.readline()  # type: ignore[union-attr]
+        assert f"join authority {authority}" in line and f"--join-authority {authority}" in line, line
+        assert grant.service == bytes(authority).hex()
     finally:
         process.terminate()
         process.wait(timeout=30)

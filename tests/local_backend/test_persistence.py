@@ -39,7 +39,7 @@ def free_port() -> int:
 
 def start_server(config: Path, db: Path, port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", "--config", str(config), "--db", str(db),
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "--port", str(port), "--permissionless"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -109,5 +109,5 @@ def test_a_database_of_another_run_is_refused(tmp_path: Path) -> None:
     proc.terminate()
     proc.wait(10)
     result = subprocess.run([sys.executable, "-m", "client.cli", "serve", "--config", str(other), "--db", str(db),
-                             "--port", str(port)], capture_output=True, text=True, timeout=60)
+                             "--port", str(port), "--permissionless"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "holds run 'persist'" in result.stderr

@@ -20,6 +20,8 @@ SAMPLES = [
     p.Request(10, b"ix", b"\x05" * 64, b"\x06" * 32, b"\x07" * 64),
     p.Reply(9, 6001, "WrongRunId: nope"),
     p.Fatal("bye"),
+    p.Ping(),
+    p.Pong(),
 ]
 
 

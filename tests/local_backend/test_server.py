@@ -31,7 +31,8 @@ SPEC = parse_run_spec({
 
 def run_with_server(tmp_path: Path, body: Callable[[CoordinatorServer, str], Awaitable[None]]) -> None:
     async def main() -> None:
-        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair())
+        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(),
+                                   join_authority=rules.NO_AUTHORITY)
         port = await server.start(port=0)
         try:
             await body(server, f"127.0.0.1:{port}")

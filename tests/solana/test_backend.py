@@ -15,6 +15,7 @@ from client.coordinator.backend import BackendError
 from client.coordinator.solana import SolanaBackend
 from coordinator_program import errors
 from coordinator_program.instructions import JoinRun
+from coordinator_program.rules import NO_AUTHORITY
 from coordinator_program.state import Phase, Role, encode_state
 from tests.solana.conftest import Localnet, new_run_id, run_spec
 
@@ -26,7 +27,7 @@ async def created_run(localnet: Localnet, authority: Keypair | None = None) -> S
         await localnet.fund(authority)
     run_id = new_run_id()
     backend = SolanaBackend(localnet.url, authority, run_id)
-    await backend.create_run(run_spec(run_id))
+    await backend.create_run(run_spec(run_id), NO_AUTHORITY)
     return backend
 
 
@@ -104,7 +105,8 @@ def test_failures_outside_the_rules_are_backend_errors(localnet: Localnet) -> No
     async def main() -> None:
         creator = await created_run(localnet)
         with pytest.raises(BackendError, match="already exists"):
-            await SolanaBackend(localnet.url, creator.keypair, creator.run_id).create_run(run_spec(creator.run_id))
+            again = SolanaBackend(localnet.url, creator.keypair, creator.run_id)
+            await again.create_run(run_spec(creator.run_id), NO_AUTHORITY)
         with pytest.raises(BackendError, match="does not exist"):
             await connected(localnet, new_run_id())
         broke = await connected(localnet, creator.run_id)  # a keypair with no SOL

@@ -51,11 +51,12 @@ def test_create_run_status_and_tick(localnet: Localnet, tmp_path: Path) -> None:
     config.write_text(STATE_TOML.format(run_id=run_id))
     target = ("--url", localnet.url, "--run-id", run_id)
 
-    code, output = invoke("create-run", *target, "--keypair", key_file, "--config", str(config))
+    create = ("create-run", *target, "--keypair", key_file, "--config", str(config), "--permissionless")
+    code, output = invoke(*create)
     assert code == 0, output
     assert f"created run '{run_id}'" in output and "WaitingForMembers" in output
     code, output = invoke("status", *target)
-    assert code == 0 and "WaitingForMembers" in output, output
+    assert code == 0 and "WaitingForMembers" in output and "admission: permissionless" in output, output
     code, output = invoke("tick", *target, "--keypair", key_file)
     assert code == 0 and "nothing to tick: WaitingForMembers" in output, output
 
@@ -73,7 +74,7 @@ def test_create_run_status_and_tick(localnet: Localnet, tmp_path: Path) -> None:
     assert code == 0 and "ticked: WaitingForMembers -> Warmup" in output, output
     code, output = invoke("status", *target)
     assert code == 0 and "Warmup" in output, output
-    code, output = invoke("create-run", *target, "--keypair", key_file, "--config", str(config))
+    code, output = invoke(*create)
     assert code == 1 and "already exists" in output, output
 
 
@@ -99,11 +100,11 @@ def test_unknown_run_and_bad_config(localnet: Localnet, tmp_path: Path) -> None:
     key_file = str(save_keypair(Keypair(), tmp_path / "id.json"))
     config = tmp_path / "state.toml"
     config.write_text(STATE_TOML.format(run_id="good") + "bogus_key = 1\n")
-    code, output = invoke("create-run", "--url", localnet.url, "--keypair", key_file, "--config", str(config))
+    create = ("create-run", "--url", localnet.url, "--keypair", key_file, "--config", str(config), "--permissionless")
+    code, output = invoke(*create)
     assert code == 1 and "invalid config" in output, output
     config.write_text(STATE_TOML.format(run_id="good"))
-    code, output = invoke("create-run", "--url", localnet.url, "--keypair", key_file, "--config", str(config),
-                          "--run-id", "other")
+    code, output = invoke(*create, "--run-id", "other")
     assert code == 2 and "differs from the config's run_id" in output, output
-    code, output = invoke("create-run", "--url", localnet.url, "--keypair", key_file, "--config", str(config))
+    code, output = invoke(*create)
     assert code == 1 and "no SOL" in output, output  # an unfunded authority cannot pay

@@ -14,6 +14,7 @@ from client.coordinator.solana import SolanaBackend
 from client.identity import save_keypair
 from client.swarm.launcher import Swarm
 from coordinator_program.config import parse_run_spec
+from coordinator_program.rules import NO_AUTHORITY
 from coordinator_program.state import CoordinatorState, Phase
 from tests.solana.conftest import Localnet, new_run_id
 
@@ -41,7 +42,7 @@ def test_a_run_trains_to_the_end_through_the_program(localnet: Localnet, tmp_pat
     async def create_and_watch() -> None:
         await localnet.fund(authority, *keys.values())
         creator = SolanaBackend(localnet.url, authority, run_id)
-        await creator.create_run(tiny_spec(run_id))
+        await creator.create_run(tiny_spec(run_id), NO_AUTHORITY)
         try:
             swarm.start_dht()
             for name, key in keys.items():

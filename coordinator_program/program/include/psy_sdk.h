@@ -8,7 +8,7 @@
  *   - the entrypoint input deserializer (psy_deserialize) for the loader's aligned input format;
  *   - syscall prototypes (sol_*), which the linker turns into dynamic syscall relocations;
  *   - pubkey comparison, unaligned little-endian loads/stores for Borsh-style codecs, logging macros;
- *   - system program CPI helpers (create_account, transfer) with PDA signing;
+ *   - system program CPI helpers (create_account, transfer, allocate, assign) with PDA signing;
  *   - a bump allocator on the 32 KiB heap (there is no writable global data in SBPFv0);
  *   - return-code conventions (builtin program errors, custom and Anchor-style errors).
  *
@@ -346,7 +346,8 @@ typedef struct {
   uint64_t signers_len;
 } psy_transfer_t;
 
-/* What both system helpers share: a two-account system instruction. */
+/* What the system helpers share: a system instruction over one account (allocate, assign: `second` is NULL)
+ * or two (create_account, transfer). `first` is always a writable signer. */
 typedef struct {
   psy_account_t *first;
   psy_account_t *second;
@@ -359,17 +360,19 @@ typedef struct {
 
 static inline __attribute__((noinline)) uint64_t psy__system_invoke(const psy__system_call_t *c) {
   psy_pubkey_t system_program = {{0}};
+  uint64_t count = c->second != NULL ? 2 : 1;
+  psy_account_t *second = c->second != NULL ? c->second : c->first;
   psy_account_meta_t metas[2] = {
       {c->first->key, true, true},
-      {c->second->key, true, c->second_signs},
+      {second->key, true, c->second_signs},
   };
   /* The runtime writes each account's new data length back into these copies, so copy them back:
-   * after creating an account, new_account->data_len is its new size. */
-  psy_account_t infos[2] = {*c->first, *c->second};
-  psy_instruction_t instruction = {&system_program, metas, 2, c->data, c->data_len};
-  uint64_t err = sol_invoke_signed_c(&instruction, infos, 2, c->signers, c->signers_len);
+   * after creating or allocating an account, its data_len is its new size. */
+  psy_account_t infos[2] = {*c->first, *second};
+  psy_instruction_t instruction = {&system_program, metas, count, c->data, c->data_len};
+  uint64_t err = sol_invoke_signed_c(&instruction, infos, count, c->signers, c->signers_len);
   c->first->data_len = infos[0].data_len;
-  c->second->data_len = infos[1].data_len;
+  second->data_len = infos[count - 1].data_len;
   return err;
 }
 
@@ -391,6 +394,28 @@ static inline uint64_t psy_system_transfer(const psy_transfer_t *args) {
   psy_store_u32(data, 2);
   psy_store_u64(data + 4, args->lamports);
   psy__system_call_t call = {args->from, args->to, false, data, sizeof data, args->signers, args->signers_len};
+  return psy__system_invoke(&call);
+}
+
+/* SystemInstruction::Assign { owner }: bincode u32 tag 1, pubkey. `account` must sign (a PDA through
+ * `signers`), be system-owned and hold no data. */
+static inline uint64_t psy_system_assign(psy_account_t *account, const psy_pubkey_t *owner,
+                                         const psy_signer_seeds_t *signers, uint64_t signers_len) {
+  uint8_t data[4 + PSY_PUBKEY_BYTES];
+  psy_store_u32(data, 1);
+  __builtin_memcpy(data + 4, owner->bytes, PSY_PUBKEY_BYTES);
+  psy__system_call_t call = {account, NULL, false, data, sizeof data, signers, signers_len};
+  return psy__system_invoke(&call);
+}
+
+/* SystemInstruction::Allocate { space }: bincode u32 tag 8, u64. The same conditions as assign; unlike
+ * create_account it does not care how many lamports the account already holds. */
+static inline uint64_t psy_system_allocate(psy_account_t *account, uint64_t space, const psy_signer_seeds_t *signers,
+                                           uint64_t signers_len) {
+  uint8_t data[4 + 8];
+  psy_store_u32(data, 8);
+  psy_store_u64(data + 4, space);
+  psy__system_call_t call = {account, NULL, false, data, sizeof data, signers, signers_len};
   return psy__system_invoke(&call);
 }
 

@@ -1,7 +1,8 @@
 /* init.c: init_coordinator. The client pre-creates the coordinator account (zeroed, owned by this program,
  * exactly the layout's size) in the same transaction, because an account created through CPI grows at most
- * 10 KiB; this instruction creates the small instance PDA ["coordinator", run_id] itself, records the link
- * between the two, and writes the state rules.init_coordinator produces. */
+ * 10 KiB; this instruction creates the small instance PDA ["coordinator", run_id] itself (tolerating lamports
+ * sent to its address beforehand), records the link between the two, and writes the state
+ * rules.init_coordinator produces. */
 #include "coordinator.h"
 
 /* Every byte is zero, compared a heap block of zeros at a time (the heap starts zeroed). */
@@ -33,23 +34,36 @@ static bool valid_run_id(const uint8_t *run_id, uint64_t len) {
   return true;
 }
 
-/* Creates the instance PDA through the system program, rent exempt and owned by this program. */
+/* Creates the instance PDA, rent exempt and owned by this program. Anyone may send lamports to its address
+ * before the run exists, and CreateAccount fails on an address that holds any, which would block the run
+ * id for ever; so the account is made the way that tolerates them: transfer what rent exemption still
+ * lacks, then allocate and assign it, signing for the PDA with its seeds. */
 static uint64_t create_instance(const psy_input_t *in, const uint8_t *run_id, uint64_t run_id_len,
                                 const psy_pubkey_t *found, uint8_t bump) {
   psy_account_t *instance = &in->accounts[1];
   if (!psy_pubkey_eq(found, instance->key)) {
     return PSY_ERROR_INVALID_SEEDS;
   }
-  uint64_t lamports = 0;
-  uint64_t err = psy_rent_exempt_minimum(PSY_INSTANCE_SIZE, &lamports);
+  uint64_t rent = 0;
+  uint64_t err = psy_rent_exempt_minimum(PSY_INSTANCE_SIZE, &rent);
   if (err != PSY_SUCCESS) {
     return err;
+  }
+  if (*instance->lamports < rent) {
+    psy_transfer_t fund = {&in->accounts[0], instance, rent - *instance->lamports, NULL, 0};
+    err = psy_system_transfer(&fund);
+    if (err != PSY_SUCCESS) {
+      return err;
+    }
   }
   psy_bytes_t seeds[3] = {
       {(const uint8_t *)PSY_INSTANCE_SEED, sizeof(PSY_INSTANCE_SEED) - 1}, {run_id, run_id_len}, {&bump, 1}};
   psy_signer_seeds_t signer = {seeds, 3};
-  psy_create_account_t create = {&in->accounts[0], instance, lamports, PSY_INSTANCE_SIZE, in->program_id, &signer, 1};
-  return psy_system_create_account(&create);
+  err = psy_system_allocate(instance, PSY_INSTANCE_SIZE, &signer, 1);
+  if (err != PSY_SUCCESS) {
+    return err;
+  }
+  return psy_system_assign(instance, in->program_id, &signer, 1);
 }
 
 uint64_t psy_init_coordinator(const psy_input_t *in) {
