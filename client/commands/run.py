@@ -1,17 +1,30 @@
-"""``psyswarm join-run``: contribute a stage worker or a trainer to a run."""
+"""``psyswarm join-run``: contribute a stage worker or a trainer to a run.
+
+Its log goes to stdout. A problem that ends the client (a join that cannot succeed, a DHT it cannot reach, a
+dataset it does not have) is one line on stderr, naming the problem and the fix, and a non-zero exit status.
+SIGTERM or Ctrl+C stops it within ``STOP_GRACE`` seconds, whatever it is doing.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from client.commands.coordinator import KEYPAIR_HELP, ProgramId, Server, Url
 from client.commands.pipeline import InitialPeers
 from client.identity import DEFAULT_KEYPAIR_PATH
+from client.join.checkpoints import SNAPSHOT_EVERY
 
 if TYPE_CHECKING:
     from solders.keypair import Keypair
@@ -36,6 +49,92 @@ def parse_stage(text: str | None) -> int:
     raise typer.BadParameter(f"{text!r} is not a stage: use head, body1..bodyK, tail or a number")
 
 
+STOP_GRACE = 8.0
+"""Seconds from SIGTERM or Ctrl+C to the process's end at the latest: the client's clean leave gets
+``runner.STOP_TIMEOUT`` of them; past STOP_GRACE the process ends regardless."""
+STOPPED = "stopped; the coordinator drops this client at the next health check"
+
+
+class Stopper:
+    """Stops the client on SIGTERM or SIGINT within ``grace`` seconds, whatever it is doing.
+
+    The first signal cancels the running client, whose clean leave is bounded (before the event loop runs, it
+    interrupts the main thread instead), and arms a timer that ends the process after ``grace`` seconds whatever
+    still runs: threads busy with compute, a download or a peer that does not answer cannot be interrupted, and
+    Python would wait for them. A second signal ends the process at once.
+    """
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.requested = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.task: asyncio.Task | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.requested:
+            end_process(0, STOPPED)
+        self.requested = True
+        timer = threading.Timer(self.grace, end_process, (0, f"{STOPPED} (its clean leave was cut short)"))
+        timer.daemon = True
+        timer.start()
+        if self.loop is None or self.task is None:
+            raise KeyboardInterrupt
+        self.loop.call_soon_threadsafe(self.task.cancel)
+
+    def run(self, main: Coroutine[Any, Any, None]) -> None:
+        """Run ``main`` on a fresh event loop; ``KeyboardInterrupt`` if a signal stopped it. The loop's threads are
+        not waited for (``asyncio.run`` would: a thread stuck in compute would hold the process)."""
+        loop = asyncio.new_event_loop()
+        self.loop, self.task = loop, loop.create_task(main)
+        try:
+            loop.run_until_complete(self.task)
+        except asyncio.CancelledError:
+            if not self.requested:
+                raise
+            raise KeyboardInterrupt from None
+        finally:
+            self.task = None
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            if left:
+                loop.run_until_complete(asyncio.wait(left, timeout=1.0))
+            loop.close()
+            self.loop = None
+
+
+def end_process(code: int, line: str | None = None) -> None:
+    """Print ``line`` and end the process with ``code`` now, not waiting for threads or helper processes that are
+    still busy: they cannot be interrupted, and helpers die with this process (``client.helper_processes``). Safe
+    in a signal handler, which may interrupt a write to stdout."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, RuntimeError):  # RuntimeError: a reentrant call, from a signal handler
+            stream.flush()
+    if line is not None:
+        os.write(sys.stdout.fileno(), f"{line}\n".encode())
+    os._exit(code)
+
+
+def finish(code: int) -> None:
+    """End ``join-run`` with ``code``: at once if a thread or a helper process is still busy, which Python would
+    wait for; otherwise as any command ends."""
+    busy = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if busy or multiprocessing.active_children():
+        end_process(code)
+    if code:
+        raise typer.Exit(code)
+
+
+def fail(line: str, code: int = 1) -> typer.Exit:
+    """Say why the client cannot go on, on one line of stderr; the caller raises what this returns."""
+    typer.secho(" ".join(line.split()), fg=typer.colors.RED, err=True)
+    return typer.Exit(code)
+
+
 def join_run(
     run_id: Annotated[str, typer.Option(help="The run to join; must match the coordinator's.")],
     role: Annotated[str, typer.Option(help="worker (holds one pipeline stage) or trainer (routes data).")],
@@ -56,26 +155,27 @@ def join_run(
                                                       "Hugging Face repo (branch epoch-N) instead of "
                                                       "--checkpoint-dir.")] = None,
     auth_url: Annotated[str | None, typer.Option(help="The run's auth service (`psyswarm auth-service`): it "
-                                                     "exchanges your Hugging Face token for a contributor slot "
-                                                     "and assigns the stage. Omit for an open run.")] = None,
+                                                     "exchanges your Hugging Face token for a contributor slot, "
+                                                     "assigns the stage and countersigns the join. Omit for a "
+                                                     "permissionless run.")] = None,
     hf_token: Annotated[str | None, typer.Option(
         envvar="HF_TOKEN", help="Hugging Face token for --auth-url and --hub-repo [default: the huggingface_hub "
                                 "login].")] = None,
     hf_endpoint: Annotated[str | None, typer.Option(envvar="HF_ENDPOINT", help="Hugging Face endpoint (for a "
                                                                                "mirror or a private hub).")] = None,
+    snapshot_every: Annotated[int, typer.Option(help="A worker snapshots its stage under --checkpoint-dir every N "
+                                                     "steps (0: never); if the stage empties, its next worker "
+                                                     "starts from the newest snapshot.", min=0)] = SNAPSHOT_EVERY,
 ) -> None:
     """Join a run and contribute until it finishes: queue, load the model at warmup, train each round."""
-    import signal
-
     from client.commands.coordinator import check_target, connect, open_backend, open_identity
     from client.coordinator.backend import BackendError
-    from client.runner import Contributor, ContributorRemoved, RunnerOptions
+    from client.runner import CannotContribute, Contributor, ContributorRemoved, RunnerOptions
     from coordinator_program import limits
     from coordinator_program.state import Role
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per RPC call drowns the run's own lines
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly: leave the DHT, close sockets
+    stopper = Stopper(STOP_GRACE)
+    stopper.install()
     check_target(server, url, run_id)
     if role not in ("worker", "trainer"):
         raise typer.BadParameter(f"--role must be worker or trainer, not {role!r}")
@@ -86,35 +186,37 @@ def join_run(
         raise typer.BadParameter("a trainer holds no stage: drop --stage")
     if auth_url and stage is not None:
         raise typer.BadParameter("the auth service assigns the stage: drop --stage when using --auth-url")
+    log_to_stdout()
     if threads:
         import torch
 
         torch.set_num_threads(threads)
-    identity = open_identity(keypair, required=True)
-    auth = authorize(auth_url, identity, run_id, role, hf_token) if auth_url else None
-    if auth is not None and role == "worker":
-        wanted = auth.grant.stage
 
     async def run() -> None:
-        backend = await connect(server, identity, url, run_id, program_id)
+        backend = await connect(server, identity, url, run_id, program_id, authorizer=auth)
         state = backend.state
         if state.run_id != run_id:
             await backend.close()
-            typer.secho(f"the coordinator at {server or url} serves run {state.run_id!r}, not {run_id!r}",
-                        fg=typer.colors.RED, err=True)
+            raise fail(f"the coordinator at {server or url} serves run {state.run_id!r}, not {run_id!r}: check "
+                       "--run-id and the coordinator's address")
+        refusal = admission_mismatch(state.join_authority, auth)
+        if refusal is not None:
+            await backend.close()
+            typer.secho(refusal, fg=typer.colors.RED, err=True)
             raise typer.Exit(1)
         num_stages = state.config.num_stages
         chosen = num_stages - 1 if wanted == -1 else wanted
         if role == "worker" and chosen != limits.NO_STAGE and chosen >= num_stages:
             await backend.close()
-            asked = f"the auth service's stage {chosen}" if auth is not None else repr(stage)
-            raise typer.BadParameter(f"this run has {num_stages} stages; {asked} is not one of them")
+            asked = f"the auth service's stage {chosen}" if auth is not None else f"--stage {stage}"
+            raise fail(f"this run has {num_stages} stages, and {asked} is not one of them: ask for "
+                       f"{stage_choices(num_stages)}, or leave --stage out", code=2)
         options = RunnerOptions(role=Role.Worker if role == "worker" else Role.Trainer,
                                 initial_peers=list(initial_peers), stage=chosen, checkpoint_dir=checkpoint_dir,
                                 host=host, wire_dtype=wire_dtype, hub_repo=hub_repo, hf_token=hf_token,
-                                hf_endpoint=hf_endpoint, auth=auth)
+                                hf_endpoint=hf_endpoint, auth=auth, snapshot_every=snapshot_every)
         async def reconnect():
-            fresh = open_backend(server, url, run_id, program_id, identity)
+            fresh = open_backend(server, url, run_id, program_id, identity, authorizer=auth)
             await fresh.connect()
             return fresh
 
@@ -122,20 +224,62 @@ def join_run(
         try:
             await contributor.run(reconnect)
         except BackendError as exc:
-            typer.secho(f"gave up on the coordinator: {exc}; rerun the same command to rejoin",
-                        fg=typer.colors.RED, err=True)
-            raise typer.Exit(1) from None
+            raise fail(str(exc) if exc.permanent else
+                       f"gave up on the coordinator: {exc}; rerun the same command to rejoin") from None
+        except CannotContribute as exc:
+            raise fail(str(exc)) from None
         except ContributorRemoved as exc:
-            typer.secho(f"left the run: {exc}; check this machine's network, then rerun the same command",
-                        fg=typer.colors.RED, err=True)
-            raise typer.Exit(1) from None
+            raise fail(f"left the run: {exc}; check this machine's network, then rerun the same command") from None
         finally:
             await contributor.backend.close()
 
+    code = 0
     try:
-        asyncio.run(run())
+        identity = open_identity(keypair, required=True)
+        auth = authorize(auth_url, identity, run_id, role, hf_token) if auth_url else None
+        if auth is not None and role == "worker":
+            wanted = auth.grant.stage
+        stopper.run(run())
     except KeyboardInterrupt:
-        typer.echo("stopped; the coordinator drops this client at the next health check")
+        typer.echo(STOPPED)
+    except typer.Exit as exc:
+        code = exc.exit_code
+    finish(code)
+
+
+def stage_choices(num_stages: int) -> str:
+    """The stages a worker may ask for, as ``--stage`` takes them."""
+    from client.stages import stage_names
+
+    names = stage_names(num_stages)
+    return ", ".join(names) if num_stages <= 4 else f"head, body1..{names[-2]}, tail"
+
+
+def log_to_stdout() -> None:
+    """The client's log, hivemind's and Python's warnings go to stdout, leaving stderr to the line that says why
+    the client stopped, if it had to."""
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stdout)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per RPC call drowns the run's own lines
+    logging.captureWarnings(True)
+    use_hivemind_log_handler("nowhere")
+
+
+def admission_mismatch(join_authority: bytes, auth: AuthSession | None) -> str | None:
+    """Why the coordinator would refuse every join of this client, known before trying: a permissioned run
+    joined without its auth service, or through an auth service that is not the run's join authority."""
+    from coordinator_program.rules import NO_AUTHORITY, admission
+
+    if join_authority == NO_AUTHORITY:
+        return None
+    if auth is None:
+        return f"this run is {admission(join_authority)}: join through its auth service with --auth-url"
+    if bytes(auth.pubkey()) != join_authority:
+        return (f"the auth service's key {auth.pubkey()} is not this run's join authority: the run is "
+                f"{admission(join_authority)}; check --auth-url")
+    return None
 
 
 def authorize(url: str, keypair: Keypair, run_id: str, role: str, hf_token: str | None) -> AuthSession:

@@ -1,4 +1,5 @@
-"""Commands for the Solana backend: ``create-run`` on a cluster, and ``localnet``, a local development chain."""
+"""Commands for the Solana backend: ``create-run`` on a cluster, ``localnet``, a local development chain, and
+``airdrop``, transaction fees for a contributor on a chain that gives SOL away (localnet, devnet, testnet)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from client.commands.coordinator import KEYPAIR_HELP, ProgramId
+from client.commands.coordinator import KEYPAIR_HELP, JoinAuthority, Permissionless, ProgramId
 from client.identity import DEFAULT_KEYPAIR_PATH
 
 LOCALNET_FUNDS = 1_000 * 10**9
@@ -25,15 +26,19 @@ def create_run(
     keypair: Annotated[Path, typer.Option(help=KEYPAIR_HELP + " It pays, and becomes the run's main authority.")] = (
         DEFAULT_KEYPAIR_PATH),
     program_id: ProgramId = None,
+    join_authority: JoinAuthority = None,
+    permissionless: Permissionless = False,
 ) -> None:
-    """Create a run on chain, configure it from state.toml and open it to members, in one transaction."""
+    """Create a run on chain, configure it from state.toml and open it to members, in one transaction. Give
+    --join-authority (joins need the auth service's countersignature) or --permissionless."""
     from client.commands.config import load_spec_or_exit
-    from client.commands.coordinator import open_backend, open_identity
+    from client.commands.coordinator import admission_line, chosen_join_authority, open_backend, open_identity
     from client.coordinator.backend import BackendError
     from client.coordinator.solana import SolanaBackend
     from client.swarm.status import describe
     from coordinator_program.errors import CoordinatorError
 
+    admits = chosen_join_authority(join_authority, permissionless)
     spec = load_spec_or_exit(config)
     if run_id is not None and run_id != spec.run_id:
         raise typer.BadParameter(f"--run-id {run_id!r} differs from the config's run_id {spec.run_id!r}")
@@ -43,11 +48,11 @@ def create_run(
         backend = open_backend(None, url, spec.run_id, program_id, authority)
         assert isinstance(backend, SolanaBackend)
         try:
-            await backend.create_run(spec)
+            await backend.create_run(spec, admits)
             typer.echo(f"created run {spec.run_id!r} on {backend.url}: coordinator account "
                        f"{backend.coordinator_address}, instance {backend.instance_address}, "
                        f"program {backend.program_id}")
-            typer.echo(describe(backend.state, now=time.time()))
+            typer.echo(describe(backend.state, now=time.time()) + "\n" + admission_line(backend.state))
         finally:
             await backend.close()
 
@@ -67,23 +72,14 @@ def localnet(
 ) -> None:
     """Run a local Solana chain with the coordinator program, for development: JSON-RPC over HTTP and
     accountSubscribe over websocket, on LiteSVM, its clock following wall time."""
-    from solders.pubkey import Pubkey
-
-    from client.identity import KeypairError, load_keypair
+    from client.commands.coordinator import public_key
     from coordinator_program.localnet.chain import LocalChain
     from coordinator_program.localnet.server import run_localnet
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("websockets").setLevel(logging.WARNING)  # not a line per subscriber connection
-    recipients: list[Pubkey] = []
-    for item in fund or ([str(DEFAULT_KEYPAIR_PATH)] if DEFAULT_KEYPAIR_PATH.expanduser().exists() else []):
-        try:
-            recipients.append(Pubkey.from_string(item))
-        except ValueError:
-            try:
-                recipients.append(load_keypair(item).pubkey())
-            except KeypairError as exc:
-                raise typer.BadParameter(f"--fund {item!r}: not a public key, and {exc}") from None
+    defaults = [str(DEFAULT_KEYPAIR_PATH)] if DEFAULT_KEYPAIR_PATH.expanduser().exists() else []
+    recipients = [public_key(item, "--fund") for item in fund or defaults]
     chain = LocalChain()
     for recipient in recipients:
         chain.airdrop(recipient, LOCALNET_FUNDS)
@@ -101,6 +97,42 @@ def localnet(
         raise typer.Exit(1) from None
 
 
+def airdrop(
+    url: Annotated[str, typer.Option("--url", "-u", help="The Solana cluster: an RPC URL or localhost, devnet, "
+                                                         "testnet (mainnet-beta gives no SOL away).")],
+    keypair: Annotated[Path, typer.Option("--keypair", "-k", help=KEYPAIR_HELP + " It receives the SOL.")] = (
+        DEFAULT_KEYPAIR_PATH),
+    sol: Annotated[float, typer.Option(min=0.001, max=1_000.0, help="How much to ask for, in SOL.")] = 10.0,
+) -> None:
+    """Ask the cluster for SOL: every contributor on a Solana run pays its transactions' fees."""
+    from solana.rpc.api import Client
+    from solana.rpc.commitment import Confirmed
+
+    from client.commands.coordinator import open_identity
+    from client.coordinator.backend import BackendError
+    from client.coordinator.solana import resolve_url
+
+    try:
+        rpc = resolve_url(url)
+    except BackendError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    pubkey = open_identity(keypair, required=True).pubkey()
+    client = Client(rpc, commitment=Confirmed, timeout=30)
+    try:
+        signature = client.request_airdrop(pubkey, round(sol * 10**9)).value
+        deadline = time.monotonic() + 60
+        while client.get_signature_statuses([signature]).value[0] is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        balance = client.get_balance(pubkey).value
+    except Exception as exc:  # the RPC's errors come as several exception types; each is one line for the user
+        reason = str(exc).strip() or type(exc).__name__
+        typer.secho(f"airdrop to {pubkey} on {rpc} failed: {reason} (mainnet-beta and some RPC providers give "
+                    "no SOL away: fund the key with a transfer instead)", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{pubkey} holds {balance / 10**9:,.4f} SOL on {rpc}")
+
+
 def register(app: typer.Typer) -> None:
     app.command("create-run")(create_run)
     app.command()(localnet)
+    app.command()(airdrop)

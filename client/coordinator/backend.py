@@ -28,7 +28,16 @@ from coordinator_program.state import CoordinatorState, Role
 
 class BackendError(RuntimeError):
     """The backend could not be reached or refused a request for a reason outside the coordinator's rules
-    (authentication, replay, transport); the message says what to do."""
+    (authentication, replay, transport); the message says what to do.
+
+    Most such failures pass (a restarted server, a network cut), and a client reconnects. ``permanent`` marks
+    those that trying again cannot cure (an identity with nothing to pay fees with, a run that does not exist or
+    was closed): the client stops and prints the message instead.
+    """
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 class Backend(abc.ABC):
@@ -41,6 +50,7 @@ class Backend(abc.ABC):
         self._state: CoordinatorState | None = None
         self._changed = asyncio.Condition()
         self.closed_reason: str | None = None
+        self.closed_permanently = False
 
     @property
     @abc.abstractmethod
@@ -65,15 +75,17 @@ class Backend(abc.ABC):
             raise BackendError("not connected: no coordinator state yet")
         return self._state
 
-    async def _mark_closed(self, reason: str) -> None:
-        """The connection is gone: wake every follower so it raises instead of waiting forever."""
+    async def _mark_closed(self, reason: str, *, permanent: bool = False) -> None:
+        """The connection is gone: wake every follower so it raises instead of waiting forever (``permanent``: a
+        new connection cannot help, see ``BackendError``)."""
         async with self._changed:
-            self.closed_reason = self.closed_reason or reason
+            if self.closed_reason is None:
+                self.closed_reason, self.closed_permanently = reason, permanent
             self._changed.notify_all()
 
     def _check_open(self) -> None:
         if self.closed_reason is not None:
-            raise BackendError(self.closed_reason)
+            raise BackendError(self.closed_reason, permanent=self.closed_permanently)
 
     async def _publish(self, state: CoordinatorState) -> None:
         """Adopt a newer state and wake the followers; older or equal nonces are ignored."""

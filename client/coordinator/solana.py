@@ -7,7 +7,14 @@
   blockhash) is a ``BackendError`` that says what happened.
 - A run is found from its id alone: the instance PDA ``["coordinator", run_id]`` names the coordinator
   account. ``create_run`` puts that account at ``create_with_seed(creator, run_id, program)`` so that the
-  creator knows it offline and a second creation of the same run fails before any transaction.
+  creator knows it offline and a second creation of the same run fails before any transaction. Anyone can
+  send lamports to both addresses before the run exists, so neither is made with a CreateAccount (which fails
+  on an address holding any): the client tops the coordinator account up to rent exemption and allocates it
+  with its seed, and the program does the same for the instance PDA with the PDA's seeds.
+- A run with a join authority needs each join_run co-signed by it. The authority co-signs the transaction
+  itself: the backend builds the message, hands its bytes to the ``Cosigner`` (a keypair, or the client's
+  session with the run's auth service, which checks the message and answers with its signature), and adds
+  that signature as a ``Presigner``; the program checks nothing new, as the authorizer is a signer of join_run.
 - The state is followed as Psyche's clients follow it: ``accountSubscribe`` over the cluster's websocket,
   ignoring notifications whose nonce is not newer (the base class does), and polling the account when the
   websocket is unavailable. After each instruction the account is read again, so the caller sees its effect.
@@ -20,7 +27,7 @@ import contextlib
 import functools
 import json
 import logging
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from anchorpy import Context, Idl, Program, Provider, Wallet
@@ -31,14 +38,17 @@ from solana.rpc.commitment import Commitment, Confirmed
 from solana.rpc.core import RPCException, TransactionExpiredBlockheightExceededError
 from solana.rpc.types import TxOpts
 from solana.rpc.websocket_api import SubscriptionError, connect
+from solders.errors import SignerError
 from solders.instruction import Instruction as SolanaInstruction
 from solders.keypair import Keypair
 from solders.message import Message
+from solders.presigner import Presigner
 from solders.pubkey import Pubkey
 from solders.rpc.errors import SendTransactionPreflightFailureMessage
 from solders.rpc.responses import AccountNotification
+from solders.signature import Signature
 from solders.system_program import ID as SYSTEM_PROGRAM_ID
-from solders.system_program import CreateAccountWithSeedParams, create_account_with_seed
+from solders.system_program import AllocateWithSeedParams, TransferParams, allocate_with_seed, transfer
 from solders.transaction import VersionedTransaction
 from solders.transaction_status import (
     InstructionErrorCustom,
@@ -99,11 +109,20 @@ def _idl() -> tuple[Idl, dict[str, Any]]:
     return Idl.from_json(text), json.loads(text)
 
 
+class Cosigner(Protocol):
+    """What co-signs a join: a ``Keypair``, or anything that signs like one (``client.join.auth.AuthSession``
+    asks the run's auth service)."""
+
+    def pubkey(self) -> Pubkey: ...
+
+    def sign_message(self, message: bytes) -> Signature: ...
+
+
 class SolanaBackend(Backend):
     """One run's coordinator on a Solana cluster, reached through its RPC and pubsub endpoints."""
 
     def __init__(self, url: str, keypair: Keypair, run_id: str, *, program_id: Pubkey = PROGRAM_ID,
-                 authorizer: Keypair | None = None, ws_url: str | None = None,
+                 authorizer: Cosigner | None = None, ws_url: str | None = None,
                  commitment: Commitment = Confirmed, poll_interval: float = POLL_INTERVAL) -> None:
         super().__init__()
         self.url = resolve_url(url)
@@ -128,14 +147,15 @@ class SolanaBackend(Backend):
         On failure the HTTP client is closed too, so that retrying with fresh backends leaks nothing."""
         try:
             data = await self._read(self.instance_address)
-            if data is None:
+            if not data:  # no account, or only lamports someone sent to the address
                 raise BackendError(f"run {self.run_id!r} does not exist on {self.url} (no instance account "
                                    f"{self.instance_address} under program {self.program_id}); create it with "
-                                   "`psyswarm create-run`, or check --run-id and --program-id")
+                                   "`psyswarm create-run`, or check --run-id and --program-id", permanent=True)
             try:
                 self.coordinator_address = Pubkey.from_bytes(decode_instance(data).coordinator_account)
             except LayoutError as exc:
-                raise BackendError(f"{self.instance_address} is not a coordinator instance: {exc}") from None
+                raise BackendError(f"{self.instance_address} is not a coordinator instance: {exc}",
+                                   permanent=True) from None
             await self.refresh()
         except BackendError:
             await self.client.close()
@@ -157,11 +177,12 @@ class SolanaBackend(Backend):
     async def _adopt(self, data: bytes | None) -> None:
         if not data:  # a closed account reads as missing, and is notified as empty
             raise BackendError(f"run {self.run_id!r} was closed: its coordinator account "
-                               f"{self.coordinator_address} is gone")
+                               f"{self.coordinator_address} is gone", permanent=True)
         try:
             state = decode_state(data)
         except LayoutError as exc:
-            raise BackendError(f"the coordinator account does not decode: {exc}") from None
+            raise BackendError(f"the coordinator account does not decode: {exc}; update psyswarm to the run's "
+                               "version", permanent=True) from None
         await self._publish(state)
 
     async def _follow(self) -> None:
@@ -178,7 +199,7 @@ class SolanaBackend(Backend):
                     await asyncio.sleep(self.poll_interval)
                     await self.refresh()
         except BackendError as exc:
-            await self._mark_closed(str(exc))
+            await self._mark_closed(str(exc), permanent=exc.permanent)
 
     async def _subscribe(self) -> None:
         async with connect(self.ws_url, open_timeout=10) as ws:
@@ -232,19 +253,19 @@ class SolanaBackend(Backend):
 
     async def submit(self, ix: Instruction) -> None:
         self._check_open()
-        signers = [self.keypair, self.authorizer] if isinstance(ix, JoinRun) and self.authorizer else [self.keypair]
-        await self._send([self.instruction(ix)], signers, ix.NAME)
+        cosigner = self.authorizer if isinstance(ix, JoinRun) else None
+        await self._send([self.instruction(ix)], ix.NAME, cosigner)
         await self.refresh()
 
-    async def _send(self, instructions: list[SolanaInstruction], signers: list[Keypair], what: str) -> None:
-        """One transaction paid by this client; returns once it is confirmed, raises if it failed."""
-        unique = list({signer.pubkey(): signer for signer in signers}.values())
+    async def _send(self, instructions: list[SolanaInstruction], what: str, cosigner: Cosigner | None = None) -> None:
+        """One transaction paid and signed by this client, and co-signed by ``cosigner`` when given; returns once
+        it is confirmed, raises if it failed."""
         try:
             latest = (await self.client.get_latest_blockhash()).value
             message = Message.new_with_blockhash(instructions, self.keypair.pubkey(), latest.blockhash)
+            transaction = await self._signed(message, cosigner, what)
             sent = await self.client.send_transaction(
-                VersionedTransaction(message, unique),
-                TxOpts(skip_confirmation=True, preflight_commitment=self.commitment))
+                transaction, TxOpts(skip_confirmation=True, preflight_commitment=self.commitment))
             statuses = await self.client.confirm_transaction(
                 sent.value, self.commitment, CONFIRM_POLL, latest.last_valid_block_height)
         except RPCException as exc:
@@ -256,6 +277,19 @@ class SolanaBackend(Backend):
         status = statuses.value[0]
         if status is not None and status.err is not None:
             raise self._failure(status.err, [], instructions, what)
+
+    async def _signed(self, message: Message, cosigner: Cosigner | None, what: str) -> VersionedTransaction:
+        """``message`` signed by this client and by ``cosigner`` (asked off the event loop: an auth service
+        answers over HTTP)."""
+        signers: list[Keypair | Presigner] = [self.keypair]
+        if cosigner is not None and cosigner.pubkey() != self.keypair.pubkey():
+            signature = await asyncio.to_thread(cosigner.sign_message, bytes(message))
+            signers.append(Presigner(cosigner.pubkey(), signature))
+        try:
+            return VersionedTransaction(message, signers)
+        except SignerError:  # only the co-signer's signature can fail to be one over this message
+            raise BackendError(f"{what}: the co-signature of {signers[-1].pubkey()} does not verify over this "
+                               "transaction") from None
 
     def _rejection(self, error: Any, instructions: list[SolanaInstruction], what: str) -> Exception:
         """The exception for an RPC error reply to sendTransaction."""
@@ -271,7 +305,7 @@ class SolanaBackend(Backend):
             return BY_CODE[err.err.code]()
         if err in (TransactionErrorFieldless.AccountNotFound, TransactionErrorFieldless.InsufficientFundsForFee):
             return BackendError(f"{what}: {self.keypair.pubkey()} has no SOL to pay the fee on {self.url}; fund it "
-                                "first (on a local chain, with the requestAirdrop RPC method)")
+                                "first (on a local chain, with the requestAirdrop RPC method)", permanent=True)
         detail = "; ".join(logs[-3:])
         return BackendError(f"{what} failed on chain: {err}" + (f" ({detail})" if detail else ""))
 
@@ -281,27 +315,42 @@ class SolanaBackend(Backend):
         """Replace the run's config, model and checkpoint (the main authority only, while the run is halted)."""
         await self.submit(Update(spec.config, spec.model, spec.checkpoint))
 
-    async def create_run(self, spec: RunSpec, join_authority: bytes = bytes(32)) -> None:
+    async def create_run(self, spec: RunSpec, join_authority: bytes) -> None:
         """Create, configure and start this backend's run in one transaction, then connect to it.
 
-        The transaction pre-creates the coordinator account (too large to be created by the program), then
-        runs init_coordinator, update, set_paused(false) and a tick, so a run is either created whole and
-        waiting for members, or not at all. ``join_authority`` of all zeros lets anyone join.
+        The transaction creates the coordinator account (too large to be created by the program), then runs
+        init_coordinator, update, set_paused(false) and a tick, so a run is either created whole and waiting
+        for members, or not at all. ``join_authority`` must co-sign every join (the run's auth service's key);
+        ``rules.NO_AUTHORITY`` lets anyone join, which is for the creator to choose, so there is no default.
         """
         if spec.run_id != self.run_id:
             raise BackendError(f"the config describes run {spec.run_id!r}, not {self.run_id!r}")
-        if await self._read(self.instance_address) is not None:
+        if await self._read(self.instance_address):  # lamports alone at the address (anyone may send them) are no run
             raise BackendError(f"run {self.run_id!r} already exists on {self.url} (instance {self.instance_address})")
         me = self.keypair.pubkey()
         self.coordinator_address = Pubkey.create_with_seed(me, self.run_id, self.program_id)
-        try:
-            rent = (await self.client.get_minimum_balance_for_rent_exemption(ACCOUNT_SIZE)).value
-        except (SolanaRpcException, RPCException, OSError) as exc:
-            raise BackendError(f"cannot reach the Solana RPC at {self.url}: {exc}") from None
-        create = create_account_with_seed(CreateAccountWithSeedParams(
-            from_pubkey=me, to_pubkey=self.coordinator_address, base=me, seed=self.run_id, lamports=rent,
-            space=ACCOUNT_SIZE, owner=self.program_id))
         steps = (InitCoordinator(self.run_id, bytes(me), join_authority),
                  Update(spec.config, spec.model, spec.checkpoint), SetPaused(False), Tick())
-        await self._send([create, *map(self.instruction, steps)], [self.keypair], "create-run")
+        await self._send([*await self._allocate_coordinator_account(), *map(self.instruction, steps)], "create-run")
         await self.connect()
+
+    async def _allocate_coordinator_account(self) -> list[SolanaInstruction]:
+        """The system instructions that make the coordinator account: a transfer of what rent exemption still
+        lacks, then ``allocate_with_seed``, which also assigns it to the program.
+
+        createAccountWithSeed would fail, and block the run id for ever, on an address that already holds
+        lamports, and anyone may send some there. This way tolerates them, even ones sent after the balance was
+        read: they only make the account hold more than it needs.
+        """
+        me, address = self.keypair.pubkey(), self.coordinator_address
+        assert address is not None
+        try:
+            rent = (await self.client.get_minimum_balance_for_rent_exemption(ACCOUNT_SIZE)).value
+            held = (await self.client.get_balance(address)).value
+        except (SolanaRpcException, RPCException, OSError) as exc:
+            raise BackendError(f"cannot reach the Solana RPC at {self.url}: {exc}") from None
+        allocate = allocate_with_seed(AllocateWithSeedParams(
+            address=address, base=me, seed=self.run_id, space=ACCOUNT_SIZE, owner=self.program_id))
+        if held >= rent:
+            return [allocate]
+        return [transfer(TransferParams(from_pubkey=me, to_pubkey=address, lamports=rent - held)), allocate]

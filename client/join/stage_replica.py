@@ -4,8 +4,10 @@ The runner builds one ``StageReplica`` when a worker takes a stage. It carries o
 join flow (seeds/contributor-join-flow.txt) and of fault tolerance (seeds/fault-tolerance.txt):
 
 - State: the first source that holds the stage, in order: the auth service's snapshot (the seed's periodic
-  checkpoint), the run's own checkpoint (Hub or a local directory), same-stage peers (hivemind state
-  sharing, outside the join blocking window), and at step 0 the run's seed, which every worker shares.
+  checkpoint), the run's own checkpoint (Hub or a local directory), the newest of the stage's periodic
+  snapshots on this machine (``client.join.checkpoints``: what a stage that emptied leaves behind), same-stage
+  peers (hivemind state sharing, outside the join blocking window), and at step 0 the run's seed, which every
+  worker shares.
 - Sync: a state more than ``max_allowed_stale`` steps behind the swarm goes through phase 1 (invisible to
   trainers, averaging weight 0) and phase 2 (routed to, weight 0) before full participation — provided the
   stage has another worker to catch up with; a lone worker *is* its stage and starts active.
@@ -24,9 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from solders.keypair import Keypair
 
 from client.averaging.sparta import AveragingResult, AveragingStatus, SpartaAverager, SpartaSettings, averaging_index
+from client.join.checkpoints import save_snapshot, snapshot_dirs
 from client.join.state_download import (
     JoinWindow,
     StageState,
@@ -70,6 +74,7 @@ class StateSources:
     """Where a worker taking a stage may find its state, besides the run's checkpoint and its peers."""
 
     snapshot: tuple[str, str] | None = None  # (Hub repo, revision) the auth service's grant names
+    snapshots: Path | None = None  # this machine's periodic snapshots of the run (``checkpoints.snapshot_root``)
     hf_token: str | None = None
     hf_endpoint: str | None = None
 
@@ -145,6 +150,9 @@ class StageReplica:
                  lambda: load_local(Path(checkpoint.repo) / checkpoint.revision, self.stage))
         if checkpoint.kind == CheckpointKind.Local and held:
             attempts.append(local)
+        if sources.snapshots is not None and state.step > 0:  # at step 0 the seed is the state; any snapshot is older
+            root = sources.snapshots
+            attempts.append((f"the snapshots in {root}", lambda: self._newest_snapshot(root, state.step)))
         if state.step > 0 and self.peers():  # at step 0 every peer holds the seed's model: nothing to fetch
             attempts.append(("same-stage peers", lambda: self._from_peers(state, swarm_step)))
         if checkpoint.kind == CheckpointKind.P2P and checkpoint.repo:  # the last saved copy, if it is on this disk
@@ -157,6 +165,18 @@ class StageReplica:
                 continue
             if found is not None:
                 return found
+        return None
+
+    def _newest_snapshot(self, root: Path, swarm_step: int) -> StageState | None:
+        """The newest readable snapshot of this stage no newer than the swarm (one newer is left by an earlier run
+        under the same id)."""
+        for step, directory in snapshot_dirs(root, self.stage):
+            if step > swarm_step:
+                continue
+            try:
+                return load_local(directory, self.stage)
+            except StateDownloadError as exc:
+                log.warning("stage %s: skipping the snapshot of step %d: %s", self.stage, step, exc)
         return None
 
     def _from_peers(self, state: CoordinatorState, swarm_step: Callable[[], int | None]) -> StageState:
@@ -201,6 +221,20 @@ class StageReplica:
             self.averager.set_sharing_priority(self.local_step)
 
     # ----- rounds -----
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the stage's parameters, taken between tasks (what a checkpoint or a snapshot saves)."""
+        with self.worker.backend.lock:
+            return {k: v.detach().clone() for k, v in self.worker.backend.module.state_dict().items()}
+
+    def save_snapshot(self, root: Path, step: int) -> list[Path]:
+        """Save the stage as it stands after ``step`` swarm steps among the run's snapshots under ``root``."""
+        return save_snapshot(root, self.stage, self.state_dict(), step)
+
+    def expect_samples(self, round_start: int, global_batch: int) -> None:
+        """The worker's next step accumulates the round's global batch, the ``global_batch`` samples from
+        ``round_start``, and no others: a microbatch of a round that is over counts nowhere."""
+        self.worker.ledger.expect_samples(round_start, round_start + global_batch)
 
     def step(self) -> StepStats:
         """The optimizer step of a finished round."""

@@ -10,7 +10,8 @@ worker serves a request only if
 2. the signer is a trainer the worker serves (``trainer_allowed``: in a coordinated run, a Trainer of the
    current epoch; standalone, any signer: ``any_signed_trainer``);
 3. a Backward follows a Forward this worker ran for the same trainer, microbatch, samples and input (a ticket,
-   consumed by the Backward), and its microbatch has not been differentiated already (``MicrobatchLedger``);
+   consumed by the Backward), its microbatch has not been differentiated already, and its samples belong to the
+   step the worker accumulates (a coordinated run's current round) and are not already in it (``MicrobatchLedger``);
 4. its parameter gradients are finite and in line with the stage's recent ones (``GradientBound``), checked
    before they are added to the stage's accumulated gradient.
 """
@@ -169,6 +170,12 @@ class MicrobatchLedger:
     replayed Forward followed by its replayed Backward, is refused while the claim is remembered, which is
     for ``2 * MAX_REQUEST_AGE`` (afterwards the signature itself has expired); at most ``max_claims`` are kept,
     the oldest forgotten first.
+
+    Once the worker is told which samples its next step accumulates (``expect_samples``: a coordinated run's
+    round), every Backward also claims its samples for the step: only those, and each once. A microbatch of a
+    round that ended (a trainer stalled by a stage that emptied, finishing when a worker returns) or sent again
+    under a new id would otherwise count in a step that is not its own, or twice. A standalone worker, which
+    steps by sample count, takes any samples.
     """
 
     def __init__(self, *, tickets_per_trainer: int = 64, max_tickets: int = 4096, max_claims: int = 1 << 16) -> None:
@@ -178,7 +185,14 @@ class MicrobatchLedger:
         self._tickets: collections.OrderedDict[tuple[str, str], Ticket] = collections.OrderedDict()
         self._held: collections.Counter[str] = collections.Counter()
         self._claims: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
+        self._window: tuple[int, int] | None = None  # the samples the next step accumulates; None: any
+        self._stepped: dict[tuple[str, str], tuple[int, int]] = {}  # samples claimed since the last step
         self._lock = threading.Lock()
+
+    def expect_samples(self, start: int, end: int) -> None:
+        """The next step accumulates samples ``[start, end)`` only (the coordinator's round)."""
+        with self._lock:
+            self._window = (start, end)
 
     def issue(self, trainer: str, microbatch_id: str, ticket: Ticket) -> None:
         """Record a Forward this worker ran (a repeated Forward of the microbatch replaces its ticket)."""
@@ -192,9 +206,10 @@ class MicrobatchLedger:
                 self._held[trainer] += 1
             self._tickets[key] = ticket
 
-    def claim(self, trainer: str, microbatch_id: str, ticket: Ticket | None) -> None:
-        """Admit a Backward, consuming the Forward's ticket when ``ticket`` (what the Backward carries) is given;
-        raises ``RequestRejected`` (FAILED_PRECONDITION) without changing anything otherwise."""
+    def claim(self, trainer: str, microbatch_id: str, ticket: Ticket | None, samples: tuple[int, int]) -> None:
+        """Admit a Backward of ``samples`` (``[start, end)``), consuming the Forward's ticket when ``ticket`` (what
+        the Backward carries) is given; raises ``RequestRejected`` (FAILED_PRECONDITION) without changing anything
+        otherwise."""
         key = (trainer, microbatch_id)
         now = time.monotonic()
         with self._lock:
@@ -205,6 +220,7 @@ class MicrobatchLedger:
                     f"microbatch {microbatch_id!r} of this trainer was already differentiated here (a replay)",
                     grpc.StatusCode.FAILED_PRECONDITION,
                 )
+            self._check_samples(samples)
             if ticket is not None:
                 issued = self._tickets.get(key)
                 if issued is None:
@@ -223,17 +239,39 @@ class MicrobatchLedger:
             self._claims[key] = now + 2 * MAX_REQUEST_AGE
             if len(self._claims) > self.max_claims:
                 self._claims.popitem(last=False)
+            if self._window is not None:
+                self._stepped[key] = samples
+
+    def _check_samples(self, samples: tuple[int, int]) -> None:
+        if self._window is None:
+            return
+        start, end = samples
+        if not self._window[0] <= start < end <= self._window[1]:
+            raise RequestRejected(
+                f"samples {start}-{end} are not in the round this worker is accumulating "
+                f"({self._window[0]}-{self._window[1]}): that round is over, or not yet begun",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
+        if any(start < other_end and other_start < end for other_start, other_end in self._stepped.values()):
+            raise RequestRejected(
+                f"samples {start}-{end} were already differentiated here in this step",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
 
     def release(self, trainer: str, microbatch_id: str) -> None:
         """The claimed Backward was not applied (refused or never run): the trainer may try it again, after a
         new Forward where it needs one."""
         with self._lock:
             self._claims.pop((trainer, microbatch_id), None)
+            self._stepped.pop((trainer, microbatch_id), None)
 
-    def drop_tickets(self) -> None:
+    def end_step(self) -> None:
+        """The optimizer stepped: forward tickets end with the parameters their forwards used, and the next step
+        starts with no samples."""
         with self._lock:
             self._tickets.clear()
             self._held.clear()
+            self._stepped.clear()
 
     def _remove(self, key: tuple[str, str]) -> None:
         del self._tickets[key]

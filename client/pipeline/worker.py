@@ -205,7 +205,7 @@ class StageWorker:
         """Apply the accumulated gradients with AdamW and zero them; forward tickets end with the parameters
         their forwards used."""
         stats = self.backend.step()
-        self.ledger.drop_tickets()
+        self.ledger.end_step()
         if stats.samples and stats.applied:
             log.info(
                 "%s step %d: %d samples, grad norm %.3f",
@@ -292,7 +292,8 @@ class StageWorker:
                 grpc.StatusCode.PERMISSION_DENIED,
             )
         if backward:
-            self.ledger.claim(request.trainer, request.microbatch_id, self._ticket(request))
+            samples = (request.header.sample_start, request.header.sample_end)
+            self.ledger.claim(request.trainer, request.microbatch_id, self._ticket(request), samples)
         try:
             return self._run_task(_Task(backward, request, Future()))
         except BaseException:

@@ -4,7 +4,11 @@ Every record is admitted first (``SignedRecord.admit``: well-formed field by fie
 filed under, of this run, epoch and round); one that is not counts against its author as missing work, and
 nothing a record holds can make the judgement fail.
 
-Workers that published an admitted report for the round, in the stage the coordinator gave them, were present.
+Workers that published an admitted report for the round, in the stage the coordinator gave them, were present;
+so were trainers of the epoch that published an admitted ``Presence`` for it (a trainer stalled by a stage that
+emptied is alive: it keeps its place, and earns nothing without a counted commitment), unless they also signed
+a false commitment: one that claims what the trainer was not assigned or not issued. Only a receipt that no
+present worker reported leaves the presence standing, as its worker may have died before reporting it.
 A trainer's commitment counts when it covers exactly the sample range the round's seed assigned it and each of
 its receipts
 - name the commitment's author as their trainer: a receipt's hash covers that name, so a receipt copied from
@@ -13,8 +17,8 @@ its receipts
 - cover the commitment's range exactly once in every stage of the run: no sample missing, none run twice (a
   receipt listed twice covers its samples twice);
 - were each reported, by hash, by a present worker of the stage the receipt names, under the uid it names.
-Its tokens must be its samples times the run's sequence length. The participant filter holds every counted
-trainer and present worker; the batch filter holds the hash of every counted commitment. A round is complete
+Its tokens must be its samples times the run's sequence length. The participant filter holds every present
+client and every counted trainer; the batch filter holds the hash of every counted commitment. A round is complete
 (the witness may send its proof opportunistically) once every trainer with data has a counted commitment.
 """
 
@@ -22,9 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from types import MappingProxyType
 
 from client.stages import stage_names
-from client.witness.records import ClaimedReceipt, Commitment, Ready, RecordError, Report, SignedRecord
+from client.witness.records import ClaimedReceipt, Commitment, Presence, Ready, RecordError, Report, SignedRecord
 from coordinator_program import rules
 from coordinator_program.bloom import batch_key, build_filter, participant_key
 from coordinator_program.selection import Assignment
@@ -67,19 +72,28 @@ def admitted(kind: type[SignedRecord], records: Mapping[str, object], author: st
     return record
 
 
-def judge_round(state: CoordinatorState, commitments: Mapping[str, Commitment],
-                reports: Mapping[str, Report]) -> Evidence:
+def judge_round(state: CoordinatorState, commitments: Mapping[str, Commitment], reports: Mapping[str, Report],
+                presences: Mapping[str, Presence] = MappingProxyType({})) -> Evidence:
     """Check a round's records against the coordinator state (pure: the caller fetched the records)."""
     evidence = Evidence()
     issued = present_workers(state, reports, evidence)
+    present_trainers(state, presences, evidence)
     for share in rules.data_assignment(state):
         if share.size == 0:
             continue
         try:
             commitment = admitted(Commitment, commitments, share.client.hex(), state, state.round.height)
-            credit(state, share, commitment, issued)  # type: ignore[arg-type]
         except RecordError as exc:
             evidence.miss(share.client, str(exc))
+            continue
+        try:
+            credit(state, share, commitment, issued)  # type: ignore[arg-type]
+        except Unconfirmed as exc:
+            evidence.miss(share.client, str(exc))
+            continue
+        except RecordError as exc:  # the trainer signed a false claim: its word proves nothing, presence included
+            evidence.miss(share.client, f"{exc}; a false commitment, so not present either")
+            evidence.participants.discard(share.client)
             continue
         evidence.participants.add(share.client)
         evidence.batches.add(commitment.digest())
@@ -107,6 +121,18 @@ def present_workers(state: CoordinatorState, reports: Mapping[str, Report], evid
     return issued
 
 
+def present_trainers(state: CoordinatorState, presences: Mapping[str, Presence], evidence: Evidence) -> None:
+    """Mark every trainer of the epoch with an admitted presence for the round present (participation, no batch)."""
+    for trainer in state.clients:
+        if trainer.role != Role.Trainer:
+            continue
+        try:
+            admitted(Presence, presences, trainer.id.hex(), state, state.round.height)
+        except RecordError:
+            continue
+        evidence.participants.add(trainer.id)
+
+
 def credit(state: CoordinatorState, share: Assignment, commitment: Commitment, issued: Issued) -> None:
     """Raise ``RecordError`` saying why ``commitment`` does not earn ``share``'s credit."""
     if (commitment.start, commitment.end) != (share.start, share.end):
@@ -125,10 +151,15 @@ def receipts_name_their_trainer(claims: tuple[ClaimedReceipt, ...], author: str)
             raise RecordError(f"quotes a receipt issued to trainer {claim.trainer_id[:8]}")
 
 
+class Unconfirmed(RecordError):
+    """A commitment quotes a receipt no present worker reported: a worker that died before reporting it leaves an
+    honest trainer here too, so this alone does not make the trainer a liar."""
+
+
 def receipts_were_reported(claims: tuple[ClaimedReceipt, ...], issued: Issued) -> None:
     for claim in claims:
         if (claim.worker_uid, claim.stage) not in issued.get(claim.hash(), ()):
-            raise RecordError(f"its {claim.stage} receipt for {claim.microbatch_id!r} was not reported by "
+            raise Unconfirmed(f"its {claim.stage} receipt for {claim.microbatch_id!r} was not reported by "
                               f"{claim.worker_uid}")
 
 

@@ -4,6 +4,9 @@
   stage receipt the workers gave it, in full. Its hash is the key of a witness's batch filter.
 - ``Report``: a worker's list of receipt hashes for the backward passes it ran in a round; it is also the
   worker's proof of presence.
+- ``Presence``: a trainer's proof of presence in a round, published as the round opens: a trainer that cannot
+  finish (a stage that emptied leaves it stalled) is still alive and must not be taken for dead. It earns
+  nothing: credit needs a ``Commitment``.
 - ``Ready``: a client's statement that it has loaded the model for an epoch (warmup witnesses read it).
 
 Every record names its run and is signed by its author's ed25519 key over its canonical JSON. Anyone can
@@ -213,6 +216,12 @@ class Report(SignedRecord):
         _require(isinstance(self.receipts, tuple) and len(self.receipts) <= MAX_RECEIPTS
                  and all(_is_hex(h, 32) for h in self.receipts),
                  f"report.receipts must be a list of at most {MAX_RECEIPTS} sha256 hex digests")
+
+
+@dataclasses.dataclass(frozen=True)
+class Presence(SignedRecord):
+    KIND = "presence"
+    round: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,7 +81,7 @@ def test_a_contributor_joins_through_auth_syncs_from_a_stale_snapshot_and_averag
     hub.users.update(TOKENS)
     publish_stale_snapshot(hub)
     toml = TINY.format(min_clients=4, rounds=2, steps=STEPS, train_time=20) + SYNCED
-    swarm = Swarm(tmp_path, toml)
+    swarm = Swarm(tmp_path, toml, auth_service=True)  # the coordinator admits only joins the service countersigns
     try:
         swarm.start_server()
         swarm.start_dht()

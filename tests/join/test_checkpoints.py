@@ -1,4 +1,5 @@
-"""Stage checkpoints: written atomically with their step, and uploaded to a Hub branch per epoch."""
+"""Stage checkpoints: written atomically with their step, and uploaded to a Hub branch per epoch; periodic
+snapshots, the newest kept per stage."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from pathlib import Path
 import torch
 from huggingface_hub import hf_hub_download
 
-from client.join.checkpoints import revision_for, save_stage, upload_stage
+from client.join.checkpoints import (
+    SNAPSHOTS_KEPT,
+    revision_for,
+    save_snapshot,
+    save_stage,
+    snapshot_dirs,
+    snapshot_root,
+    upload_stage,
+)
 from tests.fake_hub import FakeHub
 
 
@@ -34,3 +43,18 @@ def test_upload_puts_each_stage_on_the_epoch_branch(tmp_path: Path) -> None:
         assert json.loads(hub.files[("org/model", "epoch-3", "tail.json")]) == {"step": 8}
     finally:
         hub.shutdown()
+
+
+def test_snapshots_keep_each_stages_newest_and_leave_other_stages_alone(tmp_path: Path) -> None:
+    root = snapshot_root(tmp_path, "run")
+    for step in (2, 4, 6):
+        save_snapshot(root, "body1", {"w": torch.full((2,), float(step))}, step)
+    save_snapshot(root, "head", {"w": torch.zeros(2)}, 2)
+    assert [step for step, _ in snapshot_dirs(root, "body1")] == [6, 4][:SNAPSHOTS_KEPT]
+    assert [step for step, _ in snapshot_dirs(root, "head")] == [2], "pruning body1 kept head's step-2 snapshot"
+    newest = snapshot_dirs(root, "body1")[0][1]
+    assert json.loads((newest / "body1.json").read_text()) == {"step": 6}
+    assert torch.equal(torch.load(newest / "body1.pt", weights_only=True)["w"], torch.full((2,), 6.0))
+    (root / "step-9").mkdir()
+    (root / "notes").mkdir()
+    assert [step for step, _ in snapshot_dirs(root, "body1")] == [6, 4], "only step-N directories holding the stage"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from solders.keypair import Keypair
 
-from client.join.checkpoints import save_stage
+from client.join.checkpoints import save_snapshot, save_stage, snapshot_root
 from client.join.stage_replica import StageReplica, StateSources
 from client.join.sync import SyncPhase
 from coordinator_program.config import Checkpoint, CheckpointKind, parse_run_spec
@@ -122,3 +122,37 @@ def test_a_stale_worker_with_a_peer_syncs_then_rejoins_sync_when_it_lags(make_re
     assert not joiner.follow(16) and joiner.tracker.phase == SyncPhase.ACTIVE
     assert not joiner.follow(20) and joiner.tracker.phase == SyncPhase.WEIGHTS  # missed 4 rounds: behind again
     assert joiner.worker.sync_phase == 1 and not joiner.averager.sharing
+
+
+def test_a_stage_that_emptied_restarts_from_its_newest_snapshot_not_the_seed(make_replica, run_id: str,
+                                                                              tmp_path: Path) -> None:
+    """The epoch's checkpoint lacks body1 (its only worker died before Cooldown) and no peer holds it."""
+    checkpoint = Checkpoint(CheckpointKind.Local, 0b101, str(tmp_path / run_id), "epoch-0")
+    state = run_state(run_id, 10, checkpoint)
+    replica = make_replica(state)
+    seed = {k: v.clone() for k, v in replica.worker.backend.module.state_dict().items()}
+    root = snapshot_root(tmp_path, run_id)
+    save_snapshot(root, "body1", perturbed(replica, 0.5), 6)
+    newest = perturbed(replica, 0.75)
+    save_snapshot(root, "body1", newest, 8)
+    save_snapshot(root, "body1", perturbed(replica, 1.0), 12)  # newer than the swarm: an earlier run's
+    found = replica.load(state, 1, StateSources(snapshots=root), lambda: None)
+    assert found is not None and found.step == 8 and replica.local_step == 8
+    assert found.source == f"local:{root / 'step-8' / 'body1.pt'}"
+    params = replica.worker.backend.module.state_dict()
+    assert all(torch.equal(v, newest[k]) for k, v in params.items())
+    assert not any(torch.equal(v, seed[k]) for k, v in params.items() if v.is_floating_point())
+    assert replica.begin(10) == SyncPhase.ACTIVE  # alone: it is the stage, two steps behind the swarm
+
+
+def test_snapshots_are_ignored_at_step_0_and_a_broken_one_falls_back_to_the_next(make_replica, run_id: str,
+                                                                                 tmp_path: Path) -> None:
+    root = snapshot_root(tmp_path, run_id)
+    replica = make_replica(run_state(run_id, 0))
+    save_snapshot(root, "body1", perturbed(replica, 0.5), 3)
+    assert replica.load(run_state(run_id, 0), 1, StateSources(snapshots=root), lambda: None) is None
+    save_snapshot(root, "body1", perturbed(replica, 0.5), 4)
+    (root / "step-4" / "body1.pt").write_bytes(b"not a state_dict")
+    later = make_replica(run_state(run_id, 5))
+    found = later.load(run_state(run_id, 5), 1, StateSources(snapshots=root), lambda: None)
+    assert found is not None and found.step == 3
