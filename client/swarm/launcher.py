@@ -19,6 +19,8 @@ from client.identity import save_keypair
 
 DHT_LINE = "DHT bootstrap listening: --initial-peer "
 AUTH_LINE = " listening on "
+JOIN_AUTHORITY = "join-authority"
+"""The auth service's keypair, under ``keys/``: the run's join authority when the swarm runs one."""
 CLIENT_LAMPORTS = 10_000_000_000
 """What the local chain gives each client: its transaction fees for a long run."""
 
@@ -30,12 +32,18 @@ def free_port() -> int:
 
 
 class Swarm:
-    """Processes of one local run, each in its own process group and with its own log file."""
+    """Processes of one local run, each in its own process group and with its own log file.
 
-    def __init__(self, workdir: Path, state_toml: str, *, threads: int = 1, backend: str = "tcp") -> None:
+    With ``auth_service`` the run is created with the key of its auth service (``start_auth``) as join authority,
+    so only joins that service countersigns are admitted; without, it is created permissionless.
+    """
+
+    def __init__(self, workdir: Path, state_toml: str, *, threads: int = 1, backend: str = "tcp",
+                 auth_service: bool = False) -> None:
         if backend not in ("tcp", "solana"):
             raise ValueError(f"backend must be tcp or solana, not {backend!r}")
         self.backend = backend
+        self.auth_service = auth_service
         workdir = workdir.resolve()  # children run in it: no path may depend on the caller's cwd
         self.workdir = workdir
         self.logs = workdir / "logs"
@@ -57,10 +65,10 @@ class Swarm:
         """The CLI options that point a command at this swarm's coordinator."""
         return ["--url", self.address] if self.backend == "solana" else ["--server", self.address]
 
-    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+    def _spawn(self, name: str, *args: str, command: tuple[str, ...] = ("-m", "client.cli")) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), PYTHONUNBUFFERED="1")
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it for its lifetime
-        proc = subprocess.Popen([sys.executable, "-m", "client.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, *command, *args], stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True, cwd=self.workdir)
         log.close()
         self.procs[name] = proc
@@ -77,7 +85,7 @@ class Swarm:
             return
         self.port = port or self.port or free_port()
         self._spawn("server", "serve", "--config", str(self.config), "--port", str(self.port),
-                    "--db", str(self.workdir / "run.sqlite"))
+                    "--db", str(self.workdir / "run.sqlite"), *self._admission())
         self._wait(lambda: _listening(self.port), "the coordinator server", "server")
 
     def _start_chain(self) -> None:
@@ -90,9 +98,15 @@ class Swarm:
         # Ready once it prints its banner, which it does when both ports listen.
         self._wait(lambda: "psyswarm localnet:" in self.log_text("server"), "the local chain", "server")
         creator = self._spawn("create-run", "create-run", "--url", self.address, "--keypair", str(authority),
-                              "--config", str(self.config))
+                              "--config", str(self.config), *self._admission())
         if creator.wait(120) != 0:
             raise RuntimeError(f"create-run failed:\n{self.log_text('create-run')[-2000:]}")
+
+    def _admission(self) -> list[str]:
+        """Who may join the run, as ``serve`` and ``create-run`` take it."""
+        if self.auth_service:
+            return ["--join-authority", str(self._keypair(JOIN_AUTHORITY))]
+        return ["--permissionless"]
 
     def _keypair(self, name: str) -> Path:
         key = self.workdir / "keys" / f"{name}.json"
@@ -116,9 +130,11 @@ class Swarm:
 
     def start_auth(self, *, stages: int, capacity: int, hf_endpoint: str, snapshot: tuple[str, str] | None = None,
                    max_integrating: int = 1) -> str:
-        """Start the run's auth service (``psyswarm auth-service``) on a free port; returns its URL."""
+        """Start the run's auth service (``psyswarm auth-service``) on a free port, with the run's join authority
+        as its key; returns its URL."""
         args = ["auth-service", "--run-id", self.run_id(), "--stages", str(stages), "--capacity", str(capacity),
-                "--hf-endpoint", hf_endpoint, "--max-integrating", str(max_integrating)]
+                "--hf-endpoint", hf_endpoint, "--max-integrating", str(max_integrating),
+                "--keypair", str(self._keypair(JOIN_AUTHORITY))]
         if snapshot is not None:
             args += ["--checkpoint-repo", snapshot[0], "--checkpoint-revision", snapshot[1]]
         self._spawn("auth", *args)
@@ -126,7 +142,9 @@ class Swarm:
         line = next(x for x in self.log_text("auth").splitlines() if AUTH_LINE in x)
         return line.split(AUTH_LINE, 1)[1].split()[0]
 
-    def start_client(self, name: str, role: str, stage: str | None = None, extra: tuple[str, ...] = ()) -> Path:
+    def start_client(self, name: str, role: str, stage: str | None = None, extra: tuple[str, ...] = (),
+                     command: tuple[str, ...] = ("-m", "client.cli")) -> Path:
+        """Start ``psyswarm join-run`` as ``name``; ``command`` replaces ``-m client.cli`` (a test's own client)."""
         key = self._keypair(name)
         if self.backend == "solana":
             self._fund(key)
@@ -135,7 +153,7 @@ class Swarm:
                 "--checkpoint-dir", str(self.workdir / "checkpoints")]
         if stage:
             args += ["--stage", stage]
-        self._spawn(name, *args, *extra)
+        self._spawn(name, *args, *extra, command=command)
         return key
 
     def observer(self):

@@ -25,7 +25,7 @@ run_id = "it"
 min_clients = {min_clients}
 max_clients = 16
 num_stages = 3
-witness_nodes = 2
+witness_nodes = 3
 witness_quorum = 2
 warmup_time = 20
 max_round_train_time = {train_time}
@@ -89,19 +89,21 @@ def phases_in_order(history: list[CoordinatorState]) -> list[Phase]:
     return out
 
 
-def launch(tmp_path: Path, toml: str, workers: list[str], trainers: int = 1, backend: str = "tcp") -> Swarm:
+def launch(tmp_path: Path, toml: str, workers: list[str], trainers: int = 1, backend: str = "tcp",
+           extra: tuple[str, ...] = ()) -> Swarm:
     """Start a swarm whose clients all enter the first epoch: the last worker (the one that completes the
-    pipeline) starts only once every other client is pending, so admission cannot leave one behind."""
+    pipeline) starts only once every other client is pending, so admission cannot leave one behind. ``extra``
+    options go to every client."""
     swarm = Swarm(tmp_path, toml, backend=backend)
     swarm.start_server()
     swarm.start_dht()
     for i, stage in enumerate(workers[:-1]):
-        swarm.start_client(f"worker{i}-{stage}", "worker", stage)
+        swarm.start_client(f"worker{i}-{stage}", "worker", stage, extra=extra)
     for i in range(trainers):
-        swarm.start_client(f"trainer{i}", "trainer")
+        swarm.start_client(f"trainer{i}", "trainer", extra=extra)
     others = len(workers) - 1 + trainers
     asyncio.run(watch(swarm, lambda s: len(s.pending) >= others, 120))
-    swarm.start_client(f"worker{len(workers) - 1}-{workers[-1]}", "worker", workers[-1])
+    swarm.start_client(f"worker{len(workers) - 1}-{workers[-1]}", "worker", workers[-1], extra=extra)
     return swarm
 
 
@@ -110,20 +112,30 @@ def fail_with_logs(swarm: Swarm, exc: BaseException) -> None:
     pytest.fail(f"{exc!r}\n{logs}")
 
 
-def losses(swarm: Swarm, epochs: int, rounds: int) -> list[float]:
-    from client.pipeline.discovery import start_dht
+class CommittedLosses:
+    """The trainers' committed losses, read from the run's DHT as each round ends (pass it to ``watch`` as
+    ``on_state``): the clients' DHT nodes hold the records, and they leave as soon as the run finishes."""
 
-    dht = start_dht([swarm.peer])
-    try:
-        board = Board(dht, "it")
-        out = []
-        for e in range(epochs):
-            for r in range(rounds):
-                found = board.fetch(Commitment, e, r)
-                out.extend(c.loss for c in found.values())  # type: ignore[attr-defined]
-        return out
-    finally:
-        dht.shutdown()
+    def __init__(self, swarm: Swarm) -> None:
+        from client.pipeline.discovery import start_dht
+
+        self.dht = start_dht([swarm.peer])
+        self.board = Board(self.dht, swarm.run_id())
+        self.rounds: dict[tuple[int, int], dict[str, float]] = {}
+
+    def __call__(self, state: CoordinatorState) -> None:
+        key = (state.epoch, state.round.height)
+        if state.phase in (Phase.RoundWitness, Phase.Cooldown) and key not in self.rounds:
+            found = self.board.fetch(Commitment, *key)
+            self.rounds[key] = {author: c.loss for author, c in found.items()}  # type: ignore[attr-defined]
+
+    def curve(self, trainer: bytes | None = None) -> list[float]:
+        """Every committed loss in round order (of one trainer if given)."""
+        return [loss for key in sorted(self.rounds) for author, loss in sorted(self.rounds[key].items())
+                if trainer is None or author == trainer.hex()]
+
+    def close(self) -> None:
+        self.dht.shutdown()
 
 
 BACKENDS = pytest.mark.parametrize("backend", ["tcp", "solana"])
@@ -133,14 +145,15 @@ BACKENDS = pytest.mark.parametrize("backend", ["tcp", "solana"])
 def test_full_lifecycle_over_two_epochs(tmp_path: Path, backend: str) -> None:
     """On the Solana backend nobody runs a ticker: the clients tick the program themselves."""
     swarm = launch(tmp_path, tiny(rounds=4, steps=8), ["head", "body1", "tail"], backend=backend)
+    committed = CommittedLosses(swarm)
     try:
-        history = asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, 240))
+        history = asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, 240, committed))
         seen = phases_in_order(history)
         epoch = [Phase.Warmup] + [Phase.RoundTrain, Phase.RoundWitness] * 4 + [Phase.Cooldown]
         assert seen[-len(epoch) * 2 - 2:] == epoch + [Phase.WaitingForMembers] + epoch + [Phase.Finished], seen
         final = history[-1]
         assert final.step == 8 and final.epoch == 2
-        curve = losses(swarm, 2, 4)
+        curve = committed.curve()
         assert len(curve) == 8, curve
         assert sum(curve[-2:]) / 2 < sum(curve[:2]) / 2 - 0.3, f"the loss did not go down: {curve}"
         checkpoints = sorted((tmp_path / "checkpoints" / "it").glob("epoch-*/*.pt"))
@@ -153,6 +166,7 @@ def test_full_lifecycle_over_two_epochs(tmp_path: Path, backend: str) -> None:
     except (AssertionError, TimeoutError, RuntimeError) as exc:
         fail_with_logs(swarm, exc)
     finally:
+        committed.close()
         swarm.stop()
 
 
@@ -201,9 +215,54 @@ def test_a_stage_that_empties_ends_the_epoch(tmp_path: Path) -> None:
         assert cooldowns and cooldowns[0].step < 30, "the epoch should end early, not after its 30 rounds"
         waiting = history[-1]
         # The dead tail may still be queued: it leaves the epoch only once a health check names it, and the
-        # epoch can end first (its trainer, starved of a tail, is checked out too).
+        # epoch can end first. Its trainer, stalled without a tail, proved its presence and stays.
         assert waiting.epoch == 1 and waiting.clients == []
         assert {0, 1} <= {p.stage for p in waiting.pending if p.role == Role.Worker}
+        assert any(p.role == Role.Trainer for p in waiting.pending)
+    except (AssertionError, TimeoutError, RuntimeError) as exc:
+        fail_with_logs(swarm, exc)
+    finally:
+        swarm.stop()
+
+
+def test_a_replacement_for_an_emptied_stage_starts_from_its_snapshot(tmp_path: Path) -> None:
+    """The only body1 worker is killed mid-epoch. The trainer, stalled on the empty stage, keeps proving its
+    presence: nobody but the dead worker is removed, and the others wait, queued, for the next epoch. The
+    epoch's checkpoint lacks body1, and no peer holds it; a new body1 worker starts from the newest of the
+    snapshots the dead one saved every 2 steps, not from the run's seed. No step of any worker takes more
+    samples than the global batch (the stalled round's microbatches count nowhere)."""
+    swarm = launch(tmp_path, tiny(rounds=30, steps=30, train_time=4), ["head", "body1", "tail"],
+                   extra=("--snapshot-every", "2"))
+    snapshots = tmp_path / "checkpoints" / "it" / "snapshots"
+    survivors = {bytes(load_keypair(tmp_path / "keys" / f"{name}.json").pubkey())
+                 for name in ("worker0-head", "worker2-tail", "trainer0")}
+    killed: list[int] = []
+
+    def kill_body1(state: CoordinatorState) -> None:
+        if not killed and state.phase == Phase.RoundTrain and list(snapshots.glob("step-*/body1.pt")):
+            swarm.kill("worker1-body1")
+            killed.append(state.step)
+
+    try:
+        history = asyncio.run(watch(swarm, lambda s: bool(killed) and s.phase == Phase.WaitingForMembers, 240,
+                                    kill_body1))
+        assert survivors <= {p.id for p in history[-1].pending}, "the trainer and the other workers stay queued"
+        key = swarm.start_client("replacement-body1", "worker", "body1", extra=("--snapshot-every", "2"))
+        replacement = bytes(load_keypair(key).pubkey())
+        # The dead worker may still be queued (the epoch can end before a health check names it): then one more
+        # epoch starts with it, and ends once it is checked out, before the replacement is admitted.
+        history += asyncio.run(watch(swarm, lambda s: s.phase == Phase.RoundTrain and s.round.height >= 2
+                                     and s.client_index(replacement) is not None, 300))
+        removed = {c.id for s in history for c in s.clients if c.health.name != "Healthy"}
+        assert not removed & survivors, "a client other than the dead body1 worker was health-checked"
+        assert all(survivors <= {c.id for c in s.clients} for s in history if s.phase == Phase.RoundTrain)
+        loaded = re.search(r"stage body1 loaded from local:\S+/snapshots/step-(\d+)/body1\.pt \(step (\d+);",
+                           swarm.log_text("replacement-body1"))
+        assert loaded, "the replacement did not start from a snapshot"
+        assert 2 <= int(loaded[1]) == int(loaded[2]) <= killed[0]
+        steps = [int(n) for name in swarm.procs if "worker" in name or "replacement" in name
+                 for n in re.findall(r"stepped on (\d+) samples", swarm.log_text(name))]
+        assert steps and max(steps) <= 16, f"a step took more samples than the global batch of 16: {steps}"
     except (AssertionError, TimeoutError, RuntimeError) as exc:
         fail_with_logs(swarm, exc)
     finally:

@@ -1,0 +1,155 @@
+"""A contributor that misbehaves on purpose, for the swarm-level adversarial test.
+
+``python tests/adversarial/hostile.py trainer|worker join-run ARGS...`` patches the real client in this process,
+then runs ``psyswarm join-run ARGS...``: everything it does goes through the real code paths and the real wire.
+
+A hostile trainer
+- poisons every Backward it sends (``grad_output`` × 1e30, signed by its own key, so only the worker's gradient
+  bound stands in the way);
+- claims another trainer's work: it commits its own share with loss 0.001 and the receipts another trainer
+  published for the round;
+- tries to hide the other trainers' commitments: it stores junk under their subkeys, with a one-day expiry,
+  from a DHT node that validates nothing.
+
+A hostile worker computes honestly (a worker that computes wrong but well-formed gradients is not defended), but
+- tries to hijack its same-stage peers: it announces its own address under their uids;
+- publishes a malformed report of the round under its own subkey;
+- when elected witness, proves every round with empty filters and health-checks every other client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+
+log = logging.getLogger("psyswarm.hostile")
+
+JUNK_LIFETIME = 86_400.0
+
+
+def plain_dht(contributor):
+    """A DHT node of the run's swarm that validates nothing: an attacker's own node."""
+    import hivemind
+
+    if getattr(contributor, "_plain_dht", None) is None:
+        peers = [str(a) for a in contributor.dht.get_visible_maddrs()]
+        contributor._plain_dht = hivemind.DHT(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    return contributor._plain_dht
+
+
+def store_junk(contributor, key: str, subkeys: list[str]) -> None:
+    from hivemind.utils import get_dht_time
+
+    dht = plain_dht(contributor)
+    for subkey in subkeys:
+        stored = dht.store(key, {"junk": True}, get_dht_time() + JUNK_LIFETIME, subkey=subkey)
+        log.info("junk under %s/%s: %s", key, subkey[:8], stored)
+
+
+def hostile_trainer() -> None:
+    from client.pipeline.trainer import PipelineTrainer
+    from client.runner import Contributor
+    from client.witness.records import Commitment
+    from coordinator_program import rules
+    from coordinator_program.state import Role
+
+    call = PipelineTrainer._call
+
+    def poisoned_call(self, stage, micro, backward, tensors, **options):
+        if backward and "grad_output" in tensors:
+            tensors = {**tensors, "grad_output": tensors["grad_output"] * 1e30}
+        return call(self, stage, micro, backward, tensors, **options)
+
+    PipelineTrainer._call = poisoned_call
+    train = Contributor._train
+
+    async def claim_others_work(self, state) -> None:
+        await train(self, state)  # every poisoned Backward is refused: no commitment of its own
+        share = next((a for a in rules.data_assignment(state) if a.client == self.me and a.size), None)
+        if share is None or self.board is None:
+            return
+        key = self.board.key(Commitment, state.epoch, state.round.height)
+        others = [c.id.hex() for c in state.clients if c.role == Role.Trainer and c.id != self.me]
+        await asyncio.to_thread(store_junk, self, key, others)
+        deadline = time.monotonic() + state.config.max_round_train_time
+        while time.monotonic() < deadline:
+            found = await asyncio.to_thread(self.board.fetch, Commitment, state.epoch, state.round.height)
+            honest = [c for author, c in found.items() if author != self.me.hex()]
+            if honest:
+                copied = Commitment.create(self.keypair, run_id=state.run_id, epoch=state.epoch,
+                                           round=state.round.height, start=share.start, end=share.end, loss=0.001,
+                                           tokens=share.size * state.model.seq_len, receipts=honest[0].receipts)
+                published = await asyncio.to_thread(self.board.publish, copied, self.keypair)
+                log.info("round %d.%d: committed another trainer's receipts: %s", state.epoch,
+                         state.round.height, published)
+                return
+            await asyncio.sleep(0.5)
+
+    Contributor._train = claim_others_work
+
+
+def hostile_worker() -> None:
+    import client.runner
+    from client.runner import Contributor
+    from client.witness.judge import Evidence
+    from client.witness.records import Report
+    from coordinator_program.bloom import build_filter
+    from coordinator_program.state import Role
+
+    Evidence.filters = lambda self, state: (build_filter(state.config, []), build_filter(state.config, []))
+    client.runner.unhealthy_clients = lambda state: [c.id for c in state.clients]
+    publish = Contributor._publish_receipts
+
+    attacked: set[tuple[int, int]] = set()
+
+    async def publish_and_attack(self, epoch: int, height: int) -> None:
+        from hivemind.utils import get_dht_time
+
+        await publish(self, epoch, height)
+        if self.worker is None or self.board is None or (epoch, height) in attacked:
+            return
+        attacked.add((epoch, height))
+        key = self.board.key(Report, epoch, height)
+        malformed = {"receipts": 7, "uid": [[{}, "u", {}]]}
+        await asyncio.to_thread(plain_dht(self).store, key, malformed, get_dht_time() + 600, subkey=self.me.hex())
+        state = self.backend.state
+        peers = [c.id.hex() for c in state.clients if c.role == Role.Worker and c.stage == self.stage
+                 and c.id != self.me]
+        await asyncio.to_thread(hijack, self, peers)
+
+    Contributor._publish_receipts = publish_and_attack
+
+
+def hijack(contributor, victims: list[str]) -> None:
+    """Announce this worker's address under each victim's uid: its own sealed record naming the victim's uid,
+    and junk under the victim's own subkey from a node that validates nothing."""
+    from dataclasses import asdict, replace
+
+    from hivemind.utils import get_dht_time
+
+    from client.pipeline.discovery import default_index, stage_key, worker_uid
+    from client.sealed import store_sealed
+
+    worker = contributor.worker
+    expires = get_dht_time() + 60
+    key = stage_key(contributor.board.run_id, worker.stage)
+    for victim in victims:
+        uid = worker_uid(worker.stage, default_index(bytes.fromhex(victim)))
+        claim = replace(worker._record(expires), uid=uid).signed_by(contributor.keypair)
+        store_sealed(contributor.dht, contributor.keypair, key, asdict(claim), expires)
+        store_junk(contributor, key, [victim])
+
+
+def main() -> None:
+    role, *argv = sys.argv[1:]
+    {"trainer": hostile_trainer, "worker": hostile_worker}[role]()
+    from client.cli import main as psyswarm
+
+    sys.argv = ["psyswarm", *argv]
+    psyswarm()
+
+
+if __name__ == "__main__":
+    main()
