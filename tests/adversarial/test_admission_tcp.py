@@ -24,8 +24,8 @@ from coordinator_program.state import Role
 from local_backend import protocol as p
 from local_backend.auth_service import AuthHTTPServer
 from local_backend.server import CoordinatorServer
-from local_backend.store import RunStore
 from tests.join.test_auth import RUN, serving
+from tests.local_backend.test_server import run_with_server
 
 SPEC = parse_run_spec({
     "run_id": RUN,
@@ -48,15 +48,7 @@ def session(service: AuthHTTPServer, token: str) -> AuthSession:
 
 def with_run(tmp_path: Path, join_authority: bytes, body: RunBody) -> None:
     """The real server for run ``RUN`` with this join authority, on a free loopback port, around ``body``."""
-    async def main() -> None:
-        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(), join_authority=join_authority)
-        port = await server.start(port=0)
-        try:
-            await body(server, f"127.0.0.1:{port}")
-        finally:
-            await server.stop()
-
-    asyncio.run(main())
+    run_with_server(tmp_path, body, spec=SPEC, join_authority=join_authority)
 
 
 async def connected(address: str, keypair: Keypair, authorizer: object = None) -> TcpBackend:

@@ -28,13 +28,12 @@ import pytest
 from solders.keypair import Keypair
 
 from client.coordinator.tcp import TcpBackend
-from coordinator_program import rules
 from coordinator_program.config import parse_run_spec
 from coordinator_program.state import Role
 from local_backend import protocol as p
 from local_backend.peers import Limits, LogThrottle
 from local_backend.server import CoordinatorServer
-from local_backend.store import RunStore
+from tests.local_backend.test_server import run_with_server
 
 SPEC = parse_run_spec({
     "run_id": "limits",
@@ -106,16 +105,7 @@ def farewell(messages: list[p.Message]) -> str:
 
 def serve_in_process(tmp_path: Path, body: Callable[[CoordinatorServer, str], Awaitable[None]], *,
                      limits: Limits = Limits()) -> None:
-    async def main() -> None:
-        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(),
-                                   join_authority=rules.NO_AUTHORITY, limits=limits)
-        port = await server.start(port=0)
-        try:
-            await body(server, f"127.0.0.1:{port}")
-        finally:
-            await server.stop()
-
-    asyncio.run(main())
+    run_with_server(tmp_path, body, spec=SPEC, limits=limits)
 
 
 # --- the server in its own process ------------------------------------------------------------------------

@@ -14,10 +14,11 @@ from client.coordinator.backend import BackendError
 from client.coordinator.tcp import TcpBackend
 from coordinator_program import errors, rules
 from coordinator_program.bloom import build_filter, participant_key
-from coordinator_program.config import parse_run_spec
+from coordinator_program.config import RunSpec, parse_run_spec
 from coordinator_program.instructions import JoinRun, Tick
 from coordinator_program.state import Phase, Role, encode_state
 from local_backend import protocol as p
+from local_backend.peers import Limits
 from local_backend.server import CoordinatorServer
 from local_backend.store import RunStore
 
@@ -29,10 +30,13 @@ SPEC = parse_run_spec({
 })
 
 
-def run_with_server(tmp_path: Path, body: Callable[[CoordinatorServer, str], Awaitable[None]]) -> None:
+def run_with_server(tmp_path: Path, body: Callable[[CoordinatorServer, str], Awaitable[None]], *,
+                    spec: RunSpec = SPEC, join_authority: bytes = rules.NO_AUTHORITY,
+                    limits: Limits = Limits()) -> None:
+    """The real server on a free loopback port, around ``body(server, "host:port")``."""
     async def main() -> None:
-        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(),
-                                   join_authority=rules.NO_AUTHORITY)
+        server = CoordinatorServer(spec, RunStore(tmp_path / "run.sqlite"), Keypair(),
+                                   join_authority=join_authority, limits=limits)
         port = await server.start(port=0)
         try:
             await body(server, f"127.0.0.1:{port}")
