@@ -33,9 +33,13 @@ def plain_dht(contributor):
     """A DHT node of the run's swarm that validates nothing: an attacker's own node."""
     import hivemind
 
+    from client.helper_processes import forking_helpers
+
     if getattr(contributor, "_plain_dht", None) is None:
         peers = [str(a) for a in contributor.dht.get_visible_maddrs()]
-        contributor._plain_dht = hivemind.DHT(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        with forking_helpers():  # it dies with this process, like the client's own node
+            contributor._plain_dht = hivemind.DHT(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                                  start=True)
     return contributor._plain_dht
 
 
