@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from client.identity import load_keypair
 from coordinator_program.state import CoordinatorState, Health, Phase
 from tests.integration.test_swarm import CommittedLosses, fail_with_logs, watch
@@ -44,6 +46,7 @@ learning_rate = 0.01
 HOSTILE = (str(Path(__file__).parents[1] / "adversarial" / "hostile.py"),)
 
 
+@pytest.mark.slow
 def test_one_hostile_trainer_and_one_hostile_worker_cannot_stop_the_run(tmp_path: Path) -> None:
     from client.swarm.launcher import Swarm
 

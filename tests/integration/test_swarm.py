@@ -225,6 +225,7 @@ def test_a_stage_that_empties_ends_the_epoch(tmp_path: Path) -> None:
         swarm.stop()
 
 
+@pytest.mark.slow
 def test_a_replacement_for_an_emptied_stage_starts_from_its_snapshot(tmp_path: Path) -> None:
     """The only body1 worker is killed mid-epoch. The trainer, stalled on the empty stage, keeps proving its
     presence: nobody but the dead worker is removed, and the others wait, queued, for the next epoch. The

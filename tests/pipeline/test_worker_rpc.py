@@ -57,50 +57,54 @@ def valid(stage: str, method: str) -> bytes:
     return request(stage, method, tensors)
 
 
+# Signed payloads are built when their test runs: a request signed at collection would have expired by
+# then in a long session (a worker accepts requests issued within the last 600 s).
 BAD = [
     ("head", "Forward", b"garbage", "bad magic"),
     ("head", "Forward", b"", "truncated"),
-    ("head", "Forward", valid("head", "Forward")[:-3], "truncated"),
-    ("head", "Forward", request("body1", "Forward", {"input": tokens()}), "stage 'body1' sent to a worker of stage"),
-    ("head", "Forward", request("head", "Forward", {"input": tokens()}, trainer=""), "'trainer'"),
-    ("head", "Forward", request("head", "Forward", {"input": tokens()}, trainer="t"), "64 lowercase hex"),
-    ("head", "Forward", request("head", "Forward", {"input": tokens()}, microbatch=7), "'microbatch'"),
-    ("head", "Forward", request("head", "Forward", {"input": tokens()}, dtype="float64"), "'dtype'"),
-    ("head", "Forward", request("head", "Forward", {"input": tokens()}, sample_start=-1), "'sample_start'"),
-    ("head", "Forward", request("head", "Forward", {"input": tokens()}, end=B + 1), "do not match the batch of 2"),
-    ("head", "Forward", request("head", "Forward", {}), "needs tensors"),
-    ("head", "Forward", request("head", "Forward", {"input": tokens(), "x": tokens()}), "needs tensors"),
-    ("head", "Forward", request("head", "Forward", {"input": hidden()}), "uint8 or int64"),
-    ("head", "Forward", request("head", "Forward", {"input": torch.full((B, T), 300)}), "outside 0..255"),
-    ("head", "Forward", request("head", "Forward", {"input": torch.full((B, T), -1)}), "outside 0..255"),
-    ("head", "Forward", request("head", "Forward", {"input": tokens(length=T + 1)}), "sequence length"),
-    ("head", "Forward", request("head", "Forward", {"input": tokens(batch=MAX_BATCH + 1)}), "batch size"),
-    ("head", "Forward", request("head", "Forward", {"input": tokens()[0]}), "2 dimensions"),
-    ("body1", "Forward", request("body1", "Forward", {"input": hidden(width=D + 1)}), "d_model"),
-    ("body1", "Forward", request("body1", "Forward", {"input": hidden()[..., :0]}), "d_model"),
-    ("body1", "Forward", request("body1", "Forward", {"input": hidden() * float("nan")}), "NaN"),
-    ("body1", "Forward", request("body1", "Forward", {"input": tokens()}), "float32, float16 or bfloat16"),
+    ("head", "Forward", lambda: valid("head", "Forward")[:-3], "truncated"),
+    ("head", "Forward", lambda: request("body1", "Forward", {"input": tokens()}),
+     "stage 'body1' sent to a worker of stage"),
+    ("head", "Forward", lambda: request("head", "Forward", {"input": tokens()}, trainer=""), "'trainer'"),
+    ("head", "Forward", lambda: request("head", "Forward", {"input": tokens()}, trainer="t"), "64 lowercase hex"),
+    ("head", "Forward", lambda: request("head", "Forward", {"input": tokens()}, microbatch=7), "'microbatch'"),
+    ("head", "Forward", lambda: request("head", "Forward", {"input": tokens()}, dtype="float64"), "'dtype'"),
+    ("head", "Forward", lambda: request("head", "Forward", {"input": tokens()}, sample_start=-1), "'sample_start'"),
+    ("head", "Forward", lambda: request("head", "Forward", {"input": tokens()}, end=B + 1),
+     "do not match the batch of 2"),
+    ("head", "Forward", lambda: request("head", "Forward", {}), "needs tensors"),
+    ("head", "Forward", lambda: request("head", "Forward", {"input": tokens(), "x": tokens()}), "needs tensors"),
+    ("head", "Forward", lambda: request("head", "Forward", {"input": hidden()}), "uint8 or int64"),
+    ("head", "Forward", lambda: request("head", "Forward", {"input": torch.full((B, T), 300)}), "outside 0..255"),
+    ("head", "Forward", lambda: request("head", "Forward", {"input": torch.full((B, T), -1)}), "outside 0..255"),
+    ("head", "Forward", lambda: request("head", "Forward", {"input": tokens(length=T + 1)}), "sequence length"),
+    ("head", "Forward", lambda: request("head", "Forward", {"input": tokens(batch=MAX_BATCH + 1)}), "batch size"),
+    ("head", "Forward", lambda: request("head", "Forward", {"input": tokens()[0]}), "2 dimensions"),
+    ("body1", "Forward", lambda: request("body1", "Forward", {"input": hidden(width=D + 1)}), "d_model"),
+    ("body1", "Forward", lambda: request("body1", "Forward", {"input": hidden()[..., :0]}), "d_model"),
+    ("body1", "Forward", lambda: request("body1", "Forward", {"input": hidden() * float("nan")}), "NaN"),
+    ("body1", "Forward", lambda: request("body1", "Forward", {"input": tokens()}), "float32, float16 or bfloat16"),
     # A full-size tensor beyond the worker's batch limit is refused before being decoded.
-    ("body1", "Forward", request("body1", "Forward", {"input": hidden(batch=64)}), "exceeds"),
-    ("body1", "Backward", request("body1", "Backward", {"input": hidden()}), "grad_output"),
+    ("body1", "Forward", lambda: request("body1", "Forward", {"input": hidden(batch=64)}), "exceeds"),
+    ("body1", "Backward", lambda: request("body1", "Backward", {"input": hidden()}), "grad_output"),
     (
         "body1",
         "Backward",
-        request("body1", "Backward", {"input": hidden(), "grad_output": hidden(batch=1)}),
+        lambda: request("body1", "Backward", {"input": hidden(), "grad_output": hidden(batch=1)}),
         "must match the output shape",
     ),
-    ("head", "Backward", request("head", "Backward", {"input": tokens(), "grad_output": hidden() / 0}), "NaN"),
-    ("tail", "Forward", request("tail", "Forward", {"input": hidden()}), "targets"),
+    ("head", "Backward", lambda: request("head", "Backward", {"input": tokens(), "grad_output": hidden() / 0}), "NaN"),
+    ("tail", "Forward", lambda: request("tail", "Forward", {"input": hidden()}), "targets"),
     (
         "tail",
         "Backward",
-        request("tail", "Backward", {"input": hidden(), "targets": tokens(length=3)}),
+        lambda: request("tail", "Backward", {"input": hidden(), "targets": tokens(length=3)}),
         "targets shape",
     ),
     (
         "tail",
         "Backward",
-        request("tail", "Backward", {"input": hidden(), "targets": tokens(), "grad_output": hidden()}),
+        lambda: request("tail", "Backward", {"input": hidden(), "targets": tokens(), "grad_output": hidden()}),
         "needs tensors",
     ),
     ("tail", "Info", b"junk", "malformed Info"),
@@ -113,7 +117,7 @@ BAD = [
 def test_bad_request_gets_invalid_argument_and_worker_keeps_serving(workers, stage, method, payload, reason):
     started, clients = workers
     with pytest.raises(grpc.RpcError) as raised:
-        clients[stage].call(method, payload, timeout=10)
+        clients[stage].call(method, payload() if callable(payload) else payload, timeout=10)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert reason in raised.value.details()
     # The worker still serves a valid request afterwards.
