@@ -16,7 +16,7 @@ import struct
 
 from pybloom_live import BloomFilter
 
-from coordinator_program.config import Config
+from coordinator_program.config import Config, filter_capacity
 
 SALT_PREFIX = hashlib.sha256(struct.pack("<I", 0)).digest()
 """The 32 bytes pybloom-live's first salt has absorbed before the key; the program embeds this constant."""
@@ -29,6 +29,17 @@ def participant_key(client_id: bytes) -> str:
     bytes would hash their Python repr.
     """
     return client_id.hex()
+
+
+COMPUTE_KEY_PREFIX = "compute:"
+"""What sets a client's compute key apart from its participant key (which is hex alone, so never begins so)."""
+
+
+def compute_key(client_id: bytes) -> str:
+    """A client's key in a participant filter when the witness counted its work this round: a worker's receipts
+    verified in a counted commitment, or a trainer's commitment counted. Distinct from ``participant_key``, so
+    a witness states presence and work separately in one filter, and the coordinator credits each on a quorum."""
+    return COMPUTE_KEY_PREFIX + client_id.hex()
 
 
 def batch_key(commitment_hash: bytes) -> str:
@@ -47,7 +58,7 @@ def filter_from_bytes(config: Config, raw: bytes) -> BloomFilter:
     if len(raw) != config.bloom_bytes:
         raise ValueError(f"a filter of this run is {config.bloom_bytes} bytes, got {len(raw)}")
     header = struct.pack(BloomFilter.FILE_FMT, 2.0 ** -config.bloom_slices, config.bloom_slices,
-                         config.bloom_bits_per_slice, config.max_clients, 0)
+                         config.bloom_bits_per_slice, filter_capacity(config.max_clients), 0)
     return BloomFilter.fromfile(io.BytesIO(header + raw))
 
 

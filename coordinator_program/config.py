@@ -12,6 +12,7 @@ import difflib
 import enum
 import math
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from coordinator_program.layout import (
     U64,
     Enum8,
     Field,
+    FixedBytes,
     FixedStr,
     Struct,
 )
@@ -59,7 +61,7 @@ class Config:
     @property
     def bloom_bytes(self) -> int:
         """Bytes of one witness filter: pybloom-live's bit array, rounded up to whole bytes."""
-        return (self.bloom_slices * self.bloom_bits_per_slice + 7) // 8
+        return _filter_bytes(self.bloom_slices, self.bloom_bits_per_slice)
 
 
 CONFIG_LAYOUT = Struct(Config, [
@@ -80,6 +82,43 @@ CONFIG_LAYOUT = Struct(Config, [
 ], doc="The coordinator's rules for one run; times in seconds.")
 
 
+class Tokenizer(enum.IntEnum):
+    """How text becomes token ids."""
+
+    Bytes = 0  # byte-level: psyswarm's embedded model
+    Model = 1  # the model source's own tokenizer (tokenizer.json)
+
+
+class Schedule(enum.IntEnum):
+    """The learning rate's course over the run's steps (``coordinator_program.schedule``)."""
+
+    Constant = 0
+    LinearWarmup = 1
+    WarmupCosine = 2
+
+
+class GradAveraging(enum.IntEnum):
+    """Per-step gradient averaging among a stage's workers."""
+
+    Off = 0
+    Full = 1
+    PowerSGD = 2
+
+
+class WireCodec(enum.IntEnum):
+    """How activations and their gradients travel between pipeline stages."""
+
+    Float32 = 0
+    Float16 = 1
+    BFloat16 = 2
+    Int8Block = 3
+
+
+PSYSWARM_ARCHITECTURE = "psyswarm"
+"""The embedded byte-level model, which needs no source, digest or tokenizer file."""
+NO_DIGEST = bytes(32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     """What every client needs to build, train and average the same model."""
@@ -97,6 +136,18 @@ class Model:
     sync_phase1_steps: int = 400
     sync_phase2_steps: int = 100
     dataset: str = "stdlib"
+    architecture: str = PSYSWARM_ARCHITECTURE
+    source: str = ""
+    source_revision: str = ""
+    config_sha256: bytes = NO_DIGEST
+    tokenizer: Tokenizer = Tokenizer.Bytes
+    tokenizer_sha256: bytes = NO_DIGEST
+    lr_schedule: Schedule = Schedule.Constant
+    warmup_steps: int = 0
+    lr_floor_micros: int = 0
+    grad_averaging: GradAveraging = GradAveraging.Off
+    powersgd_rank: int = 0
+    wire_codec: WireCodec = WireCodec.Float32
 
 
 MODEL_LAYOUT = Struct(Model, [
@@ -113,6 +164,18 @@ MODEL_LAYOUT = Struct(Model, [
     Field("sync_phase1_steps", U16),
     Field("sync_phase2_steps", U16),
     Field("dataset", FixedStr(limits.DATASET_BYTES)),
+    Field("architecture", FixedStr(limits.ARCHITECTURE_BYTES)),
+    Field("source", FixedStr(limits.SOURCE_BYTES)),
+    Field("source_revision", FixedStr(limits.SOURCE_REVISION_BYTES)),
+    Field("config_sha256", FixedBytes(32)),
+    Field("tokenizer", Enum8(Tokenizer)),
+    Field("tokenizer_sha256", FixedBytes(32)),
+    Field("lr_schedule", Enum8(Schedule)),
+    Field("warmup_steps", U32),
+    Field("lr_floor_micros", U32),
+    Field("grad_averaging", Enum8(GradAveraging)),
+    Field("powersgd_rank", U8),
+    Field("wire_codec", Enum8(WireCodec)),
 ], doc="The model and training hyperparameters every client shares.")
 
 
@@ -179,7 +242,7 @@ def _printable(text: str) -> bool:
 
 
 def validate_model(m: Model, c: Config) -> None:
-    """Reject a model the clients could not build or split into ``c.num_stages`` stages."""
+    """Reject a model the clients could not build, split into ``c.num_stages`` stages, or train identically."""
     _need(m.n_layers >= c.num_stages, "n_layers", "must be at least num_stages (a layer per stage)")
     _need(m.n_heads >= 1, "n_heads", "must be at least 1")
     _need(m.d_model >= 1 and m.d_model % m.n_heads == 0, "d_model", "must be a positive multiple of n_heads")
@@ -187,6 +250,82 @@ def validate_model(m: Model, c: Config) -> None:
     for name in ("microbatch_size", "learning_rate_micros", "sparta_every", "sparta_partitions"):
         _need(getattr(m, name) >= 1, name, "must be at least 1")
     _need(m.dataset != "" and _printable(m.dataset), "dataset", "must be non-empty printable ASCII")
+    validate_model_source(m)
+    validate_schedule(m, c.total_steps)
+    validate_grad_averaging(m)
+
+
+def _architecture_name(text: str) -> bool:
+    return text != "" and all(ch in "abcdefghijklmnopqrstuvwxyz0123456789_" for ch in text)
+
+
+def _hub_repo_id(text: str) -> bool:
+    """``org/name``: two non-empty parts of ``[A-Za-z0-9._-]``."""
+    parts = text.split("/")
+    return len(parts) == 2 and all(
+        part != "" and all(ch.isascii() and (ch.isalnum() or ch in "._-") for ch in part) for part in parts)
+
+
+LOCAL_SOURCE_PREFIXES = ("/", "./", "../", "~")
+"""How a model source that is a local directory begins (anything else must be a Hub repo id)."""
+
+
+def valid_source(text: str) -> bool:
+    """A Hub repo id ``org/name``, or a printable ASCII local directory starting with /, ./, ../ or ~."""
+    if text.startswith(LOCAL_SOURCE_PREFIXES):
+        return _printable(text)
+    return _hub_repo_id(text)
+
+
+def validate_model_source(m: Model) -> None:
+    """psyswarm's embedded model needs nothing from outside; any other architecture names its source and pins its
+    config.json by digest, so that every client builds the same model or refuses to start. A tokenizer is pinned
+    by digest too, exactly when it is the model's own."""
+    _need(_architecture_name(m.architecture), "architecture",
+          "must be non-empty and only lowercase letters, digits and _ (psyswarm or a transformers model_type)")
+    embedded = m.architecture == PSYSWARM_ARCHITECTURE
+    if embedded:
+        _need(m.source == "", "source", "must be empty for the psyswarm architecture")
+        _need(m.source_revision == "", "source_revision", "must be empty for the psyswarm architecture")
+        _need(m.config_sha256 == NO_DIGEST, "config_sha256", "must be all zero for the psyswarm architecture")
+        _need(m.tokenizer == Tokenizer.Bytes, "tokenizer", "must be bytes for the psyswarm architecture")
+    else:
+        _need(valid_source(m.source), "source",
+              "must be a Hub repo id org/name or a local directory starting with /, ./, ../ or ~")
+        _need(_printable(m.source_revision), "source_revision", "must be printable ASCII")
+        _need(m.config_sha256 != NO_DIGEST, "config_sha256",
+              f"must be the sha256 of the {m.architecture} model's config.json, not zero")
+    if m.tokenizer == Tokenizer.Bytes:
+        _need(m.tokenizer_sha256 == NO_DIGEST, "tokenizer_sha256", "must be all zero with the bytes tokenizer")
+    else:
+        _need(m.tokenizer_sha256 != NO_DIGEST, "tokenizer_sha256",
+              "must be the sha256 of the model's tokenizer.json, not zero")
+
+
+def validate_schedule(m: Model, total_steps: int) -> None:
+    """The warmup and floor a schedule uses must fit the run; a schedule that does not use them leaves them 0,
+    so one on-chain description never means two things."""
+    if m.lr_schedule == Schedule.Constant:
+        _need(m.warmup_steps == 0, "warmup_steps", "must be 0 with the constant schedule")
+    elif m.lr_schedule == Schedule.LinearWarmup:
+        _need(1 <= m.warmup_steps <= total_steps, "warmup_steps",
+              f"must be between 1 and total_steps ({total_steps}) with the linear_warmup schedule")
+    else:
+        _need(m.warmup_steps <= total_steps - 1, "warmup_steps",
+              f"must be at most total_steps - 1 ({total_steps - 1}) with the warmup_cosine schedule")
+    if m.lr_schedule == Schedule.WarmupCosine:
+        _need(m.lr_floor_micros <= m.learning_rate_micros, "lr_floor_micros",
+              "must not exceed learning_rate with the warmup_cosine schedule")
+    else:
+        _need(m.lr_floor_micros == 0, "lr_floor_micros", "must be 0 unless the schedule is warmup_cosine")
+
+
+def validate_grad_averaging(m: Model) -> None:
+    if m.grad_averaging == GradAveraging.PowerSGD:
+        _need(1 <= m.powersgd_rank <= limits.MAX_POWERSGD_RANK, "powersgd_rank",
+              f"must be between 1 and {limits.MAX_POWERSGD_RANK} with powersgd gradient averaging")
+    else:
+        _need(m.powersgd_rank == 0, "powersgd_rank", "must be 0 unless grad_averaging is powersgd")
 
 
 def validate_checkpoint(cp: Checkpoint, num_stages: int) -> None:
@@ -212,6 +351,26 @@ def bloom_params(capacity: int, error_rate: float) -> tuple[int, int]:
 
     bloom = BloomFilter(capacity, error_rate)
     return bloom.num_slices, bloom.bits_per_slice
+
+
+KEYS_PER_CLIENT = 2
+"""A witness's participant filter holds each client's participant key and, for counted work, its compute key."""
+
+
+def filter_capacity(max_clients: int) -> int:
+    """Keys a participant filter is sized for: every client present and credited for compute."""
+    return KEYS_PER_CLIENT * max_clients
+
+
+def largest_max_clients(error_rate: float) -> int:
+    """The most clients whose participant filter still fits a witness transaction at ``error_rate``."""
+    fits = [n for n in range(1, limits.MAX_CLIENTS + 1)
+            if _filter_bytes(*bloom_params(filter_capacity(n), error_rate)) <= limits.MAX_BLOOM_BYTES]
+    return max(fits, default=0)
+
+
+def _filter_bytes(slices: int, bits_per_slice: int) -> int:
+    return (slices * bits_per_slice + 7) // 8
 
 
 def predicted_false_positive_rate(config: Config, items: int) -> float:
@@ -267,17 +426,64 @@ def _take_section(doc: dict[str, Any], section: str, cls: type, converters: dict
     return out
 
 
-def _learning_rate(value: Any) -> dict[str, int]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 4294:
-        raise InvalidConfig(f"learning_rate: must be a number in (0, 4294), got {value!r}")
+def _micros(key: str, value: Any, least: int) -> int:
+    """A rate given as a number, in whole millionths (the program has no floating point)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 4294:
+        raise InvalidConfig(f"{key}: must be a number in [0, 4294), got {value!r}")
     micros = round(value * 1_000_000)
-    if micros < 1 or not math.isclose(micros, value * 1_000_000, rel_tol=1e-6):
-        raise InvalidConfig(f"learning_rate: {value!r} is not a whole number of millionths")
-    return {"learning_rate_micros": micros}
+    if not math.isclose(micros, value * 1_000_000, rel_tol=1e-6, abs_tol=1e-9):
+        raise InvalidConfig(f"{key}: {value!r} is not a whole number of millionths")
+    if micros < least:
+        raise InvalidConfig(f"{key}: must be at least {least / 1_000_000:f}, got {value!r}")
+    return micros
 
 
-def parse_run_spec(doc: dict[str, Any]) -> RunSpec:
-    """Build and validate a RunSpec from a parsed ``state.toml``; errors name the key at fault."""
+def _learning_rate(value: Any) -> dict[str, int]:
+    return {"learning_rate_micros": _micros("learning_rate", value, 1)}
+
+
+def _lr_floor(value: Any) -> dict[str, int]:
+    return {"lr_floor_micros": _micros("lr_floor", value, 0)}
+
+
+def _digest(key: str) -> Any:
+    def convert(value: Any) -> dict[str, bytes]:
+        if not isinstance(value, str) or len(value) != 64 or any(ch not in "0123456789abcdef" for ch in value):
+            raise InvalidConfig(f"{key}: must be 64 lowercase hex characters (a sha256), got {value!r:.80}")
+        return {key: bytes.fromhex(value)}
+    return convert
+
+
+def _choice(key: str, names: dict[str, enum.IntEnum]) -> Any:
+    def convert(value: Any) -> dict[str, enum.IntEnum]:
+        if not isinstance(value, str) or value not in names:
+            raise InvalidConfig(f"{key}: must be one of {', '.join(names)}, got {value!r}")
+        return {key: names[value]}
+    return convert
+
+
+MODEL_KEYS = {
+    "learning_rate": _learning_rate,
+    "lr_floor": _lr_floor,
+    "config_sha256": _digest("config_sha256"),
+    "tokenizer_sha256": _digest("tokenizer_sha256"),
+    "tokenizer": _choice("tokenizer", {"bytes": Tokenizer.Bytes, "model": Tokenizer.Model}),
+    "lr_schedule": _choice("lr_schedule", {"constant": Schedule.Constant, "linear_warmup": Schedule.LinearWarmup,
+                                           "warmup_cosine": Schedule.WarmupCosine}),
+    "grad_averaging": _choice("grad_averaging", {"off": GradAveraging.Off, "full": GradAveraging.Full,
+                                                 "powersgd": GradAveraging.PowerSGD}),
+    "wire_codec": _choice("wire_codec", {"float32": WireCodec.Float32, "float16": WireCodec.Float16,
+                                         "bfloat16": WireCodec.BFloat16, "int8": WireCodec.Int8Block}),
+}
+"""``[model]`` keys that are not written as their encoded field: rates as numbers, digests in hex, enums by name."""
+
+
+def parse_run_spec(doc: dict[str, Any], resolve_model: Callable[[Model], Model] | None = None) -> RunSpec:
+    """Build and validate a RunSpec from a parsed ``state.toml``; errors name the key at fault.
+
+    ``resolve_model``, when given, completes the model before it is validated: the CLI fills the config and
+    tokenizer digests from the model's source, which the coordinator itself cannot read.
+    """
     unknown = set(doc) - {"run_id", "config", "model", "checkpoint"}
     if unknown:
         raise InvalidConfig(f"{sorted(unknown)[0]}: unknown top-level key (expected run_id, [config], "
@@ -299,15 +505,23 @@ def parse_run_spec(doc: dict[str, Any]) -> RunSpec:
     max_clients = config_args.get("max_clients", Config.max_clients)
     if not isinstance(max_clients, int) or not 1 <= max_clients <= limits.MAX_CLIENTS:
         raise InvalidConfig(f"max_clients: must be between 1 and {limits.MAX_CLIENTS}")
-    slices, bits = bloom_params(max_clients, error_rate["rate"])
+    slices, bits = bloom_params(filter_capacity(max_clients), error_rate["rate"])
     if not BLOOM_MIN_SLICES <= slices <= BLOOM_MAX_SLICES:
         raise InvalidConfig(f"bloom_error_rate: gives {slices} slices; choose a rate between 2^-16 and 2^-10 "
                             f"(0.0000153-0.00097) so the filter uses SHA-256, which the program can compute")
     config = Config(**config_args, bloom_slices=slices, bloom_bits_per_slice=bits)
+    if config.bloom_bytes > limits.MAX_BLOOM_BYTES:
+        raise InvalidConfig(
+            f"max_clients: a participant filter for {max_clients} clients holds {filter_capacity(max_clients)} keys "
+            f"(a participant and a compute key each) and needs {config.bloom_bytes} bytes at bloom_error_rate "
+            f"{error_rate['rate']}, more than the {limits.MAX_BLOOM_BYTES} a witness transaction has room for: lower "
+            f"max_clients to {largest_max_clients(error_rate['rate'])} or raise bloom_error_rate (at most 0.00097)")
     validate_config(config)
 
-    model = Model(**_take_section(doc, "model", Model, {
-        "learning_rate": _learning_rate}, derived=("learning_rate_micros",)))
+    model = Model(**_take_section(doc, "model", Model, MODEL_KEYS,
+                                  derived=("learning_rate_micros", "lr_floor_micros")))
+    if resolve_model is not None:
+        model = resolve_model(model)
     validate_model(model, config)
 
     def take_kind(value: Any) -> dict[str, Any]:
@@ -326,8 +540,9 @@ def parse_run_spec(doc: dict[str, Any]) -> RunSpec:
     return RunSpec(run_id=run_id, config=config, model=model, checkpoint=checkpoint)
 
 
-def load_run_spec(path: str | Path) -> RunSpec:
-    """Read ``state.toml``; a missing file or a TOML syntax error is reported with the file's name."""
+def load_run_spec(path: str | Path, resolve_model: Callable[[Model], Model] | None = None) -> RunSpec:
+    """Read ``state.toml``; a missing file or a TOML syntax error is reported with the file's name.
+    ``resolve_model`` as in ``parse_run_spec``."""
     file = Path(path)
     try:
         doc = tomllib.loads(file.read_text())
@@ -335,4 +550,4 @@ def load_run_spec(path: str | Path) -> RunSpec:
         raise InvalidConfig(f"{file}: no such file") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise InvalidConfig(f"{file}: not a readable TOML file ({exc})") from None
-    return parse_run_spec(doc)
+    return parse_run_spec(doc, resolve_model)

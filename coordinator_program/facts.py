@@ -15,7 +15,7 @@ from solders.pubkey import Pubkey
 from solders.transaction import Transaction
 
 from coordinator_program import limits
-from coordinator_program.config import Config, predicted_false_positive_rate
+from coordinator_program.config import Config, filter_capacity, predicted_false_positive_rate
 from coordinator_program.instructions import Witness
 from coordinator_program.state import ACCOUNT_SIZE
 
@@ -50,7 +50,7 @@ def config_facts(config: Config) -> ConfigFacts:
         bloom_bytes=config.bloom_bytes,
         witness_data_bytes=data_bytes,
         witness_transaction_bytes=tx_bytes,
-        false_positive_rate_at_capacity=predicted_false_positive_rate(config, config.max_clients),
+        false_positive_rate_at_capacity=predicted_false_positive_rate(config, filter_capacity(config.max_clients)),
     )
 
 

@@ -32,6 +32,18 @@ REVISION_BYTES = 64
 DATASET_BYTES = 96
 """Where the training data comes from (``stdlib``, a local path, or ``hf:org/name``)."""
 
+ARCHITECTURE_BYTES = 24
+"""A model's architecture: ``psyswarm`` or a transformers ``model_type`` (``llama``, ``qwen2``, ...)."""
+
+SOURCE_BYTES = 96
+"""Where an HF model's config.json and tokenizer come from: a Hub repo id or a local directory."""
+
+SOURCE_REVISION_BYTES = 40
+"""A Hub revision of the model's source (a commit sha is 40 hex characters)."""
+
+MAX_POWERSGD_RANK = 64
+"""The largest rank of PowerSGD's low-rank gradient factors."""
+
 NO_STAGE = 0xFF
 """The stage of a trainer, and of a worker that lets the coordinator choose its stage."""
 

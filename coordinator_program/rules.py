@@ -18,6 +18,10 @@ Witnesses are trusted only as a majority: a quorum is a strict majority of a rou
 (``validate_config``), a round ends early only on a quorum of proofs, and a client is unhealthy only when a
 quorum of proofs leaves it out. A minority of witnesses, each sending an empty or false filter or none at
 all, can thus neither end a round nor get a client removed. A round nobody proved withdraws its clients.
+
+Points follow the same majority: at the end of each round a client earns presence when a quorum of the round's
+proofs hold its participant key, and compute (the samples it worked) when a quorum hold its compute key. They go
+into a ledger that outlives epochs (``credit_round``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import Iterable
 import based58
 
 from coordinator_program import limits
-from coordinator_program.bloom import contains_raw, participant_key
+from coordinator_program.bloom import compute_key, contains_raw, participant_key
 from coordinator_program.config import (
     Checkpoint,
     CheckpointKind,
@@ -70,10 +74,12 @@ from coordinator_program.state import (
     Client,
     CoordinatorState,
     Health,
+    LedgerEntry,
     Pending,
     Phase,
     Role,
     Round,
+    no_votes,
 )
 
 NO_AUTHORITY = bytes(32)
@@ -282,13 +288,28 @@ def _record_proof(state: CoordinatorState, signer: bytes, participant_bloom: byt
 
 def witness(state: CoordinatorState, signer: bytes, round_height: int, participant_bloom: bytes,
             batch_bloom: bytes) -> None:
-    """Record an elected witness's proof for the current round (opportunistic during RoundTrain)."""
+    """Record an elected witness's proof for the current round (opportunistic during RoundTrain), and count
+    whom its participant filter says were present and did counted work (``tally_proof``)."""
     if state.phase not in (Phase.RoundTrain, Phase.RoundWitness):
         raise WrongPhase(f"witness proofs are taken in RoundTrain and RoundWitness, not {state.phase.name}")
     _healthy_client(state, signer)
     if round_height != state.round.height:
         raise StaleRound(f"the current round is {state.round.height}, not {round_height}")
     _record_proof(state, signer, participant_bloom, batch_bloom)
+    tally_proof(state, participant_bloom)
+
+
+def tally_proof(state: CoordinatorState, participant_bloom: bytes) -> None:
+    """Add one proof's votes: for each client of the round, whether the filter holds its participant key and its
+    compute key. Counting as proofs arrive spreads the hashing over the witness instructions, so the tick that
+    ends the round only reads the counts. Client indices do not move during a round (health marks do not
+    reorder the clients), so a vote stays with its client until the round ends."""
+    config = state.config
+    for i, client in enumerate(state.clients):
+        for votes, key in ((state.presence_votes, participant_key(client.id)),
+                           (state.compute_votes, compute_key(client.id))):
+            if contains_raw(participant_bloom, key, config.bloom_slices, config.bloom_bits_per_slice):
+                votes[i] += 1
 
 
 def warmup_witness(state: CoordinatorState, signer: bytes, participant_bloom: bytes, batch_bloom: bytes) -> None:
@@ -367,6 +388,92 @@ def checkpoint(state: CoordinatorState, signer: bytes, kind: CheckpointKind, rep
         done = 1 << client.stage
     state.checkpoint = Checkpoint(kind, done, repo, revision)
     state.nonce += 1
+
+
+# --- points ---------------------------------------------------------------------------------------------
+
+POINTS_MAX = 2**32 - 1
+"""Points are u32 on chain: they stop growing there rather than wrap."""
+
+
+def present_by_quorum(state: CoordinatorState, index: int) -> bool:
+    """Presence: a quorum of the round's proofs hold the client's participant key, so no minority of witnesses
+    can award it (or withhold it from a client the honest majority saw)."""
+    return state.presence_votes[index] >= quorum(state)
+
+
+def computed_by_quorum(state: CoordinatorState, index: int) -> bool:
+    """Counted work: a quorum of the round's proofs hold the client's compute key."""
+    return state.compute_votes[index] >= quorum(state)
+
+
+def trainer_samples(state: CoordinatorState) -> dict[bytes, int]:
+    """What a trainer's counted work is worth: the samples the round's seed assigned it."""
+    return {share.client: share.size for share in data_assignment(state)}
+
+
+def worker_samples(state: CoordinatorState, counted: list[bool]) -> list[int]:
+    """What each counted worker's work is worth: its stage ran the whole global batch, shared equally among the
+    stage's counted workers, the remainder going to the first of them in client order (0 for everyone else)."""
+    batch = state.config.global_batch_size
+    sharers = stage_workers((c for c, ok in zip(state.clients, counted, strict=True) if ok), state.config.num_stages)
+    samples = [0] * len(state.clients)
+    first_seen: set[int] = set()
+    for i, client in enumerate(state.clients):
+        if client.role != Role.Worker or not counted[i]:
+            continue
+        samples[i] = batch // sharers[client.stage]
+        if client.stage not in first_seen:
+            first_seen.add(client.stage)
+            samples[i] += batch % sharers[client.stage]
+    return samples
+
+
+def round_points(state: CoordinatorState) -> list[tuple[int, int]]:
+    """(presence, compute) each client of the ending round earns, in client order."""
+    counted = [computed_by_quorum(state, i) for i in range(len(state.clients))]
+    workers = worker_samples(state, counted)
+    trainers = trainer_samples(state)
+    points = []
+    for i, client in enumerate(state.clients):
+        presence = 1 if present_by_quorum(state, i) else 0
+        if not counted[i]:
+            compute = 0
+        elif client.role == Role.Worker:
+            compute = workers[i]
+        else:
+            compute = trainers.get(client.id, 0)
+        points.append((presence, compute))
+    return points
+
+
+def fewest_points(ledger: list[LedgerEntry]) -> int:
+    """Index of the entry a new earner replaces in a full ledger: the fewest total points, the first on ties."""
+    return min(range(len(ledger)), key=lambda i: (ledger[i].total, i))
+
+
+def award(ledger: list[LedgerEntry], client_id: bytes, presence: int, compute: int) -> None:
+    """Add points to ``client_id``'s entry, making one if it has none: the ledger stays sorted by id, and a new
+    earner in a full ledger takes the place of the entry with the fewest points."""
+    position = next((i for i, entry in enumerate(ledger) if entry.id >= client_id), len(ledger))
+    if position < len(ledger) and ledger[position].id == client_id:
+        entry = ledger[position]
+        entry.presence = min(POINTS_MAX, entry.presence + presence)
+        entry.compute = min(POINTS_MAX, entry.compute + compute)
+        return
+    if len(ledger) == limits.MAX_CLIENTS:
+        evicted = fewest_points(ledger)
+        del ledger[evicted]
+        position -= 1 if evicted < position else 0
+    ledger.insert(position, LedgerEntry(client_id, presence, compute))
+
+
+def credit_round(state: CoordinatorState) -> None:
+    """At the end of a round, every client the proofs counted earns its points; then the votes start over."""
+    for client, (presence, compute) in zip(state.clients, round_points(state), strict=True):
+        if presence or compute:
+            award(state.ledger, client.id, presence, compute)
+    state.presence_votes, state.compute_votes = no_votes(), no_votes()
 
 
 # --- the tick -----------------------------------------------------------------------------------------
@@ -462,6 +569,7 @@ def _tick_witness(state: CoordinatorState, now: int, entropy: int) -> bool:
     if now < state.phase_start + state.config.round_witness_time:
         return False
     reached_quorum = quorum_reached(state)
+    credit_round(state)
     state.step += 1
     state.clients = [] if unproven(state.round) else [c for c in state.clients if c.health == Health.Healthy]
     if (state.round.height + 1 >= state.config.rounds_per_epoch

@@ -94,6 +94,27 @@ PENDING_LAYOUT = Struct(Pending, [F("id", PUBKEY), F("role", Enum8(Role)), F("st
                         doc="A joiner waiting for admission; stage 255 means 'any'.")
 
 
+@dataclasses.dataclass
+class LedgerEntry:
+    """A contributor's points: rounds the witnesses saw it in, and samples of counted work it did."""
+
+    id: bytes
+    presence: int = 0
+    compute: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.presence + self.compute
+
+
+LEDGER_ENTRY_LAYOUT = Struct(LedgerEntry, [F("id", PUBKEY), F("presence", U32), F("compute", U32)],
+                             doc="A contributor's points: presence (rounds seen) and compute (samples worked).")
+
+
+def no_votes() -> list[int]:
+    return [0] * limits.MAX_CLIENTS
+
+
 def empty_blooms() -> list[bytes]:
     return [bytes(limits.MAX_BLOOM_BYTES) for _ in range(limits.MAX_WITNESSES)]
 
@@ -140,6 +161,9 @@ class CoordinatorState:
     model: Model = dataclasses.field(default_factory=lambda: MODEL_LAYOUT.zero())
     clients: list[Client] = dataclasses.field(default_factory=list)
     pending: list[Pending] = dataclasses.field(default_factory=list)
+    presence_votes: list[int] = dataclasses.field(default_factory=no_votes)
+    compute_votes: list[int] = dataclasses.field(default_factory=no_votes)
+    ledger: list[LedgerEntry] = dataclasses.field(default_factory=list)
 
     @property
     def round(self) -> Round:
@@ -160,6 +184,10 @@ class CoordinatorState:
             if joiner.id == client_id:
                 return i
         return None
+
+    def points(self, client_id: bytes) -> LedgerEntry | None:
+        """The ledger entry of ``client_id``, if it has earned points the ledger still holds."""
+        return next((entry for entry in self.ledger if entry.id == client_id), None)
 
 
 ACCOUNT_NAME = "CoordinatorAccount"
@@ -184,6 +212,12 @@ ACCOUNT_LAYOUT = Struct(CoordinatorState, [
     F("clients", Array(CLIENT_LAYOUT, limits.MAX_CLIENTS)),
     F("num_pending", U16, count_of="pending"),
     F("pending", Array(PENDING_LAYOUT, limits.MAX_CLIENTS)),
+    F("presence_votes", Array(U8, limits.MAX_CLIENTS),
+      doc="per client index: the current round's proofs whose participant filter holds its participant key"),
+    F("compute_votes", Array(U8, limits.MAX_CLIENTS),
+      doc="per client index: the current round's proofs whose participant filter holds its compute key"),
+    F("num_ledger", U16, count_of="ledger"),
+    F("ledger", Array(LEDGER_ENTRY_LAYOUT, limits.MAX_CLIENTS), doc="points earned, sorted by id"),
 ], doc="The coordinator of one run.")
 
 ACCOUNT_SIZE = 8 + (ACCOUNT_LAYOUT.size or 0)

@@ -38,6 +38,7 @@ from solana.rpc.commitment import Commitment, Confirmed
 from solana.rpc.core import RPCException, TransactionExpiredBlockheightExceededError
 from solana.rpc.types import TxOpts
 from solana.rpc.websocket_api import SubscriptionError, connect
+from solders.compute_budget import set_compute_unit_limit
 from solders.errors import SignerError
 from solders.instruction import Instruction as SolanaInstruction
 from solders.keypair import Keypair
@@ -63,7 +64,16 @@ from coordinator_program.config import RunSpec
 from coordinator_program.errors import BY_CODE
 from coordinator_program.idl import IDL_PATH
 from coordinator_program.instance import decode_instance, instance_address
-from coordinator_program.instructions import InitCoordinator, Instruction, JoinRun, SetPaused, Tick, Update
+from coordinator_program.instructions import (
+    CloseRun,
+    InitCoordinator,
+    Instruction,
+    JoinRun,
+    SetPaused,
+    Tick,
+    Update,
+    Witness,
+)
 from coordinator_program.layout import LayoutError
 from coordinator_program.program_id import PROGRAM_ID
 from coordinator_program.state import ACCOUNT_SIZE, decode_state
@@ -80,6 +90,15 @@ MONIKERS = {
 POLL_INTERVAL = 1.0
 POLLS_BEFORE_RESUBSCRIBING = 10
 CONFIRM_POLL = 0.25
+DEFAULT_COMPUTE_UNITS = 200_000  # what an instruction may use unless its transaction asks for more
+WITNESS_BASE_UNITS = 10_000  # a witness proof measured 69,069 units at 64 clients and 269,112 at 256
+WITNESS_UNITS_PER_CLIENT = 1_200  # (tests/benchmarks/program_compute_units.py), with room to spare
+
+
+def witness_compute_units(num_clients: int) -> int:
+    """Compute units a witness proof may need: it tallies every client of the round (about 1,050 units each),
+    which past ~180 clients exceeds the default 200,000 per instruction, so such a proof asks for this many."""
+    return WITNESS_BASE_UNITS + WITNESS_UNITS_PER_CLIENT * num_clients
 
 
 def resolve_url(url: str) -> str:
@@ -91,6 +110,14 @@ def resolve_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise BackendError(f"--url must be an http(s) RPC URL or one of {', '.join(MONIKERS)}, not {url!r}")
     return url
+
+
+def reason(exc: BaseException) -> str:
+    """Why a request failed, never empty: solana-py's exceptions often carry their reason only in their cause."""
+    for cause in (exc, exc.__cause__, exc.__context__):
+        if cause is not None and str(cause).strip():
+            return str(cause).strip()
+    return type(exc).__name__
 
 
 def websocket_url(rpc_url: str) -> str:
@@ -166,7 +193,7 @@ class SolanaBackend(Backend):
         try:
             account = (await self.client.get_account_info(address, encoding="base64")).value
         except (SolanaRpcException, RPCException, OSError) as exc:
-            raise BackendError(f"cannot read {address} from the Solana RPC at {self.url}: {exc}") from None
+            raise BackendError(f"cannot read {address} from the Solana RPC at {self.url}: {reason(exc)}") from None
         return None if account is None else bytes(account.data)
 
     async def refresh(self) -> None:
@@ -254,8 +281,15 @@ class SolanaBackend(Backend):
     async def submit(self, ix: Instruction) -> None:
         self._check_open()
         cosigner = self.authorizer if isinstance(ix, JoinRun) else None
-        await self._send([self.instruction(ix)], ix.NAME, cosigner)
+        budget = self._compute_budget(ix)
+        await self._send([*budget, self.instruction(ix)], ix.NAME, cosigner)
         await self.refresh()
+
+    def _compute_budget(self, ix: Instruction) -> list[SolanaInstruction]:
+        if not isinstance(ix, Witness) or self._state is None:
+            return []
+        needed = witness_compute_units(len(self._state.clients))
+        return [set_compute_unit_limit(needed)] if needed > DEFAULT_COMPUTE_UNITS else []
 
     async def _send(self, instructions: list[SolanaInstruction], what: str, cosigner: Cosigner | None = None) -> None:
         """One transaction paid and signed by this client, and co-signed by ``cosigner`` when given; returns once
@@ -273,7 +307,7 @@ class SolanaBackend(Backend):
         except TransactionExpiredBlockheightExceededError:
             raise BackendError(f"{what} was not confirmed before its blockhash expired; send it again") from None
         except (SolanaRpcException, OSError) as exc:
-            raise BackendError(f"cannot reach the Solana RPC at {self.url}: {exc}") from None
+            raise BackendError(f"cannot reach the Solana RPC at {self.url}: {reason(exc)}") from None
         status = statuses.value[0]
         if status is not None and status.err is not None:
             raise self._failure(status.err, [], instructions, what)
@@ -305,11 +339,19 @@ class SolanaBackend(Backend):
             return BY_CODE[err.err.code]()
         if err in (TransactionErrorFieldless.AccountNotFound, TransactionErrorFieldless.InsufficientFundsForFee):
             return BackendError(f"{what}: {self.keypair.pubkey()} has no SOL to pay the fee on {self.url}; fund it "
-                                "first (on a local chain, with the requestAirdrop RPC method)", permanent=True)
+                                f"first: `psyswarm airdrop -u {self.url} -k KEYPAIR_FILE` (localnet, devnet, testnet), "
+                                "or send it SOL", permanent=True)
         detail = "; ".join(logs[-3:])
         return BackendError(f"{what} failed on chain: {err}" + (f" ({detail})" if detail else ""))
 
     # --- operations beyond the common interface -------------------------------------------------------
+
+    async def close_run(self) -> None:
+        """Close this run (its main authority, once it is halted): both of its accounts give their rent back to the
+        signer and vanish, so there is no state to read afterwards; followers are told the run was closed."""
+        self._check_open()
+        await self._send([self.instruction(CloseRun())], CloseRun.NAME)
+        await self._mark_closed(f"run {self.run_id!r} was closed", permanent=True)
 
     async def update(self, spec: RunSpec) -> None:
         """Replace the run's config, model and checkpoint (the main authority only, while the run is halted)."""
@@ -348,7 +390,7 @@ class SolanaBackend(Backend):
             rent = (await self.client.get_minimum_balance_for_rent_exemption(ACCOUNT_SIZE)).value
             held = (await self.client.get_balance(address)).value
         except (SolanaRpcException, RPCException, OSError) as exc:
-            raise BackendError(f"cannot reach the Solana RPC at {self.url}: {exc}") from None
+            raise BackendError(f"cannot reach the Solana RPC at {self.url}: {reason(exc)}") from None
         allocate = allocate_with_seed(AllocateWithSeedParams(
             address=address, base=me, seed=self.run_id, space=ACCOUNT_SIZE, owner=self.program_id))
         if held >= rent:

@@ -20,6 +20,12 @@ its receipts
 Its tokens must be its samples times the run's sequence length. The participant filter holds every present
 client and every counted trainer; the batch filter holds the hash of every counted commitment. A round is complete
 (the witness may send its proof opportunistically) once every trainer with data has a counted commitment.
+
+The participant filter also holds the compute key (``bloom.compute_key``) of every client whose work counted, for
+the coordinator's compute points: every trainer with a counted commitment, and every worker that alone reported,
+under the uid it names, a receipt of a counted commitment. A worker still in sync phase 1 is never routed, so it
+issues no receipt and earns presence only. A receipt that two present workers report under one uid earns neither
+of them compute: one of them copied the other's public report, and the witness cannot tell which.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from types import MappingProxyType
 from client.stages import stage_names
 from client.witness.records import ClaimedReceipt, Commitment, Presence, Ready, RecordError, Report, SignedRecord
 from coordinator_program import rules
-from coordinator_program.bloom import batch_key, build_filter, participant_key
+from coordinator_program.bloom import batch_key, build_filter, compute_key, participant_key
 from coordinator_program.selection import Assignment
 from coordinator_program.state import CoordinatorState, Health, Role
 
@@ -39,6 +45,7 @@ from coordinator_program.state import CoordinatorState, Health, Role
 @dataclasses.dataclass
 class Evidence:
     participants: set[bytes] = dataclasses.field(default_factory=set)
+    computed: set[bytes] = dataclasses.field(default_factory=set)
     batches: set[bytes] = dataclasses.field(default_factory=set)
     losses: dict[bytes, float] = dataclasses.field(default_factory=dict)
     complete: bool = False
@@ -46,7 +53,8 @@ class Evidence:
     why_missing: dict[bytes, str] = dataclasses.field(default_factory=dict)
 
     def filters(self, state: CoordinatorState) -> tuple[bytes, bytes]:
-        participants = build_filter(state.config, sorted(participant_key(p) for p in self.participants))
+        keys = [participant_key(p) for p in self.participants] + [compute_key(c) for c in self.computed]
+        participants = build_filter(state.config, sorted(keys))
         batches = build_filter(state.config, sorted(batch_key(b) for b in self.batches))
         return participants, batches
 
@@ -55,8 +63,8 @@ class Evidence:
         self.why_missing[client] = why
 
 
-Issued = dict[str, set[tuple[str, str]]]
-"""Receipt hash -> the (worker uid, stage name) pairs of the present workers that reported it."""
+Issued = dict[str, dict[tuple[str, str], set[bytes]]]
+"""Receipt hash -> (worker uid, stage name) -> the present workers that reported it under that uid and stage."""
 
 
 def admitted(kind: type[SignedRecord], records: Mapping[str, object], author: str, state: CoordinatorState,
@@ -87,7 +95,7 @@ def judge_round(state: CoordinatorState, commitments: Mapping[str, Commitment], 
             evidence.miss(share.client, str(exc))
             continue
         try:
-            credit(state, share, commitment, issued)  # type: ignore[arg-type]
+            workers = credit(state, share, commitment, issued)  # type: ignore[arg-type]
         except Unconfirmed as exc:
             evidence.miss(share.client, str(exc))
             continue
@@ -96,6 +104,8 @@ def judge_round(state: CoordinatorState, commitments: Mapping[str, Commitment], 
             evidence.participants.discard(share.client)
             continue
         evidence.participants.add(share.client)
+        evidence.computed.add(share.client)
+        evidence.computed.update(workers)
         evidence.batches.add(commitment.digest())
         evidence.losses[share.client] = commitment.loss  # type: ignore[attr-defined]
     evidence.complete = not evidence.missing
@@ -117,7 +127,8 @@ def present_workers(state: CoordinatorState, reports: Mapping[str, Report], evid
             continue
         evidence.participants.add(worker.id)
         for h in report.receipts:  # type: ignore[attr-defined]
-            issued.setdefault(h, set()).add((report.uid, names[worker.stage]))  # type: ignore[attr-defined]
+            by_uid = issued.setdefault(h, {})
+            by_uid.setdefault((report.uid, names[worker.stage]), set()).add(worker.id)  # type: ignore[attr-defined]
     return issued
 
 
@@ -133,8 +144,9 @@ def present_trainers(state: CoordinatorState, presences: Mapping[str, Presence],
         evidence.participants.add(trainer.id)
 
 
-def credit(state: CoordinatorState, share: Assignment, commitment: Commitment, issued: Issued) -> None:
-    """Raise ``RecordError`` saying why ``commitment`` does not earn ``share``'s credit."""
+def credit(state: CoordinatorState, share: Assignment, commitment: Commitment, issued: Issued) -> set[bytes]:
+    """The workers whose receipts ``commitment`` verifies (``sole_reporters``); ``RecordError`` saying why it does
+    not earn ``share``'s credit."""
     if (commitment.start, commitment.end) != (share.start, share.end):
         raise RecordError(f"commits samples {commitment.start}-{commitment.end}, assigned {share.start}-{share.end}")
     if commitment.tokens != share.size * state.model.seq_len:
@@ -143,6 +155,7 @@ def credit(state: CoordinatorState, share: Assignment, commitment: Commitment, i
     receipts_name_their_trainer(claims, commitment.author)
     receipts_cover_the_range_once(claims, share, stage_names(state.config.num_stages))
     receipts_were_reported(claims, issued)
+    return sole_reporters(claims, issued)
 
 
 def receipts_name_their_trainer(claims: tuple[ClaimedReceipt, ...], author: str) -> None:
@@ -161,6 +174,16 @@ def receipts_were_reported(claims: tuple[ClaimedReceipt, ...], issued: Issued) -
         if (claim.worker_uid, claim.stage) not in issued.get(claim.hash(), ()):
             raise Unconfirmed(f"its {claim.stage} receipt for {claim.microbatch_id!r} was not reported by "
                               f"{claim.worker_uid}")
+
+
+def sole_reporters(claims: tuple[ClaimedReceipt, ...], issued: Issued) -> set[bytes]:
+    """The workers that did a counted commitment's work: each receipt's one reporter under its uid and stage."""
+    workers: set[bytes] = set()
+    for claim in claims:
+        reporters = issued[claim.hash()][(claim.worker_uid, claim.stage)]
+        if len(reporters) == 1:
+            workers.update(reporters)
+    return workers
 
 
 def receipts_cover_the_range_once(claims: tuple[ClaimedReceipt, ...], share: Assignment, stages: list[str]) -> None:

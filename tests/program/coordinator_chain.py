@@ -19,6 +19,7 @@ from pathlib import Path
 
 from solders.account import Account
 from solders.clock import Clock
+from solders.compute_budget import set_compute_unit_limit
 from solders.instruction import AccountMeta
 from solders.instruction import Instruction as SolanaInstruction
 from solders.keypair import Keypair
@@ -32,7 +33,7 @@ from solders.transaction_metadata import FailedTransactionMetadata, TransactionM
 from solders.transaction_status import InstructionErrorCustom, TransactionErrorInstructionError
 
 from coordinator_program import rules
-from coordinator_program.bloom import build_filter, participant_key
+from coordinator_program.bloom import build_filter, compute_key, participant_key
 from coordinator_program.config import Checkpoint, Config, Model
 from coordinator_program.errors import CoordinatorError
 from coordinator_program.instance import CoordinatorInstance, encode_instance, instance_address
@@ -80,9 +81,15 @@ def logs(result: Result) -> str:
 
 
 class ProgramChain:
-    """A LiteSVM with the coordinator program deployed, funded identities and a clock the caller sets."""
+    """A LiteSVM with the coordinator program deployed, funded identities and a clock the caller sets.
 
-    def __init__(self) -> None:
+    ``compute_limit``, when set, is requested (ComputeBudget's SetComputeUnitLimit) by every transaction: a
+    witness proof tallies every client of the round, which past about 190 clients needs more than the default
+    200,000 units of an instruction.
+    """
+
+    def __init__(self, compute_limit: int | None = None) -> None:
+        self.compute_limit = compute_limit
         self.svm = LiteSVM()
         self.program_id = Pubkey.new_unique()
         self.svm.add_program(self.program_id, PROGRAM_PATH.read_bytes())
@@ -102,7 +109,9 @@ class ProgramChain:
     def send(self, instructions: Sequence[SolanaInstruction], signers: Sequence[Keypair]) -> Result:
         """One transaction paid by ``signers[0]``; a fresh blockhash after it, so a repeat is not a duplicate."""
         unique = list({kp.pubkey(): kp for kp in signers}.values())
-        message = Message.new_with_blockhash(list(instructions), unique[0].pubkey(), self.svm.latest_blockhash())
+        budget = [] if self.compute_limit is None else [set_compute_unit_limit(self.compute_limit)]
+        message = Message.new_with_blockhash([*budget, *instructions], unique[0].pubkey(),
+                                             self.svm.latest_blockhash())
         result = self.svm.send_transaction(VersionedTransaction(message, unique))
         self.svm.expire_blockhash()
         return result
@@ -185,6 +194,16 @@ class Replay:
 
     def check(self) -> None:
         assert self.chain.data(self.run.coordinator) == encode_state(self.state), "program and specification differ"
+
+    def load(self, state: CoordinatorState) -> None:
+        """Put ``state`` in the run's account and in the specification alike (a state that would take many
+        transactions to reach, such as a full ledger)."""
+        account = self.chain.svm.get_account(self.run.coordinator)
+        assert account is not None
+        self.chain.svm.set_account(self.run.coordinator, Account(account.lamports, encode_state(state),
+                                                                 account.owner, False))
+        self.state = state
+        self.check()
 
     def snapshot(self) -> dict[Pubkey, tuple[int, bytes]]:
         """Lamports and data of the run's two accounts, to prove that a rejected operation changed nothing."""
@@ -269,8 +288,10 @@ class Swarm:
     def state(self) -> CoordinatorState:
         return self.replay.state
 
-    def filter_of(self, identities: list[bytes]) -> bytes:
-        return build_filter(self.state.config, [participant_key(i) for i in identities])
+    def filter_of(self, identities: list[bytes], worked: Sequence[bytes] = ()) -> bytes:
+        """A participant filter naming ``identities`` present and ``worked`` as having done counted work."""
+        keys = [participant_key(i) for i in identities] + [compute_key(i) for i in worked]
+        return build_filter(self.state.config, keys)
 
     def proof(self, participant_bloom: bytes) -> Instruction:
         """The proof instruction of the current phase (warmup or round) carrying ``participant_bloom``."""
@@ -279,10 +300,11 @@ class Swarm:
             return WarmupWitness(participant_bloom, batches)
         return Witness(self.state.round.height, participant_bloom, batches)
 
-    def prove(self, participants: list[bytes], witnesses: list[bytes] | None = None) -> list[int | None]:
-        """``witnesses`` (by default every elected witness) each send a proof naming ``participants``;
-        returns each outcome."""
-        ix = self.proof(self.filter_of(participants))
+    def prove(self, participants: list[bytes], witnesses: list[bytes] | None = None,
+              worked: Sequence[bytes] = ()) -> list[int | None]:
+        """``witnesses`` (by default every elected witness) each send a proof naming ``participants`` (and the
+        compute keys of ``worked``); returns each outcome."""
+        ix = self.proof(self.filter_of(participants, worked))
         chosen = rules.witnesses(self.state) if witnesses is None else witnesses
         return [self.replay.apply(ix, self.of(witness)) for witness in chosen]
 

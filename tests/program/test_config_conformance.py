@@ -16,7 +16,16 @@ from hypothesis import strategies as st
 from solders.keypair import Keypair
 
 from coordinator_program import errors, limits
-from coordinator_program.config import Checkpoint, CheckpointKind, Config, Model
+from coordinator_program.config import (
+    Checkpoint,
+    CheckpointKind,
+    Config,
+    GradAveraging,
+    Model,
+    Schedule,
+    Tokenizer,
+    WireCodec,
+)
 from coordinator_program.instructions import Update
 from tests.spec.scenario import MODEL, SMALL
 
@@ -41,12 +50,28 @@ def configs(draw: st.DrawFn) -> Config:
     return Config(**{**base.__dict__, **{name: draw(fields[name]) for name in chosen}})
 
 
+ARCHITECTURES = st.sampled_from(["psyswarm", "llama", "qwen2", "", "Llama", "gpt_neox", "a-b", "x" * 24])
+SOURCES = st.sampled_from(["", "org/name", "./dir", "../up", "~/m", "/abs", "name", "org/na me", "a/b/c", "/caf\u00e9",
+                           "org/", "/org", "~"])
+REVISIONS = st.sampled_from(["", "main", "tab\there", "v 1", "donn\u00e9e", "~" * limits.SOURCE_REVISION_BYTES])
+DIGESTS = st.sampled_from([bytes(32), bytes(range(32)), b"\xff" * 32])
+HF_BASE = Model(n_layers=4, n_heads=2, d_model=16, seq_len=8, architecture="llama", source="org/model",
+                source_revision="main", config_sha256=bytes(range(32)), tokenizer=Tokenizer.Model,
+                tokenizer_sha256=b"\xff" * 32)
+
+
 @st.composite
 def models(draw: st.DrawFn) -> Model:
+    """A psyswarm or an HF model description with up to three fields replaced by boundary values."""
     fields = {"n_layers": U8, "n_heads": U8, "d_model": U16, "seq_len": U16, "microbatch_size": U16,
-              "learning_rate_micros": U32, "sparta_every": U16, "sparta_partitions": U16, "dataset": TEXT}
+              "learning_rate_micros": U32, "sparta_every": U16, "sparta_partitions": U16, "dataset": TEXT,
+              "architecture": ARCHITECTURES, "source": SOURCES, "source_revision": REVISIONS, "config_sha256": DIGESTS,
+              "tokenizer": st.sampled_from(list(Tokenizer)), "tokenizer_sha256": DIGESTS,
+              "lr_schedule": st.sampled_from(list(Schedule)), "warmup_steps": U32, "lr_floor_micros": U32,
+              "grad_averaging": st.sampled_from(list(GradAveraging)), "powersgd_rank": U8,
+              "wire_codec": st.sampled_from(list(WireCodec))}
     chosen = draw(st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True))
-    base = Model(n_layers=4, n_heads=2, d_model=16, seq_len=8)
+    base = draw(st.sampled_from([Model(n_layers=4, n_heads=2, d_model=16, seq_len=8), HF_BASE]))
     return Model(**{**base.__dict__, **{name: draw(fields[name]) for name in chosen}})
 
 
@@ -63,7 +88,7 @@ def replay() -> Replay:
     return run
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=400, deadline=None, derandomize=True)
 @given(configs(), models(), checkpoints)
 def test_update_validation_matches_the_specification(replay: Replay, config: Config, model: Model,
                                                      checkpoint: Checkpoint) -> None:

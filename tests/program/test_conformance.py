@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from solders.keypair import Keypair
 
+from client.coordinator.solana import witness_compute_units
 from coordinator_program import errors, limits, rules
 from coordinator_program.config import Checkpoint, CheckpointKind, Config, Model, bloom_params
 from coordinator_program.instructions import (
@@ -42,6 +43,8 @@ ALIASES = {**{i: Keypair.from_seed(i) for i in IDS}, AUTHORITY: Keypair.from_see
 BY_KEY = {key(kp): kp for kp in ALIASES.values()}
 OUTCOMES: Counter[tuple[str, int | None]] = Counter()
 """(instruction, error code or None) of every replayed operation, to check the generator's coverage."""
+EARNED: Counter[str] = Counter()
+"""Kinds of points the replayed sequences credited (presence, compute), to check the ledger was exercised."""
 
 
 def real(identity: bytes) -> bytes:
@@ -73,6 +76,8 @@ def replay_steps(prejoin: bool, steps: list[tuple]) -> None:
             ix = HealthCheck(real(ix.target))
         code = replay.apply(ix, BY_KEY[real(signer)], advance=advance)
         OUTCOMES[(ix.NAME, code)] += 1
+        EARNED["presence"] = max(EARNED["presence"], sum(e.presence for e in replay.state.ledger))
+        EARNED["compute"] = max(EARNED["compute"], sum(e.compute for e in replay.state.ledger))
 
 
 @settings(max_examples=150, deadline=None, derandomize=True,
@@ -99,6 +104,7 @@ def test_random_sequences_reach_every_instruction_and_many_errors() -> None:
     assert accepted >= {"update", "set_paused", "join_run", "tick", "witness", "warmup_witness", "health_check",
                         "withdraw"}
     assert len({code for _, code in OUTCOMES if code is not None}) >= 15
+    assert EARNED["presence"] > 0 and EARNED["compute"] > 0, "no replayed round credited points"
 
 
 # --- scenarios: paths random sequences rarely reach ----------------------------------------------------
@@ -301,8 +307,10 @@ def full_config() -> Config:
 
 def test_full_run_of_256_clients() -> None:
     """An epoch at full capacity: 256 joins, warmup, three rounds with 32 witnesses, health checks, a
-    withdrawal, a saved checkpoint ending cooldown, and everyone queued for the next epoch."""
-    chain = ProgramChain()
+    withdrawal, a saved checkpoint ending cooldown, and everyone queued for the next epoch. A witness proof tallies
+    all 256 clients (about 1,000 units each), so the transactions ask for more than the default 200,000 units: as
+    many as the Solana client asks for a witness proof, which must be enough."""
+    chain = ProgramChain(compute_limit=witness_compute_units(limits.MAX_CLIENTS))
     authority = Keypair()
     swarm = Swarm(Replay(chain, authority, "full"))
     apply = swarm.replay.apply

@@ -17,7 +17,7 @@ from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 
 from coordinator_program import errors, limits, rules
-from coordinator_program.config import Checkpoint, CheckpointKind
+from coordinator_program.config import Checkpoint, CheckpointKind, GradAveraging, Schedule, Tokenizer, WireCodec
 from coordinator_program.idl import IDL_PATH, idl_json
 from coordinator_program.instance import (
     INSTANCE_LAYOUT,
@@ -130,13 +130,22 @@ def test_anchorpy_decodes_the_instance_account() -> None:
         decode_instance(encode_state(busy_state())[:INSTANCE_SIZE])
 
 
-def test_account_size_is_well_below_psyche() -> None:
-    assert ACCOUNT_SIZE < 119_160 // 2
+def test_account_with_256_clients_fits_60000_bytes() -> None:
+    """Issue 13/14's bound: the model's description and a ledger of 256 contributors included, the account of a
+    256-client run stays at most 60,000 bytes (Psyche's is 119,160)."""
+    assert limits.MAX_CLIENTS == 256
+    assert ACCOUNT_LAYOUT.offsets()["ledger"][1] == 40 * limits.MAX_CLIENTS
+    assert ACCOUNT_SIZE <= 60_000
 
 
 SAMPLES: list[Instruction] = [
     InitCoordinator("run-1", bytes(range(32)), bytes(32)),
     Update(SMALL, MODEL, Checkpoint(CheckpointKind.Hub, 0b111, "org/model", "abc123")),
+    Update(SMALL, dataclasses.replace(MODEL, architecture="qwen2", source="./models/q", source_revision="r1",
+                                      config_sha256=bytes(range(32)), tokenizer=Tokenizer.Model,
+                                      tokenizer_sha256=b"\x07" * 32, lr_schedule=Schedule.WarmupCosine,
+                                      warmup_steps=3, lr_floor_micros=10, grad_averaging=GradAveraging.PowerSGD,
+                                      powersgd_rank=4, wire_codec=WireCodec.Int8Block), Checkpoint()),
     SetPaused(True),
     JoinRun("run-1", Role.Worker, 2),
     Tick(),

@@ -13,7 +13,13 @@ from typer.testing import CliRunner
 from client.cli import app
 from coordinator_program.config import (
     Config,
+    GradAveraging,
     Model,
+    Schedule,
+    Tokenizer,
+    WireCodec,
+    bloom_params,
+    largest_max_clients,
     load_run_spec,
     parse_run_spec,
     validate_config,
@@ -83,7 +89,8 @@ def test_example_state_toml_loads() -> None:
     spec = load_run_spec(EXAMPLE)
     assert spec.run_id == "demo" and spec.config.num_stages == 3
     assert spec.model.learning_rate_micros == 1000
-    assert (spec.config.bloom_slices, spec.config.bloom_bits_per_slice) == (11, 22)
+    # The participant filter is sized for 2 keys per client (presence and compute) of its 16 clients.
+    assert (spec.config.bloom_slices, spec.config.bloom_bits_per_slice) == bloom_params(32, 0.0009) == (11, 43)
 
 
 @pytest.mark.parametrize(("doc", "fragment"), [
@@ -153,3 +160,142 @@ def test_validate_config_cli_prints_the_derived_facts(tmp_path: Path) -> None:
     bad.write_text('run_id = "demo"\n[config]\nwitness_nodes = 2\nwitness_quorum = 1\n')  # the old example's
     result = CliRunner().invoke(app, ["validate-config", str(bad)])
     assert result.exit_code == 1 and "witness_quorum: must be a strict majority" in result.output
+
+
+# --- the model's on-chain description (issue 13) -----------------------------------------------------------
+
+DIGEST = bytes(range(32))
+LLAMA = Model(n_layers=4, architecture="llama", source="HuggingFaceTB/SmolLM2-135M", source_revision="main",
+              config_sha256=DIGEST, tokenizer=Tokenizer.Model, tokenizer_sha256=bytes(range(1, 33)))
+
+
+@pytest.mark.parametrize("model", [
+    LLAMA,
+    dataclasses.replace(LLAMA, source="./models/tiny", source_revision=""),
+    dataclasses.replace(LLAMA, source="~/m", tokenizer=Tokenizer.Bytes, tokenizer_sha256=bytes(32)),
+    dataclasses.replace(LLAMA, architecture="qwen2", source="/abs/dir with spaces"),
+    Model(lr_schedule=Schedule.LinearWarmup, warmup_steps=GOOD.total_steps),
+    Model(lr_schedule=Schedule.WarmupCosine, warmup_steps=GOOD.total_steps - 1, lr_floor_micros=1000),
+    Model(lr_schedule=Schedule.WarmupCosine, warmup_steps=0, lr_floor_micros=0),
+    Model(grad_averaging=GradAveraging.PowerSGD, powersgd_rank=64, wire_codec=WireCodec.Int8Block),
+    Model(grad_averaging=GradAveraging.Full, wire_codec=WireCodec.BFloat16),
+])
+def test_valid_model_descriptions_are_accepted(model: Model) -> None:
+    validate_model(model, GOOD)
+
+
+@pytest.mark.parametrize(("field", "changes"), [
+    ("architecture", {"architecture": ""}),
+    ("architecture", {"architecture": "Llama"}),
+    ("architecture", {"architecture": "llama-2"}),
+    ("source", {"source": "org/name"}),  # psyswarm needs nothing from outside
+    ("source_revision", {"source_revision": "main"}),
+    ("config_sha256", {"config_sha256": DIGEST}),
+    ("tokenizer", {"tokenizer": Tokenizer.Model, "tokenizer_sha256": DIGEST}),
+    ("tokenizer_sha256", {"tokenizer_sha256": DIGEST}),
+    ("warmup_steps", {"warmup_steps": 1}),
+    ("lr_floor_micros", {"lr_floor_micros": 1}),
+    ("warmup_steps", {"lr_schedule": Schedule.LinearWarmup, "warmup_steps": 0}),
+    ("warmup_steps", {"lr_schedule": Schedule.LinearWarmup, "warmup_steps": GOOD.total_steps + 1}),
+    ("lr_floor_micros", {"lr_schedule": Schedule.LinearWarmup, "warmup_steps": 1, "lr_floor_micros": 5}),
+    ("warmup_steps", {"lr_schedule": Schedule.WarmupCosine, "warmup_steps": GOOD.total_steps}),
+    ("lr_floor_micros", {"lr_schedule": Schedule.WarmupCosine, "lr_floor_micros": 1001}),
+    ("powersgd_rank", {"grad_averaging": GradAveraging.PowerSGD}),
+    ("powersgd_rank", {"grad_averaging": GradAveraging.PowerSGD, "powersgd_rank": 65}),
+    ("powersgd_rank", {"grad_averaging": GradAveraging.Full, "powersgd_rank": 4}),
+])
+def test_model_description_rule_names_the_field(field: str, changes: dict) -> None:
+    with pytest.raises(InvalidConfig, match=f"^InvalidConfig: {field}:"):
+        validate_model(dataclasses.replace(Model(), **changes), GOOD)
+
+
+@pytest.mark.parametrize(("field", "changes"), [
+    ("source", {"source": ""}),
+    ("source", {"source": "name-only"}),
+    ("source", {"source": "org/name/extra"}),
+    ("source", {"source": "org/na me"}),
+    ("source", {"source": "/caf\u00e9"}),
+    ("source_revision", {"source_revision": "tab\there"}),
+    ("config_sha256", {"config_sha256": bytes(32)}),
+    ("tokenizer_sha256", {"tokenizer_sha256": bytes(32)}),
+    ("tokenizer_sha256", {"tokenizer": Tokenizer.Bytes}),
+])
+def test_hf_model_rule_names_the_field(field: str, changes: dict) -> None:
+    with pytest.raises(InvalidConfig, match=f"^InvalidConfig: {field}:"):
+        validate_model(dataclasses.replace(LLAMA, **changes), GOOD)
+
+
+HF_TOML = {
+    "architecture": "llama", "source": "org/tiny", "source_revision": "v1", "config_sha256": "ab" * 32,
+    "tokenizer": "model", "tokenizer_sha256": "cd" * 32, "lr_schedule": "warmup_cosine", "warmup_steps": 5,
+    "learning_rate": 0.0003, "lr_floor": 0.00003, "grad_averaging": "powersgd", "powersgd_rank": 4,
+    "wire_codec": "bfloat16", "n_layers": 4,
+}
+
+
+def test_state_toml_model_keys() -> None:
+    model = parse_run_spec({"run_id": "ok", "model": HF_TOML}).model
+    assert (model.architecture, model.source, model.source_revision) == ("llama", "org/tiny", "v1")
+    assert model.config_sha256 == b"\xab" * 32 and model.tokenizer_sha256 == b"\xcd" * 32
+    assert model.tokenizer == Tokenizer.Model and model.lr_schedule == Schedule.WarmupCosine
+    assert (model.warmup_steps, model.learning_rate_micros, model.lr_floor_micros) == (5, 300, 30)
+    assert (model.grad_averaging, model.powersgd_rank, model.wire_codec) == (GradAveraging.PowerSGD, 4,
+                                                                             WireCodec.BFloat16)
+    for name, codec in (("float32", WireCodec.Float32), ("float16", WireCodec.Float16), ("int8", WireCodec.Int8Block)):
+        assert parse_run_spec({"run_id": "ok", "model": {"wire_codec": name}}).model.wire_codec == codec
+
+
+@pytest.mark.parametrize(("changes", "fragment"), [
+    ({"config_sha256": "AB" * 32}, "config_sha256: must be 64 lowercase hex"),
+    ({"config_sha256": "ab" * 31}, "config_sha256: must be 64 lowercase hex"),
+    ({"tokenizer_sha256": 5}, "tokenizer_sha256: must be 64 lowercase hex"),
+    ({"tokenizer": "bpe"}, "tokenizer: must be one of bytes, model"),
+    ({"lr_schedule": "cosine"}, "lr_schedule: must be one of constant, linear_warmup, warmup_cosine"),
+    ({"grad_averaging": True}, "grad_averaging: must be one of off, full, powersgd"),
+    ({"wire_codec": "int4"}, "wire_codec: must be one of float32, float16, bfloat16, int8"),
+    ({"lr_floor": -0.1}, "lr_floor: must be a number"),
+    ({"lr_floor": 1e-9}, "lr_floor: 1e-09 is not a whole number of millionths"),
+    ({"lr_floor_micros": 3}, "lr_floor_micros: unknown key"),
+    ({"lr_floor": 0.001}, "lr_floor_micros: must not exceed learning_rate"),
+    ({"warmup_steps": 100}, "warmup_steps: must be at most total_steps - 1 (99)"),
+    ({"architecture": "Llama"}, "architecture: must be non-empty and only lowercase"),
+    ({"source": "bad id"}, "source: must be a Hub repo id"),
+    ({"config_sha256": "00" * 32}, "config_sha256: must be the sha256 of the llama model's config.json"),
+])
+def test_state_toml_model_errors_name_the_key(changes: dict, fragment: str) -> None:
+    with pytest.raises(InvalidConfig) as info:
+        parse_run_spec({"run_id": "ok", "model": {**HF_TOML, **changes}})
+    assert fragment in info.value.detail
+
+
+def test_resolve_model_fills_the_digests_before_validation() -> None:
+    """The CLI reads the digests from the model's source (client side) through ``resolve_model``; the
+    description is validated only once they are filled, and a resolver that leaves one out is refused."""
+    bare = {k: v for k, v in HF_TOML.items() if not k.endswith("sha256")}
+    with pytest.raises(InvalidConfig, match="config_sha256"):
+        parse_run_spec({"run_id": "ok", "model": bare})
+    seen: list[Model] = []
+
+    def resolve(model: Model) -> Model:
+        seen.append(model)
+        return dataclasses.replace(model, config_sha256=b"\x01" * 32, tokenizer_sha256=b"\x02" * 32)
+
+    spec = parse_run_spec({"run_id": "ok", "model": bare}, resolve_model=resolve)
+    assert seen[0].config_sha256 == bytes(32) and spec.model.config_sha256 == b"\x01" * 32
+    with pytest.raises(InvalidConfig, match="tokenizer_sha256"):
+        parse_run_spec({"run_id": "ok", "model": bare},
+                       resolve_model=lambda m: dataclasses.replace(m, config_sha256=b"\x01" * 32))
+
+
+def test_participant_filter_sized_for_two_keys_per_client_and_a_clear_error_when_too_big() -> None:
+    spec = parse_run_spec({"run_id": "ok", "config": {"max_clients": 100}})
+    assert (spec.config.bloom_slices, spec.config.bloom_bits_per_slice) == bloom_params(200, 0.0009)
+    largest = largest_max_clients(0.0009)
+    assert parse_run_spec({"run_id": "ok", "config": {"max_clients": largest}}).config.bloom_bytes <= 480
+    with pytest.raises(InvalidConfig) as info:
+        parse_run_spec({"run_id": "ok", "config": {"max_clients": largest + 1}})
+    assert info.value.detail.startswith(f"max_clients: a participant filter for {largest + 1} clients holds "
+                                        f"{2 * (largest + 1)} keys")
+    assert f"lower max_clients to {largest}" in info.value.detail
+    with pytest.raises(InvalidConfig, match="more than the 480"):
+        parse_run_spec({"run_id": "ok", "config": {"max_clients": 256, "min_clients": 32}})

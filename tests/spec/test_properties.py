@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator_program import errors, limits, rules
-from coordinator_program.bloom import build_filter, participant_key
+from coordinator_program.bloom import build_filter, compute_key, participant_key
 from coordinator_program.config import Checkpoint, CheckpointKind
 from coordinator_program.instructions import (
     CheckpointReport,
@@ -93,8 +93,9 @@ def build(state: CoordinatorState, step: tuple) -> tuple[Instruction, bytes, int
     if kind == "witness":
         _, who, members, height_shift = step
         ids = [c.id for c in state.clients]
-        chosen = {"all": ids, "half": ids[::2], "none": [], "short": ids}[members]
-        bloom = build_filter(state.config, [participant_key(i) for i in chosen])
+        present, worked = {"all": (ids, ids), "half": (ids[::2], ids[1::2]), "none": ([], []),
+                           "short": (ids, ids)}[members]
+        bloom = build_filter(state.config, [participant_key(i) for i in present] + [compute_key(i) for i in worked])
         if members == "short":
             bloom = bloom[:-1]
         signer = _prover(state, who)
@@ -129,6 +130,11 @@ def check_invariants(state: CoordinatorState, before: tuple[int, int, int]) -> N
         assert rules.pipeline_complete(state.clients, config), "a run phase without a complete pipeline"
         assert state.round.witness_count <= min(config.witness_nodes, len(ids))
     assert all(c.stage < config.num_stages for c in state.clients if c.role == Role.Worker)
+    ledger = [entry.id for entry in state.ledger]
+    assert ledger == sorted(set(ledger)) and len(ledger) <= limits.MAX_CLIENTS, "the ledger is sorted by id, once each"
+    if state.phase not in (Phase.RoundTrain, Phase.RoundWitness):
+        assert not any(state.presence_votes) and not any(state.compute_votes), "votes belong to a round"
+    assert max(state.presence_votes + state.compute_votes) <= state.round.witness_count
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HypothesisHealthCheck.too_slow])

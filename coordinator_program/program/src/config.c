@@ -33,6 +33,96 @@ uint64_t psy_validate_config(const uint8_t *c) {
   return ok ? PSY_SUCCESS : INVALID_CONFIG;
 }
 
+static bool is_digest_zero(const uint8_t *digest) { return psy_key_is_zero(digest); }
+
+static bool is_lower_alnum(uint8_t ch) { return (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9'); }
+
+static bool is_alnum(uint8_t ch) { return is_lower_alnum(ch) || (ch >= 'A' && ch <= 'Z'); }
+
+/* config._architecture_name: non-empty, [a-z0-9_] only. */
+static bool architecture_name(const uint8_t *text, uint64_t size) {
+  uint64_t n = psy_text_len(text, size);
+  for (uint64_t i = 0; i < n; i++) {
+    if (!is_lower_alnum(text[i]) && text[i] != '_') {
+      return false;
+    }
+  }
+  return n > 0;
+}
+
+static bool starts_with(const uint8_t *text, uint64_t n, const char *prefix, uint64_t prefix_len) {
+  return n >= prefix_len && psy_memcmp(text, prefix, prefix_len) == 0;
+}
+
+/* config.valid_source: a local directory (/, ./, ../ or ~ then printable ASCII) or a Hub repo id org/name
+ * (exactly one '/', both parts non-empty [A-Za-z0-9._-]). */
+static bool valid_source(const uint8_t *text, uint64_t size) {
+  uint64_t n = psy_text_len(text, size);
+  if (starts_with(text, n, "/", 1) || starts_with(text, n, "./", 2) || starts_with(text, n, "../", 3) ||
+      starts_with(text, n, "~", 1)) {
+    return psy_text_printable(text, size);
+  }
+  uint64_t slashes = 0, part = 0;
+  for (uint64_t i = 0; i < n; i++) {
+    uint8_t ch = text[i];
+    if (ch == '/') {
+      if (part == 0) {
+        return false;
+      }
+      slashes++;
+      part = 0;
+    } else if (is_alnum(ch) || ch == '.' || ch == '_' || ch == '-') {
+      part++;
+    } else {
+      return false;
+    }
+  }
+  return slashes == 1 && part > 0;
+}
+
+/* config.validate_model_source */
+static bool valid_model_source(const uint8_t *m) {
+  const uint8_t *architecture = m + PSY_MODEL_ARCHITECTURE_OFFSET;
+  const uint8_t *source = m + PSY_MODEL_SOURCE_OFFSET;
+  const uint8_t *revision = m + PSY_MODEL_SOURCE_REVISION_OFFSET;
+  if (!architecture_name(architecture, PSY_MODEL_ARCHITECTURE_SIZE)) {
+    return false;
+  }
+  bool embedded = psy_text_len(architecture, PSY_MODEL_ARCHITECTURE_SIZE) == sizeof(PSY_PSYSWARM_ARCHITECTURE) - 1 &&
+                  psy_memcmp(architecture, PSY_PSYSWARM_ARCHITECTURE, sizeof(PSY_PSYSWARM_ARCHITECTURE) - 1) == 0;
+  bool source_ok = embedded ? source[0] == 0 && revision[0] == 0 && is_digest_zero(m + PSY_MODEL_CONFIG_SHA256_OFFSET) &&
+                                  PSY_MODEL_TOKENIZER_GET(m) == PSY_TOKENIZER_BYTES
+                            : valid_source(source, PSY_MODEL_SOURCE_SIZE) &&
+                                  psy_text_printable(revision, PSY_MODEL_SOURCE_REVISION_SIZE) &&
+                                  !is_digest_zero(m + PSY_MODEL_CONFIG_SHA256_OFFSET);
+  bool bytes_tokenizer = PSY_MODEL_TOKENIZER_GET(m) == PSY_TOKENIZER_BYTES;
+  return source_ok && bytes_tokenizer == is_digest_zero(m + PSY_MODEL_TOKENIZER_SHA256_OFFSET);
+}
+
+/* config.validate_schedule */
+static bool valid_schedule(const uint8_t *m, uint64_t total_steps) {
+  uint64_t schedule = PSY_MODEL_LR_SCHEDULE_GET(m);
+  uint64_t warmup = PSY_MODEL_WARMUP_STEPS_GET(m);
+  uint64_t floor = PSY_MODEL_LR_FLOOR_MICROS_GET(m);
+  if (schedule == PSY_SCHEDULE_CONSTANT) {
+    return warmup == 0 && floor == 0;
+  }
+  if (schedule == PSY_SCHEDULE_LINEAR_WARMUP) {
+    return warmup >= 1 && warmup <= total_steps && floor == 0;
+  }
+  /* warmup <= total_steps - 1 in the specification's integers, where total_steps may be 0 */
+  return warmup + 1 <= total_steps && floor <= PSY_MODEL_LEARNING_RATE_MICROS_GET(m);
+}
+
+/* config.validate_grad_averaging */
+static bool valid_grad_averaging(const uint8_t *m) {
+  uint64_t rank = PSY_MODEL_POWERSGD_RANK_GET(m);
+  if (PSY_MODEL_GRAD_AVERAGING_GET(m) == PSY_GRAD_AVERAGING_POWER_SGD) {
+    return rank >= 1 && rank <= PSY_MAX_POWERSGD_RANK;
+  }
+  return rank == 0;
+}
+
 uint64_t psy_validate_model(const uint8_t *m, const uint8_t *c) {
   uint64_t n_heads = PSY_MODEL_N_HEADS_GET(m);
   uint64_t d_model = PSY_MODEL_D_MODEL_GET(m);
@@ -42,7 +132,8 @@ uint64_t psy_validate_model(const uint8_t *m, const uint8_t *c) {
             PSY_MODEL_SEQ_LEN_GET(m) >= 2 &&
             PSY_MODEL_MICROBATCH_SIZE_GET(m) >= 1 && PSY_MODEL_LEARNING_RATE_MICROS_GET(m) >= 1 &&
             PSY_MODEL_SPARTA_EVERY_GET(m) >= 1 && PSY_MODEL_SPARTA_PARTITIONS_GET(m) >= 1 &&
-            dataset[0] != 0 && psy_text_printable(dataset, PSY_MODEL_DATASET_SIZE);
+            dataset[0] != 0 && psy_text_printable(dataset, PSY_MODEL_DATASET_SIZE) && valid_model_source(m) &&
+            valid_schedule(m, PSY_CONFIG_TOTAL_STEPS_GET(c)) && valid_grad_averaging(m);
   return ok ? PSY_SUCCESS : INVALID_CONFIG;
 }
 

@@ -156,9 +156,13 @@ uint64_t psy_next_seed(uint64_t previous);
 /* elect_witnesses: fills order[0..min(k, n)) with the witnesses' client indices, in election order, and
  * returns how many; `order` must have room for n entries (the shuffle works on all of them). */
 uint64_t psy_elect_witnesses(uint64_t seed, uint64_t n, uint64_t k, uint16_t *order);
+/* selection.shuffled_prefix(seed, DATA_DOMAIN, n, n): the order in which trainers take their shares. */
+void psy_data_order(uint64_t seed, uint64_t n, uint16_t *order);
 
 /* sha256(SALT_PREFIX ‖ hex(id)): its first slices u16 words give the participant key's bit positions. */
 void psy_participant_digest(const uint8_t *id, uint8_t digest[32]);
+/* The digests of a client's participant key and of its compute key (bloom.compute_key). */
+void psy_client_digests(const uint8_t *id, uint8_t participant[32], uint8_t compute[32]);
 bool psy_bloom_contains(const uint8_t *bloom, const uint8_t digest[32], uint64_t slices, uint64_t bits_per_slice);
 
 /* ---- config (config.c) ------------------------------------------------------------------------------ */
@@ -184,5 +188,12 @@ uint64_t psy_health_check(const psy_op_t *op);
 /* The signer's client index if it is a healthy client (rules._healthy_client), else its error. */
 uint64_t psy_healthy_client(uint8_t *s, const uint8_t *signer, uint64_t *index);
 uint64_t psy_tick(uint8_t *s, int64_t now);
+
+/* ---- points (points.c) ------------------------------------------------------------------------------ */
+
+/* rules.tally_proof: the votes of one round proof's participant filter, for every client. */
+void psy_tally_proof(uint8_t *s, const uint8_t *participant_bloom);
+/* rules.credit_round: every counted client of the ending round earns its points; the votes start over. */
+void psy_credit_round(uint8_t *s);
 
 #endif /* PSY_COORDINATOR_H */

@@ -33,6 +33,12 @@ static bool valid_update(const uint8_t *data) {
   const uint8_t *model = data + PSY_IX_UPDATE_MODEL_OFFSET;
   const uint8_t *checkpoint = data + PSY_IX_UPDATE_CHECKPOINT_OFFSET;
   return psy_text_valid(model + PSY_MODEL_DATASET_OFFSET, PSY_MODEL_DATASET_SIZE) &&
+         psy_text_valid(model + PSY_MODEL_ARCHITECTURE_OFFSET, PSY_MODEL_ARCHITECTURE_SIZE) &&
+         psy_text_valid(model + PSY_MODEL_SOURCE_OFFSET, PSY_MODEL_SOURCE_SIZE) &&
+         psy_text_valid(model + PSY_MODEL_SOURCE_REVISION_OFFSET, PSY_MODEL_SOURCE_REVISION_SIZE) &&
+         PSY_MODEL_TOKENIZER_GET(model) < PSY_TOKENIZER_COUNT && PSY_MODEL_LR_SCHEDULE_GET(model) < PSY_SCHEDULE_COUNT &&
+         PSY_MODEL_GRAD_AVERAGING_GET(model) < PSY_GRAD_AVERAGING_COUNT &&
+         PSY_MODEL_WIRE_CODEC_GET(model) < PSY_WIRE_CODEC_COUNT &&
          PSY_CHECKPOINT_KIND_GET(checkpoint) < PSY_CHECKPOINT_KIND_COUNT &&
          psy_text_valid(checkpoint + PSY_CHECKPOINT_REPO_OFFSET, PSY_CHECKPOINT_REPO_SIZE) &&
          psy_text_valid(checkpoint + PSY_CHECKPOINT_REVISION_OFFSET, PSY_CHECKPOINT_REVISION_SIZE);

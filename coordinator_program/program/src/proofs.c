@@ -1,5 +1,5 @@
-/* proofs.c: what witnesses prove and what health checks judge by (rules.witness, warmup_witness,
- * _record_proof, witnessed_by, left_out_by, missed_by_quorum, health_check). */
+/* proofs.c: what witnesses prove and what health checks judge by (rules.witness and its tally_proof,
+ * warmup_witness, _record_proof, witnessed_by, left_out_by, missed_by_quorum, health_check). */
 #include "coordinator.h"
 
 static bool training(const uint8_t *s) {
@@ -54,7 +54,11 @@ uint64_t psy_witness(const psy_op_t *op) {
   if (psy_load_u32(op->data + PSY_IX_WITNESS_ROUND_HEIGHT_OFFSET) != PSY_ROUND_HEIGHT_GET(psy_current_round(s))) {
     return PSY_ERR_STALE_ROUND;
   }
-  return record_proof(op, index);
+  err = record_proof(op, index);
+  if (err == PSY_SUCCESS) {
+    psy_tally_proof(s, op->proof.participant);
+  }
+  return err;
 }
 
 uint64_t psy_warmup_witness(const psy_op_t *op) {

@@ -1,4 +1,5 @@
-/* selection.c: the round seed and the witness election of selection.py, on the sol_sha256 syscall. */
+/* selection.c: the round seed, the witness election and the trainers' data order of selection.py, on the sol_sha256
+ * syscall. */
 #include "coordinator.h"
 
 uint64_t psy_next_seed(uint64_t previous) {
@@ -13,6 +14,8 @@ uint64_t psy_next_seed(uint64_t previous) {
 
 /* selection.random_words: block j is sha256(domain ‖ seed_le64 ‖ j_le32), read as four LE u64 words. */
 typedef struct {
+  const char *domain;
+  uint64_t domain_len;
   uint8_t seed[8];
   uint8_t block[4];
   uint64_t next;     /* index of the next word in the stream */
@@ -24,7 +27,7 @@ static uint64_t next_word(words_t *w) {
   if (in_block == 0) {
     psy_store_u32(w->block, (uint32_t)(w->next >> 2));
     psy_bytes_t pieces[3] = {
-        {(const uint8_t *)PSY_WITNESS_DOMAIN, sizeof(PSY_WITNESS_DOMAIN) - 1},
+        {(const uint8_t *)w->domain, w->domain_len},
         {w->seed, sizeof w->seed},
         {w->block, sizeof w->block},
     };
@@ -45,19 +48,37 @@ static uint64_t uniform_below(words_t *w, uint64_t bound) {
   }
 }
 
-uint64_t psy_elect_witnesses(uint64_t seed, uint64_t n, uint64_t k, uint16_t *order) {
-  words_t w;
-  psy_store_u64(w.seed, seed);
-  w.next = 0;
+static void start_words(words_t *w, const char *domain, uint64_t domain_len, uint64_t seed) {
+  w->domain = domain;
+  w->domain_len = domain_len;
+  psy_store_u64(w->seed, seed);
+  w->next = 0;
+}
+
+/* selection.shuffled_prefix: the first min(k, n) positions of a Fisher-Yates shuffle of 0..n-1 drawn from `w`
+ * (the whole of `order` is used as scratch). */
+static uint64_t shuffled_prefix(words_t *w, uint64_t n, uint64_t k, uint16_t *order) {
   for (uint64_t i = 0; i < n; i++) {
     order[i] = (uint16_t)i;
   }
-  uint64_t elected = k < n ? k : n;
-  for (uint64_t i = 0; i < elected; i++) { /* a partial Fisher-Yates shuffle */
-    uint64_t j = i + uniform_below(&w, n - i);
+  uint64_t drawn = k < n ? k : n;
+  for (uint64_t i = 0; i < drawn; i++) { /* a partial Fisher-Yates shuffle */
+    uint64_t j = i + uniform_below(w, n - i);
     uint16_t swap = order[i];
     order[i] = order[j];
     order[j] = swap;
   }
-  return elected;
+  return drawn;
+}
+
+uint64_t psy_elect_witnesses(uint64_t seed, uint64_t n, uint64_t k, uint16_t *order) {
+  words_t w;
+  start_words(&w, PSY_WITNESS_DOMAIN, sizeof(PSY_WITNESS_DOMAIN) - 1, seed);
+  return shuffled_prefix(&w, n, k, order);
+}
+
+void psy_data_order(uint64_t seed, uint64_t n, uint16_t *order) {
+  words_t w;
+  start_words(&w, PSY_DATA_DOMAIN, sizeof(PSY_DATA_DOMAIN) - 1, seed);
+  shuffled_prefix(&w, n, n, order);
 }

@@ -149,6 +149,7 @@ static uint64_t tick_witness(uint8_t *s, int64_t now) {
     return NOTHING;
   }
   bool quorum = reached_quorum(s); /* judged with the round's clients, before the unhealthy leave */
+  psy_credit_round(s);             /* so are the points */
   uint32_t step = PSY_ACCOUNT_STEP_GET(s) + 1;
   PSY_ACCOUNT_STEP_SET(s, step);
   if (psy_witness_count(psy_current_round(s)) == 0) {
