@@ -54,8 +54,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._file(body=True)
 
     def do_POST(self) -> None:  # noqa: N802
-        """Branch creation and commits: the calls ``HfApi.create_branch`` and ``create_commit`` make."""
+        """Repo and branch creation and commits: the calls ``HfApi.create_repo``, ``create_branch`` and
+        ``create_commit`` make."""
         body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        if self.path == "/api/validate-yaml":  # a model card's metadata, checked before a commit that adds one
+            self._reply(200, b"{}")
+            return
+        if self.path == "/api/repos/create":
+            name = json.loads(body)
+            self._reply(200, json.dumps({"url": f"{self.server.url}/{name.get('organization')}/{name['name']}"}
+                                        ).encode())
+            return
         repo, _, rest = self.path.removeprefix("/api/models/").partition("/")
         # repo ids have a slash: org/name/<verb>/<revision>
         name, _, rest = rest.partition("/")

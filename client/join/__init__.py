@@ -2,5 +2,5 @@
 the sync phases, checkpoints, and a worker's place among its stage's replicas (``stage_replica``).
 
 May import: coordinator_program, local_backend.auth_service, client.identity, client.stages,
-client.helper_processes, client.pipeline, client.averaging.
+client.helper_processes, client.pipeline, client.averaging, client.models.
 """

@@ -21,6 +21,7 @@ so joiners try the freshest donor first.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ from pathlib import Path
 import torch
 from solders.keypair import Keypair
 
+from client.averaging.gradients import GradAveraging, GradientAverager, GradientSettings
 from client.averaging.sparta import AveragingResult, AveragingStatus, SpartaAverager, SpartaSettings, averaging_index
-from client.join.checkpoints import save_snapshot, snapshot_dirs
+from client.join.checkpoints import OptimizerState, named_optimizer_state, save_snapshot, save_stage, snapshot_dirs
 from client.join.state_download import (
     JoinWindow,
     StageState,
@@ -43,11 +45,14 @@ from client.join.state_download import (
     worker_state_provider,
 )
 from client.join.sync import SyncPhase, SyncPolicy, SyncTracker
+from client.models.sources import BYTE_MODEL, model_spec_for
 from client.pipeline.discovery import WorkerDirectory
-from client.pipeline.model import ModelConfig
+from client.pipeline.model import ModelConfig, ModelSpec
 from client.pipeline.optim import OptimizerConfig
+from client.pipeline.wire import codec_name
 from client.pipeline.worker import StageWorker, StepStats
 from coordinator_program.config import CheckpointKind
+from coordinator_program.schedule import learning_rate
 from coordinator_program.state import CoordinatorState
 
 log = logging.getLogger("psyswarm.replica")
@@ -55,9 +60,13 @@ log = logging.getLogger("psyswarm.replica")
 PEER_DOWNLOAD_TIMEOUT = 120.0  # seconds a joiner tries same-stage donors before falling back
 
 
-def model_config(state: CoordinatorState) -> ModelConfig:
-    """The model a run's state describes, as the pipeline builds it."""
+def model_config(state: CoordinatorState, *, hf_endpoint: str | None = None,
+                 hf_token: str | None = None) -> ModelSpec:
+    """The model a run's state describes, as the pipeline builds it: the embedded byte-level model, or a Hugging
+    Face causal LM whose config.json is read from its source and checked against the run's digest."""
     m = state.model
+    if getattr(m, "architecture", BYTE_MODEL) != BYTE_MODEL:
+        return model_spec_for(state, endpoint=hf_endpoint, token=hf_token)
     return ModelConfig(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len,
                        num_stages=state.config.num_stages, seed=m.init_seed)
 
@@ -67,6 +76,18 @@ def sparta_settings(round_witness_time: int) -> SpartaSettings:
     peers, which leave RoundTrain within a state broadcast of each other."""
     wait = float(min(max(round_witness_time, 1), 5))
     return SpartaSettings(min_matchmaking_time=wait, request_timeout=wait / 2, matchmaking_timeout=wait + 4.0)
+
+
+def gradient_averager(state: CoordinatorState, worker: StageWorker, dht) -> GradientAverager | None:
+    """The worker's per-step gradient averager if the run averages gradients (``grad_averaging``), else None.
+    It shares SPARTA's timeouts, and no peer may claim more samples than a round's global batch."""
+    mode = GradAveraging(state.model.grad_averaging.name.lower())
+    if mode == GradAveraging.OFF:
+        return None
+    rank = state.model.powersgd_rank if mode == GradAveraging.POWERSGD else 0
+    settings = GradientSettings(mode, rank=rank, timeouts=sparta_settings(state.config.round_witness_time),
+                                max_weight=float(state.config.global_batch_size))
+    return GradientAverager.for_worker(worker, dht, seed=state.model.init_seed, settings=settings)
 
 
 @dataclass(frozen=True)
@@ -83,21 +104,32 @@ class StageReplica:
     """One worker of a stage with its averager and its sync tracker."""
 
     def __init__(self, worker: StageWorker, averager: SpartaAverager, tracker: SyncTracker,
-                 directory: WorkerDirectory, *, every: int) -> None:
+                 directory: WorkerDirectory, *, every: int, gradients: GradientAverager | None = None,
+                 learning_rate: Callable[[int], float] | None = None) -> None:
         self.worker, self.averager, self.tracker, self.directory = worker, averager, tracker, directory
         self.every = every
+        self.learning_rate = learning_rate  # the run's schedule: the rate of each swarm step
+        self.gradients = gradients
+        self.gradient_round = 0  # the swarm step whose gradients the next optimizer step averages
+        if gradients is not None:  # sync-phase workers average with weight 0: they receive and add nothing
+            worker.backend.optimizer.gradient_exchange = gradients.exchange(
+                lambda: self.gradient_round, lambda samples: self.tracker.averaging_weight(float(samples)),
+                self.peers)
         self.local_step: int | None = None  # the swarm step this worker's parameters belong to
         self.samples_since_average = 0
 
     @classmethod
     def create(cls, state: CoordinatorState, stage: str, *, dht, keypair: Keypair, host: str,
-               trainer_allowed: Callable[[bytes], bool], say: Callable[[str], None] = print) -> StageReplica:
+               trainer_allowed: Callable[[bytes], bool], say: Callable[[str], None] = print,
+               device: str = "cpu", hf_endpoint: str | None = None, hf_token: str | None = None) -> StageReplica:
         """Build the worker (not serving yet) and its averager: the averager forks hivemind's process, which is
         safest before the worker's gRPC server starts its threads. The worker serves the trainers for which
-        ``trainer_allowed`` (a public key) is true."""
-        config = model_config(state)
+        ``trainer_allowed`` (a public key) is true. A Hugging Face model comes from its source through
+        ``hf_endpoint``; ``ModelSourceError`` when it cannot be built as the run names it."""
+        config = model_config(state, hf_endpoint=hf_endpoint, hf_token=hf_token)
         worker = StageWorker(config, stage, keypair=keypair, dht=dht, run_id=state.run_id, host=host,
-                             trainer_allowed=trainer_allowed,
+                             trainer_allowed=trainer_allowed, device=device,
+                             wire_codec=codec_name(state.model.wire_codec),
                              optimizer=OptimizerConfig(lr=state.model.learning_rate_micros / 1e6))
         replica: StageReplica  # bound below; the provider only runs once sharing is on, long after
         averager = SpartaAverager.for_worker(
@@ -105,7 +137,9 @@ class StageReplica:
             settings=sparta_settings(state.config.round_witness_time),
             state_provider=worker_state_provider(worker, lambda: replica.local_step or 0))
         replica = cls(worker, averager, SyncTracker(SyncPolicy.from_model(state.model), say=say),
-                      WorkerDirectory(dht, state.run_id, config.fingerprint()), every=state.model.sparta_every)
+                      WorkerDirectory(dht, state.run_id, config.fingerprint()), every=state.model.sparta_every,
+                      gradients=gradient_averager(state, worker, dht),
+                      learning_rate=functools.partial(learning_rate, state.model, state.config.total_steps))
         return replica
 
     @property
@@ -127,7 +161,8 @@ class StageReplica:
             log.info("stage %s starts from the run's seed (step %s)", self.stage,
                      "0" if self.local_step == 0 else f"unknown: the swarm is at step {state.step}")
             return None
-        load_stage_state(self.worker.backend.module, found, self.worker.backend.lock)
+        backend = self.worker.backend
+        load_stage_state(backend.module, found, backend.lock, backend.optimizer.optimizer)
         self.local_step = found.step
         log.info("stage %s loaded from %s (step %s; the swarm is at step %d)", self.stage, found.source,
                  "unknown" if found.step is None else found.step, state.step)
@@ -222,22 +257,36 @@ class StageReplica:
 
     # ----- rounds -----
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """A copy of the stage's parameters, taken between tasks (what a checkpoint or a snapshot saves)."""
-        with self.worker.backend.lock:
-            return {k: v.detach().clone() for k, v in self.worker.backend.module.state_dict().items()}
+    def _checkpoint(self) -> tuple[dict[str, torch.Tensor], OptimizerState]:
+        """Copies of the parameters and the optimizer state on the CPU, taken together between tasks."""
+        backend = self.worker.backend
+        with backend.lock:
+            tensors = {k: v.detach().to("cpu", copy=True) for k, v in backend.module.state_dict().items()}
+            return tensors, named_optimizer_state(backend.module, backend.optimizer.optimizer)
+
+    def save(self, directory: Path, step: int) -> list[Path]:
+        """Save the stage (parameters and optimizer state) as it stands after ``step`` swarm steps: a checkpoint."""
+        tensors, optimizer = self._checkpoint()
+        return save_stage(directory, self.stage, tensors, step, optimizer)
 
     def save_snapshot(self, root: Path, step: int) -> list[Path]:
         """Save the stage as it stands after ``step`` swarm steps among the run's snapshots under ``root``."""
-        return save_snapshot(root, self.stage, self.state_dict(), step)
+        tensors, optimizer = self._checkpoint()
+        return save_snapshot(root, self.stage, tensors, step, optimizer)
 
     def expect_samples(self, round_start: int, global_batch: int) -> None:
         """The worker's next step accumulates the round's global batch, the ``global_batch`` samples from
         ``round_start``, and no others: a microbatch of a round that is over counts nowhere."""
         self.worker.ledger.expect_samples(round_start, round_start + global_batch)
 
-    def step(self) -> StepStats:
-        """The optimizer step of a finished round."""
+    def step(self, swarm_step: int | None = None) -> StepStats:
+        """The optimizer step of a finished round, the swarm's ``swarm_step``, at the rate the run's schedule
+        gives that step (its gradients are averaged with the stage's peers of that round first, if the run
+        averages gradients)."""
+        if swarm_step is not None:
+            self.gradient_round = swarm_step
+            if self.learning_rate is not None:
+                self.worker.backend.optimizer.set_learning_rate(self.learning_rate(swarm_step))
         stats = self.worker.step()
         self.samples_since_average += stats.samples
         if self.local_step is not None:
@@ -261,3 +310,5 @@ class StageReplica:
     def stop(self) -> None:
         self.worker.stop()
         self.averager.shutdown()
+        if self.gradients is not None:
+            self.gradients.shutdown()

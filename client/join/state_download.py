@@ -1,11 +1,12 @@
 """A joining worker's state download: from a Hub checkpoint or from same-stage peers, outside averaging.
 
 Sources:
-- Hub: ``<stage>.pt`` (a ``state_dict`` saved with ``torch.save``, as workers save at Cooldown) from a
-  Hugging Face repo at a revision, through ``huggingface_hub.hf_hub_download`` (its endpoint configurable;
-  its own progress bar). An optional ``<stage>.json`` beside it gives ``{"step": N}``, the swarm step the
-  snapshot was taken at; without it the snapshot's age is unknown and the sync phases treat it as stale.
-- Local: the same two files in a local checkpoint directory (``load_local``), as workers save them.
+- Hub: ``<stage>.safetensors`` (the stage's ``state_dict``, as workers save at Cooldown: see
+  ``client.join.checkpoints``) from a Hugging Face repo at a revision, through ``huggingface_hub.hf_hub_download``
+  (its endpoint configurable; its own progress bar). An optional ``<stage>.json`` beside it gives ``{"step": N}``,
+  the swarm step the snapshot was taken at; without it the snapshot's age is unknown and the sync phases treat
+  it as stale. An optional ``<stage>.optim.pt`` gives the optimizer's moments; without it they start afresh.
+- Local: the same files in a local checkpoint directory (``load_local``), as workers save them.
 - Peers: hivemind's state sharing. Active same-stage workers serve their state (``worker_state_provider``);
   the joiner's own ``SpartaAverager`` downloads it with a progress bar, checking what arrives.
 
@@ -28,6 +29,15 @@ import torch
 from torch import nn
 
 from client.averaging.stage_averager import SharedState, StateExpectation
+from client.join.checkpoints import (
+    CheckpointError,
+    check_optimizer_state,
+    check_weights,
+    load_optimizer_state,
+    read_optimizer_state,
+    read_weights,
+    stage_files,
+)
 
 if TYPE_CHECKING:
     from client.averaging.sparta import SpartaAverager
@@ -44,11 +54,13 @@ class StateDownloadError(RuntimeError):
 
 @dataclass(frozen=True)
 class StageState:
-    """A stage's ``state_dict``, the swarm step it was taken at (None: unknown) and where it came from."""
+    """A stage's ``state_dict``, the swarm step it was taken at (None: unknown), where it came from, and the
+    optimizer state saved with it, as read and not yet checked (None: none, or unreadable)."""
 
     tensors: dict[str, torch.Tensor]
     step: int | None
     source: str
+    optimizer: object = None
 
 
 class JoinWindow:
@@ -95,18 +107,13 @@ class JoinWindow:
 # ----- Hub ---------------------------------------------------------------------------------------------
 
 
-def hub_filenames(stage: str) -> tuple[str, str]:
-    """(state file, metadata file) of a stage in a Hub checkpoint repo."""
-    return f"{stage}.pt", f"{stage}.json"
-
-
 def download_from_hub(repo_id: str, stage: str, *, revision: str | None = None, endpoint: str | None = None,
                       token: str | None = None, cache_dir: Path | None = None) -> StageState:
-    """Download ``<stage>.pt`` (and ``<stage>.json`` if present) from a Hub repo."""
+    """Download ``<stage>.safetensors`` (and ``<stage>.json``, ``<stage>.optim.pt`` if present) from a Hub repo."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 
-    state_file, meta_file = hub_filenames(stage)
+    state_file, optim_file, meta_file = stage_files(stage)
     where = f"{repo_id}@{revision or 'main'}/{state_file}"
     common: dict[str, Any] = dict(repo_id=repo_id, revision=revision, endpoint=endpoint, token=token,
                                   cache_dir=cache_dir)
@@ -121,13 +128,20 @@ def download_from_hub(repo_id: str, stage: str, *, revision: str | None = None, 
         log.info("%s has no %s: its step is unknown, so the node will sync", repo_id, meta_file)
     except (HfHubHTTPError, OSError, ValueError) as exc:
         log.warning("ignoring %s of %s: %s", meta_file, repo_id, exc)
+    optimizer: object = None
+    try:
+        optimizer = _read_optimizer(Path(hf_hub_download(filename=optim_file, **common)), f"{repo_id}/{optim_file}")
+    except EntryNotFoundError:
+        log.info("%s has no %s: the optimizer's moments start afresh", repo_id, optim_file)
+    except (HfHubHTTPError, OSError) as exc:
+        log.warning("ignoring %s of %s: %s", optim_file, repo_id, exc)
     return StageState(tensors=_load_tensors(Path(path), where), step=_step_of(meta, f"{repo_id}/{meta_file}"),
-                      source=f"hub:{where}")
+                      source=f"hub:{where}", optimizer=optimizer)
 
 
 def load_local(directory: Path, stage: str) -> StageState | None:
-    """``<stage>.pt`` (and its ``<stage>.json`` step) from a local checkpoint directory, if it is there."""
-    state_file, meta_file = (directory / name for name in hub_filenames(stage))
+    """A stage's files (``checkpoints.stage_files``) from a local checkpoint directory, if its weights are there."""
+    state_file, optim_file, meta_file = (directory / name for name in stage_files(stage))
     if not state_file.exists():
         return None
     meta: object = None
@@ -135,18 +149,25 @@ def load_local(directory: Path, stage: str) -> StageState | None:
         meta = json.loads(meta_file.read_text())
     except (OSError, ValueError) as exc:
         log.info("no readable step in %s (%s): the node will sync", meta_file, exc)
+    optimizer = _read_optimizer(optim_file, str(optim_file)) if optim_file.exists() else None
     return StageState(tensors=_load_tensors(state_file, str(state_file)), step=_step_of(meta, str(meta_file)),
-                      source=f"local:{state_file}")
+                      source=f"local:{state_file}", optimizer=optimizer)
 
 
 def _load_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
     try:
-        tensors = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as exc:  # torch raises many types for a corrupt or hostile file; all mean "unusable"
-        raise StateDownloadError(f"{where} is not a loadable state_dict: {exc}") from None
-    if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
-        raise StateDownloadError(f"{where} does not hold a state_dict of tensors")
-    return tensors
+        return read_weights(path, where)
+    except CheckpointError as exc:
+        raise StateDownloadError(str(exc)) from None
+
+
+def _read_optimizer(path: Path, where: str) -> object:
+    """An optimizer state file's content, or None if unreadable: the weights are still worth loading."""
+    try:
+        return read_optimizer_state(path, where)
+    except CheckpointError as exc:
+        log.warning("%s; the optimizer's moments start afresh", exc)
+        return None
 
 
 def _step_of(meta: object, where: str) -> int | None:
@@ -170,8 +191,8 @@ def worker_state_provider(worker: StageWorker, current_step: Callable[[], int]) 
     """What an active worker serves to joiners: its module's ``state_dict`` and the swarm step it belongs to."""
 
     def provide() -> SharedState:
-        with worker.backend.lock:
-            state = {k: v.detach().clone() for k, v in worker.backend.module.state_dict().items()}
+        with worker.backend.lock:  # on the CPU, where hivemind sends from, whatever the worker's device
+            state = {k: v.detach().to("cpu", copy=True) for k, v in worker.backend.module.state_dict().items()}
         metadata = {**stage_identity(worker.run_id, worker.stage, worker.config.fingerprint()),
                     "step": int(current_step()), "keys": list(state)}
         return SharedState(metadata=metadata, tensors=list(state.values()))
@@ -211,19 +232,21 @@ def download_from_peers(averager: SpartaAverager, module: nn.Module, identity: d
 # ----- loading -----------------------------------------------------------------------------------------
 
 
-def load_stage_state(module: nn.Module, state: StageState, lock: Any) -> None:
-    """Replace ``module``'s state with ``state`` under ``lock``; anything that does not fit changes nothing."""
-    current = module.state_dict()
-    missing = set(current) - set(state.tensors)
-    extra = set(state.tensors) - set(current)
-    if missing or extra:
-        raise StateDownloadError(f"state from {state.source} does not match this stage: missing "
-                                 f"{sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}")
-    for name, tensor in state.tensors.items():
-        if tensor.shape != current[name].shape:
-            raise StateDownloadError(f"state from {state.source}: {name} has shape {list(tensor.shape)}, "
-                                     f"this stage needs {list(current[name].shape)}")
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise StateDownloadError(f"state from {state.source}: {name} holds non-finite values")
+def load_stage_state(module: nn.Module, state: StageState, lock: Any,
+                     optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Replace ``module``'s state (and ``optimizer``'s, if the state carries one that fits) with ``state`` under
+    ``lock``. Weights that do not fit change nothing; an optimizer state that does not fit is ignored."""
+    try:
+        check_weights(state.tensors, module.state_dict(), f"state from {state.source}")
+    except CheckpointError as exc:
+        raise StateDownloadError(str(exc)) from None
+    moments = None
+    if optimizer is not None and state.optimizer is not None:
+        try:
+            moments = check_optimizer_state(state.optimizer, module, f"the optimizer state from {state.source}")
+        except CheckpointError as exc:
+            log.warning("%s; the optimizer's moments start afresh", exc)
     with lock:
         module.load_state_dict(state.tensors)
+        if moments is not None:
+            load_optimizer_state(module, optimizer, moments)

@@ -3,5 +3,6 @@ microbatches through them, and discovery over hivemind's DHT. See ``trainer.py``
 
 It knows nothing of the coordinator or of witnessing: the runner ties a round to the pipeline's work.
 
-May import: client.identity, client.stages, client.helper_processes, client.sealed.
+May import: client.identity, client.stages, client.helper_processes, client.sealed, client.data,
+client.models.
 """

@@ -22,16 +22,18 @@ from dataclasses import asdict, dataclass
 import torch
 
 from client.pipeline.admission import GradientBound, GradientRefused, RequestHeader, authenticate, read_header
-from client.pipeline.model import ModelConfig, build_stage
+from client.pipeline.device import autocast
+from client.pipeline.model import ModelSpec, build_stage
 from client.pipeline.optim import OptimizerConfig, StageOptimizer, StepStats
 from client.pipeline.rpc import InvalidRequest
 from client.pipeline.tensor_codec import (
-    FLOAT_DTYPES,
     CodecError,
+    WireTensor,
     decode_message,
     encode_message,
     tensor_digest,
 )
+from client.pipeline.wire import DEFAULT_CODEC, codec_name, codec_of, from_wire, is_finite, to_wire
 
 MAX_ID_CHARS = 128
 _TOKEN_DTYPES = (torch.uint8, torch.int64)
@@ -72,13 +74,13 @@ def input_digest(digests: Mapping[str, str]) -> str:
 
 @dataclass(frozen=True)
 class StageRequest:
-    """A validated, authenticated Forward or Backward request, tensors still in the dtype they arrived in."""
+    """A validated, authenticated Forward or Backward request, tensors still in the wire form they arrived in."""
 
     header: RequestHeader
-    wire_dtype: torch.dtype
-    inputs: torch.Tensor
+    wire_codec: str
+    inputs: WireTensor
     targets: torch.Tensor | None
-    grad_output: torch.Tensor | None
+    grad_output: WireTensor | None
 
     @property
     def trainer(self) -> str:
@@ -105,22 +107,29 @@ class StageBackend:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelSpec,
         stage: str,
         optimizer: OptimizerConfig,
         *,
         uid: str,
         run_id: str,
         max_batch_size: int,
+        wire_codec: str = DEFAULT_CODEC,
+        device: torch.device | str = "cpu",
     ) -> None:
+        """``wire_codec`` is the run's (``wire``): the only one this stage accepts and answers in. The module and
+        its optimizer state live on ``device`` in float32; computation there uses ``device.autocast``."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
+        self.wire_codec = codec_name(wire_codec)
         self.config = config
         self.stage = stage
         self.uid = uid
         self.run_id = run_id
         self.max_batch_size = max_batch_size
         self.module = build_stage(config, stage)
+        self.device = torch.device(device)
+        self.module.to(self.device)  # before the optimizer, whose state follows its parameters
         self.optimizer = StageOptimizer(self.module, stage, config.num_stages, optimizer)
         self.bound = GradientBound(self.optimizer.clip)
         self.samples_accumulated = 0
@@ -152,9 +161,11 @@ class StageBackend:
         stage = meta.get("stage")
         if stage != self.stage:
             raise InvalidRequest(f"request for stage {stage!r} sent to a worker of stage {self.stage!r}")
-        dtype_name = meta.get("dtype")
-        if dtype_name not in FLOAT_DTYPES:
-            raise InvalidRequest(f"field 'dtype' must be one of {sorted(FLOAT_DTYPES)}, got {dtype_name!r}")
+        if meta.get("dtype") != self.wire_codec:
+            raise InvalidRequest(
+                f"field 'dtype': request encoded in wire codec {meta.get('dtype')!r}, but this run's wire codec is "
+                f"{self.wire_codec!r}"
+            )
         header = read_header(meta, tensors, "backward" if backward else "forward", MAX_ID_CHARS)
         authenticate(header, meta.get("signature"), run_id=self.run_id)
         self._check_tensors(tensors, backward)
@@ -164,10 +175,10 @@ class StageBackend:
                 f"samples [{header.sample_start}, {header.sample_end}) do not match the batch of {batch} samples"
             )
         return StageRequest(
-            header, FLOAT_DTYPES[dtype_name], tensors["input"], tensors.get("targets"), tensors.get("grad_output")
+            header, self.wire_codec, tensors["input"], tensors.get("targets"), tensors.get("grad_output")
         )
 
-    def _check_tensors(self, tensors: dict[str, torch.Tensor], backward: bool) -> None:
+    def _check_tensors(self, tensors: dict[str, WireTensor], backward: bool) -> None:
         is_head, is_tail = self.module.is_head, self.module.is_tail
         expected = (
             {"input"} | ({"targets"} if is_tail else set()) | ({"grad_output"} if backward and not is_tail else set())
@@ -195,7 +206,7 @@ class StageBackend:
                     f"output shape {[batch, length, self.config.d_model]}"
                 )
 
-    def _check_batch_shape(self, name: str, tensor: torch.Tensor, ndim: int) -> None:
+    def _check_batch_shape(self, name: str, tensor: WireTensor, ndim: int) -> None:
         if tensor.dim() != ndim:
             raise InvalidRequest(f"{name} must have {ndim} dimensions, got shape {list(tensor.shape)}")
         batch, length = tensor.shape[:2]
@@ -204,33 +215,35 @@ class StageBackend:
         if not 1 <= length <= self.config.seq_len:
             raise InvalidRequest(f"{name} sequence length {length} is not in 1..{self.config.seq_len}")
 
-    def _check_tokens(self, name: str, tensor: torch.Tensor) -> None:
-        if tensor.dtype not in _TOKEN_DTYPES:
-            raise InvalidRequest(f"{name} must hold byte tokens as uint8 or int64, got {tensor.dtype}")
+    def _check_tokens(self, name: str, tensor: WireTensor) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in _TOKEN_DTYPES:
+            got = tensor.dtype if isinstance(tensor, torch.Tensor) else "int8 blocks"
+            raise InvalidRequest(f"{name} must hold byte tokens as uint8 or int64, got {got}")
         self._check_batch_shape(name, tensor, 2)
         if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= self.config.vocab):
             raise InvalidRequest(f"{name} holds tokens outside 0..{self.config.vocab - 1}")
 
-    def _check_hidden(self, name: str, tensor: torch.Tensor) -> None:
-        if tensor.dtype not in FLOAT_DTYPES.values():
-            raise InvalidRequest(f"{name} must be float32, float16 or bfloat16, got {tensor.dtype}")
+    def _check_hidden(self, name: str, tensor: WireTensor) -> None:
+        if codec_of(tensor) != self.wire_codec:
+            got = codec_of(tensor) or tensor.dtype  # type: ignore[union-attr]
+            raise InvalidRequest(f"{name} must be in this run's wire codec {self.wire_codec}, got {got}")
         self._check_batch_shape(name, tensor, 3)
         if tensor.shape[2] != self.config.d_model:
             raise InvalidRequest(
                 f"{name} width {tensor.shape[2]} differs from the model's d_model {self.config.d_model}"
             )
-        if not bool(torch.isfinite(tensor).all()):
+        if not is_finite(tensor):
             raise InvalidRequest(f"{name} holds NaN or infinite values")
 
     # ----- computation -----
 
     def forward(self, request: StageRequest) -> bytes:
         """Head/body: the stage output in the requested dtype. Tail: the mean loss, in the metadata."""
-        with self.lock, torch.no_grad():
-            out = self.module(self._as_input(request.inputs), request.targets)
+        with self.lock, torch.no_grad(), autocast(self.device):
+            out = self.module(self._as_input(request.inputs), self._on_device(request.targets))
         if self.module.is_tail:
             return encode_message({"loss": float(out)}, {})
-        return encode_message({}, {"output": out.to(request.wire_dtype)})
+        return encode_message({}, {"output": to_wire(out.cpu(), request.wire_codec)})
 
     def backward(self, request: StageRequest) -> tuple[bytes, Receipt]:
         """Recompute the forward pass, check the parameter gradients, accumulate them, return the input gradient.
@@ -244,13 +257,15 @@ class StageBackend:
             inputs = self._as_input(request.inputs)
             if not self.module.is_head:
                 inputs.requires_grad_(True)
-            out = self.module(inputs, request.targets)
+            with autocast(self.device):
+                out = self.module(inputs, self._on_device(request.targets))
             params = self.optimizer.params
             wrt = [*params, inputs] if not self.module.is_head else params
             if self.module.is_tail:
                 grads = torch.autograd.grad(out * request.batch_size, wrt)
             else:
-                grads = torch.autograd.grad(out, wrt, grad_outputs=request.grad_output.float())
+                grad_output = from_wire(request.grad_output).to(self.device, out.dtype)
+                grads = torch.autograd.grad(out, wrt, grad_outputs=grad_output)
             param_grads, grad_input = grads[: len(params)], (None if self.module.is_head else grads[-1])
             if grad_input is not None and not bool(torch.isfinite(grad_input).all()):
                 raise GradientRefused("Backward refused: the input gradient holds NaN or infinite values")
@@ -262,10 +277,10 @@ class StageBackend:
                     param.grad.add_(grad)
             self.samples_accumulated += request.batch_size
         meta: dict[str, object] = {}
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, WireTensor] = {}
         grad_input_digest = ""
         if grad_input is not None:
-            tensors["grad_input"] = grad_input.to(request.wire_dtype)
+            tensors["grad_input"] = to_wire(grad_input.cpu(), request.wire_codec)
             grad_input_digest = tensor_digest(tensors["grad_input"])
         if self.module.is_tail:
             meta["loss"] = float(out.detach())
@@ -299,6 +314,10 @@ class StageBackend:
         """The live parameter tensors in a fixed order (for averaging with same-stage peers)."""
         return [p.data for p in self.module.parameters()]
 
-    @staticmethod
-    def _as_input(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if tensor.dtype in _TOKEN_DTYPES else tensor.float()
+    def _as_input(self, tensor: WireTensor) -> torch.Tensor:
+        """A request's input on this stage's device: tokens as they came, hidden states in float32."""
+        tokens = isinstance(tensor, torch.Tensor) and tensor.dtype in _TOKEN_DTYPES
+        return (tensor if tokens else from_wire(tensor)).to(self.device)
+
+    def _on_device(self, targets: torch.Tensor | None) -> torch.Tensor | None:
+        return None if targets is None else targets.to(self.device)

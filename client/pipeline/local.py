@@ -11,14 +11,14 @@ from collections.abc import Sequence
 import torch
 
 from client.pipeline.data import ByteDataset, microbatches
-from client.pipeline.model import ModelConfig, build_all_stages
+from client.pipeline.model import ModelSpec, build_all_stages
 from client.pipeline.optim import OptimizerConfig, StageOptimizer, StepStats
 
 
 class LocalTrainer:
     """All stages in one process, trained exactly as workers would train them."""
 
-    def __init__(self, config: ModelConfig, dataset: ByteDataset, optimizer: OptimizerConfig | None = None) -> None:
+    def __init__(self, config: ModelSpec, dataset: ByteDataset, optimizer: OptimizerConfig | None = None) -> None:
         self.config = config
         self.dataset = dataset
         self.stages = build_all_stages(config)

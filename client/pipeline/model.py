@@ -1,4 +1,6 @@
-"""The pipelined language model: a decoder-only byte-level transformer cut into stages.
+"""The pipelined language model: what the pipeline needs of any model (``ModelSpec``), and psyswarm's own
+decoder-only byte-level transformer (``ModelConfig``), the embedded default. Hugging Face causal LMs implement
+``ModelSpec`` in ``client.models``.
 
 Every contributor builds only its own stage, yet all stages together must be exactly the model a single
 process would build. So parameters are named by their place in the *whole* model (``layers.4.qkv.weight``)
@@ -13,15 +15,50 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from client.models.init import parameter_stream, split_layers
 from client.stages import stage_names
 
 VOCAB_SIZE = 256  # byte-level tokenizer: a token is one byte of UTF-8 text
+
+
+class ModelSpec(Protocol):
+    """What the pipeline needs of a model: its cut into stages, the shapes its requests are checked against,
+    and a way to build one stage alone (with the run's initial parameters) on any machine.
+
+    A stage module has ``stage``, ``is_head`` and ``is_tail`` attributes and ``forward(x, targets=None)``: the
+    head takes token ids ``[B, T]``, a body hidden states ``[B, T, d_model]``; head and bodies return hidden
+    states, the tail (given the target ids) the mean cross-entropy. Its ``state_dict`` keys are the tensors'
+    names in the whole model, so the stages' state dicts merge into the model's.
+    """
+
+    num_stages: int
+    seq_len: int
+
+    @property
+    def vocab(self) -> int: ...
+
+    @property
+    def d_model(self) -> int:
+        """The width of the hidden states that travel between stages."""
+        ...
+
+    def fingerprint(self) -> str:
+        """Short hash that differs between models, carried in DHT records so trainers skip other models."""
+        ...
+
+    def to_dict(self) -> dict[str, object]:
+        """The model's description as JSON scalars (a worker's Info reply shows it)."""
+        ...
+
+    def stage_names(self) -> list[str]: ...
+
+    def build_stage(self, stage: str) -> nn.Module: ...
 
 
 @dataclass(frozen=True)
@@ -72,10 +109,17 @@ class ModelConfig:
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    def stage_names(self) -> list[str]:
+        return stage_names(self.num_stages)
 
-def stage_index(config: ModelConfig, stage: str) -> int:
+    def build_stage(self, stage: str) -> StageModule:
+        """The module for ``stage``, with the run's deterministic initial parameters."""
+        return StageModule(self, stage)
+
+
+def stage_index(config: ModelSpec, stage: str) -> int:
     """Position of ``stage`` in the pipeline, with an error naming the valid stages."""
-    names = stage_names(config.num_stages)
+    names = config.stage_names()
     if stage not in names:
         raise ValueError(f"unknown stage {stage!r}; this model has stages {', '.join(names)}")
     return names.index(stage)
@@ -83,14 +127,7 @@ def stage_index(config: ModelConfig, stage: str) -> int:
 
 def layer_split(config: ModelConfig) -> dict[str, range]:
     """Global layer indices held by each stage: as even as possible, earlier stages take the remainder."""
-    base, extra = divmod(config.n_layers, config.num_stages)
-    split: dict[str, range] = {}
-    start = 0
-    for i, name in enumerate(stage_names(config.num_stages)):
-        count = base + (1 if i < extra else 0)
-        split[name] = range(start, start + count)
-        start += count
-    return split
+    return split_layers(config.n_layers, config.num_stages)
 
 
 class Block(nn.Module):
@@ -154,11 +191,6 @@ class StageModule(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.long().flatten())
 
 
-def _param_stream(seed: int, name: str) -> np.random.RandomState:
-    digest = hashlib.sha256(f"psyswarm-init:{seed}:{name}".encode()).digest()
-    return np.random.RandomState(int.from_bytes(digest[:4], "little"))
-
-
 def init_parameters(module: nn.Module, seed: int, n_layers: int) -> None:
     """GPT-2-style init, each tensor from its own stream keyed by its global name (see module docstring).
 
@@ -175,15 +207,15 @@ def init_parameters(module: nn.Module, seed: int, n_layers: int) -> None:
                 param.zero_()
             else:
                 std = residual_std if name.endswith(("proj.weight", "out.weight")) else 0.02
-                values = _param_stream(seed, name).standard_normal(param.numel()) * std
+                values = parameter_stream(seed, name).standard_normal(param.numel()) * std
                 param.copy_(torch.from_numpy(values.reshape(param.shape)))
 
 
-def build_stage(config: ModelConfig, stage: str) -> StageModule:
-    """The module for ``stage``, with the run's deterministic initial parameters."""
-    return StageModule(config, stage)
+def build_stage(config: ModelSpec, stage: str) -> nn.Module:
+    """The module for ``stage`` of any model, with the run's deterministic initial parameters."""
+    return config.build_stage(stage)
 
 
-def build_all_stages(config: ModelConfig) -> list[StageModule]:
+def build_all_stages(config: ModelSpec) -> list[nn.Module]:
     """Every stage in pipeline order: the whole model, as one process would train it."""
-    return [build_stage(config, name) for name in stage_names(config.num_stages)]
+    return [config.build_stage(name) for name in config.stage_names()]

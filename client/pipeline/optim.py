@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +67,10 @@ class StageOptimizer:
     biases and LayerNorm scales (the 1-d tensors), as is usual for transformers.
     """
 
+    #: Set by per-step gradient averaging (``client.averaging.gradients``): replaces the mean gradients, in
+    #: ``params`` order, by the stage's average before clipping; returns the samples the result stands for.
+    gradient_exchange: Callable[[list[torch.Tensor], int], int] | None = None
+
     def __init__(self, module: nn.Module, stage: str, num_stages: int, config: OptimizerConfig) -> None:
         self.stage = stage
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -84,6 +88,13 @@ class StageOptimizer:
             foreach=False,
         )
 
+    def set_learning_rate(self, lr: float) -> None:
+        """The rate of the next steps: a run's schedule gives one per swarm step (``coordinator_program.schedule``)."""
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"learning rate must be finite and non-negative, got {lr!r}")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def step(self, samples: int) -> StepStats:
         """Apply the gradients accumulated over ``samples`` samples; a no-op when nothing was accumulated.
 
@@ -92,12 +103,20 @@ class StageOptimizer:
         parameters), the stage returns to the state it had before the step, parameters and optimizer state,
         logs a warning, and the gradients are dropped: one bad step must not end the stage's training.
         """
-        if samples <= 0:
+        exchange = self.gradient_exchange
+        if samples <= 0 and exchange is None:
             self.zero_grad()
             return StepStats(samples=0, grad_norm=0.0)
+        if exchange is not None:  # every peer averages the same tensors: an unused parameter sends zeros
+            for param in self.params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
         grads = [p.grad for p in self.params if p.grad is not None]
         for grad in grads:
-            grad.div_(samples)
+            grad.div_(max(samples, 1))
+        if exchange is not None and exchange(grads, samples) <= 0:  # nothing here, and nothing came from peers
+            self.zero_grad()
+            return StepStats(samples=0, grad_norm=0.0)
         norm = gradient_norm(grads)
         if norm > self.clip:
             for grad in grads:

@@ -42,15 +42,16 @@ from client.pipeline.admission import RequestHeader, encode_request, now_ms
 from client.pipeline.backend import Receipt, input_digest
 from client.pipeline.data import ByteDataset, microbatches
 from client.pipeline.discovery import WorkerRecord
-from client.pipeline.model import ModelConfig, stage_names
+from client.pipeline.model import ModelSpec, stage_names
 from client.pipeline.router import DEFAULT_BAN_SECONDS, StageRouter
 from client.pipeline.rpc import StageClient
 from client.pipeline.tensor_codec import (
-    FLOAT_DTYPES,
     CodecError,
+    WireTensor,
     decode_message,
     tensor_digest,
 )
+from client.pipeline.wire import DEFAULT_CODEC, codec_name, codec_of, is_finite
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +119,13 @@ class PipelineTrainer:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelSpec,
         dataset: ByteDataset,
         directory: Directory,
         *,
         keypair: Keypair | None = None,
         run_id: str = "psyswarm",
-        wire_dtype: str = "float32",
+        wire_codec: str = DEFAULT_CODEC,
         forward_timeout: float = 30.0,
         backward_timeout: float = 75.0,
         max_attempts: int = 8,
@@ -135,10 +136,9 @@ class PipelineTrainer:
         stall_log_period: float = 10.0,
     ) -> None:
         """``keypair`` signs every request (a fresh identity if omitted, which only workers serving any signed
-        trainer accept) for the run ``run_id``. ``stall_timeout=None`` waits for a missing stage forever;
-        ``max_inflight`` microbatches run at once, keeping several stages busy (pipeline parallelism)."""
-        if wire_dtype not in FLOAT_DTYPES:
-            raise ValueError(f"wire_dtype must be one of {sorted(FLOAT_DTYPES)}")
+        trainer accept) for the run ``run_id``, its activations in the run's ``wire_codec``. ``stall_timeout=None``
+        waits for a missing stage forever; ``max_inflight`` microbatches run at once, keeping several stages busy
+        (pipeline parallelism)."""
         if dataset.seq_len != config.seq_len:
             raise ValueError(f"dataset seq_len {dataset.seq_len} differs from the model's {config.seq_len}")
         if max_inflight < 1 or max_attempts < 1:
@@ -150,7 +150,7 @@ class PipelineTrainer:
         self.trainer_id = bytes(self.keypair.pubkey()).hex()
         self.run_id = run_id
         self._session = uuid.uuid4().hex[:12]  # microbatch ids never repeat, even across restarts
-        self.wire_dtype = wire_dtype
+        self.wire_codec = codec_name(wire_codec)
         self.timeouts = {False: forward_timeout, True: backward_timeout}
         self.max_attempts = max_attempts
         self.stall_timeout = stall_timeout
@@ -213,7 +213,7 @@ class PipelineTrainer:
 
     def _microbatch(self, indices: list[int]) -> MicrobatchResult:
         micro = _Microbatch(f"{self._session}/{next(self._ids)}", indices[0], indices[-1] + 1)
-        tokens = self.dataset.batch(indices).to(torch.uint8)
+        tokens = self.dataset.batch(indices).to(torch.uint8 if self.config.vocab <= 256 else torch.int64)
         targets = tokens[:, 1:].contiguous()
         inputs = [tokens[:, :-1].contiguous()]
         forward_records: dict[str, WorkerRecord] = {}
@@ -249,10 +249,10 @@ class PipelineTrainer:
         stage: str,
         micro: _Microbatch,
         backward: bool,
-        tensors: dict[str, torch.Tensor],
+        tensors: dict[str, WireTensor],
         *,
         affinity: WorkerRecord | None = None,
-    ) -> tuple[WorkerRecord, dict[str, object], dict[str, torch.Tensor]]:
+    ) -> tuple[WorkerRecord, dict[str, object], dict[str, WireTensor]]:
         """One Forward or Backward, checked. ``affinity`` is the worker that ran this stage's forward: the
         first attempt goes to it while it is usable; retries, and a first attempt without it, go to the
         router's pick, which must first run the stage's Forward for a head or body Backward (the worker's
@@ -311,9 +311,9 @@ class PipelineTrainer:
         record: WorkerRecord,
         micro: _Microbatch,
         backward: bool,
-        tensors: dict[str, torch.Tensor],
+        tensors: dict[str, WireTensor],
         cost: float,
-    ) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    ) -> tuple[dict[str, object], dict[str, WireTensor]]:
         """Sign and send one request to ``record``, check the answer, and tell the router how long it took;
         raises ``grpc.RpcError``, ``CodecError`` or ``_BadResponse``."""
         digests = {name: tensor_digest(tensor) for name, tensor in tensors.items()}
@@ -325,7 +325,7 @@ class PipelineTrainer:
             microbatch_id=micro.id,
             sample_start=micro.start,
             sample_end=micro.end,
-            dtype=self.wire_dtype,
+            dtype=self.wire_codec,
             issued_at=now_ms(),
             digests=digests,
         )
@@ -348,9 +348,9 @@ class PipelineTrainer:
         self,
         header: RequestHeader,
         record: WorkerRecord,
-        sent: dict[str, torch.Tensor],
+        sent: dict[str, WireTensor],
         meta: dict[str, object],
-        out: dict[str, torch.Tensor],
+        out: dict[str, WireTensor],
     ) -> None:
         """Raise ``_BadResponse`` unless the answer has exactly the expected form and a truthful receipt."""
         stage, backward = header.stage, header.kind == "backward"
@@ -364,11 +364,12 @@ class PipelineTrainer:
             raise _BadResponse(f"expected tensors {[name] if name else []}, got {sorted(out)}")
         if name is not None:
             tensor = out[name]
-            if tensor.dtype != FLOAT_DTYPES[self.wire_dtype] or tuple(tensor.shape) != hidden_shape:
+            if codec_of(tensor) != self.wire_codec or tuple(tensor.shape) != hidden_shape:
                 raise _BadResponse(
-                    f"{name} is {tensor.dtype} {list(tensor.shape)}, expected {self.wire_dtype} {list(hidden_shape)}"
+                    f"{name} is {codec_of(tensor)} {list(tensor.shape)}, "
+                    f"expected {self.wire_codec} {list(hidden_shape)}"
                 )
-            if not bool(torch.isfinite(tensor).all()):
+            if not is_finite(tensor):
                 raise _BadResponse(f"{name} holds NaN or infinite values")
         if is_tail and not (isinstance(meta.get("loss"), float) and torch.isfinite(torch.tensor(meta["loss"]))):
             raise _BadResponse(f"loss {meta.get('loss')!r} is not a finite number")

@@ -36,10 +36,11 @@ from client.pipeline.discovery import (
     default_index,
     worker_uid,
 )
-from client.pipeline.model import ModelConfig, stage_index
+from client.pipeline.model import ModelSpec, stage_index
 from client.pipeline.optim import OptimizerConfig, StepStats
 from client.pipeline.rpc import InvalidRequest, RequestRejected, start_server
 from client.pipeline.tensor_codec import CodecError, decode_message, encode_message
+from client.pipeline.wire import DEFAULT_CODEC
 
 if TYPE_CHECKING:
     import hivemind
@@ -61,7 +62,7 @@ class StageWorker:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelSpec,
         stage: str,
         *,
         optimizer: OptimizerConfig | None = None,
@@ -79,11 +80,14 @@ class StageWorker:
         max_queue: int = 64,
         request_timeout: float = 120.0,
         rpc_threads: int = 8,
+        wire_codec: str = DEFAULT_CODEC,
+        device: torch.device | str = "cpu",
     ) -> None:
         """``trainer_allowed`` says whether a signed request's trainer (its public key) is served: a coordinated
         run passes the current epoch's trainers; the default serves any trainer that signs its requests, as
         a standalone run must. ``compute_delay`` adds seconds to every task, standing in for slower hardware
-        in experiments."""
+        in experiments. ``wire_codec`` is the run's (``wire``): requests in another are refused. The stage
+        computes on ``device`` (``client.pipeline.device``)."""
         stage_index(config, stage)  # fail early on an unknown stage name
         self.config = config
         self.stage = stage
@@ -102,7 +106,14 @@ class StageWorker:
         self.request_timeout = request_timeout
         self.rpc_threads = rpc_threads
         self.backend = StageBackend(
-            config, stage, optimizer or OptimizerConfig(), uid=self.uid, run_id=run_id, max_batch_size=max_batch_size
+            config,
+            stage,
+            optimizer or OptimizerConfig(),
+            uid=self.uid,
+            run_id=run_id,
+            max_batch_size=max_batch_size,
+            wire_codec=wire_codec,
+            device=device,
         )
         self.ledger = MicrobatchLedger()
         self.throughput = 0.0  # tokens per second of compute, EMA
@@ -243,7 +254,9 @@ class StageWorker:
             "throughput": self.throughput,
             "samples_accumulated": self.backend.samples_accumulated,
             "steps": self.backend.steps,
+            "device": str(self.backend.device),
             "model": self.config.fingerprint(),
+            "wire_codec": self.backend.wire_codec,
             **{f"config.{k}": v for k, v in self.config.to_dict().items()},
         }
 
@@ -383,7 +396,7 @@ class StageWorker:
 
 
 def run_worker(
-    config: ModelConfig,
+    config: ModelSpec,
     stage: str,
     *,
     initial_peers: Sequence[str],

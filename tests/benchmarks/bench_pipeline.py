@@ -1,8 +1,8 @@
 """Benchmark: the 3-stage pipeline on this machine against the same model trained in one process.
 
 Prints tokens per second of both, measured in the same run, their ratio, and the bytes on the wire per
-token with fp32 and with fp16 activations. Each worker is a separate process (as on separate machines)
-holding one stage, announced on a loopback DHT; the trainer runs here. Run::
+token (fp32 activations; every codec, and a shaped link, in ``bench_wire.py``). Each worker is a separate
+process (as on separate machines) holding one stage, announced on a loopback DHT; the trainer runs here. Run::
 
     python tests/benchmarks/bench_pipeline.py [--batches 6] [--inflight 3] [--worker-threads 1]
 
@@ -88,10 +88,7 @@ def main() -> None:
     peers = [str(a) for a in dht.get_visible_maddrs()]
     workers = spawn_workers(config, peers, run_id, args.worker_threads, args.batch_size)
     directory = WorkerDirectory(dht, run_id, config.fingerprint())
-    trainers = {
-        dtype: PipelineTrainer(config, dataset, directory, run_id=run_id, wire_dtype=dtype, max_inflight=args.inflight)
-        for dtype in ("float32", "float16")
-    }
+    trainers = {"float32": PipelineTrainer(config, dataset, directory, run_id=run_id, max_inflight=args.inflight)}
     local = LocalTrainer(config, dataset)
     try:
         wait_for_workers(directory, stage_names(config.num_stages))
@@ -126,21 +123,18 @@ def main() -> None:
 
         run_local(1, default_threads)  # warm-up: allocator, thread pools, gRPC channels
         run_pipeline("float32", 1)
-        run_pipeline("float16", 1)
-        local_rates, single_rates, pipe_rates, half_rates = [], [], [], []
+        local_rates, single_rates, pipe_rates = [], [], []
         bytes_before = {d: t.bytes_sent + t.bytes_received for d, t in trainers.items()}
         tokens_measured = {d: 0 for d in trainers}
         for round_ in range(args.rounds):
             local_rates.append(run_local(args.batches, default_threads))
             single_rates.append(run_local(args.batches, 1))
             pipe_rates.append(run_pipeline("float32", args.batches))
-            half_rates.append(run_pipeline("float16", args.batches))
             for dtype in trainers:
                 tokens_measured[dtype] += args.batches * tokens_per_batch
             print(
                 f"round {round_ + 1}: single process {local_rates[-1]:.0f} tok/s ({default_threads} threads), "
-                f"{single_rates[-1]:.0f} tok/s (1 thread), pipeline fp32 "
-                f"{pipe_rates[-1]:.0f} tok/s, pipeline fp16 {half_rates[-1]:.0f} tok/s",
+                f"{single_rates[-1]:.0f} tok/s (1 thread), pipeline fp32 {pipe_rates[-1]:.0f} tok/s",
                 flush=True,
             )
         wire = {
@@ -156,15 +150,11 @@ def main() -> None:
         dht.shutdown()
 
     best_local = max(local_rates + single_rates)
-    best_pipe, best_half = max(pipe_rates), max(half_rates)
+    best_pipe = max(pipe_rates)
     print()
     print(f"single process        : {best_local:8.0f} tokens/s (best of {default_threads} threads and 1)")
     print(f"pipeline, fp32 wire   : {best_pipe:8.0f} tokens/s   ratio {best_pipe / best_local:.2f} (aim >= 0.6)")
-    print(f"pipeline, fp16 wire   : {best_half:8.0f} tokens/s   ratio {best_half / best_local:.2f}")
-    print(
-        f"wire bytes per token  : fp32 {wire['float32']:.0f} B, fp16 {wire['float16']:.0f} B "
-        f"(d_model {config.d_model}; {wire['float16'] / wire['float32']:.2f}x)"
-    )
+    print(f"wire bytes per token  : fp32 {wire['float32']:.0f} B (d_model {config.d_model})")
 
 
 if __name__ == "__main__":

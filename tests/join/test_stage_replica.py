@@ -71,18 +71,17 @@ def test_a_missing_snapshot_falls_back_to_the_runs_checkpoint_with_its_step(make
 
 def test_the_snapshot_comes_first_and_a_lone_worker_starts_active(make_replica, run_id: str, tmp_path: Path,
                                                                   fake_hub: FakeHub) -> None:
-    import io
     import json
+
+    import safetensors.torch
 
     state = run_state(run_id, 40)
     replica = make_replica(state)
-    buffer = io.BytesIO()
-    torch.save(perturbed(replica, 0.25), buffer)
-    fake_hub.publish("org/snap", "body1.pt", buffer.getvalue())
+    fake_hub.publish("org/snap", "body1.safetensors", safetensors.torch.save(perturbed(replica, 0.25)))
     fake_hub.publish("org/snap", "body1.json", json.dumps({"step": 3}).encode())
     found = replica.load(state, 1, StateSources(snapshot=("org/snap", "main"), hf_endpoint=fake_hub.url),
                          lambda: None)
-    assert found is not None and found.source == "hub:org/snap@main/body1.pt" and replica.local_step == 3
+    assert found is not None and found.source == "hub:org/snap@main/body1.safetensors" and replica.local_step == 3
     # 37 steps behind, but no other worker holds body1: this one is the stage, so it does not sync.
     assert replica.begin(40) == SyncPhase.ACTIVE
     assert replica.worker.sync_phase == 0 and replica.averager.sharing
@@ -138,7 +137,7 @@ def test_a_stage_that_emptied_restarts_from_its_newest_snapshot_not_the_seed(mak
     save_snapshot(root, "body1", perturbed(replica, 1.0), 12)  # newer than the swarm: an earlier run's
     found = replica.load(state, 1, StateSources(snapshots=root), lambda: None)
     assert found is not None and found.step == 8 and replica.local_step == 8
-    assert found.source == f"local:{root / 'step-8' / 'body1.pt'}"
+    assert found.source == f"local:{root / 'step-8' / 'body1.safetensors'}"
     params = replica.worker.backend.module.state_dict()
     assert all(torch.equal(v, newest[k]) for k, v in params.items())
     assert not any(torch.equal(v, seed[k]) for k, v in params.items() if v.is_floating_point())
@@ -152,7 +151,29 @@ def test_snapshots_are_ignored_at_step_0_and_a_broken_one_falls_back_to_the_next
     save_snapshot(root, "body1", perturbed(replica, 0.5), 3)
     assert replica.load(run_state(run_id, 0), 1, StateSources(snapshots=root), lambda: None) is None
     save_snapshot(root, "body1", perturbed(replica, 0.5), 4)
-    (root / "step-4" / "body1.pt").write_bytes(b"not a state_dict")
+    (root / "step-4" / "body1.safetensors").write_bytes(b"not a state_dict")
     later = make_replica(run_state(run_id, 5))
     found = later.load(run_state(run_id, 5), 1, StateSources(snapshots=root), lambda: None)
     assert found is not None and found.step == 3
+
+
+def test_each_step_takes_the_rate_the_runs_schedule_gives_it(make_replica, run_id: str) -> None:
+    """Warmup then cosine decay: AdamW's first step moves every parameter by about the rate, so the move shows the
+    rate the worker really used, step by step."""
+    from coordinator_program.schedule import learning_rate
+
+    spec = parse_run_spec({**SPEC, "run_id": run_id, "model": {
+        **SPEC["model"], "lr_schedule": "warmup_cosine", "warmup_steps": 4, "lr_floor": 0.001}})
+    state = dataclasses.replace(run_state(run_id, 0), model=spec.model)
+    for swarm_step in (0, 3, 4, 60, 99):
+        replica = make_replica(state)
+        backend = replica.worker.backend
+        before = [p.detach().clone() for p in backend.parameters()]
+        for param in backend.module.parameters():
+            param.grad = torch.ones_like(param)
+        backend.samples_accumulated = 1
+        assert replica.step(swarm_step).applied
+        moved = max(float((p - b).abs().max()) for p, b in zip(backend.parameters(), before, strict=True))
+        expected = learning_rate(spec.model, spec.config.total_steps, swarm_step)
+        assert moved == pytest.approx(expected, rel=0.05), swarm_step
+    assert learning_rate(spec.model, 100, 0) == pytest.approx(0.0025)  # a quarter of the peak: the warmup's first

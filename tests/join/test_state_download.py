@@ -3,12 +3,12 @@ state sharing), checked before use, and never while an averaging round updates t
 
 from __future__ import annotations
 
-import io
 import json
 import threading
 import time
 
 import pytest
+import safetensors.torch
 import torch
 
 from client.averaging.sparta import AveragingStatus, SpartaAverager
@@ -30,9 +30,7 @@ TINY = ModelConfig(n_layers=3, d_model=32, n_heads=2, seq_len=16, num_stages=3, 
 
 
 def saved(state: dict[str, torch.Tensor]) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
+    return safetensors.torch.save(state)
 
 
 def perturbed_state(seed: int) -> dict[str, torch.Tensor]:
@@ -50,10 +48,10 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def test_a_hub_checkpoint_is_downloaded_and_loaded(fake_hub, tmp_path) -> None:
     snapshot = perturbed_state(1)
-    fake_hub.publish("swarm/run-1", "body1.pt", saved(snapshot), revision="epoch-3")
+    fake_hub.publish("swarm/run-1", "body1.safetensors", saved(snapshot), revision="epoch-3")
     fake_hub.publish("swarm/run-1", "body1.json", json.dumps({"step": 40}).encode(), revision="epoch-3")
     state = download_from_hub("swarm/run-1", "body1", revision="epoch-3", endpoint=fake_hub.url, cache_dir=tmp_path)
-    assert state.step == 40 and state.source == "hub:swarm/run-1@epoch-3/body1.pt"
+    assert state.step == 40 and state.source == "hub:swarm/run-1@epoch-3/body1.safetensors"
     module = build_stage(TINY, "body1")
     load_stage_state(module, state, threading.Lock())
     assert same(module.state_dict(), snapshot)
@@ -62,23 +60,24 @@ def test_a_hub_checkpoint_is_downloaded_and_loaded(fake_hub, tmp_path) -> None:
 
 
 def test_a_snapshot_without_its_step_counts_as_stale(fake_hub, tmp_path) -> None:
-    fake_hub.publish("swarm/run-1", "head.pt", saved(build_stage(TINY, "head").state_dict()))
+    fake_hub.publish("swarm/run-1", "head.safetensors", saved(build_stage(TINY, "head").state_dict()))
     state = download_from_hub("swarm/run-1", "head", endpoint=fake_hub.url, cache_dir=tmp_path)
     assert state.step is None
     assert SyncPolicy(5, 400, 100).is_stale(state.step, swarm_step=0)
 
 
 def test_hub_failures_are_clear_and_change_nothing(fake_hub, tmp_path) -> None:
-    with pytest.raises(StateDownloadError, match=r"could not download swarm/run-1@main/tail\.pt"):
+    with pytest.raises(StateDownloadError, match=r"could not download swarm/run-1@main/tail\.safetensors"):
         download_from_hub("swarm/run-1", "tail", endpoint=fake_hub.url, cache_dir=tmp_path)
-    fake_hub.publish("swarm/run-1", "tail.pt", b"not a torch file")
-    with pytest.raises(StateDownloadError, match="not a loadable state_dict"):
+    fake_hub.publish("swarm/run-1", "tail.safetensors", b"not a safetensors file")
+    with pytest.raises(StateDownloadError, match="not a readable safetensors file"):
         download_from_hub("swarm/run-1", "tail", endpoint=fake_hub.url, cache_dir=tmp_path)
 
     module = build_stage(TINY, "body1")
     before = {k: v.clone() for k, v in module.state_dict().items()}
     wider = build_stage(ModelConfig(n_layers=3, d_model=64, n_heads=2, seq_len=16, num_stages=3), "body1")
-    for bad, message in [(StageState(wider.state_dict(), 0, "hub:x"), "has shape"),
+    for bad, message in [(StageState(wider.state_dict(), 0, "hub:x"), "this stage needs"),
+                         (StageState({k: v.double() for k, v in before.items()}, 0, "hub:x"), "float64"),
                          (StageState({"junk": torch.zeros(1)}, 0, "hub:x"), "does not match this stage"),
                          (StageState({k: v * float("nan") for k, v in before.items()}, 0, "hub:x"), "non-finite")]:
         with pytest.raises(StateDownloadError, match=message):

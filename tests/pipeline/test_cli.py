@@ -37,14 +37,32 @@ def test_commands_are_registered_with_help(app: typer.Typer) -> None:
     [
         (["worker", "--stage", "body9"], "stage must be one of head, body1, tail"),
         (["worker", "--stage", "head", "--layers", "2"], "n_layers must be at least num_stages"),
+        (["worker", "--stage", "head", "--wire-codec", "int4"], "Invalid value for --wire-codec: must be one of"),
         (["trainer", "--data", "/nonexistent/corpus"], "does not exist"),
         (["trainer", "--keypair", "/nonexistent/id.json"], "create one with `psyswarm keygen"),
+        (["worker", "--stage", "head", "-k", "/nonexistent/id.json"], "create one with `psyswarm keygen"),
     ],
 )
-def test_bad_options_fail_with_a_clear_message(app: typer.Typer, args: list[str], message: str) -> None:
-    result = CliRunner().invoke(app, args)
+def test_bad_options_fail_with_a_clear_message(app: typer.Typer, args: list[str], message: str, tmp_path) -> None:
+    if "--keypair" not in args and "-k" not in args:
+        args = [*args, "--keypair", str(save_keypair(Keypair(), tmp_path / "id.json"))]
+    result = CliRunner().invoke(app, [*args, "--run-id", "r"])
     assert result.exit_code == 2
     assert message in re.sub(r"\s*│\s*", " ", result.output)
+
+
+@pytest.mark.parametrize("command", [["worker", "--stage", "head"], ["trainer"]])
+def test_worker_and_trainer_name_their_run(app: typer.Typer, command: list[str], tmp_path) -> None:
+    """No silent default run: a standalone worker or trainer names its run, as join-run does."""
+    result = CliRunner().invoke(app, [*command, "--keypair", str(save_keypair(Keypair(), tmp_path / "id.json"))])
+    assert result.exit_code == 2 and "Missing option '--run-id'" in result.output, result.output
+
+
+def test_the_default_keypair_comes_from_psyswarm_keypair(app: typer.Typer, tmp_path) -> None:
+    """$PSYSWARM_KEYPAIR replaces ~/.config/solana/id.json as every command's --keypair default."""
+    missing = tmp_path / "from-the-environment.json"
+    result = CliRunner().invoke(app, ["trainer", "--run-id", "r"], env={"PSYSWARM_KEYPAIR": str(missing)})
+    assert result.exit_code == 2 and str(missing) in re.sub(r"\s*│\s*", "", result.output), result.output
 
 
 def _cli(*args: str) -> subprocess.Popen[str]:
@@ -77,6 +95,10 @@ def test_standalone_run_from_the_command_line(tmp_path) -> None:
                     "worker",
                     "--stage",
                     stage,
+                    "--run-id",
+                    "standalone",
+                    "--keypair",
+                    str(save_keypair(Keypair(), tmp_path / f"{stage}.json")),
                     "--initial-peer",
                     peer,
                     "--step-every",
@@ -93,6 +115,8 @@ def test_standalone_run_from_the_command_line(tmp_path) -> None:
                 "-c",
                 "from client.cli import main; main()",
                 "trainer",
+                "--run-id",
+                "standalone",
                 "--initial-peer",
                 peer,
                 "--steps",

@@ -7,10 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from solders.keypair import Keypair
 
+from client.identity import save_keypair
 from client.pipeline.data import ByteDataset
 from client.pipeline.discovery import WorkerDirectory
 from client.pipeline.local import LocalTrainer
@@ -71,18 +75,6 @@ def test_pipeline_matches_single_process_training(start_worker, directory, make_
     receipts = {w.stage: w.drain_receipts() for w in workers}
     assert {s: len(r) for s, r in receipts.items()} == dict.fromkeys(STAGES, 9)
     assert receipts["body1"][-1] == result.microbatches[-1].receipts["body1"]
-
-
-def test_half_precision_activations_still_train(start_worker, directory, make_trainer) -> None:
-    for stage in STAGES:
-        start_worker(stage)
-    wait_for_stages(directory, dict.fromkeys(STAGES, 1))
-    full, half = make_trainer(), make_trainer(wire_dtype="float16")
-    first = full.train(range(8), 4)
-    sent_full = full.bytes_sent + full.bytes_received
-    second = half.train(range(8), 4)
-    assert second.losses == pytest.approx(first.losses, abs=2e-2)
-    assert half.bytes_sent + half.bytes_received < 0.6 * sent_full
 
 
 def test_fast_worker_gets_most_microbatches(start_worker, directory, make_trainer) -> None:
@@ -195,7 +187,9 @@ def _cli_worker(stage: str, peer: str, run_id: str) -> subprocess.Popen[bytes]:
         "--stages": TINY.num_stages,
         "--seed": TINY.seed,
     }
-    args = ["worker", "--stage", stage, "--initial-peer", peer, "--run-id", run_id, "--threads", "1"]
+    key = save_keypair(Keypair(), Path(tempfile.mkdtemp()) / "worker.json")  # a worker's own identity, as every process
+    args = ["worker", "--stage", stage, "--initial-peer", peer, "--run-id", run_id, "--threads", "1", "--keypair",
+            str(key)]
     args += [str(item) for pair in model.items() for item in pair]
     return subprocess.Popen(
         [sys.executable, "-c", "from client.cli import main; main()", *args],

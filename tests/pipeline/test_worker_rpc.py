@@ -83,7 +83,7 @@ BAD = [
     ("body1", "Forward", lambda: request("body1", "Forward", {"input": hidden(width=D + 1)}), "d_model"),
     ("body1", "Forward", lambda: request("body1", "Forward", {"input": hidden()[..., :0]}), "d_model"),
     ("body1", "Forward", lambda: request("body1", "Forward", {"input": hidden() * float("nan")}), "NaN"),
-    ("body1", "Forward", lambda: request("body1", "Forward", {"input": tokens()}), "float32, float16 or bfloat16"),
+    ("body1", "Forward", lambda: request("body1", "Forward", {"input": tokens()}), "in this run's wire codec float32"),
     # A full-size tensor beyond the worker's batch limit is refused before being decoded.
     ("body1", "Forward", lambda: request("body1", "Forward", {"input": hidden(batch=64)}), "exceeds"),
     ("body1", "Backward", lambda: request("body1", "Backward", {"input": hidden()}), "grad_output"),
@@ -166,17 +166,22 @@ def test_phase_one_worker_refuses_batches(workers) -> None:
         started["body1"].sync_phase = 3
 
 
-def test_half_precision_activations(workers) -> None:
+def test_half_precision_activations_in_a_half_precision_run(workers) -> None:
     _, clients = workers
     inputs = hidden().half()
     forward = request("body1", "Forward", {"input": inputs}, microbatch="half", dtype="float16")
-    _, out = decode_message(clients["body1"].call("Forward", forward, timeout=10), max_elements=10**6)
-    assert out["output"].dtype == torch.float16
-    backward = request(
-        "body1", "Backward", {"input": inputs, "grad_output": hidden().half()}, microbatch="half", dtype="float16"
-    )
-    _, out = decode_message(clients["body1"].call("Backward", backward, timeout=10), max_elements=10**6)
-    assert out["grad_input"].dtype == torch.float16
+    with pytest.raises(grpc.RpcError, match="this run's wire codec is 'float32'"):  # the module's run is fp32
+        clients["body1"].call("Forward", forward, timeout=10)
+    with StageWorker(TINY, "body1", max_batch_size=MAX_BATCH, wire_codec="float16") as half:
+        client = StageClient(half.address, max_message_bytes=64 << 20)
+        _, out = decode_message(client.call("Forward", forward, timeout=10), max_elements=10**6)
+        assert out["output"].dtype == torch.float16
+        backward = request(
+            "body1", "Backward", {"input": inputs, "grad_output": hidden().half()}, microbatch="half", dtype="float16"
+        )
+        _, out = decode_message(client.call("Backward", backward, timeout=10), max_elements=10**6)
+        assert out["grad_input"].dtype == torch.float16
+        client.close()
 
 
 def test_batches_wait_while_held_and_run_once_released(workers) -> None:

@@ -1,0 +1,38 @@
+"""Training data addressed by sample index on every machine.
+
+The coordinator assigns data as index ranges, so index ``i`` must mean the same tokens on every trainer.
+A dataset is a token sequence cut into windows of ``seq_len + 1`` tokens (``windows``), either bytes of text
+(``corpus``: the embedded standard-library corpus or local files) or pre-tokenized token files with a sidecar
+that names their tokenizer (``sidecar``, ``tokens``), opened from a directory, HTTP(S) or a Hub dataset repo
+(``locations``). ``tokenizer`` and ``tokenize`` turn text into such files.
+
+May import: nothing outside this package.
+"""
+
+from client.data.corpus import STDLIB_SOURCE, ByteDataset, files_corpus, open_byte_dataset, stdlib_corpus
+from client.data.locations import check_dataset_tokenizer, is_token_location, open_dataset, read_location_sidecar
+from client.data.sidecar import DatasetError, DatasetUnreachable, TokenizerMismatch
+from client.data.tokenizer import BYTES_TOKENIZER, load_tokenizer, tokenizer_sha256
+from client.data.tokens import TokenDataset
+from client.data.windows import SampleDataset, WindowedDataset
+
+__all__ = [
+    "BYTES_TOKENIZER",
+    "STDLIB_SOURCE",
+    "ByteDataset",
+    "check_dataset_tokenizer",
+    "DatasetError",
+    "DatasetUnreachable",
+    "SampleDataset",
+    "TokenDataset",
+    "TokenizerMismatch",
+    "WindowedDataset",
+    "files_corpus",
+    "is_token_location",
+    "load_tokenizer",
+    "open_byte_dataset",
+    "open_dataset",
+    "read_location_sidecar",
+    "stdlib_corpus",
+    "tokenizer_sha256",
+]

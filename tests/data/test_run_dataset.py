@@ -1,0 +1,71 @@
+"""The runner opens the run's ``Model.dataset`` by what it names (a token directory is token files, not text),
+refuses data tokenized otherwise than the model, and ``validate-config`` refuses such a run before it starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from solders.keypair import Keypair
+from typer.testing import CliRunner
+
+from client.cli import app
+from client.data import ByteDataset, TokenDataset
+from client.runner import CannotContribute, Contributor, RunnerOptions
+from coordinator_program.state import Role
+from tests.data.conftest import TOKENIZER_DIGEST, write_token_dir
+from tests.witness.rounds import run_with_keys
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "state.toml"
+
+
+def trainer_for(dataset: str, dht) -> Contributor:
+    state, _ = run_with_keys()
+    state.model = dataclasses.replace(state.model, dataset=dataset)
+    contributor = Contributor(None, Keypair(), RunnerOptions(role=Role.Trainer, initial_peers=[]))  # type: ignore[arg-type]
+    contributor.dht = dht
+    contributor._prepare_trainer(state)  # noqa: SLF001
+    return contributor
+
+
+def test_trainer_reads_a_token_directory_as_tokens(tmp_path: Path, dht) -> None:
+    text = bytes(range(256)) * 40
+    write_token_dir(tmp_path / "bytes", np.frombuffer(text, dtype=np.uint8), shard_tokens=3000, vocab_size=256,
+                    tokenizer_sha256="0" * 64, name="bytes")
+    contributor = trainer_for(str(tmp_path / "bytes"), dht)
+    dataset = contributor.trainer.dataset  # type: ignore[union-attr]
+    assert isinstance(dataset, TokenDataset)
+    assert dataset.sample(3).tolist() == ByteDataset(text, dataset.seq_len, name="same").sample(3).tolist()
+
+
+def test_trainer_refuses_data_of_another_tokenizer(tmp_path: Path, dht) -> None:
+    write_token_dir(tmp_path / "bpe", np.arange(5000, dtype=np.uint16) % 1000, shard_tokens=5000)
+    with pytest.raises(CannotContribute, match="the run's dataset does not fit its model: dataset .* was tokenized "
+                                               "with 'test-bpe'"):
+        trainer_for(str(tmp_path / "bpe"), dht)
+
+
+def _config_with_dataset(tmp_path: Path, dataset: str) -> Path:
+    text = EXAMPLE.read_text().replace('dataset = "stdlib"', f'dataset = "{dataset}"')
+    assert f'dataset = "{dataset}"' in text
+    (tmp_path / "state.toml").write_text(text)
+    return tmp_path / "state.toml"
+
+
+def test_validate_config_refuses_a_dataset_of_another_tokenizer(tmp_path: Path) -> None:
+    write_token_dir(tmp_path / "bpe", np.arange(5000, dtype=np.uint16) % 1000, shard_tokens=5000,
+                    tokenizer_sha256=TOKENIZER_DIGEST)
+    result = CliRunner().invoke(app, ["validate-config", str(_config_with_dataset(tmp_path, str(tmp_path / "bpe")))])
+    assert result.exit_code == 1
+    assert "invalid config: dataset: dataset" in result.output and "tokenized with 'test-bpe'" in result.output
+
+
+def test_validate_config_accepts_matching_data_and_notes_unreachable_data(tmp_path: Path) -> None:
+    write_token_dir(tmp_path / "bytes", np.arange(5000, dtype=np.uint16) % 256, shard_tokens=5000, vocab_size=256,
+                    tokenizer_sha256="0" * 64, name="bytes")
+    result = CliRunner().invoke(app, ["validate-config", str(_config_with_dataset(tmp_path, str(tmp_path / "bytes")))])
+    assert result.exit_code == 0 and "config OK" in result.output, result.output
+    offline = CliRunner().invoke(app, ["validate-config", str(_config_with_dataset(tmp_path, "http://127.0.0.1:9/d"))])
+    assert offline.exit_code == 0 and "dataset tokenizer not checked: cannot download" in offline.output
