@@ -1,4 +1,5 @@
-"""Averaging within a pipeline stage: SPARTA sparse parameter averaging over hivemind's averager.
+"""Averaging within a pipeline stage over hivemind's averager: SPARTA sparse parameter averaging, and per-step
+gradient averaging (full or PowerSGD).
 
 May import: client.helper_processes, client.pipeline.
 """

@@ -32,9 +32,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -42,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from client.averaging.rounds import GRACE, Wedged, holding, run_round
 from client.averaging.stage_averager import SharedState, StageAverager, StateExpectation
 
 if TYPE_CHECKING:
@@ -53,22 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("psyswarm.sparta")
 
 _KEYS_PER_DIGEST = 4  # a SHA-256 digest holds four 64-bit keys
-_GRACE = 5.0  # seconds beyond a round's own timeouts before the host gives up on the averaging process
-_POLL = 0.25  # seconds between checks that the averaging process is still alive
-
-
-class _Wedged(RuntimeError):
-    """hivemind's averaging process kept the shared buffers locked past every timeout of a round."""
-
-
-@contextmanager
-def _holding(lock: Any, timeout: float) -> Iterator[None]:
-    if not lock.acquire(timeout=timeout):
-        raise _Wedged(f"the averaging process held its buffers for over {timeout:.0f} s")
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def element_ranks(seed: int, name: str, numel: int) -> np.ndarray:
@@ -181,13 +165,14 @@ class SpartaSettings:
             raise ValueError("max_failures must be at least 1")
 
 
-def averager_prefix(run_id: str, stage: str) -> str:
-    """The DHT prefix of a stage's averagers: one per run and stage, so stages and runs never mix.
+def averager_prefix(run_id: str, stage: str, kind: str = "sparta") -> str:
+    """The DHT prefix of a stage's averagers of one ``kind`` (``sparta``, ``grad``): one per run, stage and
+    kind, so stages, runs and the two kinds of rounds never mix.
 
     hivemind forbids '.' in prefixes and run ids may hold one, hence the hash; the stage stays readable.
     """
     digest = hashlib.sha256(f"{run_id}\0{stage}".encode()).hexdigest()[:16]
-    return f"sparta-{stage}-{digest}"
+    return f"{kind}-{stage}-{digest}"
 
 
 class SpartaAverager:
@@ -300,7 +285,7 @@ class SpartaAverager:
             # A dead averaging process may have died holding the buffers' lock: nothing came back from it.
             received = self._read_buffers() if self._averager.is_alive() else sent
             delta = self._apply(indices, sent, received)
-        except _Wedged as exc:
+        except Wedged as exc:
             gathered, failure, delta, wedged = {}, str(exc), 0.0, True
         finally:
             self._control = None
@@ -331,35 +316,15 @@ class SpartaAverager:
         """The averager's own lock over the shared buffers, with a bound: a wedged averaging process must
         surface as an error, not hang training."""
         s = self.settings
-        return _holding(self._averager.lock_averaged_tensors, s.matchmaking_timeout + s.allreduce_timeout + _GRACE)
+        return holding(self._averager.lock_averaged_tensors, s.matchmaking_timeout + s.allreduce_timeout + GRACE)
 
     def _step(self, averaging_index: int, weight: float) -> tuple[dict[Any, dict[str, Any]], str | None]:
         """Run one hivemind step; returns (gathered round data by peer, failure reason or None)."""
         s = self.settings
-        with self._pipe:
-            self._averager.prepare_round(averaging_index)
-            control = self._averager.step(
-                gather={"round": averaging_index, "weight": float(weight)}, weight=float(weight),
-                timeout=s.matchmaking_timeout, allow_retries=False, wait=False)
-        self._control = control
-        deadline = time.monotonic() + s.matchmaking_timeout + s.allreduce_timeout + _GRACE
-        while True:
-            try:
-                gathered = control.result(timeout=_POLL)
-                break
-            except FutureTimeout:
-                if not self._averager.is_alive():
-                    return {}, "the averaging process died"
-                if time.monotonic() > deadline:
-                    control.cancel()
-                    return {}, "the round overran its timeouts and was cancelled"
-            except Exception as exc:  # hivemind reports every failure of a round as an exception of its own
-                if self._averager.last_group_size == 0:
-                    return {}, f"no group formed within {s.matchmaking_timeout:g} s"
-                return {}, f"all-reduce failed: {exc}"
-        if not isinstance(gathered, dict):
-            return {}, "the averager returned no group data"
-        return gathered, None
+        return run_round(self._averager, self._pipe, averaging_index,
+                         {"round": averaging_index, "weight": float(weight)}, weight,
+                         matchmaking_timeout=s.matchmaking_timeout, allreduce_timeout=s.allreduce_timeout,
+                         on_control=lambda control: setattr(self, "_control", control))
 
     def _apply(self, indices: list[torch.Tensor], sent: list[torch.Tensor], received: list[torch.Tensor]) -> float:
         """Add the finite part of (received − sent) to the live parameters; returns its L2 norm."""
@@ -370,7 +335,7 @@ class SpartaAverager:
                 change = torch.where(torch.isfinite(change), change, torch.zeros_like(change))
                 if change.any():
                     flat = param.data.view(-1)
-                    flat[idx] += change
+                    flat[idx] += change.to(flat.device)  # the averager's buffers are on the CPU, a GPU worker's not
                     squared += float(change.double().square().sum())
         return math.sqrt(squared)
 
@@ -378,7 +343,7 @@ class SpartaAverager:
 
     def _serve(self, provider: Callable[[], SharedState]) -> Callable[[], SharedState]:
         s = self.settings
-        bound = s.matchmaking_timeout + s.allreduce_timeout + _GRACE
+        bound = s.matchmaking_timeout + s.allreduce_timeout + GRACE
 
         def serve() -> SharedState:
             # Hand out the post-round parameters of a round in progress rather than the pre-round ones. (A

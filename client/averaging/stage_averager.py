@@ -185,11 +185,15 @@ class StageAverager(DecentralizedAverager):
         if pending is not None and not pending.done():
             pending.cancel()
 
+    def _user_data(self, blob: bytes) -> Any:
+        """What a groupmate passed as ``gather`` to its step, from its gathered blob (untrusted: may raise)."""
+        _, _, user_bytes = self.serializer.loads(blob)
+        return self.serializer.loads(user_bytes)
+
     def _declaration(self, blob: bytes) -> tuple[int, float]:
         """(round, weight) a groupmate declared in its gathered data; anything else fails the round."""
         try:
-            _, _, user_bytes = self.serializer.loads(blob)
-            user = self.serializer.loads(user_bytes)
+            user = self._user_data(blob)
             round_, weight = user["round"], user["weight"]
         except Exception as exc:  # a groupmate's bytes: any malformation must fail the round, not the process
             raise AllreduceException(f"a groupmate sent malformed round data: {exc!r}") from None

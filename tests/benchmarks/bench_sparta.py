@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from client.averaging.gradients import GradientAverager, GradientSettings
 from client.averaging.sparta import (
     AveragingResult,
     AveragingStatus,
@@ -45,7 +46,7 @@ from client.pipeline.discovery import WorkerDirectory, start_dht
 from client.pipeline.local import LocalTrainer
 from client.pipeline.model import ModelConfig, build_stage, stage_names
 from client.pipeline.optim import OptimizerConfig
-from client.pipeline.trainer import PipelineTrainer
+from client.pipeline.trainer import PipelineError, PipelineTrainer
 from client.pipeline.worker import StageWorker
 
 SETTINGS = SpartaSettings(min_matchmaking_time=1.0, request_timeout=0.5, matchmaking_timeout=5.0,
@@ -58,6 +59,7 @@ class Run:
     losses: list[float] = field(default_factory=list)  # training loss per round
     held_out: dict[str, float] = field(default_factory=dict)
     crossed: int = 0  # stage passes whose backward ran on another replica than their forward
+    lost: int = 0  # rounds the trainer gave up on (a worker's admission bound kept refusing a loss spike)
     passes: int = 0
     rounds: list[AveragingResult] = field(default_factory=list)
 
@@ -90,11 +92,16 @@ def reference(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespac
 
 
 def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
-           every: int | None, partitions: int) -> Run:
+           every: int | None, partitions: int, gradients: GradientSettings | None = None) -> Run:
     """The pipeline with ``--workers-per-stage`` replicas per stage; SPARTA p = 1/``partitions`` every ``every``
-    steps (None: never)."""
+    steps (None: never); with ``gradients``, the stage's workers also average their gradients before every step
+    (``client.averaging.gradients``, used by tests/benchmarks/bench_gradients.py)."""
     replicas_name = f"{args.workers_per_stage} workers/stage"
-    run = Run(f"{replicas_name}, SPARTA 1/{partitions} every {every}" if every else f"{replicas_name}, no averaging")
+    if gradients is not None:
+        rank = f" rank {gradients.rank}" if gradients.rank else ""
+        replicas_name += f", {gradients.mode.value}{rank} gradient averaging"
+    run = Run(f"{replicas_name}, SPARTA 1/{partitions} every {every}" if every else
+              f"{replicas_name}, no SPARTA" if gradients else f"{replicas_name}, no averaging")
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     bootstrap = start_dht()
     peers = [str(a) for a in bootstrap.get_visible_maddrs()]
@@ -108,6 +115,14 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
         averagers = {w.uid: SpartaAverager.for_worker(w, w.dht, partitions=partitions, seed=config.seed,
                                                       settings=SETTINGS)
                      for replicas in workers.values() for w in replicas}
+    grad_averagers: list[GradientAverager] = []
+    current = {"round": 0}
+    if gradients is not None:
+        for replicas in workers.values():
+            for w in replicas:
+                grad_averagers.append(GradientAverager.for_worker(w, w.dht, seed=config.seed, settings=gradients))
+                w.backend.optimizer.gradient_exchange = grad_averagers[-1].exchange(lambda: current["round"],
+                                                                                    float)
     directory = WorkerDirectory(bootstrap, run_id, config.fingerprint())
     trainer = PipelineTrainer(config, dataset, directory, run_id=run_id, max_inflight=args.inflight, refresh_period=1.0)
     samples = {w.uid: 0 for replicas in workers.values() for w in replicas}
@@ -118,15 +133,21 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
         while not all(len(directory.workers(s)) == args.workers_per_stage for s in names):
             time.sleep(0.2)
         for round_ in range(args.rounds):
-            result = trainer.train(batch(round_, args.batch_size), args.microbatch_size)
-            run.losses.append(statistics.fmean(result.losses))
-            for micro in result.microbatches:
-                run.passes += len(micro.forward_workers)
-                run.crossed += sum(micro.workers[s] != uid for s, uid in micro.forward_workers.items())
+            try:
+                result = trainer.train(batch(round_, args.batch_size), args.microbatch_size)
+            except PipelineError as exc:  # the workers still step on what they accumulated, as the swarm does
+                run.lost += 1
+                print(f"  {run.name}: round {round_ + 1} lost: {exc}", flush=True)
+            else:
+                run.losses.append(statistics.fmean(result.losses))
+                for micro in result.microbatches:
+                    run.passes += len(micro.forward_workers)
+                    run.crossed += sum(micro.workers[s] != uid for s, uid in micro.forward_workers.items())
             for replicas in workers.values():
                 for worker in replicas:
                     samples[worker.uid] += sum(r.sample_end - r.sample_start for r in worker.drain_receipts())
-                    worker.step()
+            current["round"] = round_
+            step_all([w for replicas in workers.values() for w in replicas])
             index = averaging_index(round_ + 1, every) if every else None
             if index is not None:
                 run.rounds += average_all(workers, averagers, samples, index)
@@ -148,12 +169,21 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
         for replicas in workers.values():
             for worker in replicas:
                 worker.stop(grace=0)
-        for averager in averagers.values():
+        for averager in [*averagers.values(), *grad_averagers]:
             averager.shutdown()
         for dht in dhts:
             dht.shutdown()
         bootstrap.shutdown()
     return run
+
+
+def step_all(workers: list[StageWorker]) -> None:
+    """Every worker steps at once, as the swarm's do when a round ends (gradient averaging waits for peers)."""
+    threads = [threading.Thread(target=w.step) for w in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def average_all(workers: dict[str, list[StageWorker]], averagers: dict[str, SpartaAverager],

@@ -7,7 +7,6 @@ the Hugging Face Hub (token identities and the snapshot files) is the one stand-
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import re
 import subprocess
@@ -15,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+import safetensors.torch
 from solders.keypair import Keypair
 
 from client.identity import save_keypair
@@ -41,9 +40,8 @@ TOKENS = {"token-alice": "alice", "token-bob": "bob", "token-carol": "carol"}
 def publish_stale_snapshot(hub: FakeHub) -> None:
     """The auth service's periodic snapshot of the head stage, taken at step 0: the seed's parameters."""
     config = ModelConfig(n_layers=3, d_model=32, n_heads=2, seq_len=32, num_stages=3, seed=0)
-    buffer = io.BytesIO()
-    torch.save(build_stage(config, "head").state_dict(), buffer)
-    hub.publish(SNAPSHOT[0], "head.pt", buffer.getvalue(), SNAPSHOT[1])
+    hub.publish(SNAPSHOT[0], "head.safetensors", safetensors.torch.save(build_stage(config, "head").state_dict()),
+                SNAPSHOT[1])
     hub.publish(SNAPSHOT[0], "head.json", json.dumps({"step": 0}).encode(), SNAPSHOT[1])
 
 
@@ -124,7 +122,7 @@ def test_a_contributor_joins_through_auth_syncs_from_a_stale_snapshot_and_averag
     alice = [swarm.log_text(n) for n in ("trainer", "worker-a", "worker-b")]
     assert any("other process(es) under this identity" in text for text in alice)
     # Steps 2 and 4-6: the stale snapshot, then the seed's lines with the real N and E, in order.
-    start = int(re.search(r"loaded from hub:org/snapshots@main/head.pt \(step 0; the swarm is at step (\d+)\)",
+    start = int(re.search(r"loaded from hub:org/snapshots@main/head.safetensors \(step 0; the swarm is at step (\d+)\)",
                           joiner).group(1))
     assert 2 <= start <= STEPS - 4, f"admitted at step {start}: too late to sync and then train"
     assert lines[1:] == [

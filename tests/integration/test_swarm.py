@@ -156,8 +156,8 @@ def test_full_lifecycle_over_two_epochs(tmp_path: Path, backend: str) -> None:
         curve = committed.curve()
         assert len(curve) == 8, curve
         assert sum(curve[-2:]) / 2 < sum(curve[:2]) / 2 - 0.3, f"the loss did not go down: {curve}"
-        checkpoints = sorted((tmp_path / "checkpoints" / "it").glob("epoch-*/*.pt"))
-        assert [p.name for p in checkpoints] == ["body1.pt", "head.pt", "tail.pt"] * 2
+        checkpoints = sorted((tmp_path / "checkpoints" / "it").glob("epoch-*/*.safetensors"))
+        assert [p.name for p in checkpoints] == ["body1.safetensors", "head.safetensors", "tail.safetensors"] * 2
         status = subprocess.run([sys.executable, "-m", "client.cli", "status", *swarm.target, "--run-id", "it",
                                  "--initial-peer", swarm.peer], capture_output=True, text=True, timeout=120)
         assert status.returncode == 0, status.stderr
@@ -240,7 +240,7 @@ def test_a_replacement_for_an_emptied_stage_starts_from_its_snapshot(tmp_path: P
     killed: list[int] = []
 
     def kill_body1(state: CoordinatorState) -> None:
-        if not killed and state.phase == Phase.RoundTrain and list(snapshots.glob("step-*/body1.pt")):
+        if not killed and state.phase == Phase.RoundTrain and list(snapshots.glob("step-*/body1.safetensors")):
             swarm.kill("worker1-body1")
             killed.append(state.step)
 
@@ -257,7 +257,7 @@ def test_a_replacement_for_an_emptied_stage_starts_from_its_snapshot(tmp_path: P
         removed = {c.id for s in history for c in s.clients if c.health.name != "Healthy"}
         assert not removed & survivors, "a client other than the dead body1 worker was health-checked"
         assert all(survivors <= {c.id for c in s.clients} for s in history if s.phase == Phase.RoundTrain)
-        loaded = re.search(r"stage body1 loaded from local:\S+/snapshots/step-(\d+)/body1\.pt \(step (\d+);",
+        loaded = re.search(r"stage body1 loaded from local:\S+/snapshots/step-(\d+)/body1\.safetensors \(step (\d+);",
                            swarm.log_text("replacement-body1"))
         assert loaded, "the replacement did not start from a snapshot"
         assert 2 <= int(loaded[1]) == int(loaded[2]) <= killed[0]
@@ -328,7 +328,8 @@ def test_workers_checkpoint_to_the_hub_and_cooldown_ends_when_every_stage_is_sav
         left = next(s for s in history if s.epoch == 1)
         assert left.phase_start - cooldown.phase_start < 60, "a complete checkpoint ends Cooldown early"
         assert {f for (repo, rev, f) in hub.files if (repo, rev) == ("org/run", "epoch-0")} == {
-            "head.pt", "head.json", "body1.pt", "body1.json", "tail.pt", "tail.json"}
+            f"{stage}{suffix}" for stage in ("head", "body1", "tail")
+            for suffix in (".safetensors", ".optim.pt", ".json")}
     except (AssertionError, TimeoutError, RuntimeError, StopIteration) as exc:
         fail_with_logs(swarm, exc)
     finally:

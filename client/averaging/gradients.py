@@ -1,0 +1,540 @@
+"""Per-step gradient averaging between the workers of one pipeline stage: full, or compressed with PowerSGD.
+
+Before its optimizer step, each worker of a stage averages its mean gradient with the same-stage workers of
+the same round through hivemind (matchmaking, then a butterfly all-reduce in chunks with timeouts), weighted
+by the samples each accumulated, so that the replicas step as one process stepping on the whole batch would.
+Sync-phase workers take part with weight 0: they receive the average and step with it, adding nothing.
+
+Full mode all-reduces the gradients themselves. PowerSGD (Vogels et al. 2019) sends, for each matrix-shaped
+gradient G (m × n, with error feedback E: M = G + E) and rank r, two small all-reduces instead of one large:
+
+    phase P:  P = avg(M Q)          (m × r)  then P̂ = orthonormal(P)
+    phase Q:  Q = avg(Mᵀ P̂)         (n × r)  with every small tensor (biases, norms) averaged in full
+    result:   P̂ Qᵀ;   error:  E ← M − P̂ (Mᵀ P̂)ᵀ   (what this worker's compression lost, re-sent next step)
+
+Q is warm-started from the previous round's averaged Q when every peer of the group holds the one from the
+same complete round (they declare its tag), and otherwise drawn afresh from the run's seed and the round, so
+that peers never multiply by different Qs.
+
+Error feedback with a backup (the seeds' multi-party stack). hivemind's PowerSGDGradientAverager adds the
+gradient to the error buffer before phase P and keeps it there when a phase fails, so a failed worker counts
+its own error again next step on top of the local step it took. Here the buffer is copied to a backup when
+the round starts and restored when either phase raises or ends incomplete (a peer banned as a sender or a
+reducer whose shard never came back), so it only moves when both phases fully succeeded.
+
+Faults. A failed all-reduce keeps its partial result (a dead reducer's shard keeps local values; a dead
+sender is banned for the round) and is not retried; a worker whose round failed steps with what it has — its
+own gradient, partly averaged at most — and stays consistent. Non-finite averaged elements fall back to the
+local value.
+
+Untrusted groupmates. Each peer declares its round, weight (samples) and the L2 norm of what it will send;
+every part of its contribution in either phase is bounded by that norm (P̂ and Q̂ are orthonormal). A reducer
+bans for the round any sender whose part is non-finite, larger than it declared, sent with a weight other
+than the declared one, from a peer claiming more than ``max_weight`` samples or declaring a norm above
+``factor`` × the group's lower median — so a poisoned contribution never enters an average.
+
+Why not hivemind's own classes: ``GradientAverager`` keeps its own accumulators fed by ``accumulate_grads_``,
+while a worker accumulates into ``.grad`` behind its admission bound; ``PowerSGDGradientAverager`` has the
+error-buffer problem above, draws its initial Q from each process's own RNG (peers then multiply by different
+Qs until some round succeeds), and hands the first phase tensor infos of the full gradients. Their building
+blocks are used as they are: the all-reduce runner, the phase registration, ``orthogonalize_``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import hashlib
+import logging
+import math
+import multiprocessing as mp
+import threading
+import time
+import typing
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.optim.power_sgd_averager import AllReducePhases, PowerSGDGradientAverager
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import achain, as_aiter, enter_asynchronously
+from hivemind.utils.math import orthogonalize_
+
+from client.averaging.rounds import GRACE, Wedged, holding, run_round
+from client.averaging.sparta import AveragingStatus, SpartaSettings, averager_prefix
+from client.averaging.stage_averager import StageAverager
+
+if TYPE_CHECKING:
+    import hivemind
+
+    from client.pipeline.worker import StageWorker
+
+log = logging.getLogger("psyswarm.gradients")
+
+_TAG_BYTES = 64  # room for a group id (hivemind's are 20-32 bytes) plus a phase name
+_NORM_SLACK = 1e-3  # float32 rounding: a part may exceed its sender's declared norm by this fraction
+_COMPLETE, _PARTIAL = 1, 2  # how the last round's phases ended, as the averaging process reports it
+
+
+class GradAveraging(Enum):
+    """A run's per-step gradient averaging (the state.toml ``grad_averaging`` values)."""
+
+    OFF = "off"
+    FULL = "full"
+    POWERSGD = "powersgd"
+
+
+@dataclass(frozen=True)
+class GradientSettings:
+    """How a stage averages its gradients; ``timeouts`` are the same as SPARTA rounds'."""
+
+    mode: GradAveraging = GradAveraging.FULL
+    rank: int = 0  # PowerSGD's rank, 1..64
+    timeouts: SpartaSettings = SpartaSettings()
+    factor: float = 100.0  # a contribution above factor × the group's lower-median norm is refused
+    max_weight: float = math.inf  # the most samples a peer may claim (a round's global batch)
+    min_compression: float = 2.0  # PowerSGD compresses a matrix only if that shrinks it at least this much
+
+    def __post_init__(self) -> None:
+        if self.mode == GradAveraging.OFF:
+            raise ValueError("GradientSettings describe averaging: mode must be full or powersgd")
+        if (self.mode == GradAveraging.POWERSGD) != (1 <= self.rank <= 64):
+            raise ValueError(f"rank must be 1..64 with powersgd and 0 otherwise, got {self.rank} with "
+                             f"{self.mode.value}")
+        if not (self.factor > 1 and self.max_weight > 0 and self.min_compression >= 1):
+            raise ValueError("factor must exceed 1, max_weight be positive and min_compression at least 1")
+
+
+def compressed_shape(shape: Sequence[int], rank: int, min_compression: float) -> tuple[int, int] | None:
+    """The (rows, cols) PowerSGD factors a gradient of ``shape`` as, or None if it is sent in full: vectors,
+    and matrices that rank-``rank`` factors would not shrink ``min_compression``-fold. Tensors of more than two
+    dimensions are viewed as (first dimension, the rest)."""
+    if rank < 1 or len(shape) < 2:
+        return None
+    rows, cols = int(shape[0]), math.prod(int(s) for s in shape[1:])
+    return (rows, cols) if (rows + cols) * rank * min_compression <= rows * cols else None
+
+
+def seeded_matrix(seed: int, name: str, rows: int, cols: int) -> torch.Tensor:
+    """A (rows × cols) float32 matrix uniform in [-1, 1), a pure function of its arguments (SHA-256 in counter
+    mode), so that every peer draws the same one whatever its torch version."""
+    key = hashlib.sha256(f"psyswarm-powersgd:{seed}:{name}".encode()).digest()
+    count = rows * cols
+    stream = b"".join(hashlib.sha256(key + i.to_bytes(8, "little")).digest() for i in range(-(-count // 8)))
+    words = np.frombuffer(stream, dtype="<u4")[:count].astype(np.float64)
+    return torch.from_numpy((words / 2.0**31 - 1.0).astype(np.float32)).reshape(rows, cols)
+
+
+def round_payload(shapes: Sequence[Sequence[int]], settings: GradientSettings) -> list[list[int]]:
+    """Elements of each tensor that the all-reduces of one round carry, one list per all-reduce (PowerSGD: the
+    P factors, then the Q factors with the tensors sent in full), for gradients of ``shapes``."""
+    rank = settings.rank if settings.mode == GradAveraging.POWERSGD else 0
+    factors = [compressed_shape(shape, rank, settings.min_compression) for shape in shapes]
+    full = [math.prod(shape) for shape, factor in zip(shapes, factors, strict=True) if factor is None]
+    compressed = [factor for factor in factors if factor is not None]
+    if not compressed:
+        return [full]
+    return [[rows * rank for rows, _ in compressed], [cols * rank for _, cols in compressed] + full]
+
+
+@dataclass(frozen=True)
+class _Limit:
+    """What one groupmate may send this round: its declared weight and a bound on any part's L2 norm."""
+
+    weight: float
+    norm: float
+
+
+@dataclass(frozen=True)
+class _GroupLimits:
+    """The limits of a group's round: each admitted groupmate's, and a bound on the L2 norm of any tensor an
+    all-reduce can honestly leave (each part of an average is no larger than the largest part averaged, and
+    every part of every contribution is within its sender's declared norm)."""
+
+    peers: dict[PeerID, _Limit]
+    result_norm: float
+
+
+class _GradientRounds(StageAverager):
+    """hivemind's averaging process for gradients: the contribution checks, and PowerSGD's two phases.
+
+    ``GradientProcess`` orders a round's methods: this class's limits → StageAverager's round/weight group
+    check → ``_aggregate_phases`` (PowerSGD's two phases, or hivemind's single all-reduce in full mode).
+    """
+
+    def __init__(self, grads: Sequence[torch.Tensor], dht: Any, *, names: Sequence[str],
+                 shapes: Sequence[tuple[int, int] | None], rank: int, seed: int, errors: Sequence[torch.Tensor],
+                 backup: Sequence[torch.Tensor], qs: Sequence[torch.Tensor], factor: float, max_weight: float,
+                 **kwargs: Any) -> None:
+        # All shared with the averaging process, so they must exist before it forks.
+        self._names, self._shapes, self._rank, self._seed = list(names), list(shapes), rank, seed
+        self._errors, self._backup, self._qs = list(errors), list(backup), list(qs)
+        self._factor, self._max_weight = factor, max_weight
+        self._outcome = mp.Value(ctypes.c_int32, 0, lock=False)
+        self._tag = mp.Array(ctypes.c_char, _TAG_BYTES, lock=False)  # group id of the last complete phase Q
+        self._limits: dict[bytes, _GroupLimits] = {}
+        self._refused_results = False  # a reducer's average was refused in this round (process side)
+        super().__init__(grads, dht, **kwargs)
+
+    def prepare_round(self, averaging_index: int) -> None:
+        super().prepare_round(averaging_index)
+        self._outcome.value = 0
+
+    @property
+    def powersgd(self) -> bool:
+        return any(shape is not None for shape in self._shapes)
+
+    @property
+    def outcome(self) -> int:
+        return int(self._outcome.value)
+
+    @property
+    def q_tag(self) -> str:
+        return bytes(self._tag.raw).rstrip(b"\0").hex()
+
+    # ----- contribution checks -----
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        self._refused_results = False
+        limits = self._group_limits(group_info)
+        ids = [group_info.group_id, *(group_info.group_id + phase.name.encode() for phase in AllReducePhases)]
+        self._limits.update(dict.fromkeys(ids, limits))
+        try:
+            return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        finally:
+            for group_id in ids:
+                self._limits.pop(group_id, None)
+
+    def _group_limits(self, group_info: GroupInfo) -> _GroupLimits:
+        """Each groupmate's limit from what it declared; one that declared nonsense gets none (all refused)."""
+        declared: dict[PeerID, tuple[float, float]] = {}
+        for peer, blob in zip(group_info.peer_ids, group_info.gathered, strict=True):
+            try:
+                user = self._user_data(blob)
+                weight, norm = float(user["weight"]), float(user["norm"])
+            except Exception:  # a groupmate's bytes: malformed data only costs it its place in the round
+                continue
+            if 0 <= weight <= self._max_weight and 0 <= norm < math.inf:
+                declared[peer] = (weight, norm)
+        typical = sorted(norm for weight, norm in declared.values() if weight > 0)
+        bound = self._factor * typical[(len(typical) - 1) // 2] if typical else math.inf
+        peers = {peer: _Limit(weight, norm) for peer, (weight, norm) in declared.items() if norm <= bound}
+        return _GroupLimits(peers, math.sqrt(sum(limit.norm**2 for limit in peers.values())))
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                      group_id: bytes | None = None, **kwargs: Any) -> None:
+        """hivemind's all-reduce, then a check of what came back: a reducer is a groupmate too, and one that
+        returns a non-finite or impossibly large average for its shard leaves the tensor at its local value."""
+        group_id = group_info.group_id if group_id is None else group_id
+        local = [t.clone() for t in tensors]
+        try:
+            await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        finally:
+            limits = self._limits.get(group_id)
+            bound = (limits.result_norm if limits is not None else 0.0) * (1 + _NORM_SLACK) + 1e-12
+            for tensor, before in zip(tensors, local, strict=True):
+                if not float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) <= bound:
+                    tensor.copy_(before)
+                    self._refused_results = True
+
+    async def rpc_aggregate_part(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's handler, with every incoming part checked before the reducer sees it: a refused part
+        raises inside the runner's handler, which bans the sender for the rest of the round. (hivemind finds
+        streaming handlers by ``typing.AsyncIterator`` annotations; ``collections.abc``'s are not recognised.)"""
+        request = await anext(stream)
+        if request.group_id not in self._running_groups:
+            await self._pending_groups_registered.wait()  # the leader's answer may arrive after a groupmate's parts
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        runner: AllReduceRunner = await future
+        limits = self._limits.get(request.group_id)
+        limit = limits.peers.get(context.remote_id) if limits is not None else None
+        checked = self._checked(achain(as_aiter(request), stream), limit, context.remote_id)
+        async for message in runner.rpc_aggregate_part(checked, context):
+            yield message
+
+    @staticmethod
+    async def _checked(stream: AsyncIterator[averaging_pb2.AveragingData], limit: _Limit | None,
+                       peer: PeerID) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in stream:
+            if limit is None:
+                raise AllreduceException(f"{peer} declared an invalid or out-of-line contribution")
+            if message.weight != limit.weight:  # a double, as declared: no rounding
+                raise AllreduceException(f"{peer} sent weight {message.weight}, declared {limit.weight}")
+            part = deserialize_torch_tensor(message.tensor_part)
+            norm = float(torch.linalg.vector_norm(part, dtype=torch.float64))
+            if not norm <= limit.norm * (1 + _NORM_SLACK) + 1e-12:  # also refuses NaN and infinity
+                raise AllreduceException(f"{peer} sent a part of norm {norm:.3g}, declared {limit.norm:.3g}")
+            yield message
+
+    # ----- PowerSGD -----
+
+    def _register_allreduce_group(self, group_info: GroupInfo) -> Any:
+        if self.powersgd:  # both phases' ids, as hivemind's PowerSGD registers them
+            return PowerSGDGradientAverager._register_allreduce_group(self, group_info)
+        return super()._register_allreduce_group(group_info)
+
+    def _close_group(self, group_info: GroupInfo) -> None:
+        super()._close_group(group_info)
+        for phase in AllReducePhases:
+            pending = self._running_groups.get(group_info.group_id + phase.name.encode())
+            if pending is not None and not pending.done():
+                pending.cancel()
+
+    async def _aggregate_phases(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        """Reached through StageAverager's ``super()`` once the group check passed."""
+        if not self.powersgd:
+            gathered = await DecentralizedAverager._aggregate_with_group(self, group_info, min_vector_size, **kwargs)
+            self._outcome.value = _COMPLETE if self._complete(group_info.group_id) else _PARTIAL
+            return gathered
+        try:
+            users = [self._user_data(blob) for blob in group_info.gathered]
+            bandwidths = [self.serializer.loads(blob)[0] for blob in group_info.gathered]
+            fractions = await asyncio.get_event_loop().run_in_executor(
+                None, load_balance_peers, self.total_size, bandwidths, min_vector_size)
+            kwargs.pop("tensor_infos", None)  # they describe the gradients, not the phases' factors
+            async with enter_asynchronously(self.get_tensors()) as grads:
+                for error, backup in zip(self._errors, self._backup, strict=True):
+                    backup.copy_(error)
+                try:
+                    complete = await self._powersgd(grads, users, group_info, fractions, kwargs)
+                except BaseException:
+                    self._restore_errors()
+                    raise
+                if not complete:
+                    self._restore_errors()
+                self._outcome.value = _COMPLETE if complete else _PARTIAL
+            return dict(zip(group_info.peer_ids, users, strict=True))
+        except BaseException as exc:
+            raise MatchmakingException(f"Unable to run PowerSGD all-reduce: {exc!r}") from exc
+
+    def _restore_errors(self) -> None:
+        for error, backup in zip(self._errors, self._backup, strict=True):
+            error.copy_(backup)
+
+    async def _powersgd(self, grads: Sequence[torch.Tensor], users: list[Any], group_info: GroupInfo,
+                        fractions: Any, kwargs: dict[str, Any]) -> bool:
+        """Both phases, in place in ``grads``; True when neither lost a peer. Raises when a phase fails."""
+        weight = float(kwargs["weight"])
+        compressed = [(g, shape, name) for g, shape, name in zip(grads, self._shapes, self._names, strict=True)
+                      if shape is not None]
+        full = [g for g, shape in zip(grads, self._shapes, strict=True) if shape is None]
+        tags = {str(user.get("q", "")) for user in users}
+        self._tag.raw = bytes(_TAG_BYTES)  # this peer's Q stops being a complete round's until this one is
+        if len(tags) != 1 or "" in tags:  # peers hold different Qs (or none from a complete round): start afresh
+            for q, (_, (_, cols), name) in zip(self._qs, compressed, strict=True):
+                q.copy_(seeded_matrix(self._seed, f"{name}:{self._round.value}", cols, self._rank))
+        ms = [g.reshape(shape) + e for (g, shape, _), e in zip(compressed, self._errors, strict=True)]
+        for q in self._qs:
+            orthogonalize_(q)  # keeps each part of M Q within M's norm, which the peers' limits rely on
+        ps = [m @ q for m, q in zip(ms, self._qs, strict=True)]
+        phase_p = group_info.group_id + AllReducePhases.PHASE_P.name.encode()
+        await self._run_allreduce_inplace_(ps, group_info, phase_p, peer_fractions=fractions, **kwargs)
+        for p in ps:
+            orthogonalize_(p)
+        for q, m, p in zip(self._qs, ms, ps, strict=True):
+            torch.matmul(m.t(), p, out=q)
+        if weight > 0:  # a weight-0 peer sent nothing, so its compression lost nothing either
+            for error, m, p, q in zip(self._errors, ms, ps, self._qs, strict=True):
+                error.copy_(m - p @ q.t())
+        phase_q = group_info.group_id + AllReducePhases.PHASE_Q.name.encode()
+        await self._run_allreduce_inplace_([*self._qs, *full], group_info, phase_q, peer_fractions=fractions,
+                                           **kwargs)
+        for (g, _, _), p, q in zip(compressed, ps, self._qs, strict=True):
+            g.copy_((p @ q.t()).reshape(g.shape))
+        complete = self._complete(phase_p) and self._complete(phase_q)
+        if complete:
+            self._tag.raw = phase_q[:_TAG_BYTES].ljust(_TAG_BYTES, b"\0")
+        return complete
+
+    def _complete(self, group_id: bytes) -> bool:
+        """Whether the all-reduce of ``group_id`` heard from every sender and every reducer, and kept every
+        result (a refused result spoils the round's completeness too)."""
+        runner: AllReduceRunner = self._running_groups[group_id].result()
+        return (not runner.banned_senders and runner.tensor_part_container.failed_size == 0
+                and not self._refused_results)
+
+
+class _Phases(DecentralizedAverager):
+    """Puts ``_GradientRounds._aggregate_phases`` where StageAverager's ``super()._aggregate_with_group`` goes."""
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        return await self._aggregate_phases(group_info, min_vector_size, **kwargs)  # type: ignore[attr-defined]
+
+
+class GradientProcess(_GradientRounds, _Phases):
+    """The process class actually started (method order: checks, group check, phases, hivemind)."""
+
+
+@dataclass(frozen=True)
+class GradientResult:
+    round: int
+    status: AveragingStatus
+    reason: str
+    weight: float
+    samples: int  # samples the gradient now stands for: the group's when averaged, this worker's otherwise
+    group_size: int  # peers in the group (0 when none formed)
+    complete: bool  # every peer's parts arrived (PowerSGD: its error feedback moved; otherwise it was restored)
+    seconds: float
+    consecutive_failures: int
+
+
+class GradientAverager:
+    """Averages a stage's gradients with its same-stage peers once per optimizer step (host side).
+
+    Create it before the worker serves gRPC: it forks hivemind's averaging process. One per DHT node.
+    """
+
+    process_class: type[GradientProcess] = GradientProcess
+
+    def __init__(self, named_parameters: Sequence[tuple[str, torch.Tensor]], dht: hivemind.DHT, *, run_id: str,
+                 stage: str, seed: int, settings: GradientSettings) -> None:
+        if not named_parameters:
+            raise ValueError("a stage with no parameters has nothing to average")
+        self.settings = settings
+        self.stage = stage
+        self.names = [name for name, _ in named_parameters]
+        rank = settings.rank if settings.mode == GradAveraging.POWERSGD else 0
+        self.shapes = [compressed_shape(p.shape, rank, settings.min_compression) for _, p in named_parameters]
+        self._buffers = [torch.zeros_like(p, dtype=torch.float32, device="cpu") for _, p in named_parameters]
+        factors = [(shape, name) for shape, name in zip(self.shapes, self.names, strict=True) if shape is not None]
+        self.errors = [torch.zeros(shape).share_memory_() for shape, _ in factors]
+        self.backup = [torch.zeros(shape).share_memory_() for shape, _ in factors]
+        qs = [torch.zeros(shape[1], max(rank, 1)).share_memory_() for shape, _ in factors]
+        self.consecutive_failures = 0
+        self._pipe = threading.Lock()
+        t = settings.timeouts
+        self._control: Any = None
+        self._process = self.process_class(
+            self._buffers, dht, names=self.names, shapes=self.shapes, rank=rank, seed=seed, errors=self.errors,
+            backup=self.backup, qs=qs, factor=settings.factor, max_weight=settings.max_weight,
+            prefix=averager_prefix(run_id, stage, "grad"), min_group_size=t.min_group_size,
+            target_group_size=t.target_group_size, min_matchmaking_time=t.min_matchmaking_time,
+            request_timeout=t.request_timeout, allreduce_timeout=t.allreduce_timeout,
+            next_chunk_timeout=t.chunk_timeout, allow_state_sharing=False)
+
+    @classmethod
+    def for_worker(cls, worker: StageWorker, dht: hivemind.DHT, *, seed: int,
+                   settings: GradientSettings) -> GradientAverager:
+        """The averager of a ``StageWorker``'s gradients, in its run's namespace."""
+        named = [(n, p) for n, p in worker.backend.module.named_parameters() if p.requires_grad]
+        return cls(named, dht, run_id=worker.run_id, stage=worker.stage, seed=seed, settings=settings)
+
+
+    # ----- the round -----
+
+    def average(self, grads: Sequence[torch.Tensor], samples: int, index: int, weight: float, *,
+                peers: int | None = None) -> GradientResult:
+        """Replace ``grads`` (this worker's mean gradients over ``samples`` samples, in parameter order) in place by
+        the stage's average of round ``index``; blocks for the round. ``peers``: other workers the caller sees
+        in the stage (0 skips the round at once)."""
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"weight must be finite and non-negative, got {weight}")
+        if len(grads) != len(self._buffers):
+            raise ValueError(f"expected {len(self._buffers)} gradients, got {len(grads)}")
+        started = time.monotonic()
+
+        def result(status: AveragingStatus, reason: str, group: int = 0, total: float = 0.0,
+                   complete: bool = False, counts: bool = True) -> GradientResult:
+            if status == AveragingStatus.FAILED and counts:
+                self.consecutive_failures += 1
+            elif status == AveragingStatus.AVERAGED:
+                self.consecutive_failures = 0
+            outcome = GradientResult(
+                round=index, status=status, reason=reason, weight=weight,
+                samples=int(total) if status == AveragingStatus.AVERAGED else samples,
+                group_size=group, complete=complete, seconds=time.monotonic() - started,
+                consecutive_failures=self.consecutive_failures)
+            log.log(logging.WARNING if status == AveragingStatus.FAILED else logging.INFO,
+                    "%s gradient round %d: %s%s, group of %d, %.1f s", self.stage, index, status.value,
+                    f" ({reason})" if reason else "", outcome.group_size, outcome.seconds)
+            return outcome
+
+        if peers == 0:
+            return result(AveragingStatus.SKIPPED, "")
+        if not self._process.is_alive():
+            return result(AveragingStatus.FAILED, "the averaging process is not running")
+        try:
+            gather = self._load(grads, index, weight)
+            t = self.settings.timeouts
+            gathered, failure = run_round(self._process, self._pipe, index, gather, weight,
+                                          matchmaking_timeout=t.matchmaking_timeout,
+                                          allreduce_timeout=t.allreduce_timeout,
+                                          on_control=lambda control: setattr(self, "_control", control))
+            if self._process.is_alive():  # a dead process may have died holding the buffers' lock
+                self._apply(grads)
+        except Wedged as exc:
+            return result(AveragingStatus.FAILED, str(exc))
+        finally:
+            self._control = None
+        group, complete = self._process.last_group_size, self._process.outcome == _COMPLETE
+        if failure is not None:  # no group formed blames nobody in particular (see sparta.py)
+            return result(AveragingStatus.FAILED, failure, group, counts=group > 0)
+        total = sum(float(g.get("weight", 0.0)) for g in gathered.values())
+        if total == 0:
+            return result(AveragingStatus.SKIPPED, "every weight in the group is 0", group)
+        return result(AveragingStatus.AVERAGED, "" if complete else "some peer's parts did not arrive", group,
+                      total, complete)
+
+    def _locked(self) -> Any:
+        t = self.settings.timeouts
+        return holding(self._process.lock_averaged_tensors, t.matchmaking_timeout + t.allreduce_timeout + GRACE)
+
+    def _load(self, grads: Sequence[torch.Tensor], index: int, weight: float) -> dict[str, Any]:
+        """Copy the gradients into the shared buffers; returns what this peer declares to its group."""
+        with self._locked(), torch.no_grad():
+            squared = 0.0
+            errors = iter(self.errors)
+            for buffer, grad, shape in zip(self._buffers, grads, self.shapes, strict=True):
+                buffer.copy_(grad)
+                sent = buffer if shape is None else buffer.reshape(shape) + next(errors)
+                squared += float(torch.linalg.vector_norm(sent, dtype=torch.float64)) ** 2
+        return {"round": index, "weight": float(weight), "norm": math.sqrt(squared), "q": self._process.q_tag}
+
+    def _apply(self, grads: Sequence[torch.Tensor]) -> None:
+        """Whatever the buffers hold after the round (an average, a partial one, or the local values), finite
+        elements only."""
+        with self._locked(), torch.no_grad():
+            for grad, buffer in zip(grads, self._buffers, strict=True):
+                received = buffer.to(grad.device)
+                grad.copy_(torch.where(torch.isfinite(received), received, grad))
+
+    # ----- the optimizer's hook -----
+
+    def exchange(self, round_of: Callable[[], int], weight_of: Callable[[int], float],
+                 peers_of: Callable[[], int | None] = lambda: None) -> Callable[[list[torch.Tensor], int], int]:
+        """The ``StageOptimizer.gradient_exchange`` hook: averages the step's mean gradients in round
+        ``round_of()`` with weight ``weight_of(samples)``; returns the samples the result stands for."""
+
+        def hook(grads: list[torch.Tensor], samples: int) -> int:
+            return self.average(grads, samples, round_of(), weight_of(samples), peers=peers_of()).samples
+
+        return hook
+
+    @property
+    def round_stage(self) -> str:
+        """hivemind's stage of the running round (LOOKING_FOR_GROUP, RUNNING_ALLREDUCE…), or IDLE."""
+        control = self._control
+        return control.stage.name if control is not None else "IDLE"
+
+    @property
+    def process(self) -> GradientProcess:
+        """The hivemind averaging process (its pid, its last group: monitoring and tests)."""
+        return self._process
+
+    def shutdown(self) -> None:
+        if self._process.is_alive():
+            self._process.shutdown()

@@ -1,0 +1,251 @@
+"""Per-step gradient averaging on real hivemind averagers over loopback: full and PowerSGD, weights, attacks."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+import torch
+
+from client.averaging.gradients import (
+    GradAveraging,
+    GradientAverager,
+    GradientProcess,
+    GradientResult,
+    GradientSettings,
+)
+from client.averaging.sparta import AveragingStatus, SpartaSettings
+
+QUICK = SpartaSettings(min_matchmaking_time=1.0, request_timeout=0.5, matchmaking_timeout=4.0,
+                       allreduce_timeout=8.0, chunk_timeout=1.5)
+FULL = GradientSettings(GradAveraging.FULL, timeouts=QUICK)
+
+
+def powersgd(rank: int) -> GradientSettings:
+    return GradientSettings(GradAveraging.POWERSGD, rank=rank, timeouts=QUICK)
+
+
+def named(seed: int, scale: float = 1.0) -> list[tuple[str, torch.Tensor]]:
+    """A matrix PowerSGD compresses, a vector it sends in full."""
+    generator = torch.Generator().manual_seed(seed)
+    return [("layers.0.fc.weight", scale * torch.randn(24, 32, generator=generator)),
+            ("layers.0.fc.bias", scale * torch.randn(24, generator=generator))]
+
+
+def low_rank(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Like ``named``, with the matrix of rank 2 plus noise, as layers' gradients nearly are."""
+    generator = torch.Generator().manual_seed(seed)
+    matrix = torch.randn(24, 2, generator=generator) @ torch.randn(2, 32, generator=generator)
+    return [("layers.0.fc.weight", matrix + 0.01 * torch.randn(24, 32, generator=generator)),
+            ("layers.0.fc.bias", torch.randn(24, generator=generator))]
+
+
+def grads(pairs: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    return [t.clone() for _, t in pairs]
+
+
+def weighted(values: Sequence[list[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
+    total = sum(weights)
+    return [sum(w * v[i] for v, w in zip(values, weights, strict=True)) / total for i in range(len(values[0]))]
+
+
+@pytest.fixture
+def make_grad_averager(new_dht, run_id: str) -> Iterator[Callable[..., GradientAverager]]:
+    with ExitStack() as started:
+        def make(pairs: list[tuple[str, torch.Tensor]], settings: GradientSettings = FULL,
+                 cls: type[GradientAverager] = GradientAverager, stage: str = "body1") -> GradientAverager:
+            averager = cls(pairs, new_dht(), run_id=run_id, stage=stage, seed=7, settings=settings)
+            started.callback(averager.shutdown)
+            return averager
+
+        yield make
+
+
+def together(averagers: Sequence[GradientAverager], values: Sequence[list[torch.Tensor]], index: int,
+             weights: Sequence[float]) -> list[GradientResult]:
+    """One round on every averager at once, as the workers of a stage run it before their step."""
+    results: list[Any] = [None] * len(averagers)
+
+    def run(i: int) -> None:
+        results[i] = averagers[i].average(values[i], int(weights[i]), index, weights[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(averagers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(r is not None for r in results), "a gradient round did not return"
+    return results
+
+
+def assert_close(actual: list[torch.Tensor], expected: list[torch.Tensor], atol: float = 1e-5) -> None:
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=atol)
+
+
+def test_full_mode_gives_the_sample_weighted_average(make_grad_averager) -> None:
+    pairs = [named(1), named(2)]
+    values = [grads(p) for p in pairs]
+    expected = weighted(values, [3.0, 1.0])
+    averagers = [make_grad_averager(p) for p in pairs]
+    results = together(averagers, values, 0, [3.0, 1.0])
+    assert [(r.status, r.samples, r.group_size, r.complete) for r in results] == [
+        (AveragingStatus.AVERAGED, 4, 2, True)] * 2
+    for v in values:
+        assert_close(v, expected)
+
+
+def test_a_weight_zero_peer_receives_the_average_and_changes_nothing(make_grad_averager) -> None:
+    settings = dataclasses.replace(FULL, timeouts=dataclasses.replace(QUICK, min_group_size=3))
+    pairs = [named(1), named(2), named(3, scale=50.0)]  # the syncing worker's gradient is far off: it must not count
+    values = [grads(p) for p in pairs]
+    expected = weighted(values[:2], [2.0, 1.0])
+    averagers = [make_grad_averager(p, settings) for p in pairs]
+    results = together(averagers, values, 0, [2.0, 1.0, 0.0])
+    assert {(r.status, r.samples, r.group_size) for r in results} == {(AveragingStatus.AVERAGED, 3, 3)}
+    for v in values:
+        assert_close(v, expected)
+
+
+def test_powersgd_sends_a_rank_r_approximation_whose_error_feedback_recovers_the_average(
+        make_grad_averager) -> None:
+    """The same two gradients every step (each of rank 2, so their average has rank 4): each step's result has
+    rank r, both workers get the same one, and error feedback re-sends what compression lost, so the mean of
+    the results converges to the true average (without it the error would stay that of a rank-2 truncation)."""
+    rank = 2
+    pairs = [low_rank(1), low_rank(2)]
+    truth = weighted([grads(p) for p in pairs], [1.0, 1.0])
+    averagers = [make_grad_averager(p, powersgd(rank)) for p in pairs]
+    assert averagers[0].shapes == [(24, 32), None]
+    total = [torch.zeros_like(t) for t in truth]
+    errors = []
+    for step in range(6):
+        values = [grads(p) for p in pairs]
+        results = together(averagers, values, step, [1.0, 1.0])
+        assert [(r.status, r.complete) for r in results] == [(AveragingStatus.AVERAGED, True)] * 2
+        assert_close(values[0], values[1])
+        assert torch.linalg.matrix_rank(values[0][0]) <= rank
+        assert_close([values[0][1]], [truth[1]])  # the vector travels in full
+        total = [a + b for a, b in zip(total, values[0], strict=True)]
+        errors.append(float((total[0] / (step + 1) - truth[0]).norm() / truth[0].norm()))
+    singular = torch.linalg.svdvals(truth[0])
+    truncation = float(singular[rank:].norm() / singular.norm())  # the best any rank-2 step alone can do
+    assert errors[0] >= truncation - 1e-4 and truncation > 0.3
+    assert errors[-1] < truncation / 2, (errors, truncation)
+
+
+def test_without_peers_the_round_is_skipped_and_the_local_gradient_kept(make_grad_averager) -> None:
+    pairs = named(1)
+    values = grads(pairs)
+    result = make_grad_averager(pairs).average(values, 5, 0, 5.0, peers=0)
+    assert (result.status, result.samples, result.group_size) == (AveragingStatus.SKIPPED, 5, 0)
+    assert_close(values, grads(pairs), atol=0)
+
+
+class _Poisoner(GradientAverager):
+    """A groupmate that declares its honest gradient's norm, then sends ``POISON`` in its place."""
+
+    poison = float("nan")
+
+    def _load(self, grads, index, weight):  # type: ignore[no-untyped-def]
+        declared = super()._load(grads, index, weight)
+        with self._locked():
+            for buffer in self._buffers:
+                buffer.fill_(self.poison)
+        return declared
+
+
+class _HugePoisoner(_Poisoner):
+    poison = 1e30
+
+
+class _LiarAboutNorm(_Poisoner):
+    """Declares the norm of what it really sends: 1e30-sized values, far beyond the group's typical norm."""
+
+    poison = 1e30
+
+    def _load(self, grads, index, weight):  # type: ignore[no-untyped-def]
+        return super(_Poisoner, self)._load([torch.full_like(g, self.poison) for g in grads], index, weight)
+
+
+def classify(now: list[torch.Tensor], average: list[torch.Tensor], local: list[torch.Tensor]) -> int:
+    """Elements equal to the honest average; asserts that every other one kept its local value."""
+    averaged = 0
+    for n, a, old in zip(now, average, local, strict=True):
+        is_average = (n - a).abs() <= 1e-5
+        assert bool((is_average | (n == old)).all()), "an element is neither the honest average nor the local value"
+        averaged += int(is_average.sum())
+    return averaged
+
+
+@pytest.mark.parametrize("attacker", [_Poisoner, _HugePoisoner, _LiarAboutNorm])
+@pytest.mark.parametrize("mode", ["full", "powersgd"])
+def test_a_poisoned_contribution_never_enters_an_honest_average(make_grad_averager, attacker, mode) -> None:
+    """Three workers; the third sends NaN or 1e30 values (declaring an honest norm, or the huge one). The honest
+    reducers ban it for the round; what it returns as a reducer is refused too. Honest workers end with finite
+    gradients in which every element is the honest average or their own, most of them the average."""
+    settings = FULL if mode == "full" else powersgd(2)
+    settings = dataclasses.replace(settings, timeouts=dataclasses.replace(QUICK, min_group_size=3))
+    pairs = [low_rank(1), low_rank(2), low_rank(3)]
+    values = [grads(p) for p in pairs]
+    local = [grads(p) for p in pairs[:2]]
+    averagers = [make_grad_averager(p, settings) for p in pairs[:2]]
+    averagers.append(make_grad_averager(pairs[2], settings, cls=attacker))
+    results = together(averagers, values, 0, [1.0, 1.0, 1.0])
+    for value, result in zip(values[:2], results[:2], strict=True):
+        assert all(bool(torch.isfinite(t).all()) for t in value)
+        assert result.status == AveragingStatus.AVERAGED and not result.complete
+    if mode == "full":
+        honest = weighted(local, [1.0, 1.0])
+        assert sum(classify(v, honest, old) for v, old in zip(values[:2], local, strict=True)) > 0
+    else:  # the compressed average of the honest two: bounded by their gradients, and the same on both
+        bound = max(float(torch.linalg.vector_norm(torch.cat([t.flatten() for t in g]))) for g in local)
+        for value in values[:2]:
+            assert float(torch.linalg.vector_norm(torch.cat([t.flatten() for t in value]))) <= bound
+
+
+class _Saboteur(GradientProcess):
+    """Honest in round 0; in round 1 it sends a hugely scaled contribution in one phase only."""
+
+    phase = b"PHASE_Q"
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):  # type: ignore[no-untyped-def]
+        if self._round.value == 1 and group_id is not None and group_id.endswith(self.phase):
+            for tensor in tensors:
+                tensor.mul_(1e6)
+        return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+
+
+class _SaboteurP(_Saboteur):
+    phase = b"PHASE_P"
+
+
+# hivemind names its RPC handlers after the averager's class: the saboteurs must answer to the honest name.
+_Saboteur.__name__ = _SaboteurP.__name__ = GradientProcess.__name__
+
+
+@pytest.mark.parametrize("saboteur", [_SaboteurP, _Saboteur])
+def test_a_phase_that_loses_a_peer_restores_the_error_feedback_buffer(make_grad_averager, saboteur) -> None:
+    """Round 0 completes and moves every error-feedback buffer; in round 1 a groupmate's contribution to one
+    phase is refused, so that phase ends without it: the honest workers step with the partial result, and
+    their buffers are exactly those from before round 1 (the backup), not a half-updated one."""
+    settings = dataclasses.replace(powersgd(2), timeouts=dataclasses.replace(QUICK, min_group_size=3))
+    pairs = [low_rank(1), low_rank(2), low_rank(3)]
+    averagers = [make_grad_averager(p, settings) for p in pairs[:2]]
+    averagers.append(make_grad_averager(pairs[2], settings, cls=type("Bad", (GradientAverager,),
+                                                                       {"process_class": saboteur})))
+    results = together(averagers, [grads(p) for p in pairs], 0, [1.0, 1.0, 1.0])
+    assert [(r.status, r.complete) for r in results] == [(AveragingStatus.AVERAGED, True)] * 3
+    before = [[e.clone() for e in a.errors] for a in averagers[:2]]
+    assert all(float(e.norm()) > 0 for errors in before for e in errors)
+    values = [grads(p) for p in pairs]
+    results = together(averagers, values, 1, [1.0, 1.0, 1.0])
+    for averager, result, value, errors in zip(averagers[:2], results[:2], values[:2], before, strict=True):
+        assert result.status == AveragingStatus.AVERAGED and not result.complete
+        assert all(torch.equal(now, old) for now, old in zip(averager.errors, errors, strict=True))
+        assert all(torch.equal(now, old) for now, old in zip(averager.backup, errors, strict=True))
+        assert all(bool(torch.isfinite(t).all()) for t in value)

@@ -1,0 +1,133 @@
+"""Gradient averaging wired into a run's workers (client.join.stage_replica): a run that asks for it averages
+the same-stage workers' gradients before every optimizer step, so replicas that saw different samples step to
+identical parameters; a syncing worker (weight 0) steps with its peer's gradient and adds nothing to it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from solders.keypair import Keypair
+
+from client.averaging.gradients import GradAveraging
+from client.join.stage_replica import StageReplica
+from client.join.sync import SyncPhase
+from client.pipeline.worker import StepStats
+from coordinator_program.config import parse_run_spec
+from coordinator_program.state import CoordinatorState, Phase
+
+SPEC = {"run_id": "grads", "config": {"min_clients": 4, "max_clients": 8, "num_stages": 3, "witness_nodes": 1,
+                                       "witness_quorum": 1, "warmup_time": 10, "max_round_train_time": 10,
+                                       "round_witness_time": 1, "cooldown_time": 5, "rounds_per_epoch": 5,
+                                       "total_steps": 100, "global_batch_size": 8},
+        "model": {"n_layers": 3, "n_heads": 2, "d_model": 16, "seq_len": 16, "microbatch_size": 4,
+                  "learning_rate": 0.01, "sparta_every": 2, "sparta_partitions": 2, "max_allowed_stale": 3,
+                  "sync_phase1_steps": 2, "sync_phase2_steps": 3}}
+
+
+def run_state(run_id: str, **model: object) -> CoordinatorState:
+    spec = parse_run_spec({**SPEC, "run_id": run_id, "model": {**SPEC["model"], **model}})
+    return CoordinatorState(run_id=run_id, main_authority=bytes(32), join_authority=bytes(32),
+                            phase=Phase.Warmup, step=0, config=spec.config, model=spec.model,
+                            checkpoint=spec.checkpoint)
+
+
+@pytest.fixture
+def make_replica(new_dht) -> Iterator[Callable[[CoordinatorState], StageReplica]]:
+    made: list[StageReplica] = []
+
+    def make(state: CoordinatorState) -> StageReplica:
+        replica = StageReplica.create(state, "body1", dht=new_dht(), keypair=Keypair(), host="127.0.0.1",
+                                      trainer_allowed=lambda pubkey: False, say=lambda line: None)
+        made.append(replica)
+        return replica
+
+    yield make
+    for replica in made:
+        replica.stop()
+
+
+def accumulate(replica: StageReplica, seed: int, samples: int) -> list[torch.Tensor]:
+    """Put a gradient sum over ``samples`` samples in the worker's ``.grad``, as its backward passes would."""
+    generator = torch.Generator().manual_seed(seed)
+    backend = replica.worker.backend
+    sums = []
+    for param in backend.optimizer.params:
+        param.grad = torch.randn(param.shape, generator=generator) * samples
+        sums.append(param.grad.clone())
+    backend.samples_accumulated = samples
+    return sums
+
+
+def serving(replicas: list[StageReplica]) -> list[StageReplica]:
+    """Start the workers and wait until each sees the others in the DHT (a round skips a stage of one)."""
+    for replica in replicas:
+        replica.start()
+    deadline = time.monotonic() + 30
+    while any(r.peers() < len(replicas) - 1 for r in replicas):
+        assert time.monotonic() < deadline, "the workers did not see each other"
+        time.sleep(0.1)
+    return replicas
+
+
+def step_together(replicas: list[StageReplica], swarm_step: int) -> list[StepStats]:
+    stats: list[StepStats | None] = [None] * len(replicas)
+
+    def run(i: int) -> None:
+        stats[i] = replicas[i].step(swarm_step)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(replicas))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(s is not None for s in stats), "a step did not return"
+    return stats  # type: ignore[return-value]
+
+
+def parameters(replica: StageReplica) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in replica.worker.backend.optimizer.params]
+
+
+@pytest.mark.parametrize("mode", ["full", "powersgd"])
+def test_replicas_that_saw_different_samples_step_to_the_same_parameters(make_replica, run_id: str,
+                                                                           mode: str) -> None:
+    rank = 2 if mode == "powersgd" else 0
+    state = run_state(run_id, grad_averaging=mode, powersgd_rank=rank)
+    replicas = serving([make_replica(state) for _ in range(2)])
+    assert replicas[0].gradients is not None and replicas[0].gradients.settings.mode == GradAveraging(mode)
+    assert replicas[0].gradients.settings.max_weight == 8  # no peer may claim more than a round's batch
+    start = parameters(replicas[0])
+    assert all(torch.equal(a, b) for a, b in zip(start, parameters(replicas[1]), strict=True))  # the seed
+    for step in range(2):
+        accumulate(replicas[0], seed=2 * step, samples=6)
+        accumulate(replicas[1], seed=2 * step + 1, samples=2)
+        stats = step_together(replicas, step)
+        assert [s.samples for s in stats] == [6, 2] and all(s.applied for s in stats)
+        for a, b in zip(parameters(replicas[0]), parameters(replicas[1]), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(start, parameters(replicas[0]), strict=True))
+
+
+def test_a_syncing_worker_steps_with_its_peers_gradient_and_adds_nothing(make_replica, run_id: str) -> None:
+    state = run_state(run_id, grad_averaging="full")
+    active, syncing, alone = make_replica(state), make_replica(state), make_replica(state)
+    alone.stop()  # the reference: the active worker's gradient stepped by one process
+    serving([active, syncing])
+    syncing.tracker.phase = SyncPhase.OPTIMIZER  # phase 2: routed to, averaging weight 0
+    accumulate(syncing, seed=99, samples=4)  # far from the active one's: it must not count
+    for replica in (active, alone):
+        accumulate(replica, seed=1, samples=4)
+    alone.worker.backend.optimizer.gradient_exchange = None
+    alone.worker.step()
+    step_together([active, syncing], 0)
+    for a, b, c in zip(parameters(active), parameters(syncing), parameters(alone), strict=True):
+        torch.testing.assert_close(a, c, rtol=0, atol=1e-6)
+        torch.testing.assert_close(b, c, rtol=0, atol=1e-6)
+
+
+def test_a_run_without_gradient_averaging_builds_no_averager(make_replica, run_id: str) -> None:
+    assert make_replica(run_state(run_id)).gradients is None

@@ -1,0 +1,111 @@
+"""Benchmark: per-step gradient averaging with 2 workers per stage against the same model trained in one process.
+
+Every run trains on the same batches (the same tokens in the same order) with the real system on loopback, as
+tests/benchmarks/bench_sparta.py sets it up (in-process gRPC workers, a routing trainer, hivemind averaging),
+side by side:
+
+- one process (``client/pipeline/local.py``), the reference;
+- 2 workers per stage, no averaging; SPARTA only; full gradient averaging; PowerSGD (rank ``--rank``) plus
+  SPARTA, Node0's production setting.
+
+Prints the loss of each (training: mean of the last rounds; held-out) against one process (aim: PowerSGD +
+SPARTA within 1 %), and the bytes each worker sends per step averaging its gradients, PowerSGD against the full
+gradient (hivemind's all-reduce messages for a group of 2, computed with hivemind's own partitioner and
+serializer from the actual tensor sizes; aim: at most 1/32).
+
+Run::
+
+    python tests/benchmarks/bench_gradients.py [--rounds 120] [--rank 2] [--sparta 5/20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+
+import torch
+from bench_sparta import SETTINGS, Run, allreduce_bytes_sent, parse_sparta, reference, system  # this directory
+
+from client.averaging.gradients import GradAveraging, GradientSettings, round_payload
+from client.pipeline.data import open_dataset
+from client.pipeline.model import ModelConfig, build_stage, stage_names
+
+# Gradient rounds run at every step: matchmaking waits a fraction of a second on loopback.
+QUICK = dataclasses.replace(SETTINGS, min_matchmaking_time=0.3, request_timeout=0.15, matchmaking_timeout=5.0)
+
+
+def gradient_bytes(config: ModelConfig, settings: GradientSettings, group_size: int) -> dict[str, tuple[int, int]]:
+    """Per stage: (parameters, bytes one worker sends per step) averaging its gradients with ``settings``."""
+    out = {}
+    for name in stage_names(config.num_stages):
+        shapes = [tuple(p.shape) for p in build_stage(config, name).parameters() if p.requires_grad]
+        sent = sum(allreduce_bytes_sent([torch.zeros(n) for n in phase], group_size)
+                   for phase in round_payload(shapes, settings))
+        out[name] = (sum(torch.Size(s).numel() for s in shapes), sent)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=120, help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--microbatch-size", type=int, default=4)
+    parser.add_argument("--inflight", type=int, default=4)
+    parser.add_argument("--rank", type=int, action="append", help="PowerSGD's rank (repeatable; default 2)")
+    parser.add_argument("--sparta", type=parse_sparta, default=(5, 20),
+                        help="EVERY/P of the SPARTA runs (default 5/20: Node0's 5%% every 5 steps)")
+    parser.add_argument("--layers", type=int, default=ModelConfig.n_layers)
+    parser.add_argument("--width", type=int, default=ModelConfig.d_model)
+    parser.add_argument("--seq-len", type=int, default=ModelConfig.seq_len)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--held-out", type=int, default=64)
+    parser.add_argument("--last", type=int, default=20, help="rounds averaged for the final training loss")
+    args = parser.parse_args()
+    args.workers_per_stage = 2
+    logging.basicConfig(level=logging.WARNING)
+
+    config = ModelConfig(n_layers=args.layers, d_model=args.width, seq_len=args.seq_len)
+    dataset = open_dataset(["stdlib"], config.seq_len)
+    held_out = list(range(dataset.num_samples - args.held_out, dataset.num_samples))
+    tokens = args.rounds * args.batch_size * config.seq_len
+    every, partitions = args.sparta
+    full = GradientSettings(GradAveraging.FULL, timeouts=QUICK)
+    ranks = args.rank or [2]
+    powersgd = [GradientSettings(GradAveraging.POWERSGD, rank=rank, timeouts=QUICK) for rank in ranks]
+    print(f"model: {config}")
+    print(f"{args.rounds} rounds x {args.batch_size} samples x {config.seq_len} tokens = {tokens:,} tokens, "
+          f"2 workers per stage, {torch.get_num_threads()} torch threads", flush=True)
+
+    started = time.monotonic()
+    runs: list[Run] = [reference(config, dataset, args, held_out)]
+    for sparta, gradients in [(None, None), (every, None), (None, full), *((every, p) for p in powersgd)]:
+        runs.append(system(config, dataset, args, held_out, sparta, partitions if sparta else 1, gradients))
+
+    base = runs[0]
+    print()
+    print(f"loss after {tokens:,} tokens (training: mean of the last {args.last} rounds; held-out: "
+          f"{args.held_out} samples; in brackets: against one process)")
+    for run in runs:
+        train = run.tail_loss(args.last)
+        print(f"  {run.name:70s} training {train:.4f} ({train / base.tail_loss(args.last) - 1:+.2%})  "
+              + "  ".join(f"{k} {v:.4f} ({v / base.held_out['model'] - 1:+.2%})" for k, v in run.held_out.items())
+              + (f"  [{run.lost} rounds lost]" if run.lost else ""))
+    print()
+    print("bytes each worker sends per step averaging its gradients (group of 2):")
+    dense = gradient_bytes(config, full, 2)
+    total_full = sum(b for _, b in dense.values())
+    for settings in powersgd:
+        compressed = gradient_bytes(config, settings, 2)
+        for name, (params, full_bytes) in dense.items():
+            print(f"  {name:6s} {params:>9,} parameters: full {full_bytes:>10,} B   PowerSGD rank {settings.rank} "
+                  f"{compressed[name][1]:>9,} B   (1/{full_bytes / compressed[name][1]:.1f})")
+        total = sum(b for _, b in compressed.values())
+        print(f"  all stages: full {total_full:,} B, PowerSGD rank {settings.rank} {total:,} B "
+              f"(1/{total_full / total:.1f})")
+    print(f"\n{time.monotonic() - started:.0f} s in all", flush=True)
+
+
+if __name__ == "__main__":
+    main()
