@@ -21,6 +21,9 @@ COMMAND_MODULES = (
     "client.commands.deploy",
     "client.commands.demo",
     "client.commands.auth",
+    "client.commands.export",
+    "client.commands.data",
+    "client.commands.dashboard",
 )
 
 app = typer.Typer(

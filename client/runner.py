@@ -26,7 +26,7 @@ passing trouble (the coordinator restarting, a refused join that may succeed lat
 bounded: the clean leave gets ``STOP_TIMEOUT`` seconds, and threads still busy with compute or a peer are left.
 
 May import: coordinator_program, client.identity, client.stages, client.coordinator, client.witness,
-client.pipeline, client.join.
+client.pipeline, client.join, client.data, client.models.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ from solders.keypair import Keypair
 from client.coordinator.backend import Backend, BackendError
 from client.coordinator.ticker import tick_when_due
 from client.join.auth import AuthError, AuthSession
-from client.join.checkpoints import SNAPSHOT_EVERY, revision_for, save_stage, snapshot_root, upload_stage
+from client.join.checkpoints import SNAPSHOT_EVERY, revision_for, snapshot_root, upload_stage
 from client.join.stage_replica import StageReplica, StateSources, model_config
+from client.models import ModelSourceError
 from client.stages import stage_name
 from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
 from client.witness.records import Board, Commitment, Presence, Ready, Report, receipt_hash
@@ -94,12 +95,14 @@ class RunnerOptions:
     stage: int = limits.NO_STAGE
     checkpoint_dir: Path = Path("checkpoints")
     host: str = "127.0.0.1"
-    wire_dtype: str = "float32"
     hub_repo: str | None = None  # save checkpoints to this Hugging Face repo rather than checkpoint_dir
     hf_token: str | None = None
     hf_endpoint: str | None = None
     auth: AuthSession | None = None  # the slot granted by the run's auth service, if it has one
     snapshot_every: int = SNAPSHOT_EVERY  # steps between a worker's snapshots of its stage (0: none)
+    port: int = 0  # the worker's gRPC port (0: any free one)
+    dht_port: int = 0  # this client's DHT node's port (0: any free one)
+    device: str = "cpu"  # where a worker's stage computes (``client.pipeline.device``)
 
 
 class Contributor:
@@ -124,6 +127,7 @@ class Contributor:
         self.stage = limits.NO_STAGE
         self.training = asyncio.Lock()
         self.trained: set[tuple[int, int]] = set()
+        self.round_batches: dict[tuple[int, int], int] = {}  # a trainer's microbatches in its last round trained
         self.proved: set[tuple[int, int, bool]] = set()
         self.health_checked: set[tuple[int, int]] = set()
         self.saved_epoch: int | None = None
@@ -176,7 +180,7 @@ class Contributor:
 
         peers = self.options.initial_peers
         try:
-            return start_dht(peers, self.options.host)
+            return start_dht(peers, self.options.host, self.options.dht_port)
         except Exception as exc:  # hivemind raises its P2PDaemonError, OSError or ValueError: all mean the same
             problem = re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", str(exc))  # p2pd's own timestamps
             raise CannotContribute(
@@ -384,7 +388,7 @@ class Contributor:
         if replica is None:
             return
         await self._publish_receipts(epoch, height)
-        stats = await asyncio.to_thread(replica.step)
+        stats = await asyncio.to_thread(replica.step, step)
         replica.expect_samples(*round_samples(self.backend.state, step + 1))  # the next round's, whenever it starts
         log.info("round %d.%d: stepped on %d samples (grad norm %.3f)", epoch, height, stats.samples,
                  stats.grad_norm)
@@ -452,8 +456,14 @@ class Contributor:
         if self.replica is not None:
             previous, self.replica = self.replica, None
             previous.stop()
-        replica = StageReplica.create(state, name, dht=self.dht, keypair=self.keypair, host=self.options.host,
-                                      trainer_allowed=self._is_epoch_trainer, say=lambda line: print(line, flush=True))
+        try:
+            replica = StageReplica.create(state, name, dht=self.dht, keypair=self.keypair, host=self.options.host,
+                                          device=self.options.device, hf_endpoint=self.options.hf_endpoint,
+                                          hf_token=self.options.hf_token, trainer_allowed=self._is_epoch_trainer,
+                                          say=lambda line: print(line, flush=True))
+        except ModelSourceError as exc:
+            raise CannotContribute(f"cannot build the run's model: {exc}") from None
+        replica.worker.port = self.options.port  # not serving yet: it binds the port when it starts
         auth = self.options.auth
         sources = StateSources(snapshot=auth.snapshot if auth is not None else None,
                                snapshots=snapshot_root(self.options.checkpoint_dir.resolve(), state.run_id),
@@ -484,24 +494,31 @@ class Contributor:
         return index is not None and state.clients[index].role == Role.Trainer
 
     def _prepare_trainer(self, state: CoordinatorState) -> None:
-        from client.pipeline.data import open_dataset
+        from client.data import TokenizerMismatch, open_dataset
         from client.pipeline.discovery import WorkerDirectory
         from client.pipeline.trainer import PipelineTrainer
+        from client.pipeline.wire import codec_name
 
         if self.trainer is not None:
             return
         if self.options.auth is not None:  # a trainer holds no state: once its turn comes it is integrated
             self.options.auth.wait_turn()
             self.options.auth.report_synced()
-        config = model_config(state)
         try:
-            dataset = open_dataset([state.model.dataset], config.seq_len)
+            config = model_config(state, hf_endpoint=self.options.hf_endpoint, hf_token=self.options.hf_token)
+        except ModelSourceError as exc:
+            raise CannotContribute(f"cannot build the run's model: {exc}") from None
+        try:
+            dataset = open_dataset(state.model.dataset, config.seq_len, tokenizer_sha256=state.model.tokenizer_sha256,
+                                   hf_endpoint=self.options.hf_endpoint, hf_token=self.options.hf_token)
+        except TokenizerMismatch as exc:
+            raise CannotContribute(f"the run's dataset does not fit its model: {exc}") from None
         except ValueError as exc:
             raise CannotContribute(f"cannot open the run's dataset: {exc}; a trainer needs the run's data at that "
                                    "path on this machine (or join as a worker, which needs none)") from None
         self.directory = ClientDirectory(WorkerDirectory(self.dht, state.run_id, config.fingerprint()), self)
         self.trainer = PipelineTrainer(config, dataset, self.directory, keypair=self.keypair, run_id=state.run_id,
-                                       wire_dtype=self.options.wire_dtype,
+                                       wire_codec=codec_name(state.model.wire_codec),
                                        stall_timeout=float(state.config.max_round_train_time))
 
     # --- rounds ---------------------------------------------------------------------------------------
@@ -527,6 +544,7 @@ class Contributor:
             except Exception as exc:  # a stage that vanished mid-round: the witnesses will see the gap
                 log.warning("round %d.%d: training failed: %s", state.epoch, state.round.height, exc)
                 return
+        self.round_batches = {key: len(result.microbatches)}
         losses = result.losses
         loss = sum(losses) / len(losses)
         receipts = tuple(dataclasses.asdict(r) for m in result.microbatches for _, r in sorted(m.receipts.items()))
@@ -623,8 +641,7 @@ class Contributor:
         revision = revision_for(state.epoch)
         directory = (self.options.checkpoint_dir / state.run_id).resolve() / revision
         try:
-            tensors = await asyncio.to_thread(replica.state_dict)
-            files = await asyncio.to_thread(save_stage, directory, replica.stage, tensors, state.step)
+            files = await asyncio.to_thread(replica.save, directory, state.step)
             if self.options.hub_repo:
                 await asyncio.to_thread(upload_stage, files, self.options.hub_repo, revision,
                                         token=self.options.hf_token, endpoint=self.options.hf_endpoint)

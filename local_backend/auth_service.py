@@ -51,6 +51,7 @@ import socket
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -78,6 +79,7 @@ MAX_HEADER_BYTES = 16 * 1024
 MAX_CLOCK_SKEW = 120.0  # seconds a signed request's timestamp may differ from the service's clock
 NONCE_BYTES = 16
 NONCE_CAPACITY = 65_536  # spent nonces remembered at most; at 270 requests/s all of the skew window
+GRANTS_KEPT = 1024  # keys the contributor map remembers (the newest granted); a ledger holds 256
 REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request
 MAX_CONNECTIONS = 1024  # open connections at once; more are answered 503 at once
 WORKERS = 8  # threads running requests (they may wait on the Hub or on SQLite)
@@ -343,6 +345,12 @@ CREATE TABLE IF NOT EXISTS nonces (
     PRIMARY KEY (peer, nonce)
 );
 CREATE INDEX IF NOT EXISTS nonces_by_time ON nonces (time);
+CREATE TABLE IF NOT EXISTS grants (
+    peer TEXT PRIMARY KEY,
+    contributor TEXT NOT NULL,
+    seen REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS grants_by_seen ON grants (seen);
 """
 
 
@@ -395,6 +403,15 @@ class SlotStore:
     def put(self, slot: Slot) -> None:
         self.db.execute("INSERT OR REPLACE INTO slots VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         dataclasses.astuple(slot))
+
+    def remember_grant(self, peer: str, contributor: str, seen: float, kept: int) -> None:
+        """Note whose key ``peer`` is, for the contributor map; only the ``kept`` keys granted last are kept."""
+        self.db.execute("INSERT OR REPLACE INTO grants VALUES (?, ?, ?)", (peer, contributor, seen))
+        self.db.execute("DELETE FROM grants WHERE peer NOT IN (SELECT peer FROM grants ORDER BY seen DESC LIMIT ?)",
+                        (kept,))
+
+    def grants(self) -> list[tuple[str, str]]:
+        return self.db.execute("SELECT peer, contributor FROM grants ORDER BY seen DESC").fetchall()
 
     def drop(self, peer: str) -> None:
         self.db.execute("DELETE FROM slots WHERE peer = ?", (peer,))
@@ -451,6 +468,7 @@ class AuthService:
     checkpoint: dict[str, str] | None = None
     clock: Callable[[], float] = time.time
     nonce_capacity: int = NONCE_CAPACITY
+    grants_kept: int = GRANTS_KEPT  # never fewer than ``capacity``: every live slot stays mapped
     program_id: Pubkey = PROGRAM_ID  # the coordinator program whose joins it countersigns on Solana
 
     def __post_init__(self) -> None:
@@ -515,6 +533,16 @@ class AuthService:
             "trainers": sum(s.role == "trainer" for s in slots),
         }
 
+    def contributors(self, run_id: str) -> dict[str, str]:
+        """Which contributor each key granted a slot belongs to, by base58 public key: what lets a leaderboard sum
+        one contributor's processes into one score. A key that left stays mapped (its points outlive its slot),
+        for the ``grants_kept`` keys granted or renewed last. Only keys and Hub user names leave, never a token or
+        its hash. Another run's id gets an empty map (this service knows one run)."""
+        if run_id != self.run_id:
+            return {}
+        with self._lock:
+            return {str(Pubkey.from_bytes(bytes.fromhex(peer))): name for peer, name in self._store.grants()}
+
     def close(self) -> None:
         with self._lock:
             self._store.close()
@@ -572,6 +600,7 @@ class AuthService:
             slot = self._new_slot(signed, contributor, role, now)
         slot.expires = now + self.lease_seconds
         self._store.put(slot)
+        self._store.remember_grant(slot.peer, contributor, now, max(self.grants_kept, self.capacity))
         return {
             "run_id": self.run_id, "contributor": contributor, "peer": slot.peer, "role": role,
             "slot": slot.index, "capacity": self.capacity, "stage": slot.stage,
@@ -714,7 +743,8 @@ class AuthService:
 
 
 class AuthHTTPServer:
-    """The auth service over HTTP: PUT /api/join, POST /api/queue|synced|leave|countersign, GET /api/occupancy.
+    """The auth service over HTTP: PUT /api/join, POST /api/queue|synced|leave|countersign, GET /api/occupancy and
+    /api/contributors?run_id=.
 
     One asyncio loop holds the connections; each must deliver its whole request within ``request_timeout``
     (else 408), at most ``max_connections`` are open at once (more are answered 503), and requests run on
@@ -819,6 +849,9 @@ class AuthHTTPServer:
         service = self.service
         if (method, target) == ("GET", "/api/occupancy"):
             return service.occupancy()
+        path, _, query = target.partition("?")
+        if (method, path) == ("GET", "/api/contributors"):
+            return service.contributors(_query_value(query, "run_id"))
         if (method, target) == ("PUT", "/api/join"):
             request = _json_body(body)
             return service.join(_bearer(headers), request)
@@ -878,6 +911,17 @@ def _json_body(body: bytes) -> Any:
         raise bad_request("the body's JSON nests too deeply; a request is a flat object") from None
     except ValueError:
         raise bad_request("the body is not JSON") from None
+
+
+def _query_value(query: str, name: str) -> str:
+    """The one value of ``name`` in a query string; a missing or repeated one is a bad request."""
+    try:
+        values = urllib.parse.parse_qs(query, keep_blank_values=True, max_num_fields=8).get(name, [])
+    except ValueError:  # more fields than a query of this service has
+        values = []
+    if len(values) != 1:
+        raise bad_request(f"give exactly one {name}= in the query")
+    return values[0]
 
 
 def _bearer(headers: dict[bytes, bytes]) -> str:

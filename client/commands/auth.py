@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -13,7 +12,7 @@ from client.commands.coordinator import ProgramId, program_address
 
 
 def auth_service(
-    run_id: Annotated[str, typer.Option(help="The run this service admits contributors to.")],
+    run_id: Annotated[str, typer.Option(metavar="RUN_ID", help="The run this service admits contributors to.")],
     stages: Annotated[int, typer.Option(help="Pipeline stages of the run (joiners get the least occupied).")],
     capacity: Annotated[int, typer.Option(help="Contributor slots (one per process); a full swarm rejects joins.")],
     max_slots_per_token: Annotated[int, typer.Option(
@@ -23,12 +22,11 @@ def auth_service(
                                           "restarts.")] = Path("auth.sqlite"),
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one.")] = 0,
-    hf_endpoint: Annotated[str | None, typer.Option(help="Hugging Face Hub asked who owns a token "
-                                                         "(default: HF_ENDPOINT or huggingface.co).")] = None,
-    keypair: Annotated[Path | None, typer.Option(help="The run's join authority: a Solana keypair file that "
-                                                      "signs grants and countersigns joins; give its public key "
-                                                      "to `serve`/`create-run --join-authority` [default: next to "
-                                                      "--db, created if absent].")] = None,
+    hf_endpoint: Annotated[str | None, typer.Option(envvar="HF_ENDPOINT", metavar="URL", help=(
+        "Hugging Face Hub asked who owns a token [default: huggingface.co]."))] = None,
+    keypair: Annotated[Path | None, typer.Option("--keypair", "-k", metavar="FILE", help=(
+        "The run's join authority: a Solana keypair file that signs grants and countersigns joins; give its public "
+        "key to `serve`/`create-run --join-authority` [default: next to --db, created if absent]."))] = None,
     lease: Annotated[float, typer.Option(help="Seconds a slot lives without being renewed.")] = 600.0,
     max_integrating: Annotated[int, typer.Option(help="Joins allowed to sync at once (0: no join queue).")] = 1,
     integration_time: Annotated[float, typer.Option(help="Seconds a join may hold the queue at most.")] = 900.0,
@@ -52,7 +50,7 @@ def auth_service(
     except KeypairError as exc:
         raise typer.BadParameter(str(exc), param_hint="--keypair") from None
     program = program_address(program_id)
-    endpoint = hf_endpoint or os.environ.get("HF_ENDPOINT") or None
+    endpoint = hf_endpoint or None
     checkpoint = {"repo": checkpoint_repo, "revision": checkpoint_revision} if checkpoint_repo else None
     identity = HubIdentity(endpoint)
     try:

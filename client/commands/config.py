@@ -3,30 +3,92 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
+UNCHECKED_DIGEST = b"\xff" * 32  # stands in, in an offline check only, for a digest that only the source can give
 
-def load_spec_or_exit(path: Path):
-    """Read a state.toml for a command, or end the command with the reason it is invalid."""
+
+def _unchecked_digests(model):
+    """Offline: the model's source is not read. A digest the file leaves out stands in as ``UNCHECKED_DIGEST`` so
+    that the rest can be validated; the command says so (``create-run`` reads the source and fills it)."""
+    import dataclasses
+
+    from coordinator_program.config import PSYSWARM_ARCHITECTURE, Tokenizer
+
+    if model.architecture == PSYSWARM_ARCHITECTURE:
+        return model
+    missing = {"config_sha256": UNCHECKED_DIGEST} if model.config_sha256 == bytes(32) else {}
+    if model.tokenizer == Tokenizer.Model and model.tokenizer_sha256 == bytes(32):
+        missing["tokenizer_sha256"] = UNCHECKED_DIGEST
+    if missing:
+        typer.secho(f"offline: {' and '.join(missing)} not checked; without --offline they are filled from "
+                    f"{model.source} (create-run needs them)", fg=typer.colors.YELLOW, err=True)
+    return dataclasses.replace(model, **missing)
+
+
+def load_spec_or_exit(path: Path, *, offline: bool = False):
+    """Read a state.toml for a command, or end the command with the reason it is invalid. A Hugging Face model's
+    config and tokenizer digests are filled from (or checked against) its source, unless ``offline``."""
+    from client.models import ModelSourceError, resolve_model_digests
     from coordinator_program.config import load_run_spec
     from coordinator_program.errors import CoordinatorError
 
     try:
-        return load_run_spec(path)
+        return load_run_spec(path, _unchecked_digests if offline else resolve_model_digests)
     except CoordinatorError as exc:
         typer.secho(f"invalid config: {exc.detail}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    except ModelSourceError as exc:
+        typer.secho(f"invalid config: [model] {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+
+
+def check_dataset_or_exit(model, *, offline: bool = False) -> None:
+    """Refuse a token dataset made with another tokenizer than the model's; one this machine cannot reach
+    (offline) is reported and left to the trainers, which check it again before they train."""
+    from client.data import DatasetError, DatasetUnreachable, check_dataset_tokenizer
+    from client.data.locations import is_remote, is_token_location
+
+    digest_unknown = model.tokenizer_sha256 == UNCHECKED_DIGEST  # the model's own tokenizer, offline
+    if digest_unknown and not is_token_location(model.dataset):
+        typer.secho(f"invalid config: dataset: {model.dataset} is text read as bytes, but the model uses its own "
+                    "tokenizer; tokenize the data with it (psyswarm tokenize)", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+    if digest_unknown or (offline and is_remote(model.dataset)):
+        typer.secho(f"offline: dataset {model.dataset} not checked against the model's tokenizer",
+                    fg=typer.colors.YELLOW, err=True)
+        return
+    try:
+        check_dataset_tokenizer(model.dataset, model.tokenizer_sha256)
+    except DatasetUnreachable as exc:
+        typer.secho(f"dataset tokenizer not checked: {exc}", fg=typer.colors.YELLOW, err=True)
+    except DatasetError as exc:
+        typer.secho(f"invalid config: dataset: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
 
 
 def validate_config(
-    path: Path = typer.Argument(..., help="The run's state.toml (run_id, [config], [model], [checkpoint])."),
+    config: Annotated[Path | None, typer.Option(metavar="FILE", help=(
+        "The run's state.toml (run_id, [config], [model], [checkpoint]), as `serve` and `create-run` take it."))] = (
+        None),
+    path: Annotated[Path | None, typer.Argument(metavar="FILE", show_default=False, help=(
+        "The same file given positionally (an alias of --config)."))] = None,
+    offline: Annotated[bool, typer.Option(help=(
+        "Read nothing over the network: digests of a Hub model that the file leaves out, and a remote dataset, "
+        "are reported as not checked."))] = False,
 ) -> None:
     """Check a run config and print what it implies: account size, witness proof size, bloom error rate."""
     from coordinator_program import limits
+    from coordinator_program.config import filter_capacity
     from coordinator_program.facts import config_facts, fits_in_transaction
 
-    spec = load_spec_or_exit(path)
+    if (config is None) == (path is None):
+        raise typer.BadParameter("give the run's state.toml once: --config FILE (or FILE alone)",
+                                 param_hint="--config")
+    spec = load_spec_or_exit(config or path, offline=offline)
+    check_dataset_or_exit(spec.model, offline=offline)
     c = spec.config
     facts = config_facts(c)
     lines = [
@@ -36,7 +98,7 @@ def validate_config(
         f"witness filters: {c.bloom_slices} slices x {c.bloom_bits_per_slice} bits = {facts.bloom_bytes} bytes each",
         f"witness instruction: {facts.witness_data_bytes} bytes of data, "
         f"{facts.witness_transaction_bytes} bytes as a transaction (limit {limits.SOLANA_TX_LIMIT})",
-        f"bloom false-positive rate at capacity ({c.max_clients} items): "
+        f"bloom false-positive rate at capacity ({filter_capacity(c.max_clients)} keys, 2 per client): "
         f"{facts.false_positive_rate_at_capacity:.4%}",
     ]
     for line in lines:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from pathlib import Path
 from typing import Annotated
@@ -9,24 +10,38 @@ from typing import Annotated
 import typer
 
 
+class DemoModel(enum.StrEnum):
+    """The models the demo trains (``client.swarm.demo.MODELS``), named here so that ``--help`` stays fast."""
+
+    psyswarm = "psyswarm"
+    tiny_llama = "tiny-llama"
+
+
 def demo(
     workdir: Annotated[Path, typer.Option(help="Where the run's database, logs, checkpoints and plot go: a new or "
-                                               "empty directory, or one an earlier demo made (it is emptied).")] = Path(
+                                               "empty directory, or one an earlier demo made (it is emptied, "
+                                               "but for a prepared tiny Llama).")] = Path(
         "runs/demo"),
     epochs: Annotated[int, typer.Option(min=1, help="Epochs to train.")] = 3,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds (optimizer steps) per epoch.")] = 8,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 900.0,
     backend: Annotated[str, typer.Option(help="tcp (the centralised server) or solana (the program on a local "
                                               "chain, ticked by the clients).")] = "tcp",
+    model: Annotated[DemoModel, typer.Option(help="psyswarm: the embedded byte-level model on the whole corpus. "
+                                                  "tiny-llama: the tiny Llama of examples/tiny-llama (6 layers, "
+                                                  "64 wide, a 2048-token BPE trained here) on the first 2 MB of "
+                                                  "the corpus, prepared once (about 10 s) and kept in the workdir "
+                                                  "for the next run.")] = DemoModel.psyswarm,
 ) -> None:
     """Start a coordinator, a DHT and a 3-stage pipeline on this machine and train on the stdlib's sources."""
-    from client.swarm.demo import WorkdirNotOurs, plot, run_demo
-
     if backend not in ("tcp", "solana"):
         raise typer.BadParameter(f"--backend must be tcp or solana, not {backend!r}")
     started = time.monotonic()
+    typer.echo(f"psyswarm demo: {epochs} epochs of {rounds} rounds on the {backend} backend, model {model.value}, "
+               f"in {workdir}; loading the libraries")
+    from client.swarm.demo import WorkdirNotOurs, plot, run_demo  # seconds: torch, hivemind, solders
     try:
-        results = run_demo(workdir, epochs, rounds, timeout, out=typer.echo, backend=backend)
+        results = run_demo(workdir, epochs, rounds, timeout, out=typer.echo, backend=backend, model=model.value)
     except WorkdirNotOurs as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
@@ -39,10 +54,12 @@ def demo(
     if not results:
         typer.secho(f"no round finished; see the logs in {workdir / 'logs'}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
-    png = plot(results, workdir / "loss.png")
+    png = plot(results, workdir / "loss.png", model.value)
     rate = sum(r.tokens for r in results) / sum(r.seconds for r in results)
+    trained = sorted({r.epoch for r in results})
     typer.echo(
-        f"\ndone in {time.monotonic() - started:.0f} s: {epochs} epochs, {len(results)} rounds, "
+        f"\ndone in {time.monotonic() - started:.0f} s: trained epochs {trained[0]}-{trained[-1]} "
+        f"({len(trained)} of {epochs}), {len(results)} rounds, "
         f"loss {results[0].loss:.3f} -> {results[-1].loss:.3f}, {rate:,.0f} tokens/s while training\n"
         f"loss curve: {png}\ncheckpoints: {workdir / 'checkpoints'}\nlogs: {workdir / 'logs'}")
 

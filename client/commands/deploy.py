@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from client.commands.coordinator import KEYPAIR_HELP
+from client.commands.options import KEYPAIR_HELP, keypair_option, url_option
 from client.identity import DEFAULT_KEYPAIR_PATH
 from coordinator_program.program_id import PROGRAM_KEYPAIR_PATH
 
@@ -17,9 +17,8 @@ PROGRESS_STEP = 10
 
 
 def deploy(
-    url: Annotated[str, typer.Option(help="The Solana cluster: an RPC URL or localhost, devnet, testnet, "
-                                          "mainnet-beta (as the Solana CLI's --url).")],
-    keypair: Annotated[Path, typer.Option(help=KEYPAIR_HELP + " It pays, and is the program's upgrade authority.")] = (
+    url: Annotated[str, url_option()],
+    keypair: Annotated[Path, keypair_option(KEYPAIR_HELP + " It pays, and is the program's upgrade authority.")] = (
         DEFAULT_KEYPAIR_PATH),
     program_keypair: Annotated[Path, typer.Option(show_default="the project's development keypair", help=(
         "The program's address, as a keypair file; deploying to it again upgrades the program. The development "

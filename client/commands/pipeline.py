@@ -3,10 +3,10 @@
 A local run on one machine::
 
     psyswarm dht                                   # prints --initial-peer /ip4/127.0.0.1/tcp/…/p2p/…
-    psyswarm worker --stage head  --initial-peer …
-    psyswarm worker --stage body1 --initial-peer …
-    psyswarm worker --stage tail  --initial-peer …
-    psyswarm trainer --initial-peer … --steps 200
+    psyswarm worker --run-id local --stage head  --initial-peer …
+    psyswarm worker --run-id local --stage body1 --initial-peer …
+    psyswarm worker --run-id local --stage tail  --initial-peer …
+    psyswarm trainer --run-id local --initial-peer … --steps 200
 
 Without a coordinator, workers step on their own every ``--step-every`` samples; give the trainer the same
 ``--batch-size`` so that a step covers one batch. The trainer signs its requests with its ``--keypair``, and
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from client.commands.options import keypair_option
 from client.identity import DEFAULT_KEYPAIR_PATH
 
 if TYPE_CHECKING:
@@ -30,19 +31,44 @@ if TYPE_CHECKING:
 
 InitialPeers = Annotated[
     list[str],
-    typer.Option("--initial-peer", help="Multiaddr of a DHT peer (from `psyswarm dht`); repeatable."),
+    typer.Option("--initial-peer", metavar="MULTIADDR", help="Multiaddr of a DHT peer (from `psyswarm dht`); "
+                                                              "repeatable."),
 ]
 Host = Annotated[str, typer.Option(help="Address to listen on; keep 127.0.0.1 unless peers are remote.")]
-RunId = Annotated[str, typer.Option(help="Namespace of this run's DHT records.")]
+RunId = Annotated[str, typer.Option(metavar="RUN_ID", help="The run: namespace of its DHT records (required, as "
+                                                           "everywhere a run is named).")]
+WireCodecOption = Annotated[
+    str,
+    typer.Option(help="How activations and their gradients travel: float32, float16, bfloat16 or int8 (8-bit "
+                 "with a scale per 64 values). A run's workers and trainers must use the same."),
+]
 Layers = Annotated[int, typer.Option("--layers", help="Transformer layers in the whole model.")]
 Width = Annotated[int, typer.Option("--width", help="Model width (d_model).")]
 Heads = Annotated[int, typer.Option("--heads", help="Attention heads.")]
 SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens (bytes) per sample.")]
 Stages = Annotated[int, typer.Option("--stages", help="Pipeline stages: head, body1…, tail.")]
-DataSources = Annotated[list[str], typer.Option(help="'stdlib' or local files/directories; repeatable.")]
+DataSources = Annotated[list[str], typer.Option(metavar="SOURCE", help="'stdlib' or local files/directories; "
+                                                                      "repeatable.")]
 Seed = Annotated[
     int, typer.Option("--seed", help="Seed of the initial parameters; the same on every machine.")
 ]
+
+DeviceOption = Annotated[
+    str,
+    typer.Option(metavar="auto|cpu|cuda[:N]", help="Where the stage computes: auto picks the first CUDA GPU if there "
+                 "is one, else the CPU. bf16 autocast on GPUs that support it, fp32 weights and optimizer state."),
+]
+
+
+def parse_device_option(text: str) -> str:
+    """The ``--device`` a worker computes on, checked against this machine (a one-line error otherwise)."""
+    from client.pipeline.device import DeviceError, parse_device
+
+    try:
+        return str(parse_device(text))
+    except DeviceError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--device") from None
+
 
 _DEFAULTS = {"layers": 6, "width": 128, "heads": 4, "seq_len": 128, "stages": 3, "seed": 0}
 
@@ -82,13 +108,12 @@ def dht_command(
 
 def worker_command(
     stage: Annotated[str, typer.Option(help="Stage to serve: head, body1…bodyK or tail.")],
+    run_id: RunId,
     initial_peers: InitialPeers = [],  # noqa: B006
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gRPC port; 0 picks a free one.")] = 0,
-    keypair: Annotated[
-        Path | None, typer.Option(help="Solana keypair file of this worker; a fresh identity if omitted.")
-    ] = None,
-    run_id: RunId = "psyswarm",
+    keypair: Annotated[Path, keypair_option("Solana keypair file of this worker: it signs its DHT records.")] = (
+        DEFAULT_KEYPAIR_PATH),
     layers: Layers = _DEFAULTS["layers"],
     width: Width = _DEFAULTS["width"],
     heads: Heads = _DEFAULTS["heads"],
@@ -100,29 +125,39 @@ def worker_command(
     max_batch: Annotated[int, typer.Option(help="Largest microbatch accepted.")] = 32,
     threads: Annotated[int, typer.Option(help="torch threads (0: torch's default).")] = 0,
     announce_period: Annotated[float, typer.Option(help="Seconds between DHT re-announcements.")] = 10.0,
+    wire_codec: WireCodecOption = "float32",
+    device: DeviceOption = "auto",
 ) -> None:
     """Serve one pipeline stage: Forward/Backward/Info over gRPC, announced in the DHT.
 
     Without a coordinator there is no list of the run's trainers: this worker serves any trainer that signs
     its requests (with any keypair) for --run-id.
     """
-    from client.identity import load_keypair
+    from client.identity import KeypairError, load_keypair
     from client.pipeline.model import stage_names
     from client.pipeline.optim import OptimizerConfig
+    from client.pipeline.wire import WIRE_CODECS
     from client.pipeline.worker import run_worker
 
     _setup_logging()
+    try:
+        identity = load_keypair(keypair)
+    except KeypairError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--keypair") from None
     config = _model_config(layers, width, heads, seq_len, stages, seed)
     if stage not in stage_names(config.num_stages):
         raise typer.BadParameter(
             f"stage must be one of {', '.join(stage_names(config.num_stages))}", param_hint="--stage"
         )
+    if wire_codec not in WIRE_CODECS:
+        raise typer.BadParameter(f"must be one of {', '.join(WIRE_CODECS)}", param_hint="--wire-codec")
+    chosen_device = parse_device_option(device)
     run_worker(
         config,
         stage,
         initial_peers=initial_peers,
         dht_host=host,
-        keypair=load_keypair(keypair) if keypair else None,
+        keypair=identity,
         torch_threads=threads or None,
         optimizer=OptimizerConfig(lr=lr),
         host=host,
@@ -131,13 +166,15 @@ def worker_command(
         announce_period=announce_period,
         max_batch_size=max_batch,
         auto_step_samples=step_every,
+        wire_codec=wire_codec,
+        device=chosen_device,
     )
 
 
 def trainer_command(
+    run_id: RunId,
     initial_peers: InitialPeers = [],  # noqa: B006
     host: Host = "127.0.0.1",
-    run_id: RunId = "psyswarm",
     layers: Layers = _DEFAULTS["layers"],
     width: Width = _DEFAULTS["width"],
     heads: Heads = _DEFAULTS["heads"],
@@ -151,13 +188,10 @@ def trainer_command(
     ] = 32,
     microbatch_size: Annotated[int, typer.Option(help="Samples per microbatch.")] = 8,
     start_index: Annotated[int, typer.Option(help="First sample index.")] = 0,
-    wire_dtype: Annotated[
-        str, typer.Option(help="Activation dtype on the wire: float32, float16, bfloat16.")
-    ] = "float32",
+    wire_codec: WireCodecOption = "float32",
     inflight: Annotated[int, typer.Option(help="Microbatches in flight at once.")] = 2,
-    keypair: Annotated[
-        Path, typer.Option(help="Solana keypair file that signs this trainer's requests; workers name it in receipts.")
-    ] = DEFAULT_KEYPAIR_PATH,
+    keypair: Annotated[Path, keypair_option(
+        "Solana keypair file that signs this trainer's requests; workers name it in receipts.")] = DEFAULT_KEYPAIR_PATH,
 ) -> None:
     """Route microbatches through the stage workers found in the DHT; holds no parameters.
 
@@ -187,7 +221,7 @@ def trainer_command(
             WorkerDirectory(dht, run_id, config.fingerprint()),
             keypair=identity,
             run_id=run_id,
-            wire_dtype=wire_dtype,
+            wire_codec=wire_codec,
             max_inflight=inflight,
         )
     except ValueError as exc:

@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from client.commands.coordinator import KEYPAIR_HELP, ProgramId, Server, Url
-from client.commands.pipeline import InitialPeers
+from client.commands.coordinator import KeypairFile, ProgramId, RunId, Server, Url
+from client.commands.pipeline import DeviceOption, InitialPeers, parse_device_option
 from client.identity import DEFAULT_KEYPAIR_PATH
 from client.join.checkpoints import SNAPSHOT_EVERY
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from solders.keypair import Keypair
 
     from client.join.auth import AuthSession
@@ -114,6 +115,8 @@ def end_process(code: int, line: str | None = None) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, RuntimeError):  # RuntimeError: a reentrant call, from a signal handler
             stream.flush()
+    if sys.stdout.isatty():
+        os.write(sys.stdout.fileno(), b"\x1b[?25h")  # the live line hid the cursor: a terminal gets it back
     if line is not None:
         os.write(sys.stdout.fileno(), f"{line}\n".encode())
     os._exit(code)
@@ -136,7 +139,7 @@ def fail(line: str, code: int = 1) -> typer.Exit:
 
 
 def join_run(
-    run_id: Annotated[str, typer.Option(help="The run to join; must match the coordinator's.")],
+    run_id: RunId,
     role: Annotated[str, typer.Option(help="worker (holds one pipeline stage) or trainer (routes data).")],
     server: Server = None,
     url: Url = None,
@@ -144,12 +147,14 @@ def join_run(
     initial_peers: InitialPeers = [],  # noqa: B006 - typer reads the default, never mutates it
     stage: Annotated[str | None, typer.Option(help="Ask for a stage (head, body1.., tail); the "
                                                    "coordinator picks the least occupied if omitted.")] = None,
-    keypair: Annotated[Path, typer.Option(help=KEYPAIR_HELP)] = DEFAULT_KEYPAIR_PATH,
+    keypair: KeypairFile = DEFAULT_KEYPAIR_PATH,
     checkpoint_dir: Annotated[Path, typer.Option(help="Where a worker saves its stage at each epoch's end.")] = (
         Path("checkpoints")),
     host: Annotated[str, typer.Option(help="Address this client's worker and DHT node listen on.")] = "127.0.0.1",
-    wire_dtype: Annotated[str, typer.Option(help="Activations on the wire: float32, float16 or bfloat16.")] = (
-        "float32"),
+    port: Annotated[int, typer.Option(min=0, max=65535, help="A worker's gRPC port, for trainers to reach (open it "
+                                                            "in a firewall); 0 picks a free one.")] = 0,
+    dht_port: Annotated[int, typer.Option(min=0, max=65535, help="This client's DHT node's port; 0 picks a free "
+                                                                "one.")] = 0,
     threads: Annotated[int, typer.Option(help="torch threads (0: torch's default).")] = 0,
     hub_repo: Annotated[str | None, typer.Option(help="A worker saves its stage at each epoch's end to this "
                                                       "Hugging Face repo (branch epoch-N) instead of "
@@ -166,9 +171,11 @@ def join_run(
     snapshot_every: Annotated[int, typer.Option(help="A worker snapshots its stage under --checkpoint-dir every N "
                                                      "steps (0: never); if the stage empties, its next worker "
                                                      "starts from the newest snapshot.", min=0)] = SNAPSHOT_EVERY,
+    device: DeviceOption = "auto",
 ) -> None:
     """Join a run and contribute until it finishes: queue, load the model at warmup, train each round."""
     from client.commands.coordinator import check_target, connect, open_backend, open_identity
+    from client.commands.live import live_line, terminal_console
     from client.coordinator.backend import BackendError
     from client.runner import CannotContribute, Contributor, ContributorRemoved, RunnerOptions
     from coordinator_program import limits
@@ -186,7 +193,9 @@ def join_run(
         raise typer.BadParameter("a trainer holds no stage: drop --stage")
     if auth_url and stage is not None:
         raise typer.BadParameter("the auth service assigns the stage: drop --stage when using --auth-url")
-    log_to_stdout()
+    chosen_device = parse_device_option(device)
+    console = terminal_console()
+    log_to_stdout(console)
     if threads:
         import torch
 
@@ -195,15 +204,20 @@ def join_run(
     async def run() -> None:
         backend = await connect(server, identity, url, run_id, program_id, authorizer=auth)
         state = backend.state
-        if state.run_id != run_id:
-            await backend.close()
-            raise fail(f"the coordinator at {server or url} serves run {state.run_id!r}, not {run_id!r}: check "
-                       "--run-id and the coordinator's address")
         refusal = admission_mismatch(state.join_authority, auth)
         if refusal is not None:
             await backend.close()
             typer.secho(refusal, fg=typer.colors.RED, err=True)
             raise typer.Exit(1)
+        if await unfunded(backend, identity):
+            await backend.close()
+            raise fail(f"{identity.pubkey()} has no SOL to pay its transactions' fees on {url}: fund it first: "
+                       f"`psyswarm airdrop -u {url} -k {keypair}` (localnet, devnet, testnet), or send it SOL")
+        me = bytes(identity.pubkey())
+        if state.client_index(me) is not None or state.pending_index(me) is not None:
+            logging.getLogger("psyswarm.client").warning(
+                "%s is already in run %s: taking its place again (a restart after a crash?); if another machine "
+                "runs this keypair, stop one of them: one keypair per process", identity.pubkey(), run_id)
         num_stages = state.config.num_stages
         chosen = num_stages - 1 if wanted == -1 else wanted
         if role == "worker" and chosen != limits.NO_STAGE and chosen >= num_stages:
@@ -213,8 +227,9 @@ def join_run(
                        f"{stage_choices(num_stages)}, or leave --stage out", code=2)
         options = RunnerOptions(role=Role.Worker if role == "worker" else Role.Trainer,
                                 initial_peers=list(initial_peers), stage=chosen, checkpoint_dir=checkpoint_dir,
-                                host=host, wire_dtype=wire_dtype, hub_repo=hub_repo, hf_token=hf_token,
-                                hf_endpoint=hf_endpoint, auth=auth, snapshot_every=snapshot_every)
+                                host=host, hub_repo=hub_repo, hf_token=hf_token,
+                                hf_endpoint=hf_endpoint, auth=auth, snapshot_every=snapshot_every,
+                                device=chosen_device, port=port, dht_port=dht_port)
         async def reconnect():
             fresh = open_backend(server, url, run_id, program_id, identity, authorizer=auth)
             await fresh.connect()
@@ -222,7 +237,8 @@ def join_run(
 
         contributor = Contributor(backend, identity, options)
         try:
-            await contributor.run(reconnect)
+            with live_line(contributor, console):
+                await contributor.run(reconnect)
         except BackendError as exc:
             raise fail(str(exc) if exc.permanent else
                        f"gave up on the coordinator: {exc}; rerun the same command to rejoin") from None
@@ -235,7 +251,8 @@ def join_run(
 
     code = 0
     try:
-        identity = open_identity(keypair, required=True)
+        identity = open_identity(keypair)
+        claim = claim_or_exit(identity, run_id)  # noqa: F841 - held, not used: the claim lasts while it is open
         auth = authorize(auth_url, identity, run_id, role, hf_token) if auth_url else None
         if auth is not None and role == "worker":
             wanted = auth.grant.stage
@@ -255,16 +272,43 @@ def stage_choices(num_stages: int) -> str:
     return ", ".join(names) if num_stages <= 4 else f"head, body1..{names[-2]}, tail"
 
 
-def log_to_stdout() -> None:
+def log_to_stdout(console: Console | None = None) -> None:
     """The client's log, hivemind's and Python's warnings go to stdout, leaving stderr to the line that says why
-    the client stopped, if it had to."""
+    the client stopped, if it had to; through ``console`` on a terminal, so that they scroll above the live line."""
     from hivemind.utils.logging import use_hivemind_log_handler
 
+    from client.commands.live import ConsoleHandler
+
+    handler = logging.StreamHandler(sys.stdout) if console is None else ConsoleHandler(console)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stdout)
+                        handlers=[handler])
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per RPC call drowns the run's own lines
     logging.captureWarnings(True)
     use_hivemind_log_handler("nowhere")
+
+
+async def unfunded(backend, identity: Keypair) -> bool:
+    """Whether this client pays fees on a Solana cluster and holds no SOL at all: every transaction it sends, its
+    join first, would fail. False when the balance cannot be read: the join then says what went wrong."""
+    from client.coordinator.solana import SolanaBackend
+
+    if not isinstance(backend, SolanaBackend):
+        return False
+    try:
+        return (await backend.client.get_balance(identity.pubkey())).value == 0
+    except Exception:  # noqa: BLE001 - the RPC fails in many ways; the check is only a shortcut to a clearer line
+        return False
+
+
+def claim_or_exit(identity: Keypair, run_id: str):
+    """This process's claim on its identity (``client.commands.claim``), or exit with the one line that says which
+    process holds it and what to do."""
+    from client.commands.claim import IdentityInUse, claim_identity
+
+    try:
+        return claim_identity(str(identity.pubkey()), run_id)
+    except IdentityInUse as exc:
+        raise fail(str(exc)) from None
 
 
 def admission_mismatch(join_authority: bytes, auth: AuthSession | None) -> str | None:

@@ -11,7 +11,8 @@ from typing import Annotated
 
 import typer
 
-from client.commands.coordinator import KEYPAIR_HELP, JoinAuthority, Permissionless, ProgramId
+from client.commands.coordinator import JoinAuthority, Permissionless, ProgramId
+from client.commands.options import KEYPAIR_HELP, default_keypair_path, keypair_option, url_option
 from client.identity import DEFAULT_KEYPAIR_PATH
 
 LOCALNET_FUNDS = 1_000 * 10**9
@@ -19,12 +20,13 @@ LOCALNET_FUNDS = 1_000 * 10**9
 
 
 def create_run(
-    url: Annotated[str, typer.Option(help="The Solana cluster: an RPC URL or localhost, devnet, testnet, "
-                                          "mainnet-beta (as the Solana CLI's --url).")],
-    config: Annotated[Path, typer.Option(help="The run's state.toml (run_id, [config], [model], [checkpoint]).")],
+    url: Annotated[str, url_option()],
+    config: Annotated[Path, typer.Option(metavar="FILE", help=(
+        "The run's state.toml (run_id, [config], [model], [checkpoint]).")),
+    ],
     run_id: Annotated[str | None, typer.Option(help="Must match the config's run_id [default: the config's].")] = None,
-    keypair: Annotated[Path, typer.Option(help=KEYPAIR_HELP + " It pays, and becomes the run's main authority.")] = (
-        DEFAULT_KEYPAIR_PATH),
+    keypair: Annotated[Path, keypair_option(KEYPAIR_HELP + " It pays, and becomes the run's main authority (who "
+                                                           "may close it).")] = DEFAULT_KEYPAIR_PATH,
     program_id: ProgramId = None,
     join_authority: JoinAuthority = None,
     permissionless: Permissionless = False,
@@ -42,7 +44,7 @@ def create_run(
     spec = load_spec_or_exit(config)
     if run_id is not None and run_id != spec.run_id:
         raise typer.BadParameter(f"--run-id {run_id!r} differs from the config's run_id {spec.run_id!r}")
-    authority = open_identity(keypair, required=True)
+    authority = open_identity(keypair)
 
     async def run() -> None:
         backend = open_backend(None, url, spec.run_id, program_id, authority)
@@ -66,9 +68,10 @@ def create_run(
 def localnet(
     port: Annotated[int, typer.Option(help="JSON-RPC port; account subscriptions listen on the next one.")] = 8899,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    fund: Annotated[list[str], typer.Option(help=(
+    fund: Annotated[list[str], typer.Option(metavar="PUBKEY_OR_KEYPAIR_FILE", help=(
         "A public key or keypair file to give 1,000 SOL at start; repeatable. Like solana-test-validator, the "
-        "default keypair is funded when it exists."))] = [],  # noqa: B006 - typer reads the default only
+        "default keypair (--keypair's default, or $PSYSWARM_KEYPAIR) is funded when it exists; give others SOL "
+        "later with `psyswarm airdrop`."))] = [],  # noqa: B006 - typer reads the default only
 ) -> None:
     """Run a local Solana chain with the coordinator program, for development: JSON-RPC over HTTP and
     accountSubscribe over websocket, on LiteSVM, its clock following wall time."""
@@ -78,7 +81,8 @@ def localnet(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("websockets").setLevel(logging.WARNING)  # not a line per subscriber connection
-    defaults = [str(DEFAULT_KEYPAIR_PATH)] if DEFAULT_KEYPAIR_PATH.expanduser().exists() else []
+    default = default_keypair_path()
+    defaults = [str(default)] if default.expanduser().exists() else []
     recipients = [public_key(item, "--fund") for item in fund or defaults]
     chain = LocalChain()
     for recipient in recipients:
@@ -98,10 +102,9 @@ def localnet(
 
 
 def airdrop(
-    url: Annotated[str, typer.Option("--url", "-u", help="The Solana cluster: an RPC URL or localhost, devnet, "
-                                                         "testnet (mainnet-beta gives no SOL away).")],
-    keypair: Annotated[Path, typer.Option("--keypair", "-k", help=KEYPAIR_HELP + " It receives the SOL.")] = (
-        DEFAULT_KEYPAIR_PATH),
+    url: Annotated[str, url_option("The Solana cluster: an RPC URL or localhost, devnet, testnet (mainnet-beta "
+                                   "gives no SOL away).")],
+    keypair: Annotated[Path, keypair_option(KEYPAIR_HELP + " It receives the SOL.")] = DEFAULT_KEYPAIR_PATH,
     sol: Annotated[float, typer.Option(min=0.001, max=1_000.0, help="How much to ask for, in SOL.")] = 10.0,
 ) -> None:
     """Ask the cluster for SOL: every contributor on a Solana run pays its transactions' fees."""
@@ -116,7 +119,7 @@ def airdrop(
         rpc = resolve_url(url)
     except BackendError as exc:
         raise typer.BadParameter(str(exc)) from None
-    pubkey = open_identity(keypair, required=True).pubkey()
+    pubkey = open_identity(keypair).pubkey()
     client = Client(rpc, commitment=Confirmed, timeout=30)
     try:
         signature = client.request_airdrop(pubkey, round(sol * 10**9)).value

@@ -3,5 +3,5 @@
 It drives the other parts as separate processes through the CLI, so it imports only what it reads.
 
 May import: coordinator_program, client.identity, client.stages, client.coordinator, client.witness,
-client.pipeline.
+client.pipeline, client.data, client.models.
 """

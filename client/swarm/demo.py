@@ -5,8 +5,13 @@ a DHT bootstrap, one worker per pipeline stage and a trainer as separate process
 run with a live view (phase, round, loss, tokens/s, clients per stage), and ends with a summary and a
 loss-curve PNG. Ctrl-C stops every child.
 
+It trains one of ``MODELS``: psyswarm's own byte-level model (the default), or with ``--model tiny-llama`` the tiny
+Llama of ``examples/tiny-llama`` on a slice of the corpus (``TINY_LLAMA_CORPUS_BYTES``), prepared once and kept
+in the work directory's ``TINY_LLAMA_CACHE`` for the next run.
+
 Each run starts from an empty work directory, yet the demo deletes only what an earlier demo wrote there: a
-directory it creates carries ``DEMO_MARKER``, and it clears only such a directory (or an empty one).
+directory it creates carries ``DEMO_MARKER``, and it clears only such a directory (or an empty one), keeping the
+prepared tiny Llama.
 """
 
 from __future__ import annotations
@@ -15,14 +20,21 @@ import asyncio
 import dataclasses
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from client.swarm import tiny_llama
 from client.swarm.launcher import Swarm
-from client.swarm.status import stage_counts
+from client.swarm.status import last_epoch, round_text, stage_counts
 from client.witness.records import Board, Commitment
 from coordinator_program.state import CoordinatorState, Phase
 
 DEMO_MARKER = ".psyswarm-demo"
+TINY_LLAMA_CACHE = "tiny-llama"
+"""The prepared tiny Llama inside the work directory: what clearing the work directory keeps."""
+TINY_LLAMA_CORPUS_BYTES = 2_000_000
+"""The demo's tiny Llama sees the first 2 MB of the corpus's 12 (about 600k tokens; the default 24 steps read
+about 100k): preparing it takes about 10 s instead of 30, so the whole demo stays within two to three minutes."""
 
 DEMO_TOML = """\
 # The demo run: a 3-stage byte-level transformer trained on the Python standard library's sources.
@@ -51,6 +63,37 @@ microbatch_size = 8
 learning_rate = 0.002
 dataset = "stdlib"
 """
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoModel:
+    """What a demo trains: the run config it writes (``run_toml(workdir, epochs, rounds, progress)``, which may
+    prepare files in the work directory first) and how its loss reads."""
+
+    title: str
+    loss_unit: str
+    run_toml: Callable[[Path, int, int, tiny_llama.Progress], str]
+
+
+def byte_model_toml(workdir: Path, epochs: int, rounds: int, progress: tiny_llama.Progress) -> str:
+    """psyswarm's own byte-level model on the whole corpus, read as bytes: nothing to prepare."""
+    return DEMO_TOML.format(rounds=rounds, steps=epochs * rounds)
+
+
+def tiny_llama_toml(workdir: Path, epochs: int, rounds: int, progress: tiny_llama.Progress) -> str:
+    """The example's tiny Llama on the first ``TINY_LLAMA_CORPUS_BYTES`` of the corpus, prepared once per workdir."""
+    prepared = tiny_llama.cached(workdir / TINY_LLAMA_CACHE, corpus_bytes=TINY_LLAMA_CORPUS_BYTES,
+                                 progress=progress)
+    return tiny_llama.state_toml(prepared, run_id="demo-tiny-llama", rounds_per_epoch=rounds,
+                                 total_steps=epochs * rounds)
+
+
+MODELS = {
+    "psyswarm": DemoModel("psyswarm demo: 3-stage byte-level transformer on the Python standard library",
+                          "nats per byte", byte_model_toml),
+    "tiny-llama": DemoModel("psyswarm demo: tiny Llama (3 stages, BPE) on the Python standard library",
+                            "nats per token", tiny_llama_toml),
+}
 
 
 @dataclasses.dataclass
@@ -82,9 +125,8 @@ class LiveView:
             self.round_started.setdefault((state.epoch, state.round.height), time.monotonic())
         loss = f"loss {self.results[-1].loss:.3f}" if self.results else "loss -"
         rate = f"{self.results[-1].tokens / self.results[-1].seconds:,.0f} tok/s" if self.results else ""
-        self.out(f"[{time.monotonic() - self.started:6.1f}s] epoch {state.epoch} round "
-                 f"{state.round.height + 1}/{state.config.rounds_per_epoch} step {state.step}/"
-                 f"{state.config.total_steps}  {state.phase.name:<17} {loss:<11} {rate:<14} "
+        self.out(f"[{time.monotonic() - self.started:6.1f}s] epoch {last_epoch(state)} {round_text(state):<22} "
+                 f"step {state.step}/{state.config.total_steps}  {state.phase.name:<17} {loss:<11} {rate:<14} "
                  f"{stage_counts(state)}")
 
     def result(self, epoch: int, round_: int, step: int, commitments: list[Commitment]) -> None:
@@ -133,25 +175,32 @@ async def _collect(board: Board, state: CoordinatorState, view: LiveView, collec
         await asyncio.sleep(0.2)
 
 
-def plot(results: list[RoundResult], path: Path) -> Path:
+def plot(results: list[RoundResult], path: Path, model: str = "psyswarm") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r.step for r in results], [r.loss for r in results], marker="o", markersize=3)
-    for epoch in sorted({r.epoch for r in results})[1:]:
-        first = min(r.step for r in results if r.epoch == epoch)
-        ax.axvline(first - 0.5, color="grey", linewidth=0.6, linestyle=":")
-    ax.set_xlabel("optimizer step (one per round)")
-    ax.set_ylabel("training loss (nats per byte)")
-    ax.set_title("psyswarm demo: 3-stage pipeline on the Python standard library")
-    ax.grid(alpha=0.3)
+    draw_losses(ax, results, MODELS[model])
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def draw_losses(ax, results: list[RoundResult], model: DemoModel = MODELS["psyswarm"]) -> None:
+    """The loss per optimizer step on ``ax``, with a labelled line where each epoch begins."""
+    ax.plot([r.step for r in results], [r.loss for r in results], marker="o", markersize=3)
+    for epoch in sorted({r.epoch for r in results}):
+        first = min(r.step for r in results if r.epoch == epoch)
+        ax.axvline(first - 0.5, color="grey", linewidth=0.6, linestyle=":")
+        ax.annotate(f"epoch {epoch}", (first - 0.5, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                    textcoords="offset points", ha="left", va="top", fontsize=8, color="dimgrey")
+    ax.set_xlabel("optimizer step (one per round)")
+    ax.set_ylabel(f"training loss ({model.loss_unit})")
+    ax.set_title(model.title)
+    ax.grid(alpha=0.3)
 
 
 class WorkdirNotOurs(RuntimeError):
@@ -159,7 +208,8 @@ class WorkdirNotOurs(RuntimeError):
 
 
 def claim_workdir(workdir: Path) -> None:
-    """Make ``workdir`` an empty directory marked as the demo's, clearing it only if an earlier demo made it."""
+    """Make ``workdir`` an empty directory marked as the demo's, clearing it only if an earlier demo made it; a
+    prepared tiny Llama (a real directory, not a link) stays for the next run to reuse."""
     if workdir.exists() and not workdir.is_dir():
         raise WorkdirNotOurs(f"--workdir {workdir} is a file, not a directory; pass a new or empty directory")
     entries = list(workdir.iterdir()) if workdir.exists() else []
@@ -169,6 +219,8 @@ def claim_workdir(workdir: Path) -> None:
                              f"{DEMO_MARKER}), so nothing was deleted; pass a new or empty directory, or empty it "
                              "yourself")
     for entry in entries:
+        if entry.name == TINY_LLAMA_CACHE and entry.is_dir() and not entry.is_symlink():
+            continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         elif entry != marker:
@@ -178,21 +230,31 @@ def claim_workdir(workdir: Path) -> None:
 
 
 def run_demo(workdir: Path, epochs: int, rounds: int, timeout: float, out=print,
-             backend: str = "tcp") -> list[RoundResult]:
-    """Run the demo end to end in a cleared ``workdir`` (``WorkdirNotOurs`` if it is not the demo's to clear);
-    returns each round's result (the CLI prints the summary)."""
+             backend: str = "tcp", model: str = "psyswarm") -> list[RoundResult]:
+    """Run the demo of ``model`` (a key of ``MODELS``) end to end in a cleared ``workdir`` (``WorkdirNotOurs`` if it
+    is not the demo's to clear); returns each round's result (the CLI prints the summary)."""
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {', '.join(MODELS)}, not {model!r}")
+    started = time.monotonic()
+
+    def progress(line: str) -> None:
+        out(f"[{time.monotonic() - started:6.1f}s] {line}")
+
     claim_workdir(workdir)
-    toml = DEMO_TOML.format(rounds=rounds, steps=epochs * rounds)
-    swarm = Swarm(workdir, toml, backend=backend)
+    swarm = Swarm(workdir, MODELS[model].run_toml(workdir, epochs, rounds, progress), backend=backend)
     view = LiveView(out)
     where = "a local Solana chain running the program" if backend == "solana" else "the coordinator server"
     try:
-        out(f"starting {where}, a DHT bootstrap, 3 workers and a trainer (logs in {swarm.logs})")
+        progress(f"starting {where} (logs in {swarm.logs})")
         swarm.start_server()
+        progress(f"coordinator up at {swarm.address}; starting the DHT bootstrap")
         swarm.start_dht()
+        progress("DHT up; starting 3 workers (head, body1, tail) and a trainer, each its own process")
         for stage in ("head", "body1", "tail"):
             swarm.start_client(f"worker-{stage}", "worker", stage)
         swarm.start_client("trainer", "trainer")
+        progress("clients started: each loads torch and hivemind, then joins; the run starts once all 4 are in")
+        view.started = started
         asyncio.run(follow(swarm, view, timeout))
     finally:
         swarm.stop()

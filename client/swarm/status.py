@@ -24,12 +24,17 @@ def short(identity: bytes) -> str:
     return identity.hex()[:8]
 
 
+def phase_limit(state: CoordinatorState) -> int | None:
+    """Seconds the current phase lasts at most (its timeout in the run's config); None for a phase with none."""
+    limit_field = _TIMEOUTS.get(state.phase)
+    return None if limit_field is None else getattr(state.config, limit_field)
+
+
 def phase_line(state: CoordinatorState, now: float) -> str:
     elapsed = max(0, int(now) - state.phase_start)
-    limit_field = _TIMEOUTS.get(state.phase)
-    if limit_field is None:
+    limit = phase_limit(state)
+    if limit is None:
         return f"{state.phase.name} for {elapsed}s"
-    limit = getattr(state.config, limit_field)
     return f"{state.phase.name} for {elapsed}s (times out after {limit}s)"
 
 
@@ -40,13 +45,33 @@ def stage_counts(state: CoordinatorState) -> str:
     return f"{stages} trainers={trainers}"
 
 
+ROUND_PHASES = (Phase.Warmup, Phase.RoundTrain, Phase.RoundWitness, Phase.Cooldown)
+"""Phases whose epoch has a round: from WaitingForMembers on, the round the state holds is the last epoch's."""
+
+
+def last_epoch(state: CoordinatorState) -> int:
+    """The epoch the run is in, or for a finished run the last one it trained: finishing counts it as over."""
+    return state.epoch - 1 if state.phase == Phase.Finished else state.epoch
+
+
+def round_text(state: CoordinatorState) -> str:
+    """Where the epoch stands, as ``round R/N``, never the previous epoch's last round."""
+    total = state.config.rounds_per_epoch
+    if state.phase == Phase.Warmup:
+        return f"round 1/{total} after warmup"
+    if state.phase in ROUND_PHASES:
+        return f"round {state.round.height + 1}/{total}"
+    if state.phase == Phase.Finished:
+        return "finished"
+    return f"no round yet ({total} per epoch)"
+
+
 def describe(state: CoordinatorState, now: float) -> str:
     config = state.config
     lines = [
         f"run {state.run_id}: {phase_line(state, now)}" + ("  [pause requested]" if state.pause_requested
                                                             and state.phase != Phase.Paused else ""),
-        f"epoch {state.epoch}, round {state.round.height + 1}/{config.rounds_per_epoch}, "
-        f"step {state.step}/{config.total_steps}",
+        f"epoch {last_epoch(state)}, {round_text(state)}, step {state.step}/{config.total_steps}",
         f"clients {len(state.clients)} ({stage_counts(state)}), pending {len(state.pending)}, "
         f"min {config.min_clients}, max {config.max_clients}",
     ]
@@ -59,11 +84,32 @@ def describe(state: CoordinatorState, now: float) -> str:
             done = "+" if state.round.witnessed >> position & 1 else "."
             marks.append(f"{short(witness)}{done}")
         lines.append(f"witnesses (quorum {rules.quorum(state)}): {' '.join(marks)}")
-    cp = state.checkpoint
-    where = {CheckpointKind.Fresh: "fresh initialisation", CheckpointKind.P2P: "from peers (P2P)"}.get(
-        cp.kind, f"{cp.kind.name} {cp.repo}@{cp.revision} (stages saved: {cp.stages_done:b})")
-    lines.append(f"checkpoint: {where}")
+    lines.append(f"checkpoint: {checkpoint_text(state)}")
     return "\n".join(lines)
+
+
+def checkpoint_text(state: CoordinatorState) -> str:
+    """Where the run's model is, as a user would open it: a local checkpoint's directory
+    (``<dir>/<run>/epoch-<E>``, as ``client.join.checkpoints`` lays it out), a Hub repo at its branch, and which
+    stages are saved, by name."""
+    cp = state.checkpoint
+    if cp.kind == CheckpointKind.Fresh:
+        return "fresh initialisation"
+    if cp.kind == CheckpointKind.P2P:
+        return "from peers (P2P)"
+    where = f"{cp.repo}/{cp.revision}" if cp.kind == CheckpointKind.Local else f"{cp.repo}@{cp.revision}"
+    return f"{cp.kind.name} {where} (stages saved: {stages_saved(cp.stages_done, state.config.num_stages)})"
+
+
+def stages_saved(mask: int, num_stages: int) -> str:
+    """The stages a checkpoint holds, by name: ``head, tail (2 of 3)``."""
+    names = [stage_name(i, num_stages) for i in range(num_stages) if mask >> i & 1]
+    return f"{', '.join(names) or 'none'} ({len(names)} of {num_stages})"
+
+
+def syncing_counts(found: list[WorkerRecord]) -> list[int]:
+    """How many of a stage's announced workers are in sync phase 1 and in sync phase 2."""
+    return [sum(1 for r in found if r.sync_phase == phase) for phase in (1, 2)]
 
 
 def workers_line(records: dict[str, list[WorkerRecord]]) -> str:
@@ -71,7 +117,7 @@ def workers_line(records: dict[str, list[WorkerRecord]]) -> str:
     phase 1; phase 1 and 2 average with weight 0): what a stage really has to offer, beyond its member count."""
     parts = []
     for stage, found in records.items():
-        syncing = [sum(1 for r in found if r.sync_phase == phase) for phase in (1, 2)]
+        syncing = syncing_counts(found)
         detail = ", ".join(f"{n} in sync phase {phase}" for phase, n in zip((1, 2), syncing, strict=True) if n)
         parts.append(f"{stage}={len(found)}" + (f" ({detail})" if detail else ""))
     return "workers in the DHT: " + " ".join(parts)

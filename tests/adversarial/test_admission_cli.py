@@ -95,7 +95,7 @@ def test_a_permissioned_run_shows_and_keeps_its_join_authority(fake_hub, tmp_pat
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     try:
         wait_listening(port, server)
-        status = CliRunner().invoke(app, ["status", "--server", f"127.0.0.1:{port}"])
+        status = CliRunner().invoke(app, ["status", "--server", f"127.0.0.1:{port}", "--run-id", RUN])
         assert f"admission: permissioned by {authority.pubkey()}" in status.output, status.output
 
         joiner = str(save_keypair(Keypair(), tmp_path / "joiner.json"))

@@ -218,7 +218,8 @@ def test_a_join_without_sol_to_pay_its_fee(localnet: Localnet, swarm: Swarm) -> 
     unfunded = Keypair()
     proc = join_run(swarm, "--url", localnet.url, "--run-id", run_id, "--role", "trainer", "--initial-peer",
                     swarm.peer, "--keypair", str(save_keypair(unfunded, swarm.workdir / "unfunded.json")))
-    ends_with_one_line(proc, str(unfunded.pubkey()), "no SOL", "fund it first")
+    ends_with_one_line(proc, str(unfunded.pubkey()), "no SOL",
+                       f"fund it first: `psyswarm airdrop -u {localnet.url} -k {swarm.workdir / 'unfunded.json'}`")
 
 
 @pytest.mark.parametrize("peer, problem", [

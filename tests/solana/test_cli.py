@@ -79,9 +79,10 @@ def test_create_run_status_and_tick(localnet: Localnet, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args, code, message", [
-    (["status"], 2, "exactly one of --server"),
-    (["tick", "--server", "127.0.0.1:1", "--url", "localhost"], 2, "exactly one of --server"),
-    (["status", "--url", "localhost"], 2, "--url needs --run-id"),
+    (["status", "--run-id", "r"], 2, "exactly one of --server"),
+    (["tick", "--run-id", "r", "--server", "127.0.0.1:1", "--url", "localhost"], 2, "exactly one of --server"),
+    (["status", "--url", "localhost"], 2, "Missing option '--run-id'"),
+    (["status", "--server", "127.0.0.1:1"], 2, "Missing option '--run-id'"),
     (["status", "--url", "ftp://example.org", "--run-id", "r"], 1, "--url must be an http(s) RPC URL"),
     (["status", "--url", "localhost", "--run-id", "r", "--program-id", "zzz"], 2, "not a base58 public key"),
     (["join-run", "--run-id", "r", "--role", "trainer", "--initial-peer", "/ip4/127.0.0.1/tcp/1"], 2,

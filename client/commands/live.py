@@ -1,0 +1,120 @@
+"""``join-run``'s live line on a terminal: where the run and this client stand, redrawn in place with rich.
+
+On a terminal the log scrolls above one line that keeps phase, round, stage, sync phase, microbatches this round
+("batches") and points current, for example::
+
+    RoundTrain | epoch 1 round 3/8 | body1 | active | 12 batches | 40 points (10+30)
+
+A worker with no stage model yet is ``idle``; a client not yet in the epoch shows ``joining`` or ``queued 2/5``.
+When stdout is not a terminal (a log file, a pipe, a service manager) there is no live line, and the log is plain
+lines, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from client.stages import stage_name
+from client.swarm.status import ROUND_PHASES, last_epoch
+from coordinator_program import limits
+from coordinator_program.state import CoordinatorState, Phase, Role
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from client.runner import Contributor
+
+REFRESH_PER_SECOND = 2
+SYNC_NAMES = {0: "active", 1: "sync 1", 2: "sync 2"}
+
+
+def on_terminal() -> bool:
+    return sys.stdout.isatty()
+
+
+def membership(state: CoordinatorState, me: bytes) -> str | None:
+    """Where this client waits if it is not in the epoch: queued (and where), or joining; None once in it."""
+    if state.client_index(me) is not None:
+        return None
+    position = state.pending_index(me)
+    return "joining" if position is None else f"queued {position + 1}/{len(state.pending)}"
+
+
+def points_text(state: CoordinatorState, me: bytes) -> str:
+    """This identity's points in the coordinator's ledger: the total, and presence + compute."""
+    entry = state.points(me)
+    return "0 points" if entry is None else f"{entry.total} points ({entry.presence}+{entry.compute})"
+
+
+def epoch_text(state: CoordinatorState) -> str:
+    """The epoch, and its round while one runs (none between epochs: the state's round is then the last one's)."""
+    if state.phase in ROUND_PHASES and state.phase != Phase.Warmup:
+        return f"epoch {state.epoch} round {state.round.height + 1}/{state.config.rounds_per_epoch}"
+    return f"epoch {last_epoch(state)}"
+
+
+def live_text(contributor: Contributor) -> str:
+    """The live line, short enough for 80 columns: phase, epoch and round; this client's membership, stage and sync
+    phase; microbatches this round; points."""
+    state = contributor.backend.state
+    waiting = membership(state, contributor.me)
+    parts = [state.phase.name, epoch_text(state), *([waiting] if waiting else [])]
+    if contributor.options.role == Role.Worker:
+        index = state.client_index(contributor.me)
+        stage = state.clients[index].stage if index is not None else contributor.options.stage  # assigned, or asked
+        parts.append(stage_name(stage, state.config.num_stages) if stage != limits.NO_STAGE else "any stage")
+        replica = contributor.replica
+        parts.append(SYNC_NAMES.get(int(replica.tracker.phase), "?") if replica is not None else "idle")
+        parts.append(f"{len(contributor.round_receipts)} batches")
+    else:
+        parts.append("trainer")
+        parts.append(f"{contributor.round_batches.get((state.epoch, state.round.height), 0)} batches")
+    parts.append(points_text(state, contributor.me))
+    return " | ".join(parts)
+
+
+class ConsoleHandler(logging.Handler):
+    """Log records printed through rich's console, so that they scroll above the live line instead of through
+    it."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__()
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.console.print(self.format(record), markup=False, highlight=False, soft_wrap=True)
+        except Exception:  # noqa: BLE001 - logging must never raise into the client
+            self.handleError(record)
+
+
+def terminal_console() -> Console | None:
+    """rich's console for stdout when it is a terminal; None otherwise."""
+    if not on_terminal():
+        return None
+    from rich.console import Console
+
+    return Console()
+
+
+@contextlib.contextmanager
+def live_line(contributor: Contributor, console: Console | None) -> Iterator[None]:
+    """Keep the live line at the bottom of ``console`` while the block runs; nothing without a console."""
+    if console is None:
+        yield
+        return
+    from rich.live import Live
+    from rich.text import Text
+
+    def render() -> Text:
+        try:
+            return Text(live_text(contributor), no_wrap=True, overflow="ellipsis", style="bold")
+        except Exception as exc:  # noqa: BLE001 - a state being replaced mid-read: show why, try again next refresh
+            return Text(f"(no status: {exc})")
+
+    with Live(console=console, get_renderable=render, refresh_per_second=REFRESH_PER_SECOND, transient=True):
+        yield

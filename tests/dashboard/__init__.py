@@ -1,0 +1,1 @@
+"""The dashboard: its JSON views, the auth service's contributor map, and the page in a real browser."""
