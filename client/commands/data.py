@@ -18,7 +18,7 @@ def _fail(message: str) -> typer.Exit:
 
 def tokenize(
     inputs: Annotated[list[Path], typer.Argument(
-        help="Text, JSONL or Parquet files, directories of them, or 'stdlib' (the embedded corpus).")],
+        metavar="INPUT", help="Text, JSONL or Parquet files, directories of them, or 'stdlib' (the embedded corpus).")],
     output: Annotated[Path, typer.Option(help="Directory to create: token files and their dataset.json.")],
     tokenizer: Annotated[str, typer.Option(help="'bytes', or a tokenizer.json or a model directory holding one.")]
     = "bytes",

@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -118,6 +119,7 @@ def collect(proc: subprocess.Popen, into: dict[int, dict[str, Any]]) -> threadin
     return thread
 
 
+@pytest.mark.slow
 def test_survivors_of_a_worker_killed_mid_allreduce_step_and_keep_their_error_feedback(
         dht, tmp_path: Path) -> None:
     peers = [str(a) for a in dht.get_visible_maddrs()]

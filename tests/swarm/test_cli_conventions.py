@@ -47,7 +47,8 @@ def test_every_url_is_u(command: str) -> None:
 
 
 @pytest.mark.parametrize("command", ["status", "tick", "pause", "resume", "close-run", "join-run", "worker",
-                                     "trainer", "localnet", "validate-config", "serve", "auth-service", "dht"])
+                                     "trainer", "localnet", "validate-config", "serve", "auth-service", "dht",
+                                     "train-tokenizer", "export", "dashboard"])
 def test_help_shows_plain_types(command: str) -> None:
     text = help_of(command)
     assert "list[" not in text and "<list" not in text, text
