@@ -18,6 +18,7 @@ so that ``psyswarm --help`` stays fast.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -104,6 +105,9 @@ def dht_command(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     run_bootstrap(initial_peers, host, port, stop)
+    # multiprocessing's exit handler would join hivemind's DHT process, which a signal to the whole process group
+    # can leave unable to answer; it is a helper that ends with its host (client.helper_processes).
+    os._exit(0)
 
 
 def worker_command(

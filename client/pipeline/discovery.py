@@ -305,6 +305,10 @@ def start_dht(initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: 
         )
 
 
+BOOTSTRAP_SHUTDOWN_GRACE = 1.0
+"""Seconds a stopping bootstrap node waits for hivemind's DHT process to shut down."""
+
+
 def run_bootstrap(initial_peers: Sequence[str], host: str, port: int, stop: threading.Event) -> None:
     """Run a DHT node that stores no model data and only lets peers find each other, until ``stop``."""
     dht = start_dht(initial_peers, host, port)
@@ -313,5 +317,9 @@ def run_bootstrap(initial_peers: Sequence[str], host: str, port: int, stop: thre
             print(f"DHT bootstrap listening: --initial-peer {addr}", flush=True)
         stop.wait()
     finally:
-        dht.shutdown()
+        # A signal to the process group reaches hivemind's own DHT process too, and a shutdown request to a
+        # process that is already gone waits for ever: give it a few seconds, then leave.
+        closing = threading.Thread(target=dht.shutdown, daemon=True)
+        closing.start()
+        closing.join(BOOTSTRAP_SHUTDOWN_GRACE)
         log.info("DHT bootstrap stopped")
