@@ -16,6 +16,11 @@ serializer from the actual tensor sizes; aim: at most 1/32).
 Run::
 
     python tests/benchmarks/bench_gradients.py [--rounds 120] [--rank 2] [--sparta 5/20]
+
+The figures in the README come from two settings of 100 rounds (``--rounds 100 --last 20 --layers 3 --seq-len 64
+--lr 2e-3``): ``--width 128 --rank 2 --rank 8 --rank 32``, and ``--width 512 --rank 8``, where rank 8 sends 1/41 of
+the full gradient's bytes. What matters is the rank against the gradient's effective rank, which grows more
+slowly than the width: rank 2 at width 128 (1/33 of the bytes) stays 11 % above one process.
 """
 
 from __future__ import annotations
