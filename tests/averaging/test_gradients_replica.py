@@ -18,14 +18,7 @@ from client.join.sync import SyncPhase
 from client.pipeline.worker import StepStats
 from coordinator_program.config import parse_run_spec
 from coordinator_program.state import CoordinatorState, Phase
-
-SPEC = {"run_id": "grads", "config": {"min_clients": 4, "max_clients": 8, "num_stages": 3, "witness_nodes": 1,
-                                       "witness_quorum": 1, "warmup_time": 10, "max_round_train_time": 10,
-                                       "round_witness_time": 1, "cooldown_time": 5, "rounds_per_epoch": 5,
-                                       "total_steps": 100, "global_batch_size": 8},
-        "model": {"n_layers": 3, "n_heads": 2, "d_model": 16, "seq_len": 16, "microbatch_size": 4,
-                  "learning_rate": 0.01, "sparta_every": 2, "sparta_partitions": 2, "max_allowed_stale": 3,
-                  "sync_phase1_steps": 2, "sync_phase2_steps": 3}}
+from tests.join.test_stage_replica import SPEC  # the same small run
 
 
 def run_state(run_id: str, **model: object) -> CoordinatorState:

@@ -33,7 +33,8 @@ from client.pipeline.trainer import PipelineTrainer
 from client.pipeline.worker import run_worker
 
 
-def spawn_workers(config: ModelConfig, peers: list[str], run_id: str, threads: int, batch: int) -> list:
+def spawn_workers(config: ModelConfig, peers: list[str], run_id: str, threads: int, batch: int,
+                  codec: str = "float32") -> list:
     context = multiprocessing.get_context("spawn")
     processes = []
     for stage in stage_names(config.num_stages):
@@ -46,6 +47,7 @@ def spawn_workers(config: ModelConfig, peers: list[str], run_id: str, threads: i
                 "torch_threads": threads,
                 "auto_step_samples": batch,
                 "max_batch_size": batch,
+                "wire_codec": codec,
             },
         )
         process.start()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import multiprocessing
 import os
 import signal
 import sys
@@ -42,7 +41,7 @@ from client.pipeline.discovery import WorkerDirectory, start_dht  # noqa: E402
 from client.pipeline.model import ModelConfig, stage_names  # noqa: E402
 from client.pipeline.trainer import PipelineTrainer  # noqa: E402
 from client.pipeline.wire import WIRE_CODECS  # noqa: E402
-from client.pipeline.worker import run_worker  # noqa: E402
+from tests.benchmarks.bench_pipeline import spawn_workers, wait_for_workers  # noqa: E402
 from tests.benchmarks.link_emulator import Link, RelayedDirectory  # noqa: E402
 
 
@@ -56,41 +55,12 @@ class Figures:
     busiest_link_bytes_per_token: float
 
 
-def spawn_workers(config: ModelConfig, peers: list[str], run_id: str, codec: str, batch: int) -> list:
-    context = multiprocessing.get_context("spawn")
-    processes = []
-    for stage in stage_names(config.num_stages):
-        process = context.Process(
-            target=run_worker,
-            args=(config, stage),
-            kwargs={
-                "initial_peers": peers,
-                "run_id": run_id,
-                "torch_threads": 1,
-                "auto_step_samples": batch,
-                "max_batch_size": batch,
-                "wire_codec": codec,
-            },
-        )
-        process.start()
-        processes.append(process)
-    return processes
-
-
 def stop_workers(processes: list) -> None:
     for process in processes:
         if process.is_alive():
             os.kill(process.pid, signal.SIGTERM)
     for process in processes:
         process.join(30)
-
-
-def wait_for_workers(directory: WorkerDirectory, stages: list[str], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(directory.workers(s) for s in stages):
-        if time.monotonic() > deadline:
-            raise SystemExit("workers did not announce themselves in time")
-        time.sleep(0.2)
 
 
 class CodecRun:
@@ -100,7 +70,7 @@ class CodecRun:
         self.codec, self.args = codec, args
         run_id = f"bench-wire-{codec}-{uuid.uuid4().hex[:8]}"
         peers = [str(a) for a in dht.get_visible_maddrs()]
-        self.workers = spawn_workers(config, peers, run_id, codec, args.batch_size)
+        self.workers = spawn_workers(config, peers, run_id, 1, args.batch_size, codec)
         self.directory = WorkerDirectory(dht, run_id, config.fingerprint())
         self.shaped_directory = RelayedDirectory(self.directory, link)
         options = {"run_id": run_id, "wire_codec": codec, "max_inflight": args.inflight}
