@@ -192,12 +192,14 @@ def test_the_page_follows_a_live_run_and_ranks_its_contributors(tmp_path: Path, 
                 assert page.locator("#phase").inner_text() == "WaitingForMembers"
 
                 contributors = Contributors(address, keys)
-                shown = ["WaitingForMembers"]
-                for _ in range(2):  # the phase changes on screen, and again (a round can pass within one poll)
-                    page.wait_for_function("shown => document.getElementById('phase').textContent !== shown",
-                                           arg=shown[-1], timeout=20_000)
-                    shown.append(page.locator("#phase").inner_text())
-                assert set(shown[1:]) <= {"Warmup", "RoundTrain", "RoundWitness"}, shown
+                page.wait_for_function("document.getElementById('phase').textContent !== 'WaitingForMembers'",
+                                       timeout=20_000)
+                assert page.locator("#phase").inner_text() in {"Warmup", "RoundTrain", "RoundWitness"}
+                # Rounds of this run pass about once a second, as often as the page polls, so the phase it samples
+                # may read the same each time: the step shows that it keeps following the run.
+                step = page.locator("#step").inner_text()
+                page.wait_for_function("shown => document.getElementById('step').textContent !== shown", arg=step,
+                                       timeout=20_000)
                 page.wait_for_function(
                     "document.querySelectorAll('#leaderboard tbody tr').length === 2 && [...document.querySelectorAll("
                     "'#leaderboard tbody tr')].every(row => Number(row.cells[5].textContent) > 0)", timeout=30_000)
