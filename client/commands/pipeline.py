@@ -201,8 +201,8 @@ def trainer_command(
 
     Every request is signed with --keypair; standalone workers serve any trainer that signs its requests.
     """
+    from client.data import open_byte_dataset
     from client.identity import KeypairError, load_keypair
-    from client.pipeline.data import open_dataset
     from client.pipeline.discovery import WorkerDirectory, start_dht
     from client.pipeline.trainer import PipelineTrainer
 
@@ -210,7 +210,7 @@ def trainer_command(
     log = logging.getLogger("psyswarm.trainer")
     config = _model_config(layers, width, heads, seq_len, stages, seed)
     try:
-        dataset = open_dataset(data, config.seq_len)
+        dataset = open_byte_dataset(data, config.seq_len)
     except (OSError, ValueError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--data") from None
     try:

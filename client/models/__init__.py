@@ -10,7 +10,7 @@ checks them against the digests the run names on chain.
 Heavy libraries (transformers, huggingface_hub, safetensors) are imported where they are used, so that
 importing this package stays cheap for the byte-level model that does not need them.
 
-May import: client.stages.
+May import: client.stages, client.data.
 """
 
 from client.models.init import parameter_stream, split_layers

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from client.data import DatasetError, tokenizer_sha256
 from client.models.spec import HFModelSpec
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class ModelDescription(Protocol):
     source: str
     source_revision: str
     config_sha256: bytes
+    tokenizer: int  # 0: bytes, 1: the source's own tokenizer (coordinator_program.config.Tokenizer)
     tokenizer_sha256: bytes
     seq_len: int
     init_seed: int
@@ -63,12 +65,12 @@ def config_digest(config_json: dict[str, Any]) -> bytes:
 
 
 def tokenizer_digest(directory: Path) -> bytes:
-    """sha256 of the source's ``tokenizer.json`` bytes."""
-    path = Path(directory) / TOKENIZER_FILE
+    """sha256 of the source's ``tokenizer.json``: the digest datasets name their tokenizer by
+    (``client.data.tokenizer_sha256``), so a dataset and a model agree on what the same tokenizer is."""
     try:
-        return hashlib.sha256(path.read_bytes()).digest()
-    except OSError as exc:
-        raise ModelSourceError(f"the model's tokenizer {path} cannot be read ({exc.strerror or exc})") from None
+        return tokenizer_sha256(directory)
+    except (DatasetError, OSError) as exc:
+        raise ModelSourceError(f"the model's tokenizer in {directory} cannot be read ({exc})") from None
 
 
 def is_local(source: str) -> bool:
@@ -221,7 +223,7 @@ def resolve_model_digests(model: Described, *, endpoint: str | None = None,
     """The run's model with ``config_sha256`` (and ``tokenizer_sha256`` for the model's own tokenizer) filled
     from its source: the hook ``parse_run_spec`` applies for the CLI. Digests the config already names must
     match the source. The byte-level model has no source and is returned as it is."""
-    architecture = getattr(model, "architecture", BYTE_MODEL)
+    architecture = model.architecture
     if architecture == BYTE_MODEL:
         return model
     where = describe(model)
@@ -230,7 +232,7 @@ def resolve_model_digests(model: Described, *, endpoint: str | None = None,
     check_architecture(config, architecture, where)
     digests = {"config_sha256": config_digest(config)}
     check_pinned(CONFIG_FILE, model.config_sha256, digests["config_sha256"], where)
-    if int(getattr(model, "tokenizer", 0)) != 0:  # Tokenizer.Model: the source's own tokenizer
+    if int(model.tokenizer) != 0:  # Tokenizer.Model: the source's own tokenizer
         digests["tokenizer_sha256"] = tokenizer_digest(directory)
         check_pinned(TOKENIZER_FILE, model.tokenizer_sha256, digests["tokenizer_sha256"], where)
     return dataclasses.replace(model, **digests)

@@ -1,15 +1,8 @@
-"""Training data for the pipeline: datasets come from ``client.data`` (sample index → tokens, the same on every
-machine); this module cuts a trainer's share into microbatches and keeps the names the pipeline has always used.
-"""
+"""A trainer's share of a round, cut into microbatches. Datasets themselves come from ``client.data``."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from client.data import STDLIB_SOURCE, ByteDataset, files_corpus, stdlib_corpus
-from client.data import open_byte_dataset as open_dataset  # ``["stdlib"]`` or local text, as bytes
-
-__all__ = ["STDLIB_SOURCE", "ByteDataset", "files_corpus", "microbatches", "open_dataset", "stdlib_corpus"]
 
 
 def microbatches(indices: Sequence[int], size: int) -> list[list[int]]:

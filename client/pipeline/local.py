@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from client.pipeline.data import ByteDataset, microbatches
+from client.data import SampleDataset
+from client.pipeline.data import microbatches
 from client.pipeline.model import ModelSpec, build_all_stages
 from client.pipeline.optim import OptimizerConfig, StageOptimizer, StepStats
 
@@ -18,7 +19,7 @@ from client.pipeline.optim import OptimizerConfig, StageOptimizer, StepStats
 class LocalTrainer:
     """All stages in one process, trained exactly as workers would train them."""
 
-    def __init__(self, config: ModelSpec, dataset: ByteDataset, optimizer: OptimizerConfig | None = None) -> None:
+    def __init__(self, config: ModelSpec, dataset: SampleDataset, optimizer: OptimizerConfig | None = None) -> None:
         self.config = config
         self.dataset = dataset
         self.stages = build_all_stages(config)

@@ -38,9 +38,10 @@ import grpc
 import torch
 from solders.keypair import Keypair
 
+from client.data import SampleDataset
 from client.pipeline.admission import RequestHeader, encode_request, now_ms
 from client.pipeline.backend import Receipt, input_digest
-from client.pipeline.data import ByteDataset, microbatches
+from client.pipeline.data import microbatches
 from client.pipeline.discovery import WorkerRecord
 from client.pipeline.model import ModelSpec, stage_names
 from client.pipeline.router import DEFAULT_BAN_SECONDS, StageRouter
@@ -120,7 +121,7 @@ class PipelineTrainer:
     def __init__(
         self,
         config: ModelSpec,
-        dataset: ByteDataset,
+        dataset: SampleDataset,
         directory: Directory,
         *,
         keypair: Keypair | None = None,

@@ -34,7 +34,7 @@ import torch
 from bench_sparta import SETTINGS, Run, allreduce_bytes_sent, parse_sparta, reference, system  # this directory
 
 from client.averaging.gradients import GradAveraging, GradientSettings, round_payload
-from client.pipeline.data import open_dataset
+from client.data import open_byte_dataset
 from client.pipeline.model import ModelConfig, build_stage, stage_names
 
 # Gradient rounds run at every step: matchmaking waits a fraction of a second on loopback.
@@ -72,7 +72,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     config = ModelConfig(n_layers=args.layers, d_model=args.width, seq_len=args.seq_len)
-    dataset = open_dataset(["stdlib"], config.seq_len)
+    dataset = open_byte_dataset(["stdlib"], config.seq_len)
     held_out = list(range(dataset.num_samples - args.held_out, dataset.num_samples))
     tokens = args.rounds * args.batch_size * config.seq_len
     every, partitions = args.sparta

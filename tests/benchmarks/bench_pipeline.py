@@ -25,7 +25,7 @@ import uuid
 
 import torch
 
-from client.pipeline.data import open_dataset
+from client.data import open_byte_dataset
 from client.pipeline.discovery import WorkerDirectory, start_dht
 from client.pipeline.local import LocalTrainer
 from client.pipeline.model import ModelConfig, stage_names
@@ -77,7 +77,7 @@ def main() -> None:
     config = ModelConfig()
     default_threads = torch.get_num_threads()
     tokens_per_batch = args.batch_size * config.seq_len
-    dataset = open_dataset(["stdlib"], config.seq_len)
+    dataset = open_byte_dataset(["stdlib"], config.seq_len)
     print(f"model: {config}")
     print(
         f"batch {args.batch_size} x {config.seq_len} tokens, microbatch {args.microbatch_size}, "

@@ -41,7 +41,7 @@ from client.averaging.sparta import (
     SpartaSettings,
     averaging_index,
 )
-from client.pipeline.data import ByteDataset, open_dataset
+from client.data import ByteDataset, open_byte_dataset
 from client.pipeline.discovery import WorkerDirectory, start_dht
 from client.pipeline.local import LocalTrainer
 from client.pipeline.model import ModelConfig, build_stage, stage_names
@@ -275,7 +275,7 @@ def main() -> None:
     setups = args.sparta or [(20, 20)]
 
     config = ModelConfig(n_layers=args.layers, d_model=args.width, seq_len=args.seq_len)
-    dataset = open_dataset(["stdlib"], config.seq_len)
+    dataset = open_byte_dataset(["stdlib"], config.seq_len)
     held_out = list(range(dataset.num_samples - args.held_out, dataset.num_samples))
     tokens = args.rounds * args.batch_size * config.seq_len
     print(f"model: {config}")

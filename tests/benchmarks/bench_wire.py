@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
-from client.pipeline.data import open_dataset  # noqa: E402
+from client.data import open_byte_dataset  # noqa: E402
 from client.pipeline.discovery import WorkerDirectory, start_dht  # noqa: E402
 from client.pipeline.model import ModelConfig, stage_names  # noqa: E402
 from client.pipeline.trainer import PipelineTrainer  # noqa: E402
@@ -135,7 +135,7 @@ def main() -> None:
 
     config = ModelConfig()
     link = Link(args.bandwidth, args.rtt)
-    dataset = open_dataset(["stdlib"], config.seq_len)
+    dataset = open_byte_dataset(["stdlib"], config.seq_len)
     print(f"model: {config}")
     print(
         f"{args.steps} batches of {args.batch_size} x {config.seq_len} tokens, microbatch {args.microbatch_size}, "

@@ -22,8 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -36,7 +35,8 @@ from coordinator_program import rules
 from coordinator_program.bloom import build_filter, compute_key, participant_key
 from coordinator_program.errors import CoordinatorError
 from coordinator_program.state import Phase, Role
-from local_backend.auth_service import AuthHTTPServer, AuthService, HubIdentity
+from local_backend.auth_service import AuthHTTPServer
+from tests.join.test_auth import serving
 
 CHROMIUM = Path("/usr/bin/chromium")
 RUN = "dash"
@@ -81,18 +81,10 @@ def sync_playwright():
     return start
 
 
-@contextmanager
-def auth_service(hub) -> Iterator[AuthHTTPServer]:
+def auth_service(hub) -> AbstractContextManager[AuthHTTPServer]:
+    """The run's real auth service, knowing this test's contributors."""
     hub.users.update(CONTRIBUTORS)
-    service = AuthService(run_id=RUN, num_stages=3, capacity=8, identify=HubIdentity(hub.url),
-                          max_slots_per_token=4, db=":memory:", max_integrating=0)
-    server = AuthHTTPServer(service).start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        service.close()
+    return serving(hub, run_id=RUN, capacity=8, max_integrating=0)
 
 
 def start_process(args: list[str], log: Path) -> subprocess.Popen:

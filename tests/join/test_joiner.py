@@ -13,8 +13,8 @@ from functools import partial
 import torch
 
 from client.averaging.sparta import AveragingStatus, SpartaAverager
+from client.data import open_byte_dataset
 from client.join.sync import ACTIVE_LINE, PHASE1_LINE, PHASE2_LINE, SyncPhase, SyncPolicy, SyncTracker
-from client.pipeline.data import open_dataset
 from client.pipeline.discovery import WorkerDirectory
 from client.pipeline.model import ModelConfig
 from client.pipeline.trainer import PipelineTrainer
@@ -42,9 +42,9 @@ def flat(worker: StageWorker) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).clone() for p in worker.parameters()])
 
 
-def test_a_stale_joiner_syncs_through_both_phases(new_dht, run_id: str) -> None:
-    shared = new_dht()
-    dht_a, dht_j = new_dht(), new_dht()
+def test_a_stale_joiner_syncs_through_both_phases(own_dht, run_id: str) -> None:
+    shared = own_dht()
+    dht_a, dht_j = own_dht(), own_dht()
     workers = {
         "head": StageWorker(TINY, "head", dht=shared, run_id=run_id, announce_period=2.0),
         "tail": StageWorker(TINY, "tail", dht=shared, run_id=run_id, announce_period=2.0),
@@ -64,7 +64,7 @@ def test_a_stale_joiner_syncs_through_both_phases(new_dht, run_id: str) -> None:
     assert sync.begin(swarm_step=step, local_step=3) == SyncPhase.WEIGHTS
     joiner.sync_phase = int(sync.phase)
     directory = WorkerDirectory(shared, run_id, TINY.fingerprint())
-    trainer = PipelineTrainer(TINY, open_dataset(["stdlib"], TINY.seq_len), directory, run_id=run_id,
+    trainer = PipelineTrainer(TINY, open_byte_dataset(["stdlib"], TINY.seq_len), directory, run_id=run_id,
                               refresh_period=0.1, max_inflight=2)
     try:
         for worker in workers.values():

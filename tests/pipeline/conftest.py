@@ -11,8 +11,8 @@ import pytest
 import torch
 from solders.keypair import Keypair
 
+from client.data import ByteDataset, open_byte_dataset
 from client.pipeline.admission import RequestHeader, encode_request, now_ms
-from client.pipeline.data import ByteDataset, open_dataset
 from client.pipeline.discovery import WorkerDirectory
 from client.pipeline.model import ModelConfig
 from client.pipeline.tensor_codec import decode_message, encode_message, tensor_digest
@@ -28,7 +28,7 @@ def config() -> ModelConfig:
 
 @pytest.fixture(scope="session")
 def dataset() -> ByteDataset:
-    return open_dataset(["stdlib"], TINY.seq_len)
+    return open_byte_dataset(["stdlib"], TINY.seq_len)
 
 
 @pytest.fixture

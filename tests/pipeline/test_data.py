@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.pipeline.data import ByteDataset, files_corpus, microbatches, open_dataset, stdlib_corpus
+from client.data import ByteDataset, files_corpus, open_byte_dataset, stdlib_corpus
+from client.pipeline.data import microbatches
 
 
 def test_stdlib_dataset_is_deterministic_and_wraps(dataset: ByteDataset) -> None:
@@ -46,7 +47,7 @@ def test_files_source_and_its_errors(tmp_path: Path) -> None:
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "two.txt").write_bytes(b"second file " * 20)
     (tmp_path / "one.txt").write_bytes(b"first file " * 20)
-    dataset = open_dataset([str(tmp_path)], 16)
+    dataset = open_byte_dataset([str(tmp_path)], 16)
     assert dataset.fingerprint == hashlib.sha256(files_corpus([tmp_path])).hexdigest()
     assert files_corpus([tmp_path]).startswith(b"second file")  # sorted relative paths: b/two.txt < one.txt
     with pytest.raises(ValueError, match="does not exist"):

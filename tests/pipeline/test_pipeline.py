@@ -14,8 +14,8 @@ import pytest
 import torch
 from solders.keypair import Keypair
 
+from client.data import ByteDataset
 from client.identity import save_keypair
-from client.pipeline.data import ByteDataset
 from client.pipeline.discovery import WorkerDirectory
 from client.pipeline.local import LocalTrainer
 from client.pipeline.trainer import PipelineTrainer, StageUnavailable

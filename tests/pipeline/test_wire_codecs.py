@@ -13,7 +13,7 @@ import pytest
 import torch
 from solders.keypair import Keypair
 
-from client.pipeline.data import ByteDataset
+from client.data import ByteDataset
 from client.pipeline.discovery import STATE_UP, WorkerRecord
 from client.pipeline.local import LocalTrainer
 from client.pipeline.rpc import StageClient
