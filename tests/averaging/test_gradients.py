@@ -54,11 +54,11 @@ def weighted(values: Sequence[list[torch.Tensor]], weights: Sequence[float]) -> 
 
 
 @pytest.fixture
-def make_grad_averager(new_dht, run_id: str) -> Iterator[Callable[..., GradientAverager]]:
+def make_grad_averager(own_dht, run_id: str) -> Iterator[Callable[..., GradientAverager]]:
     with ExitStack() as started:
         def make(pairs: list[tuple[str, torch.Tensor]], settings: GradientSettings = FULL,
                  cls: type[GradientAverager] = GradientAverager, stage: str = "body1") -> GradientAverager:
-            averager = cls(pairs, new_dht(), run_id=run_id, stage=stage, seed=7, settings=settings)
+            averager = cls(pairs, own_dht(), run_id=run_id, stage=stage, seed=7, settings=settings)
             started.callback(averager.shutdown)
             return averager
 

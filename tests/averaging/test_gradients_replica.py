@@ -29,11 +29,11 @@ def run_state(run_id: str, **model: object) -> CoordinatorState:
 
 
 @pytest.fixture
-def make_replica(new_dht) -> Iterator[Callable[[CoordinatorState], StageReplica]]:
+def make_replica(own_dht) -> Iterator[Callable[[CoordinatorState], StageReplica]]:
     made: list[StageReplica] = []
 
     def make(state: CoordinatorState) -> StageReplica:
-        replica = StageReplica.create(state, "body1", dht=new_dht(), keypair=Keypair(), host="127.0.0.1",
+        replica = StageReplica.create(state, "body1", dht=own_dht(), keypair=Keypair(), host="127.0.0.1",
                                       trainer_allowed=lambda pubkey: False, say=lambda line: None)
         made.append(replica)
         return replica

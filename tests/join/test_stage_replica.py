@@ -36,11 +36,11 @@ def run_state(run_id: str, step: int, checkpoint: Checkpoint | None = None) -> C
 
 
 @pytest.fixture
-def make_replica(new_dht) -> Iterator[Callable[..., StageReplica]]:
+def make_replica(own_dht) -> Iterator[Callable[..., StageReplica]]:
     made: list[StageReplica] = []
 
     def make(state: CoordinatorState, stage: str = "body1") -> StageReplica:
-        replica = StageReplica.create(state, stage, dht=new_dht(), keypair=Keypair(), host="127.0.0.1",
+        replica = StageReplica.create(state, stage, dht=own_dht(), keypair=Keypair(), host="127.0.0.1",
                                       trainer_allowed=lambda pubkey: False, say=lines.append)
         made.append(replica)
         return replica

@@ -6,10 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 
-import hivemind
 import pytest
 import safetensors.torch
 import torch
@@ -26,7 +23,6 @@ from client.join.state_download import (
     worker_state_provider,
 )
 from client.join.sync import SyncPolicy
-from client.pipeline.discovery import start_dht
 from client.pipeline.model import ModelConfig, build_stage
 from client.pipeline.worker import StageWorker
 
@@ -93,24 +89,6 @@ def test_hub_failures_are_clear_and_change_nothing(fake_hub, tmp_path) -> None:
 
 
 # ----- peers -------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def new_dht() -> Iterator[Callable[[], hivemind.DHT]]:
-    """DHT nodes on a network of this test's own. The session's node has met every earlier test's nodes, which
-    are gone by now: a donor's declaration stored towards them may go unseen by the joiner, and a download then
-    finds no donor although one shares."""
-    with ExitStack() as started:
-        bootstrap = start_dht()
-        started.callback(bootstrap.shutdown)
-        peers = [str(a) for a in bootstrap.get_visible_maddrs()]
-
-        def new() -> hivemind.DHT:
-            node = start_dht(peers)
-            started.callback(node.shutdown)
-            return node
-
-        yield new
 
 
 class Peer:
