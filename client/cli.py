@@ -14,7 +14,9 @@ import typer
 
 COMMAND_MODULES = (
     "client.commands.config",
-    "client.commands.coordinator",
+    "client.commands.operate",
+    "client.commands.status",
+    "client.commands.keys",
     "client.commands.pipeline",
     "client.commands.run",
     "client.commands.solana",

@@ -15,7 +15,7 @@
   active worker snapshots its stage every ``snapshot_every`` steps, for whoever takes the stage if it empties.
 - Cooldown: workers save their stage to the checkpoint directory and report it.
 
-The backend (TCP server or Solana program) is behind ``client.coordinator.backend.Backend``, so this runs
+The backend (TCP server or Solana program) is behind ``client.backends.base.Backend``, so this runs
 unchanged on either. Blocking work (torch, the DHT, averaging) runs in threads so the state keeps flowing.
 With an auth service (``client.join.auth``), the slot is renewed while the client runs, a joiner waits its
 turn in the join queue before it syncs, and it reports when it has synced.
@@ -25,7 +25,7 @@ for good, a dataset it does not have) ends with ``CannotContribute``, whose mess
 passing trouble (the coordinator restarting, a refused join that may succeed later) is retried. Stopping is
 bounded: the clean leave gets ``STOP_TIMEOUT`` seconds, and threads still busy with compute or a peer are left.
 
-May import: coordinator_program, client.identity, client.stages, client.coordinator, client.witness,
+May import: coordinator_program, client.identity, client.stages, client.backends, client.witness,
 client.pipeline, client.join, client.data, client.models.
 """
 
@@ -42,8 +42,8 @@ from pathlib import Path
 
 from solders.keypair import Keypair
 
-from client.coordinator.backend import Backend, BackendError
-from client.coordinator.ticker import tick_when_due
+from client.backends.base import Backend, BackendError
+from client.backends.ticker import tick_when_due
 from client.join.auth import AuthError, AuthSession
 from client.join.checkpoints import SNAPSHOT_EVERY, revision_for, snapshot_root, upload_stage
 from client.join.stage_replica import StageReplica, StateSources, model_config
@@ -51,9 +51,9 @@ from client.models import ModelSourceError
 from client.stages import stage_name
 from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
 from client.witness.records import Board, Commitment, Presence, Ready, Report, receipt_hash
-from coordinator_program import limits, rules
-from coordinator_program.config import CheckpointKind
-from coordinator_program.errors import (
+from coordinator_program.spec import limits, rules
+from coordinator_program.spec.config import CheckpointKind
+from coordinator_program.spec.errors import (
     AlreadyJoined,
     CoordinatorError,
     InvalidJoin,
@@ -64,7 +64,7 @@ from coordinator_program.errors import (
     RunFull,
     WrongRunId,
 )
-from coordinator_program.state import CoordinatorState, Phase, Role
+from coordinator_program.spec.state import CoordinatorState, Phase, Role
 
 log = logging.getLogger("psyswarm.client")
 

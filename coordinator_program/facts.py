@@ -1,23 +1,28 @@
-"""Figures derived from a run's config: what it costs on chain and how reliable its witness filters are.
+"""What a run's config and state mean for the people running it: figures and words, not rules.
 
-``psyswarm validate-config`` prints them, so a run's creator sees before launch whether a witness proof
-fits in one Solana transaction.
+``psyswarm validate-config`` prints the figures (what a run costs on chain and how reliable its witness filters
+are), so a run's creator sees before launch whether a witness proof fits in one Solana transaction; the server
+and the CLI describe a run's admission in words.
+
+May import: coordinator_program.spec.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import based58
 from solders.hash import Hash
 from solders.instruction import AccountMeta, Instruction
 from solders.message import Message
 from solders.pubkey import Pubkey
 from solders.transaction import Transaction
 
-from coordinator_program import limits
-from coordinator_program.config import Config, filter_capacity, predicted_false_positive_rate
-from coordinator_program.instructions import Witness
-from coordinator_program.state import ACCOUNT_SIZE
+from coordinator_program.spec import limits
+from coordinator_program.spec.config import Config, filter_capacity, predicted_false_positive_rate
+from coordinator_program.spec.instructions import Witness
+from coordinator_program.spec.rules import NO_AUTHORITY
+from coordinator_program.spec.state import ACCOUNT_SIZE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,3 +61,11 @@ def config_facts(config: Config) -> ConfigFacts:
 
 def fits_in_transaction(facts: ConfigFacts) -> bool:
     return facts.witness_transaction_bytes <= limits.SOLANA_TX_LIMIT
+
+
+def admission(join_authority: bytes) -> str:
+    """How a run with this join authority admits joiners, in words: "permissioned by <its base58 key>" (each
+    join needs that key's countersignature) or "permissionless" (anyone may join)."""
+    if join_authority == NO_AUTHORITY:
+        return "permissionless"
+    return f"permissioned by {based58.b58encode(join_authority).decode()}"

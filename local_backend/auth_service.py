@@ -65,11 +65,11 @@ from solders.message import Message
 from solders.pubkey import Pubkey
 
 from client.identity import verify
-from coordinator_program import limits
-from coordinator_program.errors import MalformedInstruction
-from coordinator_program.instance import instance_address
-from coordinator_program.instructions import JoinRun, decode_instruction
-from coordinator_program.program_id import PROGRAM_ID
+from coordinator_program.onchain.instance import instance_address
+from coordinator_program.onchain.program_id import PROGRAM_ID
+from coordinator_program.spec import limits
+from coordinator_program.spec.errors import MalformedInstruction
+from coordinator_program.spec.instructions import JoinRun, decode_instruction
 from local_backend import protocol
 
 log = logging.getLogger("psyswarm.auth")

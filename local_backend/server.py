@@ -22,10 +22,11 @@ from collections.abc import Awaitable, Callable
 from solders.keypair import Keypair
 
 from client.identity import verify
-from coordinator_program import rules
-from coordinator_program.config import RunSpec
-from coordinator_program.errors import CoordinatorError, MalformedInstruction, NothingToTick
-from coordinator_program.instructions import (
+from coordinator_program.facts import admission
+from coordinator_program.spec import rules
+from coordinator_program.spec.config import RunSpec
+from coordinator_program.spec.errors import CoordinatorError, MalformedInstruction, NothingToTick
+from coordinator_program.spec.instructions import (
     CloseRun,
     SetPaused,
     Tick,
@@ -34,7 +35,7 @@ from coordinator_program.instructions import (
     apply,
     decode_instruction,
 )
-from coordinator_program.state import CoordinatorState, Health, Phase, decode_state, encode_state
+from coordinator_program.spec.state import CoordinatorState, Health, Phase, decode_state, encode_state
 from local_backend import protocol as p
 from local_backend.peers import Limits, LogThrottle, Peer, PeerClosed, Peers, listen
 from local_backend.store import RunStore, StoreError
@@ -85,11 +86,11 @@ class CoordinatorServer:
         if stored is not None:
             state = decode_state(stored)
             if state.join_authority != join_authority:
-                held, asked = rules.admission(state.join_authority), rules.admission(join_authority)
+                held, asked = admission(state.join_authority), admission(join_authority)
                 raise StoreError(f"{self.store.path} holds run {state.run_id!r}, {held}, not {asked}: a run's join "
                                  "authority is fixed when it is created; give the run's own, or another --db")
             log.info("resumed run %r from %s: %s, epoch %d, step %d, %s", state.run_id, self.store.path,
-                     state.phase.name, state.epoch, state.step, rules.admission(state.join_authority))
+                     state.phase.name, state.epoch, state.step, admission(state.join_authority))
             return state
         me = bytes(self.authority.pubkey())
         state = rules.init_coordinator(self.spec.run_id, me, join_authority)
@@ -97,7 +98,7 @@ class CoordinatorServer:
                       lambda: rules.update(state, me, self.spec.config, self.spec.model, self.spec.checkpoint))
         self._persist(state, me, SetPaused(False).encode(), lambda: rules.set_paused(state, me, False))
         self._persist(state, me, Tick().encode(), lambda: rules.tick(state, self._now(), secrets.randbits(64)))
-        log.info("created run %r in %s, %s", state.run_id, self.store.path, rules.admission(state.join_authority))
+        log.info("created run %r in %s, %s", state.run_id, self.store.path, admission(state.join_authority))
         return state
 
     def _persist(self, state: CoordinatorState, signer: bytes, instruction: bytes, change: Callable[[], None]) -> None:

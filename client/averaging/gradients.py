@@ -430,7 +430,7 @@ class GradientAverager:
     def for_worker(cls, worker: StageWorker, dht: hivemind.DHT, *, seed: int,
                    settings: GradientSettings) -> GradientAverager:
         """The averager of a ``StageWorker``'s gradients, in its run's namespace."""
-        named = [(n, p) for n, p in worker.backend.module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in worker.compute.module.named_parameters() if p.requires_grad]
         return cls(named, dht, run_id=worker.run_id, stage=worker.stage, seed=seed, settings=settings)
 
 

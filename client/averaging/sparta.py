@@ -195,7 +195,7 @@ class SpartaAverager:
         settings: SpartaSettings | None = None,
         state_provider: Callable[[], SharedState] | None = None,
     ) -> None:
-        """``lock`` guards the live parameters (a worker's ``backend.lock``); ``state_provider`` is what this
+        """``lock`` guards the live parameters (a worker's ``compute.lock``); ``state_provider`` is what this
         peer serves to joiners once ``sharing`` is on."""
         self.settings = settings or SpartaSettings()
         self.parameters = [p for _, p in named_parameters]
@@ -232,8 +232,8 @@ class SpartaAverager:
                    settings: SpartaSettings | None = None,
                    state_provider: Callable[[], SharedState] | None = None) -> SpartaAverager:
         """The averager of a ``StageWorker``'s parameters, under its lock, in its run's namespace."""
-        return cls(list(worker.backend.module.named_parameters()), dht, run_id=worker.run_id, stage=worker.stage,
-                   partitions=partitions, seed=seed, lock=worker.backend.lock, settings=settings,
+        return cls(list(worker.compute.module.named_parameters()), dht, run_id=worker.run_id, stage=worker.stage,
+                   partitions=partitions, seed=seed, lock=worker.compute.lock, settings=settings,
                    state_provider=state_provider)
 
     # ----- the round -----

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from client.commands.coordinator import ProgramId, program_address
+from client.commands.connect import ProgramId, program_address
 
 
 def auth_service(

@@ -15,7 +15,7 @@ def _unchecked_digests(model):
     that the rest can be validated; the command says so (``create-run`` reads the source and fills it)."""
     import dataclasses
 
-    from coordinator_program.config import PSYSWARM_ARCHITECTURE, Tokenizer
+    from coordinator_program.spec.config import PSYSWARM_ARCHITECTURE, Tokenizer
 
     if model.architecture == PSYSWARM_ARCHITECTURE:
         return model
@@ -32,8 +32,8 @@ def load_spec_or_exit(path: Path, *, offline: bool = False):
     """Read a state.toml for a command, or end the command with the reason it is invalid. A Hugging Face model's
     config and tokenizer digests are filled from (or checked against) its source, unless ``offline``."""
     from client.models import ModelSourceError, resolve_model_digests
-    from coordinator_program.config import load_run_spec
-    from coordinator_program.errors import CoordinatorError
+    from coordinator_program.spec.config import load_run_spec
+    from coordinator_program.spec.errors import CoordinatorError
 
     try:
         return load_run_spec(path, _unchecked_digests if offline else resolve_model_digests)
@@ -80,9 +80,9 @@ def validate_config(
         "are reported as not checked."))] = False,
 ) -> None:
     """Check a run config and print what it implies: account size, witness proof size, bloom error rate."""
-    from coordinator_program import limits
-    from coordinator_program.config import filter_capacity
     from coordinator_program.facts import config_facts, fits_in_transaction
+    from coordinator_program.spec import limits
+    from coordinator_program.spec.config import filter_capacity
 
     if (config is None) == (path is None):
         raise typer.BadParameter("give the run's state.toml once: --config FILE (or FILE alone)",

@@ -16,7 +16,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from client.commands.coordinator import ProgramId, RunId, Server, Url
+from client.commands.connect import ProgramId, RunId, Server, Url
 from client.commands.pipeline import InitialPeers
 
 MAX_CONTRIBUTORS_BYTES = 1 << 20
@@ -64,8 +64,8 @@ def backend_opener(server: str | None, url: str | None, run_id: str, program_id:
     malformed --server or --program-id is reported at once."""
     from solders.keypair import Keypair
 
-    from client.commands.coordinator import open_backend
-    from client.coordinator.backend import BackendError
+    from client.backends.base import BackendError
+    from client.commands.connect import open_backend
 
     def opener():
         return open_backend(server, url, run_id, program_id, Keypair())  # a throwaway key: it only reads
@@ -86,7 +86,7 @@ class DhtReader:
         self.looked_at = -1  # the state nonce of the last look for a loss
 
     def __call__(self, state):
-        from client.commands.coordinator import dht_worker_records, open_board
+        from client.commands.status import dht_worker_records, open_board
         from client.dashboard.feed import DhtReading
         from client.dashboard.view import RoundResult
         from client.witness.records import Commitment, last_loss

@@ -10,7 +10,7 @@ import typer
 
 from client.commands.options import KEYPAIR_HELP, keypair_option, url_option
 from client.identity import DEFAULT_KEYPAIR_PATH
-from coordinator_program.program_id import PROGRAM_KEYPAIR_PATH
+from coordinator_program.onchain.program_id import PROGRAM_KEYPAIR_PATH
 
 PROGRESS_STEP = 10
 """Percent of the chunks between two progress lines (lines rather than a bar, so that logs read well)."""
@@ -25,13 +25,13 @@ def deploy(
         "keypair's secret is public: use your own for a real deployment."))] = PROGRAM_KEYPAIR_PATH,
 ) -> None:
     """Deploy the coordinator program (the committed .so) through the upgradeable loader, or upgrade it."""
-    from client.coordinator.backend import BackendError
-    from client.coordinator.solana import resolve_url
+    from client.backends.base import BackendError
+    from client.backends.solana import resolve_url
     from client.identity import KeypairError, load_keypair
-    from coordinator_program.deploy import DeployError
-    from coordinator_program.deploy import deploy as deploy_program
+    from coordinator_program.onchain.deploy import DeployError
+    from coordinator_program.onchain.deploy import deploy as deploy_program
+    from coordinator_program.onchain.program_id import PROGRAM_ID
     from coordinator_program.program.build import DEFAULT_OUTPUT
-    from coordinator_program.program_id import PROGRAM_ID
 
     try:
         rpc_url = resolve_url(url)

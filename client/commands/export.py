@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from client.commands.coordinator import ProgramId, Server, Url
+from client.commands.connect import ProgramId, Server, Url
 
 if TYPE_CHECKING:
     from client.models.export import ModelCard
@@ -76,7 +76,7 @@ def read_run(run_id: str, config: Path | None, server: str | None, url: str | No
     from solders.keypair import Keypair
 
     from client.commands.config import load_spec_or_exit
-    from client.commands.coordinator import check_target, connect
+    from client.commands.connect import check_target, connect
 
     if config is not None:
         spec = load_spec_or_exit(config)

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from client.stages import stage_name
 from client.swarm.status import ROUND_PHASES, last_epoch
-from coordinator_program import limits
-from coordinator_program.state import CoordinatorState, Phase, Role
+from coordinator_program.spec import limits
+from coordinator_program.spec.state import CoordinatorState, Phase, Role
 
 if TYPE_CHECKING:
     from rich.console import Console

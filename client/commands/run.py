@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from client.commands.coordinator import KeypairFile, ProgramId, RunId, Server, Url
+from client.commands.connect import KeypairFile, ProgramId, RunId, Server, Url
 from client.commands.pipeline import DeviceOption, InitialPeers, parse_device_option
 from client.identity import DEFAULT_KEYPAIR_PATH
 from client.join.checkpoints import SNAPSHOT_EVERY
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 def parse_stage(text: str | None) -> int:
     """``head``, ``bodyK``, ``tail`` or a stage number; None lets the coordinator choose."""
-    from coordinator_program import limits
+    from coordinator_program.spec import limits
 
     if text is None:
         return limits.NO_STAGE
@@ -174,12 +174,12 @@ def join_run(
     device: DeviceOption = "auto",
 ) -> None:
     """Join a run and contribute until it finishes: queue, load the model at warmup, train each round."""
-    from client.commands.coordinator import check_target, connect, open_backend, open_identity
+    from client.backends.base import BackendError
+    from client.commands.connect import check_target, connect, open_backend, open_identity
     from client.commands.live import live_line, terminal_console
-    from client.coordinator.backend import BackendError
     from client.runner import CannotContribute, Contributor, ContributorRemoved, RunnerOptions
-    from coordinator_program import limits
-    from coordinator_program.state import Role
+    from coordinator_program.spec import limits
+    from coordinator_program.spec.state import Role
 
     stopper = Stopper(STOP_GRACE)
     stopper.install()
@@ -290,7 +290,7 @@ def log_to_stdout(console: Console | None = None) -> None:
 async def unfunded(backend, identity: Keypair) -> bool:
     """Whether this client pays fees on a Solana cluster and holds no SOL at all: every transaction it sends, its
     join first, would fail. False when the balance cannot be read: the join then says what went wrong."""
-    from client.coordinator.solana import SolanaBackend
+    from client.backends.solana import SolanaBackend
 
     if not isinstance(backend, SolanaBackend):
         return False
@@ -314,7 +314,7 @@ def claim_or_exit(identity: Keypair, run_id: str):
 def admission_mismatch(join_authority: bytes, auth: AuthSession | None) -> str | None:
     """Why the coordinator would refuse every join of this client, known before trying: a permissioned run
     joined without its auth service, or through an auth service that is not the run's join authority."""
-    from coordinator_program.rules import NO_AUTHORITY, admission
+    from coordinator_program.spec.rules import NO_AUTHORITY, admission
 
     if join_authority == NO_AUTHORITY:
         return None

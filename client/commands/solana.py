@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from client.commands.coordinator import JoinAuthority, Permissionless, ProgramId
+from client.commands.connect import JoinAuthority, Permissionless, ProgramId
 from client.commands.options import KEYPAIR_HELP, default_keypair_path, keypair_option, url_option
 from client.identity import DEFAULT_KEYPAIR_PATH
 
@@ -33,12 +33,12 @@ def create_run(
 ) -> None:
     """Create a run on chain, configure it from state.toml and open it to members, in one transaction. Give
     --join-authority (joins need the auth service's countersignature) or --permissionless."""
+    from client.backends.base import BackendError
+    from client.backends.solana import SolanaBackend
     from client.commands.config import load_spec_or_exit
-    from client.commands.coordinator import admission_line, chosen_join_authority, open_backend, open_identity
-    from client.coordinator.backend import BackendError
-    from client.coordinator.solana import SolanaBackend
+    from client.commands.connect import admission_line, chosen_join_authority, open_backend, open_identity
     from client.swarm.status import describe
-    from coordinator_program.errors import CoordinatorError
+    from coordinator_program.spec.errors import CoordinatorError
 
     admits = chosen_join_authority(join_authority, permissionless)
     spec = load_spec_or_exit(config)
@@ -75,7 +75,7 @@ def localnet(
 ) -> None:
     """Run a local Solana chain with the coordinator program, for development: JSON-RPC over HTTP and
     accountSubscribe over websocket, on LiteSVM, its clock following wall time."""
-    from client.commands.coordinator import public_key
+    from client.commands.connect import public_key
     from coordinator_program.localnet.chain import LocalChain
     from coordinator_program.localnet.server import run_localnet
 
@@ -111,9 +111,9 @@ def airdrop(
     from solana.rpc.api import Client
     from solana.rpc.commitment import Confirmed
 
-    from client.commands.coordinator import open_identity
-    from client.coordinator.backend import BackendError
-    from client.coordinator.solana import resolve_url
+    from client.backends.base import BackendError
+    from client.backends.solana import resolve_url
+    from client.commands.connect import open_identity
 
     try:
         rpc = resolve_url(url)

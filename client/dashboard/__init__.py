@@ -5,5 +5,5 @@ follows the coordinator (read-only, reconnecting) and keeps the latest view, ``a
 with starlette. The page itself (``static/``) is plain HTML, CSS and JavaScript with no build step; it writes
 every value peers chose as text, never as markup.
 
-May import: coordinator_program, client.stages, client.coordinator, client.swarm.
+May import: coordinator_program, client.stages, client.backends, client.swarm.
 """

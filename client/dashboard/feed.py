@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from client.coordinator.backend import Backend, BackendError
+from client.backends.base import Backend, BackendError
 from client.dashboard.view import RoundResult, Timeline, snapshot
-from coordinator_program.state import CoordinatorState
+from coordinator_program.spec.state import CoordinatorState
 
 log = logging.getLogger("psyswarm.dashboard")
 

@@ -14,8 +14,8 @@ from solders.pubkey import Pubkey
 
 from client.stages import stage_names
 from client.swarm.status import ROUND_PHASES, checkpoint_text, last_epoch, phase_limit, syncing_counts
-from coordinator_program import limits, rules
-from coordinator_program.state import CoordinatorState, Phase, Role
+from coordinator_program.spec import limits, rules
+from coordinator_program.spec.state import CoordinatorState, Phase, Role
 
 MAX_LOSS_POINTS = 500
 """Rounds of loss the page keeps: enough for a long curve, bounded however long the dashboard runs."""

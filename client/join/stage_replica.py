@@ -51,9 +51,9 @@ from client.pipeline.model import ModelConfig, ModelSpec
 from client.pipeline.optim import OptimizerConfig
 from client.pipeline.wire import codec_name
 from client.pipeline.worker import StageWorker, StepStats
-from coordinator_program.config import CheckpointKind
-from coordinator_program.schedule import learning_rate
-from coordinator_program.state import CoordinatorState
+from coordinator_program.spec.config import CheckpointKind
+from coordinator_program.spec.schedule import learning_rate
+from coordinator_program.spec.state import CoordinatorState
 
 log = logging.getLogger("psyswarm.replica")
 
@@ -112,7 +112,7 @@ class StageReplica:
         self.gradients = gradients
         self.gradient_round = 0  # the swarm step whose gradients the next optimizer step averages
         if gradients is not None:  # sync-phase workers average with weight 0: they receive and add nothing
-            worker.backend.optimizer.gradient_exchange = gradients.exchange(
+            worker.compute.optimizer.gradient_exchange = gradients.exchange(
                 lambda: self.gradient_round, lambda samples: self.tracker.averaging_weight(float(samples)),
                 self.peers)
         self.local_step: int | None = None  # the swarm step this worker's parameters belong to
@@ -161,8 +161,8 @@ class StageReplica:
             log.info("stage %s starts from the run's seed (step %s)", self.stage,
                      "0" if self.local_step == 0 else f"unknown: the swarm is at step {state.step}")
             return None
-        backend = self.worker.backend
-        load_stage_state(backend.module, found, backend.lock, backend.optimizer.optimizer)
+        compute = self.worker.compute
+        load_stage_state(compute.module, found, compute.lock, compute.optimizer.optimizer)
         self.local_step = found.step
         log.info("stage %s loaded from %s (step %s; the swarm is at step %d)", self.stage, found.source,
                  "unknown" if found.step is None else found.step, state.step)
@@ -217,7 +217,7 @@ class StageReplica:
     def _from_peers(self, state: CoordinatorState, swarm_step: Callable[[], int | None]) -> StageState:
         JoinWindow(self.every).wait(swarm_step)
         identity = stage_identity(state.run_id, self.stage, self.worker.config.fingerprint())
-        return download_from_peers(self.averager, self.worker.backend.module, identity,
+        return download_from_peers(self.averager, self.worker.compute.module, identity,
                                    timeout=PEER_DOWNLOAD_TIMEOUT)
 
     # ----- sync phases -----
@@ -259,10 +259,10 @@ class StageReplica:
 
     def _checkpoint(self) -> tuple[dict[str, torch.Tensor], OptimizerState]:
         """Copies of the parameters and the optimizer state on the CPU, taken together between tasks."""
-        backend = self.worker.backend
-        with backend.lock:
-            tensors = {k: v.detach().to("cpu", copy=True) for k, v in backend.module.state_dict().items()}
-            return tensors, named_optimizer_state(backend.module, backend.optimizer.optimizer)
+        compute = self.worker.compute
+        with compute.lock:
+            tensors = {k: v.detach().to("cpu", copy=True) for k, v in compute.module.state_dict().items()}
+            return tensors, named_optimizer_state(compute.module, compute.optimizer.optimizer)
 
     def save(self, directory: Path, step: int) -> list[Path]:
         """Save the stage (parameters and optimizer state) as it stands after ``step`` swarm steps: a checkpoint."""
@@ -286,7 +286,7 @@ class StageReplica:
         if swarm_step is not None:
             self.gradient_round = swarm_step
             if self.learning_rate is not None:
-                self.worker.backend.optimizer.set_learning_rate(self.learning_rate(swarm_step))
+                self.worker.compute.optimizer.set_learning_rate(self.learning_rate(swarm_step))
         stats = self.worker.step()
         self.samples_since_average += stats.samples
         if self.local_step is not None:

@@ -191,8 +191,8 @@ def worker_state_provider(worker: StageWorker, current_step: Callable[[], int]) 
     """What an active worker serves to joiners: its module's ``state_dict`` and the swarm step it belongs to."""
 
     def provide() -> SharedState:
-        with worker.backend.lock:  # on the CPU, where hivemind sends from, whatever the worker's device
-            state = {k: v.detach().to("cpu", copy=True) for k, v in worker.backend.module.state_dict().items()}
+        with worker.compute.lock:  # on the CPU, where hivemind sends from, whatever the worker's device
+            state = {k: v.detach().to("cpu", copy=True) for k, v in worker.compute.module.state_dict().items()}
         metadata = {**stage_identity(worker.run_id, worker.stage, worker.config.fingerprint()),
                     "step": int(current_step()), "keys": list(state)}
         return SharedState(metadata=metadata, tensors=list(state.values()))

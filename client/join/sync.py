@@ -55,7 +55,7 @@ class SyncPolicy:
 
     @classmethod
     def from_model(cls, model: _ModelSettings) -> SyncPolicy:
-        """The policy a run's ``coordinator_program.config.Model`` sets."""
+        """The policy a run's ``coordinator_program.spec.config.Model`` sets."""
         return cls(model.max_allowed_stale, model.sync_phase1_steps, model.sync_phase2_steps)
 
     def is_stale(self, local_step: int | None, swarm_step: int) -> bool:

@@ -43,13 +43,13 @@ class ModelSourceError(ValueError):
 
 
 class ModelDescription(Protocol):
-    """The on-chain fields of a run's model this module reads (``coordinator_program.config.Model``)."""
+    """The on-chain fields of a run's model this module reads (``coordinator_program.spec.config.Model``)."""
 
     architecture: str
     source: str
     source_revision: str
     config_sha256: bytes
-    tokenizer: int  # 0: bytes, 1: the source's own tokenizer (coordinator_program.config.Tokenizer)
+    tokenizer: int  # 0: bytes, 1: the source's own tokenizer (coordinator_program.spec.config.Tokenizer)
     tokenizer_sha256: bytes
     seq_len: int
     init_seed: int

@@ -32,9 +32,9 @@ import torch
 from solders.keypair import Keypair
 
 from client.identity import verify
+from client.pipeline.messages import MetaValue, encode_message, tensor_digest
 from client.pipeline.optim import gradient_norm
 from client.pipeline.rpc import InvalidRequest, RequestRejected
-from client.pipeline.tensor_codec import MetaValue, encode_message, tensor_digest
 
 DOMAIN = "psyswarm/stage-request/v1"
 MAX_REQUEST_AGE = 600.0
@@ -63,7 +63,7 @@ def _integer(value: object) -> bool:
 @dataclass(frozen=True)
 class RequestHeader:
     """What a trainer signs for one Forward or Backward. ``digests`` maps each tensor's name to the sha256
-    of its wire form (``tensor_codec.tensor_digest``), which the worker recomputes from what it received."""
+    of its wire form (``messages.tensor_digest``), which the worker recomputes from what it received."""
 
     run_id: str
     stage: str

@@ -89,7 +89,8 @@ class StageOptimizer:
         )
 
     def set_learning_rate(self, lr: float) -> None:
-        """The rate of the next steps: a run's schedule gives one per swarm step (``coordinator_program.schedule``)."""
+        """The rate of the next steps: a run's schedule gives one per swarm step
+        (``coordinator_program.spec.schedule``)."""
         if not (math.isfinite(lr) and lr >= 0):
             raise ValueError(f"learning rate must be finite and non-negative, got {lr!r}")
         for group in self.optimizer.param_groups:

@@ -1,6 +1,6 @@
 """gRPC transport for stage workers: raw-bytes methods through a generic handler, no generated code.
 
-Requests and responses are ``tensor_codec`` messages, so the service needs no ``.proto`` file: each method
+Requests and responses are ``messages``-encoded, so the service needs no ``.proto`` file: each method
 takes bytes and returns bytes. A handler reports a bad request by raising ``RequestRejected``, which becomes
 a gRPC status with the reason as details; anything unexpected becomes INTERNAL and is logged, and the server
 keeps serving either way.

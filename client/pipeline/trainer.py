@@ -40,18 +40,18 @@ from solders.keypair import Keypair
 
 from client.data import SampleDataset
 from client.pipeline.admission import RequestHeader, encode_request, now_ms
-from client.pipeline.backend import Receipt, input_digest
+from client.pipeline.compute import Receipt, input_digest
 from client.pipeline.data import microbatches
 from client.pipeline.discovery import WorkerRecord
-from client.pipeline.model import ModelSpec, stage_names
-from client.pipeline.router import DEFAULT_BAN_SECONDS, StageRouter
-from client.pipeline.rpc import StageClient
-from client.pipeline.tensor_codec import (
-    CodecError,
+from client.pipeline.messages import (
+    MessageError,
     WireTensor,
     decode_message,
     tensor_digest,
 )
+from client.pipeline.model import ModelSpec, stage_names
+from client.pipeline.router import DEFAULT_BAN_SECONDS, StageRouter
+from client.pipeline.rpc import StageClient
 from client.pipeline.wire import DEFAULT_CODEC, codec_name, codec_of, is_finite
 
 log = logging.getLogger(__name__)
@@ -296,7 +296,7 @@ class PipelineTrainer:
                     router.ban(record.uid)
                     continue
                 log.warning("%s on %s failed, retrying elsewhere: %s", method, record.uid, last_error)
-            except (CodecError, _BadResponse, KeyError, TypeError, ValueError) as exc:
+            except (MessageError, _BadResponse, KeyError, TypeError, ValueError) as exc:
                 last_error = f"bad response: {exc}"
                 log.warning("worker %s sent a bad %s response, banned: %s", record.uid, method, exc)
                 router.ban(record.uid)
@@ -316,7 +316,7 @@ class PipelineTrainer:
         cost: float,
     ) -> tuple[dict[str, object], dict[str, WireTensor]]:
         """Sign and send one request to ``record``, check the answer, and tell the router how long it took;
-        raises ``grpc.RpcError``, ``CodecError`` or ``_BadResponse``."""
+        raises ``grpc.RpcError``, ``MessageError`` or ``_BadResponse``."""
         digests = {name: tensor_digest(tensor) for name, tensor in tensors.items()}
         header = RequestHeader(
             run_id=self.run_id,

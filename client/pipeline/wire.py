@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from client.pipeline.tensor_codec import FLOAT_DTYPES, BlockQuantized, WireTensor
+from client.pipeline.messages import FLOAT_DTYPES, BlockQuantized, WireTensor
 
 INT8 = "int8"
 WIRE_CODECS = ("float32", "float16", "bfloat16", INT8)  # by the index of on-chain ``WireCodec``

@@ -27,7 +27,7 @@ import torch
 from solders.keypair import Keypair
 
 from client.pipeline.admission import MicrobatchLedger, Ticket, TrainerAllowed, any_signed_trainer
-from client.pipeline.backend import Receipt, StageBackend, StageRequest
+from client.pipeline.compute import Receipt, StageCompute, StageRequest
 from client.pipeline.discovery import (
     STATE_UP,
     SYNC_PHASES,
@@ -36,10 +36,10 @@ from client.pipeline.discovery import (
     default_index,
     worker_uid,
 )
+from client.pipeline.messages import MessageError, decode_message, encode_message
 from client.pipeline.model import ModelSpec, stage_index
 from client.pipeline.optim import OptimizerConfig, StepStats
 from client.pipeline.rpc import InvalidRequest, RequestRejected, start_server
-from client.pipeline.tensor_codec import CodecError, decode_message, encode_message
 from client.pipeline.wire import DEFAULT_CODEC
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class StageWorker:
         self.max_queue = max_queue
         self.request_timeout = request_timeout
         self.rpc_threads = rpc_threads
-        self.backend = StageBackend(
+        self.compute = StageCompute(
             config,
             stage,
             optimizer or OptimizerConfig(),
@@ -146,7 +146,7 @@ class StageWorker:
         self._server, self.port = start_server(
             handlers,
             f"{self.host}:{self.port}",
-            max_message_bytes=4 * self.backend.max_message_bytes,
+            max_message_bytes=4 * self.compute.max_message_bytes,
             threads=self.rpc_threads,
         )
         self._runtime.start()
@@ -215,21 +215,21 @@ class StageWorker:
     def step(self) -> StepStats:
         """Apply the accumulated gradients with AdamW and zero them; forward tickets end with the parameters
         their forwards used."""
-        stats = self.backend.step()
+        stats = self.compute.step()
         self.ledger.end_step()
         if stats.samples and stats.applied:
             log.info(
                 "%s step %d: %d samples, grad norm %.3f",
                 self.uid,
-                self.backend.steps,
+                self.compute.steps,
                 stats.samples,
                 stats.grad_norm,
             )
         return stats
 
     def parameters(self) -> list[torch.Tensor]:
-        """The stage's live parameter tensors in a fixed order; hold ``backend.lock`` while changing them."""
-        return self.backend.parameters()
+        """The stage's live parameter tensors in a fixed order; hold ``compute.lock`` while changing them."""
+        return self.compute.parameters()
 
     def drain_receipts(self) -> list[Receipt]:
         """Receipts of the backward passes processed since the last call, oldest first."""
@@ -252,11 +252,11 @@ class StageWorker:
             "sync_phase": self.sync_phase,
             "load": self.load,
             "throughput": self.throughput,
-            "samples_accumulated": self.backend.samples_accumulated,
-            "steps": self.backend.steps,
-            "device": str(self.backend.device),
+            "samples_accumulated": self.compute.samples_accumulated,
+            "steps": self.compute.steps,
+            "device": str(self.compute.device),
             "model": self.config.fingerprint(),
-            "wire_codec": self.backend.wire_codec,
+            "wire_codec": self.compute.wire_codec,
             **{f"config.{k}": v for k, v in self.config.to_dict().items()},
         }
 
@@ -286,14 +286,14 @@ class StageWorker:
     def _handle_info(self, payload: bytes) -> bytes:
         try:
             _, tensors = decode_message(payload, max_elements=0)
-        except CodecError as exc:
+        except MessageError as exc:
             raise InvalidRequest(f"malformed Info request: {exc}") from None
         if tensors:
             raise InvalidRequest("an Info request carries no tensors")
         return encode_message(self.info(), {})
 
     def _submit(self, backward: bool, payload: bytes) -> bytes:
-        request = self.backend.parse(payload, backward=backward)
+        request = self.compute.parse(payload, backward=backward)
         if self._sync_phase == 1:
             raise RequestRejected(
                 f"worker {self.uid} is in sync phase 1 and serves no batches",
@@ -323,7 +323,7 @@ class StageWorker:
         computed here; a Forward first would only cost a round trip (the trainer never sends one), and the
         ledger still refuses a replay of it.
         """
-        if self.backend.module.is_tail:
+        if self.compute.module.is_tail:
             return None
         header = request.header
         return Ticket(request.input_digest(), header.sample_start, header.sample_end)
@@ -383,14 +383,14 @@ class StageWorker:
 
     def _execute(self, task: _Task) -> bytes:
         if not task.backward:
-            response = self.backend.forward(task.request)
+            response = self.compute.forward(task.request)
             if (ticket := self._ticket(task.request)) is not None:
                 self.ledger.issue(task.request.trainer, task.request.microbatch_id, ticket)
             return response
-        response, receipt = self.backend.backward(task.request)
+        response, receipt = self.compute.backward(task.request)
         with self._cv:
             self._receipts.append(receipt)
-        if self.auto_step_samples and self.backend.samples_accumulated >= self.auto_step_samples:
+        if self.auto_step_samples and self.compute.samples_accumulated >= self.auto_step_samples:
             self.step()
         return response
 

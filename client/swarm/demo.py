@@ -27,7 +27,7 @@ from client.swarm import tiny_llama
 from client.swarm.launcher import Swarm
 from client.swarm.status import last_epoch, round_text, stage_counts
 from client.witness.records import Board, Commitment
-from coordinator_program.state import CoordinatorState, Phase
+from coordinator_program.spec.state import CoordinatorState, Phase
 
 DEMO_MARKER = ".psyswarm-demo"
 TINY_LLAMA_CACHE = "tiny-llama"

@@ -159,10 +159,10 @@ class Swarm:
     def observer(self):
         """A backend that only watches the run (a throwaway identity; it never joins)."""
         if self.backend == "solana":
-            from client.coordinator.solana import SolanaBackend
+            from client.backends.solana import SolanaBackend
 
             return SolanaBackend(self.address, Keypair(), self.run_id())
-        from client.coordinator.tcp import TcpBackend
+        from client.backends.tcp import TcpBackend
 
         return TcpBackend(self.address, Keypair())
 

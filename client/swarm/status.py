@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from client.stages import stage_name
-from coordinator_program import rules
-from coordinator_program.config import CheckpointKind
-from coordinator_program.state import CoordinatorState, Health, Phase, Role
+from coordinator_program.spec import rules
+from coordinator_program.spec.config import CheckpointKind
+from coordinator_program.spec.state import CoordinatorState, Health, Phase, Role
 
 if TYPE_CHECKING:
     from client.pipeline.discovery import WorkerRecord

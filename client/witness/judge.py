@@ -36,10 +36,10 @@ from types import MappingProxyType
 
 from client.stages import stage_names
 from client.witness.records import ClaimedReceipt, Commitment, Presence, Ready, RecordError, Report, SignedRecord
-from coordinator_program import rules
-from coordinator_program.bloom import batch_key, build_filter, compute_key, participant_key
-from coordinator_program.selection import Assignment
-from coordinator_program.state import CoordinatorState, Health, Role
+from coordinator_program.spec import rules
+from coordinator_program.spec.bloom import batch_key, build_filter, compute_key, participant_key
+from coordinator_program.spec.selection import Assignment
+from coordinator_program.spec.state import CoordinatorState, Health, Role
 
 
 @dataclasses.dataclass

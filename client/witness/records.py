@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 from solders.keypair import Keypair
 
 from client.identity import verify
-from coordinator_program.config import valid_run_id
+from coordinator_program.spec.config import valid_run_id
 
 log = logging.getLogger("psyswarm.records")
 

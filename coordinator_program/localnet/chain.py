@@ -32,8 +32,8 @@ from solders.transaction import VersionedTransaction
 from solders.transaction_metadata import FailedTransactionMetadata, TransactionMetadata
 from solders.transaction_status import TransactionErrorFieldless, TransactionErrorType
 
+from coordinator_program.onchain.program_id import PROGRAM_ID
 from coordinator_program.program.build import DEFAULT_OUTPUT
-from coordinator_program.program_id import PROGRAM_ID
 
 RECENT_BLOCKHASHES = 150
 """Blocks a blockhash stays usable for, as on Solana clusters (the MAX_RECENT_BLOCKHASHES window)."""

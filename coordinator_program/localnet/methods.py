@@ -28,9 +28,9 @@ from solders.transaction_status import (
     TransactionStatus,
 )
 
-from coordinator_program.limits import SOLANA_TX_LIMIT
 from coordinator_program.localnet.chain import LocalChain, Outcome, PreflightError, SignatureError
 from coordinator_program.localnet.jsonrpc import INVALID_REQUEST, Method, RpcError, invalid_params
+from coordinator_program.spec.limits import SOLANA_TX_LIMIT
 
 SEND_TRANSACTION_PREFLIGHT_FAILURE = -32002
 TRANSACTION_SIGNATURE_VERIFICATION_FAILURE = -32003

@@ -28,14 +28,14 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from coordinator_program import config, limits
-from coordinator_program.bloom import COMPUTE_KEY_PREFIX, SALT_PREFIX
-from coordinator_program.errors import ALL_ERRORS
-from coordinator_program.instance import INSTANCE_DISCRIMINATOR, INSTANCE_LAYOUT, INSTANCE_SEED, INSTANCE_SIZE
-from coordinator_program.instructions import INSTRUCTIONS
-from coordinator_program.layout import BOOL, I64, U8, U16, U32, U64, Enum8, Struct
-from coordinator_program.selection import DATA_DOMAIN, SEED_DOMAIN, WITNESS_DOMAIN
-from coordinator_program.state import (
+from coordinator_program.onchain.instance import INSTANCE_DISCRIMINATOR, INSTANCE_LAYOUT, INSTANCE_SEED, INSTANCE_SIZE
+from coordinator_program.spec import config, limits
+from coordinator_program.spec.bloom import COMPUTE_KEY_PREFIX, SALT_PREFIX
+from coordinator_program.spec.errors import ALL_ERRORS
+from coordinator_program.spec.instructions import INSTRUCTIONS
+from coordinator_program.spec.layout import BOOL, I64, U8, U16, U32, U64, Enum8, Struct
+from coordinator_program.spec.selection import DATA_DOMAIN, SEED_DOMAIN, WITNESS_DOMAIN
+from coordinator_program.spec.state import (
     ACCOUNT_DISCRIMINATOR,
     ACCOUNT_LAYOUT,
     ACCOUNT_SIZE,

@@ -56,8 +56,8 @@ def hostile_trainer() -> None:
     from client.pipeline.trainer import PipelineTrainer
     from client.runner import Contributor
     from client.witness.records import Commitment
-    from coordinator_program import rules
-    from coordinator_program.state import Role
+    from coordinator_program.spec import rules
+    from coordinator_program.spec.state import Role
 
     call = PipelineTrainer._call
 
@@ -99,8 +99,8 @@ def hostile_worker() -> None:
     from client.runner import Contributor
     from client.witness.judge import Evidence
     from client.witness.records import Report
-    from coordinator_program.bloom import build_filter
-    from coordinator_program.state import Role
+    from coordinator_program.spec.bloom import build_filter
+    from coordinator_program.spec.state import Role
 
     Evidence.filters = lambda self, state: (build_filter(state.config, []), build_filter(state.config, []))
     client.runner.unhealthy_clients = lambda state: [c.id for c in state.clients]

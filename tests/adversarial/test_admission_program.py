@@ -12,10 +12,10 @@ from solders.keypair import Keypair
 from solders.system_program import TransferParams, transfer
 from solders.transaction_metadata import TransactionMetadata
 
-from coordinator_program import rules
-from coordinator_program.instance import INSTANCE_SIZE, CoordinatorInstance, encode_instance, instance_address
-from coordinator_program.instructions import InitCoordinator
-from coordinator_program.state import encode_state
+from coordinator_program.onchain.instance import INSTANCE_SIZE, CoordinatorInstance, encode_instance, instance_address
+from coordinator_program.spec import rules
+from coordinator_program.spec.instructions import InitCoordinator
+from coordinator_program.spec.state import encode_state
 from tests.program.coordinator_chain import LAMPORTS_PER_SIGNATURE, ProgramChain, init_instructions, key, logs
 
 RUN_ID = "blocked.run"

@@ -22,15 +22,15 @@ from solders.system_program import TransferParams, transfer
 from solders.transaction import VersionedTransaction
 from typer.testing import CliRunner
 
+from client.backends.solana import SolanaBackend
 from client.cli import app
-from client.coordinator.solana import SolanaBackend
 from client.join.auth import AuthError, AuthSession
-from coordinator_program import errors
-from coordinator_program.instance import INSTANCE_SIZE, instance_address
-from coordinator_program.instructions import JoinRun
-from coordinator_program.program_id import PROGRAM_ID
-from coordinator_program.rules import NO_AUTHORITY
-from coordinator_program.state import ACCOUNT_SIZE, Phase, Role
+from coordinator_program.onchain.instance import INSTANCE_SIZE, instance_address
+from coordinator_program.onchain.program_id import PROGRAM_ID
+from coordinator_program.spec import errors
+from coordinator_program.spec.instructions import JoinRun
+from coordinator_program.spec.rules import NO_AUTHORITY
+from coordinator_program.spec.state import ACCOUNT_SIZE, Phase, Role
 from tests.join.test_auth import serving
 from tests.solana import conftest as solana
 

@@ -14,13 +14,13 @@ from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 from solders.signature import Signature
 
-from client.coordinator.backend import BackendError
-from client.coordinator.tcp import TcpBackend
+from client.backends.base import BackendError
+from client.backends.tcp import TcpBackend
 from client.join.auth import AuthError, AuthSession
-from coordinator_program import errors
-from coordinator_program.config import parse_run_spec
-from coordinator_program.instructions import Instruction, JoinRun, Tick
-from coordinator_program.state import Role
+from coordinator_program.spec import errors
+from coordinator_program.spec.config import parse_run_spec
+from coordinator_program.spec.instructions import Instruction, JoinRun, Tick
+from coordinator_program.spec.state import Role
 from local_backend import protocol as p
 from local_backend.auth_service import AuthHTTPServer
 from local_backend.server import CoordinatorServer

@@ -20,12 +20,12 @@ from pathlib import Path
 
 from solders.keypair import Keypair
 
-from client.coordinator.tcp import TcpBackend
-from coordinator_program import errors, rules
-from coordinator_program.bloom import build_filter, participant_key
-from coordinator_program.config import load_run_spec, parse_run_spec
-from coordinator_program.instructions import JoinRun, Tick
-from coordinator_program.state import CoordinatorState, Phase, Role
+from client.backends.tcp import TcpBackend
+from coordinator_program.spec import errors, rules
+from coordinator_program.spec.bloom import build_filter, participant_key
+from coordinator_program.spec.config import load_run_spec, parse_run_spec
+from coordinator_program.spec.instructions import JoinRun, Tick
+from coordinator_program.spec.state import CoordinatorState, Phase, Role
 from local_backend.server import CoordinatorServer
 from local_backend.store import RunStore
 from tests.program.coordinator_chain import training_swarm

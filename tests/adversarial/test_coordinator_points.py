@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from coordinator_program import rules
-from coordinator_program.instructions import Tick
+from coordinator_program.spec import rules
+from coordinator_program.spec.instructions import Tick
 from tests.program.coordinator_chain import training_swarm
 from tests.spec.scenario import MODEL, SMALL
 

@@ -17,10 +17,10 @@ from solders.message import Message
 from solders.transaction import VersionedTransaction
 from solders.transaction_metadata import SimulatedTransactionInfo
 
-from coordinator_program import rules
-from coordinator_program.config import Checkpoint, load_run_spec
-from coordinator_program.instructions import JoinRun, SetPaused, Tick, Update
-from coordinator_program.state import Phase, Role, decode_state
+from coordinator_program.spec import rules
+from coordinator_program.spec.config import Checkpoint, load_run_spec
+from coordinator_program.spec.instructions import JoinRun, SetPaused, Tick, Update
+from coordinator_program.spec.state import Phase, Role, decode_state
 from tests.program.coordinator_chain import ProgramChain, Replay, Swarm, program_instruction
 
 EXAMPLE = load_run_spec(Path(__file__).resolve().parents[2] / "examples" / "state.toml")

@@ -19,10 +19,10 @@ import pytest
 from solders.keypair import Keypair
 
 from client.witness.judge import unhealthy_clients
-from coordinator_program import errors, rules
-from coordinator_program.config import Checkpoint, load_run_spec, validate_config
-from coordinator_program.instructions import HealthCheck, Tick, Update
-from coordinator_program.state import Health, Phase
+from coordinator_program.spec import errors, rules
+from coordinator_program.spec.config import Checkpoint, load_run_spec, validate_config
+from coordinator_program.spec.instructions import HealthCheck, Tick, Update
+from coordinator_program.spec.state import Health, Phase
 from tests.program.coordinator_chain import ProgramChain, Replay, training_swarm
 
 EXAMPLE = load_run_spec(Path(__file__).resolve().parents[2] / "examples" / "state.toml")

@@ -25,13 +25,13 @@ import pytest
 from solders.keypair import Keypair
 from typer.testing import CliRunner
 
+from client.backends.tcp import TcpBackend
 from client.cli import app
 from client.commands.run import STOP_GRACE
-from client.coordinator.tcp import TcpBackend
 from client.identity import save_keypair
 from client.swarm.launcher import Swarm
-from coordinator_program import limits
-from coordinator_program.state import CoordinatorState, Phase, Role
+from coordinator_program.spec import limits
+from coordinator_program.spec.state import CoordinatorState, Phase, Role
 from tests.integration.test_swarm import tiny, watch
 from tests.solana.conftest import Localnet, localnet, new_run_id  # noqa: F401 - the fixture, for the no-SOL case
 

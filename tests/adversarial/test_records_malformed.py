@@ -7,7 +7,7 @@ import pytest
 
 from client.witness.judge import judge_round, judge_warmup
 from client.witness.records import MAX_RECEIPTS, MAX_TEXT, Commitment, Ready, RecordError, Report
-from coordinator_program.state import Role
+from coordinator_program.spec.state import Role
 from tests.witness.rounds import commitment, honest_round, receipt, report, run_with_keys, shares, workers_by_stage
 
 A_RECEIPT = receipt(b"\x01" * 32, "head", "head.0.1", 0, 1)

@@ -16,13 +16,13 @@ from types import SimpleNamespace
 import pytest
 from solders.keypair import Keypair
 
-from client.coordinator.backend import Backend
+from client.backends.base import Backend
 from client.runner import Contributor, RunnerOptions
 from client.sealed import store_sealed
 from client.witness.records import RECORD_TTL, Board, Commitment, Report
-from coordinator_program import rules
-from coordinator_program.instructions import Instruction, Witness, apply
-from coordinator_program.state import CoordinatorState, Phase, Role
+from coordinator_program.spec import rules
+from coordinator_program.spec.instructions import Instruction, Witness, apply
+from coordinator_program.spec.state import CoordinatorState, Phase, Role
 from tests.witness.rounds import (
     STAGES,
     hash_of,

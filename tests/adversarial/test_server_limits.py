@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 from solders.keypair import Keypair
 
-from client.coordinator.tcp import TcpBackend
-from coordinator_program.config import parse_run_spec
-from coordinator_program.state import Role
+from client.backends.tcp import TcpBackend
+from coordinator_program.spec.config import parse_run_spec
+from coordinator_program.spec.state import Role
 from local_backend import protocol as p
 from local_backend.peers import Limits, LogThrottle
 from local_backend.server import CoordinatorServer

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from solders.keypair import Keypair
 
-from client.coordinator.backend import BackendError
-from client.coordinator.tcp import TcpBackend
-from coordinator_program import rules
-from coordinator_program.state import Phase, Role, encode_state
+from client.backends.base import BackendError
+from client.backends.tcp import TcpBackend
+from coordinator_program.spec import rules
+from coordinator_program.spec.state import Phase, Role, encode_state
 from local_backend.server import CoordinatorServer
 from local_backend.store import RunStore
 from tests.adversarial.test_server_limits import SPEC

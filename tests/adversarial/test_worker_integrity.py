@@ -22,8 +22,8 @@ import torch
 from solders.keypair import Keypair
 
 from client.pipeline.admission import MAX_REQUEST_AGE, TrainerAllowed, any_signed_trainer, now_ms
+from client.pipeline.messages import decode_message, encode_message
 from client.pipeline.rpc import StageClient
-from client.pipeline.tensor_codec import decode_message, encode_message
 from client.pipeline.worker import StageWorker
 from tests.pipeline.conftest import TINY, signed_request
 
@@ -98,7 +98,7 @@ def start() -> Iterator[Callable[..., StageWorker]]:
 
 
 def snapshot(worker: StageWorker) -> list[torch.Tensor]:
-    with worker.backend.lock:
+    with worker.compute.lock:
         return [p.detach().clone() for p in worker.parameters()]
 
 
@@ -127,7 +127,7 @@ def test_hostile_gradient_is_refused_and_the_honest_ones_of_the_step_apply(start
     error = hostile.attack(hidden(), torch.full((B, T, D), scale))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "Backward refused" in error.details()
-    assert worker.backend.samples_accumulated == 3 * B
+    assert worker.compute.samples_accumulated == 3 * B
     assert len(worker.drain_receipts()) == 3  # no receipt for the refused contribution
     assert worker.step().applied and twin.step().applied
     after = snapshot(worker)
@@ -186,7 +186,7 @@ def test_backward_without_its_own_forward_is_refused(start) -> None:
         error = trainer.refused("Backward", trainer.backward_request(inputs, grad, name))
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, name
         assert "Forward" in error.details(), (name, error.details())
-    assert worker.backend.samples_accumulated == 0 and worker.drain_receipts() == []
+    assert worker.compute.samples_accumulated == 0 and worker.drain_receipts() == []
 
 
 def test_replayed_backward_is_refused(start) -> None:
@@ -202,7 +202,7 @@ def test_replayed_backward_is_refused(start) -> None:
     assert "already differentiated" in trainer.refused("Backward", backward).details()
     trainer.send("Forward", forward)  # harmless by itself: it computes, and changes nothing
     assert "already differentiated" in trainer.refused("Backward", backward).details()
-    assert worker.backend.samples_accumulated == B and len(worker.drain_receipts()) == 1
+    assert worker.compute.samples_accumulated == B and len(worker.drain_receipts()) == 1
 
     tail = StageWorker(TINY, "tail", run_id=RUN, max_batch_size=4).start()
     try:
@@ -211,7 +211,7 @@ def test_replayed_backward_is_refused(start) -> None:
         tail_backward = to_tail.request("Backward", {"input": inputs, "targets": targets}, microbatch="once")
         to_tail.send("Backward", tail_backward)
         assert "already differentiated" in to_tail.refused("Backward", tail_backward).details()
-        assert tail.backend.samples_accumulated == B
+        assert tail.compute.samples_accumulated == B
     finally:
         tail.stop(grace=0)
 
@@ -255,9 +255,9 @@ def test_unsigned_or_badly_signed_requests_are_refused(start) -> None:
         assert error.code() == grpc.StatusCode.UNAUTHENTICATED, (name, error.details())
     unsigned_forward = _altered(trainer.request("Forward", {"input": inputs}), signature="00" * 64)
     assert "not signed by trainer" in trainer.refused("Forward", unsigned_forward).details()
-    assert worker.backend.samples_accumulated == 0
+    assert worker.compute.samples_accumulated == 0
     trainer.send("Backward", genuine)  # the ticket survived every forgery
-    assert worker.backend.samples_accumulated == B
+    assert worker.compute.samples_accumulated == B
 
 
 def test_a_trainer_the_worker_does_not_serve_is_refused(start) -> None:
@@ -297,13 +297,13 @@ def test_a_request_signed_for_another_run_is_refused(start) -> None:
 
 
 def _force_huge_learning_rate(worker: StageWorker) -> None:
-    for group in worker.backend.optimizer.optimizer.param_groups:
+    for group in worker.compute.optimizer.optimizer.param_groups:
         group["lr"] = 1e39  # the step size overflows float32: torch raises half-way through the parameters
 
 
 def _plant_huge_momentum(worker: StageWorker) -> None:
-    state = worker.backend.optimizer.optimizer.state
-    first = worker.backend.optimizer.params[0]
+    state = worker.compute.optimizer.optimizer.state
+    first = worker.compute.optimizer.params[0]
     state[first]["exp_avg"][0] = 3e38  # finite, but divided by a tiny second moment it makes the update infinite
 
 
@@ -320,7 +320,7 @@ def test_a_step_that_would_be_non_finite_is_not_applied(start, caplog, force) ->
     assert worker.step().applied
     for inputs, grad in honest_batch(2):
         trainer.microbatch(inputs, grad)
-    optimizer = worker.backend.optimizer.optimizer
+    optimizer = worker.compute.optimizer.optimizer
     force(worker)
     before, state_before = snapshot(worker), copy.deepcopy(optimizer.state_dict())
     with caplog.at_level(logging.WARNING, logger="client.pipeline.optim"):
@@ -333,7 +333,7 @@ def test_a_step_that_would_be_non_finite_is_not_applied(start, caplog, force) ->
     assert state.keys() == state_before["state"].keys()
     for key, values in state_before["state"].items():
         assert all(torch.equal(values[name], state[key][name]) for name in values)
-    assert worker.backend.steps == 1
+    assert worker.compute.steps == 1
     assert bool(torch.isfinite(trainer.forward(hidden(), "after")).all())
     if force is _force_huge_learning_rate:
         for group in optimizer.param_groups:

@@ -16,8 +16,8 @@ from client.averaging.gradients import GradAveraging
 from client.join.stage_replica import StageReplica
 from client.join.sync import SyncPhase
 from client.pipeline.worker import StepStats
-from coordinator_program.config import parse_run_spec
-from coordinator_program.state import CoordinatorState, Phase
+from coordinator_program.spec.config import parse_run_spec
+from coordinator_program.spec.state import CoordinatorState, Phase
 from tests.join.test_stage_replica import SPEC  # the same small run
 
 
@@ -46,12 +46,12 @@ def make_replica(own_dht) -> Iterator[Callable[[CoordinatorState], StageReplica]
 def accumulate(replica: StageReplica, seed: int, samples: int) -> list[torch.Tensor]:
     """Put a gradient sum over ``samples`` samples in the worker's ``.grad``, as its backward passes would."""
     generator = torch.Generator().manual_seed(seed)
-    backend = replica.worker.backend
+    compute = replica.worker.compute
     sums = []
-    for param in backend.optimizer.params:
+    for param in compute.optimizer.params:
         param.grad = torch.randn(param.shape, generator=generator) * samples
         sums.append(param.grad.clone())
-    backend.samples_accumulated = samples
+    compute.samples_accumulated = samples
     return sums
 
 
@@ -82,7 +82,7 @@ def step_together(replicas: list[StageReplica], swarm_step: int) -> list[StepSta
 
 
 def parameters(replica: StageReplica) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in replica.worker.backend.optimizer.params]
+    return [p.detach().clone() for p in replica.worker.compute.optimizer.params]
 
 
 @pytest.mark.parametrize("mode", ["full", "powersgd"])
@@ -114,7 +114,7 @@ def test_a_syncing_worker_steps_with_its_peers_gradient_and_adds_nothing(make_re
     accumulate(syncing, seed=99, samples=4)  # far from the active one's: it must not count
     for replica in (active, alone):
         accumulate(replica, seed=1, samples=4)
-    alone.worker.backend.optimizer.gradient_exchange = None
+    alone.worker.compute.optimizer.gradient_exchange = None
     alone.worker.step()
     step_together([active, syncing], 0)
     for a, b, c in zip(parameters(active), parameters(syncing), parameters(alone), strict=True):

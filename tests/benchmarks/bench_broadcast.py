@@ -23,8 +23,8 @@ from pathlib import Path
 
 from solders.keypair import Keypair
 
-from coordinator_program.instructions import JoinRun
-from coordinator_program.state import ACCOUNT_SIZE, Role
+from coordinator_program.spec.instructions import JoinRun
+from coordinator_program.spec.state import ACCOUNT_SIZE, Role
 from local_backend import protocol as p
 
 STATE_TOML = """

@@ -121,7 +121,7 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
         for replicas in workers.values():
             for w in replicas:
                 grad_averagers.append(GradientAverager.for_worker(w, w.dht, seed=config.seed, settings=gradients))
-                w.backend.optimizer.gradient_exchange = grad_averagers[-1].exchange(lambda: current["round"],
+                w.compute.optimizer.gradient_exchange = grad_averagers[-1].exchange(lambda: current["round"],
                                                                                     float)
     directory = WorkerDirectory(bootstrap, run_id, config.fingerprint())
     trainer = PipelineTrainer(config, dataset, directory, run_id=run_id, max_inflight=args.inflight, refresh_period=1.0)
@@ -154,7 +154,7 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
                 samples = dict.fromkeys(samples, 0)
             if (round_ + 1) % 50 == 0:
                 print(f"  {run.name}: round {round_ + 1}, loss {statistics.fmean(run.losses[-50:]):.4f}", flush=True)
-        modules = {s: [w.backend.module for w in replicas] for s, replicas in workers.items()}
+        modules = {s: [w.compute.module for w in replicas] for s, replicas in workers.items()}
         for r in range(args.workers_per_stage):
             run.held_out[f"replica chain {r}"] = evaluate([modules[s][r] for s in names], dataset, held_out)
         mean_stages = []

@@ -21,11 +21,11 @@ from collections import defaultdict
 
 from solders.keypair import Keypair
 
-from coordinator_program import limits, rules
-from coordinator_program.bloom import build_filter, compute_key, participant_key
-from coordinator_program.config import Checkpoint, CheckpointKind, Config, Model, bloom_params
-from coordinator_program.instance import INSTANCE_SIZE
-from coordinator_program.instructions import (
+from coordinator_program.onchain.instance import INSTANCE_SIZE
+from coordinator_program.spec import limits, rules
+from coordinator_program.spec.bloom import build_filter, compute_key, participant_key
+from coordinator_program.spec.config import Checkpoint, CheckpointKind, Config, Model, bloom_params
+from coordinator_program.spec.instructions import (
     CheckpointReport,
     HealthCheck,
     Instruction,
@@ -37,7 +37,7 @@ from coordinator_program.instructions import (
     Withdraw,
     Witness,
 )
-from coordinator_program.state import ACCOUNT_SIZE, Health, Phase, Role
+from coordinator_program.spec.state import ACCOUNT_SIZE, Health, Phase, Role
 from tests.program.coordinator_chain import ProgramChain, Replay, key
 
 SIZES = (1, 64, 128, limits.MAX_CLIENTS)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import random
 import time
 
-from coordinator_program import limits, rules
-from coordinator_program.bloom import build_filter, compute_key, contains_raw, participant_key
-from coordinator_program.config import (
+from coordinator_program.facts import config_facts
+from coordinator_program.spec import limits, rules
+from coordinator_program.spec.bloom import build_filter, compute_key, contains_raw, participant_key
+from coordinator_program.spec.config import (
     DEFAULT_BLOOM_ERROR_RATE,
     Checkpoint,
     Config,
@@ -25,8 +26,7 @@ from coordinator_program.config import (
     largest_max_clients,
     predicted_false_positive_rate,
 )
-from coordinator_program.facts import config_facts
-from coordinator_program.state import ACCOUNT_SIZE, Phase, Role, encode_state
+from coordinator_program.spec.state import ACCOUNT_SIZE, Phase, Role, encode_state
 
 PSYCHE_ACCOUNT_BYTES = 119_160
 AUTHORITY = b"\xaa" * 32

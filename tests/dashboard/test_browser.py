@@ -28,13 +28,13 @@ from pathlib import Path
 import pytest
 from solders.keypair import Keypair
 
-from client.coordinator.tcp import TcpBackend
+from client.backends.tcp import TcpBackend
 from client.join.auth import AuthClient
 from client.swarm.launcher import free_port
-from coordinator_program import rules
-from coordinator_program.bloom import build_filter, compute_key, participant_key
-from coordinator_program.errors import CoordinatorError
-from coordinator_program.state import Phase, Role
+from coordinator_program.spec import rules
+from coordinator_program.spec.bloom import build_filter, compute_key, participant_key
+from coordinator_program.spec.errors import CoordinatorError
+from coordinator_program.spec.state import Phase, Role
 from local_backend.auth_service import AuthHTTPServer
 from tests.join.test_auth import serving
 

@@ -12,14 +12,14 @@ from solders.keypair import Keypair
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
+from client.backends.tcp import TcpBackend
 from client.cli import app
 from client.commands.dashboard import MAX_CONTRIBUTORS_BYTES, contributors_reader
-from client.coordinator.tcp import TcpBackend
 from client.dashboard.app import create_app
 from client.dashboard.feed import Feed
 from client.swarm.launcher import free_port
-from coordinator_program.config import parse_run_spec
-from coordinator_program.rules import NO_AUTHORITY
+from coordinator_program.spec.config import parse_run_spec
+from coordinator_program.spec.rules import NO_AUTHORITY
 from local_backend.server import CoordinatorServer
 from local_backend.store import RunStore
 

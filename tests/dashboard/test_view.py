@@ -19,10 +19,10 @@ from client.dashboard.view import (
     witnesses,
 )
 from client.pipeline.discovery import WorkerRecord
-from coordinator_program import rules
-from coordinator_program.bloom import build_filter
-from coordinator_program.config import Checkpoint, CheckpointKind
-from coordinator_program.state import LedgerEntry, Phase
+from coordinator_program.spec import rules
+from coordinator_program.spec.bloom import build_filter
+from coordinator_program.spec.config import Checkpoint, CheckpointKind
+from coordinator_program.spec.state import LedgerEntry, Phase
 from tests.spec.scenario import full_filter, ident, join_pipeline, new_run, start_training
 
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from client.cli import app
 from client.data import TokenDataset, open_dataset
-from coordinator_program.config import Tokenizer, load_run_spec
+from coordinator_program.spec.config import Tokenizer, load_run_spec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from client.cli import app
 from client.data import ByteDataset, TokenDataset
 from client.runner import CannotContribute, Contributor, RunnerOptions
-from coordinator_program.state import Role
+from coordinator_program.spec.state import Role
 from tests.data.conftest import TOKENIZER_DIGEST, write_token_dir
 from tests.witness.rounds import run_with_keys
 

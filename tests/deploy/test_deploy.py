@@ -23,12 +23,13 @@ from typer.testing import CliRunner
 
 from client.cli import app
 from client.identity import save_keypair
-from coordinator_program import deploy, rules
-from coordinator_program.instance import CoordinatorInstance, encode_instance
-from coordinator_program.instructions import CloseRun, InitCoordinator
+from coordinator_program.onchain import deploy
+from coordinator_program.onchain.instance import CoordinatorInstance, encode_instance
+from coordinator_program.onchain.program_id import PROGRAM_ID
 from coordinator_program.program.build import DEFAULT_OUTPUT
-from coordinator_program.program_id import PROGRAM_ID
-from coordinator_program.state import ACCOUNT_SIZE, encode_state
+from coordinator_program.spec import rules
+from coordinator_program.spec.instructions import CloseRun, InitCoordinator
+from coordinator_program.spec.state import ACCOUNT_SIZE, encode_state
 from tests.program.coordinator_chain import init_instructions, program_instruction
 from tests.program.sbpf_harness import build_fixture, clang_missing
 from tests.solana.conftest import Localnet

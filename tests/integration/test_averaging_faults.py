@@ -12,7 +12,7 @@ from pathlib import Path
 
 from client.identity import load_keypair
 from client.swarm.launcher import Swarm
-from coordinator_program.state import CoordinatorState, Health, Phase
+from coordinator_program.spec.state import CoordinatorState, Health, Phase
 from tests.integration.test_join_flow import wait_for_line
 from tests.integration.test_swarm import TINY, fail_with_logs, watch
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from client.identity import load_keypair
-from coordinator_program.state import CoordinatorState, Health, Phase
+from coordinator_program.spec.state import CoordinatorState, Health, Phase
 from tests.integration.test_swarm import CommittedLosses, fail_with_logs, watch
 
 ROUNDS = 6

@@ -20,7 +20,7 @@ from solders.keypair import Keypair
 from client.identity import save_keypair
 from client.pipeline.model import ModelConfig, build_stage
 from client.swarm.launcher import Swarm
-from coordinator_program.state import Phase
+from coordinator_program.spec.state import Phase
 from tests.fake_hub import FakeHub
 from tests.integration.test_swarm import TINY, fail_with_logs, watch
 

@@ -40,11 +40,11 @@ class Trainer:
             self.client.call(method, request, timeout=30)
 
     def refused(self, start: int, microbatch: str | None = None) -> str:
-        samples = self.worker.backend.samples_accumulated
+        samples = self.worker.compute.samples_accumulated
         with pytest.raises(grpc.RpcError) as raised:
             self.microbatch(start, microbatch)
         assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert self.worker.backend.samples_accumulated == samples, "a refused Backward accumulates nothing"
+        assert self.worker.compute.samples_accumulated == samples, "a refused Backward accumulates nothing"
         return raised.value.details()
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from client.coordinator.backend import Backend
+from client.backends.base import Backend
 from client.identity import load_keypair
 from client.swarm.launcher import Swarm
 from client.witness.records import Board, Commitment
-from coordinator_program.state import CoordinatorState, Phase, Role
+from coordinator_program.spec.state import CoordinatorState, Phase, Role
 from tests.fake_hub import FakeHub
 
 TINY = """

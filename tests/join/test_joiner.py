@@ -38,7 +38,7 @@ def announced_phase(directory: WorkerDirectory, uid: str, phase: int) -> bool:
 
 
 def flat(worker: StageWorker) -> torch.Tensor:
-    with worker.backend.lock:
+    with worker.compute.lock:
         return torch.cat([p.detach().reshape(-1).clone() for p in worker.parameters()])
 
 

@@ -15,8 +15,8 @@ from solders.keypair import Keypair
 from client.join.checkpoints import save_snapshot, save_stage, snapshot_root
 from client.join.stage_replica import StageReplica, StateSources
 from client.join.sync import SyncPhase
-from coordinator_program.config import Checkpoint, CheckpointKind, parse_run_spec
-from coordinator_program.state import CoordinatorState, Phase
+from coordinator_program.spec.config import Checkpoint, CheckpointKind, parse_run_spec
+from coordinator_program.spec.state import CoordinatorState, Phase
 from tests.fake_hub import FakeHub
 
 SPEC = {"run_id": "replica", "config": {"min_clients": 4, "max_clients": 8, "num_stages": 3, "witness_nodes": 1,
@@ -53,7 +53,7 @@ def make_replica(own_dht) -> Iterator[Callable[..., StageReplica]]:
 
 
 def perturbed(replica: StageReplica, by: float) -> dict[str, torch.Tensor]:
-    return {k: v + by for k, v in replica.worker.backend.module.state_dict().items()}
+    return {k: v + by for k, v in replica.worker.compute.module.state_dict().items()}
 
 
 def test_a_missing_snapshot_falls_back_to_the_runs_checkpoint_with_its_step(make_replica, run_id: str,
@@ -66,7 +66,7 @@ def test_a_missing_snapshot_falls_back_to_the_runs_checkpoint_with_its_step(make
     sources = StateSources(snapshot=("org/none", "main"), hf_endpoint=fake_hub.url)  # the Hub has no such repo
     found = replica.load(state, 1, sources, lambda: None)
     assert found is not None and found.source.startswith("local:") and replica.local_step == 7
-    assert all(torch.equal(v, saved[k]) for k, v in replica.worker.backend.module.state_dict().items())
+    assert all(torch.equal(v, saved[k]) for k, v in replica.worker.compute.module.state_dict().items())
 
 
 def test_the_snapshot_comes_first_and_a_lone_worker_starts_active(make_replica, run_id: str, tmp_path: Path,
@@ -129,7 +129,7 @@ def test_a_stage_that_emptied_restarts_from_its_newest_snapshot_not_the_seed(mak
     checkpoint = Checkpoint(CheckpointKind.Local, 0b101, str(tmp_path / run_id), "epoch-0")
     state = run_state(run_id, 10, checkpoint)
     replica = make_replica(state)
-    seed = {k: v.clone() for k, v in replica.worker.backend.module.state_dict().items()}
+    seed = {k: v.clone() for k, v in replica.worker.compute.module.state_dict().items()}
     root = snapshot_root(tmp_path, run_id)
     save_snapshot(root, "body1", perturbed(replica, 0.5), 6)
     newest = perturbed(replica, 0.75)
@@ -138,7 +138,7 @@ def test_a_stage_that_emptied_restarts_from_its_newest_snapshot_not_the_seed(mak
     found = replica.load(state, 1, StateSources(snapshots=root), lambda: None)
     assert found is not None and found.step == 8 and replica.local_step == 8
     assert found.source == f"local:{root / 'step-8' / 'body1.safetensors'}"
-    params = replica.worker.backend.module.state_dict()
+    params = replica.worker.compute.module.state_dict()
     assert all(torch.equal(v, newest[k]) for k, v in params.items())
     assert not any(torch.equal(v, seed[k]) for k, v in params.items() if v.is_floating_point())
     assert replica.begin(10) == SyncPhase.ACTIVE  # alone: it is the stage, two steps behind the swarm
@@ -160,20 +160,20 @@ def test_snapshots_are_ignored_at_step_0_and_a_broken_one_falls_back_to_the_next
 def test_each_step_takes_the_rate_the_runs_schedule_gives_it(make_replica, run_id: str) -> None:
     """Warmup then cosine decay: AdamW's first step moves every parameter by about the rate, so the move shows the
     rate the worker really used, step by step."""
-    from coordinator_program.schedule import learning_rate
+    from coordinator_program.spec.schedule import learning_rate
 
     spec = parse_run_spec({**SPEC, "run_id": run_id, "model": {
         **SPEC["model"], "lr_schedule": "warmup_cosine", "warmup_steps": 4, "lr_floor": 0.001}})
     state = dataclasses.replace(run_state(run_id, 0), model=spec.model)
     for swarm_step in (0, 3, 4, 60, 99):
         replica = make_replica(state)
-        backend = replica.worker.backend
-        before = [p.detach().clone() for p in backend.parameters()]
-        for param in backend.module.parameters():
+        compute = replica.worker.compute
+        before = [p.detach().clone() for p in compute.parameters()]
+        for param in compute.module.parameters():
             param.grad = torch.ones_like(param)
-        backend.samples_accumulated = 1
+        compute.samples_accumulated = 1
         assert replica.step(swarm_step).applied
-        moved = max(float((p - b).abs().max()) for p, b in zip(backend.parameters(), before, strict=True))
+        moved = max(float((p - b).abs().max()) for p, b in zip(compute.parameters(), before, strict=True))
         expected = learning_rate(spec.model, spec.config.total_steps, swarm_step)
         assert moved == pytest.approx(expected, rel=0.05), swarm_step
     assert learning_rate(spec.model, 100, 0) == pytest.approx(0.0025)  # a quarter of the peak: the warmup's first

@@ -98,14 +98,14 @@ class Peer:
                  config: ModelConfig = TINY) -> None:
         self.worker = StageWorker(config, "body1", run_id=run_id)
         if seed is not None:
-            self.worker.backend.module.load_state_dict(perturbed_state(seed))
+            self.worker.compute.module.load_state_dict(perturbed_state(seed))
         self.step = step
         self.averager: SpartaAverager = make_averager(
-            list(self.worker.backend.module.named_parameters()), lock=self.worker.backend.lock, partitions=2,
+            list(self.worker.compute.module.named_parameters()), lock=self.worker.compute.lock, partitions=2,
             seed=config.seed, state_provider=worker_state_provider(self.worker, lambda: self.step))
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.worker.backend.module.state_dict().items()}
+        return {k: v.clone() for k, v in self.worker.compute.module.state_dict().items()}
 
 
 def identity(run_id: str) -> dict[str, str]:
@@ -118,13 +118,13 @@ def test_state_comes_from_a_sharing_peer_with_a_full_progress_count(make_average
     joiner = Peer(make_averager, run_id, seed=None)
     donor.averager.sharing = True
     assert not silent.averager.sharing
-    state = download_from_peers(joiner.averager, joiner.worker.backend.module, identity(run_id), timeout=DONOR_WAIT,
+    state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id), timeout=DONOR_WAIT,
                                 progress=False)
     assert (state.step, state.source) == (57, "peers")
     assert same(state.tensors, donor.state())
     expected_bytes = sum(t.numel() * t.element_size() for t in donor.state().values())
     assert joiner.averager.bytes_received == expected_bytes
-    load_stage_state(joiner.worker.backend.module, state, joiner.worker.backend.lock)
+    load_stage_state(joiner.worker.compute.module, state, joiner.worker.compute.lock)
     assert same(joiner.state(), donor.state())
 
 
@@ -136,21 +136,21 @@ def test_a_donor_of_another_model_is_refused_and_the_next_is_used(make_averager,
     for peer in (good, liar):
         peer.averager.sharing = True
         peer.averager.set_sharing_priority(peer.step)
-    state = download_from_peers(joiner.averager, joiner.worker.backend.module, identity(run_id), timeout=DONOR_WAIT,
+    state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id), timeout=DONOR_WAIT,
                                 progress=False)
     assert state.step == 10 and same(state.tensors, good.state())
 
     good.averager.sharing = False
     time.sleep(0.5)  # the averager withdraws its declaration from the DHT in the background
     with pytest.raises(StateDownloadError, match="this node needs"):  # it waits its whole timeout: only the liar
-        download_from_peers(joiner.averager, joiner.worker.backend.module, identity(run_id), timeout=10,
+        download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id), timeout=10,
                             progress=False)
 
 
 def test_no_donor_is_a_clear_error(make_averager, run_id: str) -> None:
     joiner = Peer(make_averager, run_id, seed=None)
     with pytest.raises(StateDownloadError, match="no same-stage peer shares its state"):
-        download_from_peers(joiner.averager, joiner.worker.backend.module, identity(run_id), timeout=2,
+        download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id), timeout=2,
                             progress=False)
 
 
@@ -184,7 +184,7 @@ def test_a_state_download_requested_during_averaging_waits_for_the_window(make_a
     def join() -> None:
         window.wait(lambda: swarm_step[0], poll=0.02)
         events["download"] = time.monotonic()
-        got["state"] = download_from_peers(joiner.averager, joiner.worker.backend.module, identity(run_id),
+        got["state"] = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id),
                                            timeout=30, progress=False)
 
     pre_round = peers[0].state()
@@ -199,7 +199,7 @@ def test_a_state_download_requested_during_averaging_waits_for_the_window(make_a
     joining.start()
     # The donor itself, asked mid-round, holds the request until its round ends.
     direct = Peer(make_averager, run_id, seed=None)
-    mid_round = download_from_peers(direct.averager, direct.worker.backend.module, identity(run_id), timeout=30,
+    mid_round = download_from_peers(direct.averager, direct.worker.compute.module, identity(run_id), timeout=30,
                                     progress=False)
     for thread in averaging:
         thread.join(timeout=30)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from client.join.sync import ACTIVE_LINE, PHASE1_LINE, PHASE2_LINE, SyncPhase, SyncPolicy, SyncTracker
-from coordinator_program.config import Model
+from coordinator_program.spec.config import Model
 
 
 def tracker(phase1: int = 400, phase2: int = 100, stale: int = 5) -> tuple[SyncTracker, list[str]]:

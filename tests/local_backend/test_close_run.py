@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from solders.keypair import Keypair
 
-from coordinator_program import errors
-from coordinator_program.instructions import CloseRun, SetPaused
-from coordinator_program.rules import NO_AUTHORITY
-from coordinator_program.state import Phase, encode_state
+from coordinator_program.spec import errors
+from coordinator_program.spec.instructions import CloseRun, SetPaused
+from coordinator_program.spec.rules import NO_AUTHORITY
+from coordinator_program.spec.state import Phase, encode_state
 from local_backend.server import CoordinatorServer
 from local_backend.store import RunStore
 from tests.local_backend.test_server import SPEC

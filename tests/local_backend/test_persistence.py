@@ -13,8 +13,8 @@ from pathlib import Path
 
 from solders.keypair import Keypair
 
-from client.coordinator.tcp import TcpBackend
-from coordinator_program.state import Phase, Role, decode_state
+from client.backends.tcp import TcpBackend
+from coordinator_program.spec.state import Phase, Role, decode_state
 from local_backend.store import RunStore
 
 STATE_TOML = """

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from solders.keypair import Keypair
 
-from client.coordinator.backend import BackendError
-from client.coordinator.tcp import TcpBackend
-from coordinator_program import errors, rules
-from coordinator_program.bloom import build_filter, participant_key
-from coordinator_program.config import RunSpec, parse_run_spec
-from coordinator_program.instructions import JoinRun, Tick
-from coordinator_program.state import Phase, Role, encode_state
+from client.backends.base import BackendError
+from client.backends.tcp import TcpBackend
+from coordinator_program.spec import errors, rules
+from coordinator_program.spec.bloom import build_filter, participant_key
+from coordinator_program.spec.config import RunSpec, parse_run_spec
+from coordinator_program.spec.instructions import JoinRun, Tick
+from coordinator_program.spec.state import Phase, Role, encode_state
 from local_backend import protocol as p
 from local_backend.peers import Limits
 from local_backend.server import CoordinatorServer

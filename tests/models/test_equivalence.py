@@ -62,10 +62,10 @@ def test_pipeline_trains_a_hf_model_as_one_process_does(architecture, dht, run_i
     for stage in spec.stage_names():
         wait_until(lambda s=stage: directory.workers(s), what=f"a worker of {stage}")
     trainer = PipelineTrainer(spec, dataset, directory, run_id=run_id, refresh_period=0.5, stall_timeout=30.0)
-    reference = UnsplitReference(spec, {w.stage: list(w.backend.module.state_dict()) for w in workers})
+    reference = UnsplitReference(spec, {w.stage: list(w.compute.module.state_dict()) for w in workers})
     full = reference.model.state_dict()
     for worker in workers:  # built apart, from the run's seed alone
-        assert all(torch.equal(v, full[k]) for k, v in worker.backend.module.state_dict().items())
+        assert all(torch.equal(v, full[k]) for k, v in worker.compute.module.state_dict().items())
     initial = {k: v.clone() for k, v in full.items()}
     try:
         for round_ in range(ROUNDS):
@@ -79,7 +79,7 @@ def test_pipeline_trains_a_hf_model_as_one_process_does(architecture, dht, run_i
             reference.step()
             full = reference.model.state_dict()
             for worker in workers:
-                for key, value in worker.backend.module.state_dict().items():
+                for key, value in worker.compute.module.state_dict().items():
                     torch.testing.assert_close(value, full[key], rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=key)
     finally:
         trainer.close()

@@ -98,12 +98,12 @@ def test_a_model_trained_through_the_pipeline_exports_loads_and_computes_the_sam
         trainer.train(range(STEPS * STEP_SAMPLES), microbatch_size=MICROBATCH)
     finally:
         trainer.close()
-    assert all(worker.backend.steps == STEPS for worker in workers)
+    assert all(worker.compute.steps == STEPS for worker in workers)
     checkpoint = tmp_path / "checkpoints" / run_id / revision_for(1)
     for worker in workers:
-        module = worker.backend.module
+        module = worker.compute.module
         save_stage(checkpoint, worker.stage, module.state_dict(), STEPS,
-                   named_optimizer_state(module, worker.backend.optimizer.optimizer))
+                   named_optimizer_state(module, worker.compute.optimizer.optimizer))
 
     output = tmp_path / "exported"
     code, out = export_cli("--run-id", run_id, "--config", str(state_toml(tmp_path / "state.toml", run_id, source)),
@@ -112,7 +112,7 @@ def test_a_model_trained_through_the_pipeline_exports_loads_and_computes_the_sam
     assert f"exported {run_id} (epoch 1, step {STEPS})" in out
     model = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()
     ids = SyntheticTokens().batch(range(100, 102))
-    expected, pipeline_loss = pipeline_logits([w.backend.module for w in workers], ids)
+    expected, pipeline_loss = pipeline_logits([w.compute.module for w in workers], ids)
     with torch.no_grad():
         got = model(ids[:, :-1], labels=ids[:, :-1])
     assert torch.allclose(got.logits, expected, atol=LOGITS_ATOL, rtol=0), (got.logits - expected).abs().max()
@@ -201,7 +201,7 @@ def test_a_checkpoint_that_is_not_the_runs_model_is_refused_and_writes_no_model(
 
 
 def test_the_runs_model_is_read_from_its_coordinator(source: Path, tmp_path: Path) -> None:
-    from coordinator_program.config import load_run_spec
+    from coordinator_program.spec.config import load_run_spec
     from tests.local_backend.test_server import run_with_server
 
     spec = spec_of(source)

@@ -12,7 +12,7 @@ from solders.keypair import Keypair
 
 from client.models import config_digest
 from client.runner import CannotContribute, Contributor, RunnerOptions
-from coordinator_program.state import Role
+from coordinator_program.spec.state import Role
 from tests.witness.rounds import run_with_keys
 
 from .conftest import tiny_config

@@ -24,7 +24,7 @@ from client.models import (
 )
 from client.models.stages import UnsupportedModel
 from client.pipeline.model import ModelConfig
-from coordinator_program.config import Config, Model, Tokenizer, parse_run_spec
+from coordinator_program.spec.config import Config, Model, Tokenizer, parse_run_spec
 
 from .conftest import tiny_config, whole_model
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from solders.keypair import Keypair
 
+from client.pipeline.messages import decode_message
 from client.pipeline.rpc import StageClient
-from client.pipeline.tensor_codec import decode_message
 from client.pipeline.worker import StageWorker
 from tests.pipeline.conftest import signed_request
 
@@ -41,7 +41,7 @@ def test_a_head_refuses_ids_outside_its_vocabulary_and_keeps_serving(head, bad) 
                     timeout=10)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"outside 0..{VOCAB - 1}" in raised.value.details() or "sequence length" in raised.value.details()
-    assert worker.backend.samples_accumulated == 0
+    assert worker.compute.samples_accumulated == 0
     assert all(torch.equal(a, b) for a, b in zip(before, worker.parameters(), strict=True))
     ok = torch.full((2, SEQ_LEN), VOCAB - 1, dtype=torch.int64)
     _, out = decode_message(client.call("Forward", signed_request(TRAINER, "head", "Forward", {"input": ok}),

@@ -14,8 +14,8 @@ from solders.keypair import Keypair
 from client.data import ByteDataset, open_byte_dataset
 from client.pipeline.admission import RequestHeader, encode_request, now_ms
 from client.pipeline.discovery import WorkerDirectory
+from client.pipeline.messages import decode_message, encode_message, tensor_digest
 from client.pipeline.model import ModelConfig
-from client.pipeline.tensor_codec import decode_message, encode_message, tensor_digest
 from client.pipeline.worker import StageWorker
 
 TINY = ModelConfig(n_layers=3, d_model=32, n_heads=2, seq_len=16, num_stages=3, seed=7)

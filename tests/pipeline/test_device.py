@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 from client.cli import app
 from client.identity import save_keypair
 from client.pipeline import device as devices
-from client.pipeline.backend import StageBackend
+from client.pipeline.compute import StageCompute
 from client.pipeline.device import DeviceError, compute_dtype, parse_device
+from client.pipeline.messages import decode_message
 from client.pipeline.optim import OptimizerConfig
-from client.pipeline.tensor_codec import decode_message
 from tests.pipeline.conftest import TINY, signed_request
 
 TRAINER = Keypair()
@@ -63,22 +63,22 @@ def test_a_gpu_without_bf16_computes_in_float32(one_gpu, monkeypatch) -> None:
 
 
 def test_a_cpu_stage_computes_and_keeps_everything_in_float32() -> None:
-    backend = StageBackend(TINY, "body1", OptimizerConfig(), uid="body1.0.0", run_id="psyswarm", max_batch_size=4,
+    compute = StageCompute(TINY, "body1", OptimizerConfig(), uid="body1.0.0", run_id="psyswarm", max_batch_size=4,
                            device=parse_device("cpu"))
     x = torch.randn(2, TINY.seq_len, TINY.d_model, generator=torch.Generator().manual_seed(0))
     grad = torch.randn(2, TINY.seq_len, TINY.d_model, generator=torch.Generator().manual_seed(1))
-    expected = backend.module(x)
-    _, out = decode_message(backend.forward(backend.parse(signed_request(TRAINER, "body1", "Forward", {"input": x}),
+    expected = compute.module(x)
+    _, out = decode_message(compute.forward(compute.parse(signed_request(TRAINER, "body1", "Forward", {"input": x}),
                                                           backward=False)), max_elements=10**6)
     assert out["output"].dtype == torch.float32 and torch.equal(out["output"], expected.detach())
     payload = signed_request(TRAINER, "body1", "Backward", {"input": x, "grad_output": grad})
-    response, _ = backend.backward(backend.parse(payload, backward=True))
+    response, _ = compute.backward(compute.parse(payload, backward=True))
     _, back = decode_message(response, max_elements=10**6)
     assert back["grad_input"].dtype == torch.float32
-    assert backend.step().applied
-    state = [t for s in backend.optimizer.optimizer.state.values() for t in s.values()]
+    assert compute.step().applied
+    state = [t for s in compute.optimizer.optimizer.state.values() for t in s.values()]
     assert state and all(t.dtype == torch.float32 for t in state)
-    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in backend.module.parameters())
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in compute.module.parameters())
 
 
 COMMANDS = {"worker": ["worker", "--stage", "head", "--run-id", "r"],

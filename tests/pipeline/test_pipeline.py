@@ -123,7 +123,7 @@ def test_backward_fails_over_when_its_forward_worker_is_lost(fault, start_worker
     trainer = make_trainer()
     ran_on_victim: set[str] = set()
     lost: list[str] = []
-    victim_forward, tail_backward = victim.backend.forward, tail.backend.backward
+    victim_forward, tail_backward = victim.compute.forward, tail.compute.backward
 
     def forward(request):
         ran_on_victim.add(request.microbatch_id)
@@ -139,7 +139,7 @@ def test_backward_fails_over_when_its_forward_worker_is_lost(fault, start_worker
                 trainer.routers["body1"].ban(victim.uid)
         return tail_backward(request)
 
-    victim.backend.forward, tail.backend.backward = forward, backward
+    victim.compute.forward, tail.compute.backward = forward, backward
     with caplog.at_level(logging.INFO, logger="client.pipeline.trainer"):
         result = trainer.train(range(12), microbatch_size=2)
     assert len(result.losses) == 6 and all(torch.isfinite(torch.tensor(result.losses)))
@@ -159,7 +159,7 @@ def test_backward_runs_the_forward_again_after_its_worker_stepped(start_worker, 
     body = start_worker("body1")
     wait_for_stages(directory, dict.fromkeys(STAGES, 1))
     stepped: list[str] = []
-    tail_backward = tail.backend.backward
+    tail_backward = tail.compute.backward
 
     def backward(request):
         if not stepped:  # between body1's forward and its backward of this microbatch
@@ -167,7 +167,7 @@ def test_backward_runs_the_forward_again_after_its_worker_stepped(start_worker, 
             body.step()
         return tail_backward(request)
 
-    tail.backend.backward = backward
+    tail.compute.backward = backward
     with caplog.at_level(logging.INFO, logger="client.pipeline.trainer"):
         result = make_trainer().train(range(4), microbatch_size=2)
     assert len(result.losses) == 2 and stepped

@@ -16,13 +16,13 @@ from solders.keypair import Keypair
 from client.data import ByteDataset
 from client.pipeline.discovery import STATE_UP, WorkerRecord
 from client.pipeline.local import LocalTrainer
+from client.pipeline.messages import MAX_SCALE, BlockQuantized, decode_message
 from client.pipeline.rpc import StageClient
-from client.pipeline.tensor_codec import MAX_SCALE, BlockQuantized, decode_message
 from client.pipeline.trainer import PipelineError, PipelineTrainer
 from client.pipeline.wire import WIRE_CODECS, to_wire
 from client.pipeline.worker import StageWorker
-from coordinator_program.config import WireCodec, parse_run_spec
-from coordinator_program.state import CoordinatorState, Phase
+from coordinator_program.spec.config import WireCodec, parse_run_spec
+from coordinator_program.spec.state import CoordinatorState, Phase
 from tests.join.test_stage_replica import SPEC
 
 from .conftest import TINY, signed_request
@@ -96,7 +96,7 @@ def test_a_trainer_in_another_codec_is_refused_with_the_reason(start, dataset: B
             trainer.train(range(4), microbatch_size=4)
     finally:
         trainer.close()
-    assert all(w.backend.samples_accumulated == 0 for w in workers)
+    assert all(w.compute.samples_accumulated == 0 for w in workers)
 
 
 class Hostile:
@@ -136,7 +136,7 @@ def _with_scale(scale: float) -> BlockQuantized:
 
 
 def _snapshot(worker: StageWorker) -> list[torch.Tensor]:
-    with worker.backend.lock:
+    with worker.compute.lock:
         return [p.detach().clone() for p in worker.parameters()]
 
 
@@ -200,6 +200,6 @@ def test_the_runs_codec_reaches_a_contributors_worker(new_dht, run_id: str) -> N
     replica = StageReplica.create(state, "body1", dht=new_dht(), keypair=Keypair(), host="127.0.0.1",
                                   trainer_allowed=lambda pubkey: True, say=lambda line: None)
     try:
-        assert replica.worker.backend.wire_codec == "int8"
+        assert replica.worker.compute.wire_codec == "int8"
     finally:
         replica.stop()

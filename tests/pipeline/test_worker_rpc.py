@@ -11,8 +11,8 @@ import torch
 from solders.keypair import Keypair
 
 from client.identity import verify
+from client.pipeline.messages import decode_message, encode_message
 from client.pipeline.rpc import StageClient
-from client.pipeline.tensor_codec import decode_message, encode_message
 from client.pipeline.worker import StageWorker
 
 from .conftest import TINY, signed_request
@@ -123,7 +123,7 @@ def test_bad_request_gets_invalid_argument_and_worker_keeps_serving(workers, sta
     # The worker still serves a valid request afterwards.
     _, out = decode_message(clients[stage].call("Forward", valid(stage, "Forward"), timeout=10), max_elements=10**6)
     assert stage == "tail" or out["output"].shape == (B, T, D)
-    assert started[stage].backend.samples_accumulated == 0  # a refused request changes nothing
+    assert started[stage].compute.samples_accumulated == 0  # a refused request changes nothing
 
 
 def test_every_method_answers_a_valid_request(workers) -> None:

@@ -32,12 +32,13 @@ from solders.transaction import VersionedTransaction
 from solders.transaction_metadata import FailedTransactionMetadata, TransactionMetadata
 from solders.transaction_status import InstructionErrorCustom, TransactionErrorInstructionError
 
-from coordinator_program import rules
-from coordinator_program.bloom import build_filter, compute_key, participant_key
-from coordinator_program.config import Checkpoint, Config, Model
-from coordinator_program.errors import CoordinatorError
-from coordinator_program.instance import CoordinatorInstance, encode_instance, instance_address
-from coordinator_program.instructions import (
+from coordinator_program.onchain.instance import CoordinatorInstance, encode_instance, instance_address
+from coordinator_program.program.build import DEFAULT_OUTPUT
+from coordinator_program.spec import rules
+from coordinator_program.spec.bloom import build_filter, compute_key, participant_key
+from coordinator_program.spec.config import Checkpoint, Config, Model
+from coordinator_program.spec.errors import CoordinatorError
+from coordinator_program.spec.instructions import (
     CloseRun,
     InitCoordinator,
     Instruction,
@@ -50,9 +51,8 @@ from coordinator_program.instructions import (
     apply_then_tick,
     decode_instruction,
 )
-from coordinator_program.program.build import DEFAULT_OUTPUT
-from coordinator_program.selection import PROGRAM_ENTROPY
-from coordinator_program.state import ACCOUNT_SIZE, CoordinatorState, Phase, Role, encode_state
+from coordinator_program.spec.selection import PROGRAM_ENTROPY
+from coordinator_program.spec.state import ACCOUNT_SIZE, CoordinatorState, Phase, Role, encode_state
 
 Result = TransactionMetadata | FailedTransactionMetadata
 PROGRAM_PATH: Path = DEFAULT_OUTPUT

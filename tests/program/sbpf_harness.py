@@ -18,7 +18,7 @@ from solders.pubkey import Pubkey
 from solders.transaction import VersionedTransaction
 from solders.transaction_metadata import FailedTransactionMetadata, TransactionMetadata
 
-from coordinator_program import deploy
+from coordinator_program.onchain import deploy
 from coordinator_program.program.build import CLANG, build_shared_object
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -76,7 +76,7 @@ class Chain:
             self.svm.airdrop(self.payer.pubkey(), 10_000_000_000)
 
     def _deploy(self, program: bytes) -> Pubkey:
-        """The loader-v3 transactions of ``coordinator_program.deploy``, sent straight to the VM."""
+        """The loader-v3 transactions of ``coordinator_program.onchain.deploy``, sent straight to the VM."""
         buffer, program_keypair = Keypair(), Keypair()
         payer = self.payer.pubkey()
         space = deploy.BUFFER_HEADER + len(program)

@@ -20,10 +20,10 @@ from solders.transaction_metadata import TransactionMetadata
 from solders.transaction_status import InstructionErrorCustom
 from solders.transaction_status import InstructionErrorFieldless as Builtin
 
-from coordinator_program import errors, rules
-from coordinator_program.config import Checkpoint, CheckpointKind
-from coordinator_program.instance import INSTANCE_SIZE, CoordinatorInstance, encode_instance, instance_address
-from coordinator_program.instructions import (
+from coordinator_program.onchain.instance import INSTANCE_SIZE, CoordinatorInstance, encode_instance, instance_address
+from coordinator_program.spec import errors, rules
+from coordinator_program.spec.config import Checkpoint, CheckpointKind
+from coordinator_program.spec.instructions import (
     CheckpointReport,
     CloseRun,
     HealthCheck,
@@ -38,7 +38,7 @@ from coordinator_program.instructions import (
     Witness,
     decode_instruction,
 )
-from coordinator_program.state import ACCOUNT_SIZE, Role, encode_state
+from coordinator_program.spec.state import ACCOUNT_SIZE, Role, encode_state
 from tests.spec.scenario import MODEL, SMALL
 
 RUN_ID = "checks"

@@ -21,11 +21,11 @@ from solders.pubkey import Pubkey
 from solders.transaction_metadata import TransactionMetadata
 from solders.transaction_status import InstructionErrorCustom
 
-from coordinator_program import errors, limits, rules
-from coordinator_program.bloom import filter_bytes, filter_from_bytes, participant_key
-from coordinator_program.config import Config
-from coordinator_program.instructions import HealthCheck
-from coordinator_program.state import Client, Phase, Role, Round, encode_state
+from coordinator_program.spec import errors, limits, rules
+from coordinator_program.spec.bloom import filter_bytes, filter_from_bytes, participant_key
+from coordinator_program.spec.config import Config
+from coordinator_program.spec.instructions import HealthCheck
+from coordinator_program.spec.state import Client, Phase, Role, Round, encode_state
 
 # (slices, bits per slice, keys inserted per bit of a slice): from the smallest filters to the largest the
 # account holds (slices × bits <= 3,840), at fills from about half to nearly full.

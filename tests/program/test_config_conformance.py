@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from solders.keypair import Keypair
 
-from coordinator_program import errors, limits
-from coordinator_program.config import (
+from coordinator_program.spec import errors, limits
+from coordinator_program.spec.config import (
     Checkpoint,
     CheckpointKind,
     Config,
@@ -26,7 +26,7 @@ from coordinator_program.config import (
     Tokenizer,
     WireCodec,
 )
-from coordinator_program.instructions import Update
+from coordinator_program.spec.instructions import Update
 from tests.spec.scenario import MODEL, SMALL
 
 U8 = st.sampled_from([0, 1, 2, 3, 4, 10, 11, 15, 16, 17, 31, 32, 33, 255])

@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from solders.keypair import Keypair
 
-from client.coordinator.solana import witness_compute_units
-from coordinator_program import errors, limits, rules
-from coordinator_program.config import Checkpoint, CheckpointKind, Config, Model, bloom_params
-from coordinator_program.instructions import (
+from client.backends.solana import witness_compute_units
+from coordinator_program.spec import errors, limits, rules
+from coordinator_program.spec.config import Checkpoint, CheckpointKind, Config, Model, bloom_params
+from coordinator_program.spec.instructions import (
     CheckpointReport,
     CloseRun,
     HealthCheck,
@@ -34,7 +34,7 @@ from coordinator_program.instructions import (
     Withdraw,
     Witness,
 )
-from coordinator_program.state import Health, Phase, Role
+from coordinator_program.spec.state import Health, Phase, Role
 from tests.spec.scenario import AUTHORITY, MODEL, RUN_ID, SMALL
 from tests.spec.test_properties import IDS, build, op
 

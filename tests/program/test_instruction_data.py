@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from solders.keypair import Keypair
 
-from coordinator_program import errors
-from coordinator_program.config import Checkpoint, CheckpointKind
-from coordinator_program.instructions import (
+from coordinator_program.spec import errors
+from coordinator_program.spec.config import Checkpoint, CheckpointKind
+from coordinator_program.spec.instructions import (
     CheckpointReport,
     CloseRun,
     HealthCheck,
@@ -29,7 +29,7 @@ from coordinator_program.instructions import (
     Withdraw,
     Witness,
 )
-from coordinator_program.state import Role
+from coordinator_program.spec.state import Role
 from tests.spec.scenario import MODEL, SMALL
 
 RUN_ID = "data"

@@ -13,10 +13,10 @@ import pytest
 from coordinator_chain import ProgramChain, Replay, Swarm, training_swarm
 from solders.keypair import Keypair
 
-from coordinator_program import errors, limits, rules
-from coordinator_program.config import Checkpoint, GradAveraging, Model, Schedule, Tokenizer, WireCodec
-from coordinator_program.instructions import Tick, Update
-from coordinator_program.state import LedgerEntry, Phase, Role
+from coordinator_program.spec import errors, limits, rules
+from coordinator_program.spec.config import Checkpoint, GradAveraging, Model, Schedule, Tokenizer, WireCodec
+from coordinator_program.spec.instructions import Tick, Update
+from coordinator_program.spec.state import LedgerEntry, Phase, Role
 from tests.spec.scenario import MODEL, SMALL
 
 CONFIG = dataclasses.replace(SMALL, rounds_per_epoch=3, total_steps=20, global_batch_size=11)

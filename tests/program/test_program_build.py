@@ -11,9 +11,9 @@ from coordinator_chain import PROGRAM_PATH, instruction_error
 from sbpf_harness import Chain
 from solders.transaction_status import InstructionErrorCustom
 
-from coordinator_program.errors import MalformedInstruction
 from coordinator_program.program import gen_layout
-from coordinator_program.state import ACCOUNT_LAYOUT, ACCOUNT_SIZE
+from coordinator_program.spec.errors import MalformedInstruction
+from coordinator_program.spec.state import ACCOUNT_LAYOUT, ACCOUNT_SIZE
 
 
 def test_committed_header_is_what_the_generator_produces() -> None:

@@ -23,7 +23,7 @@ from solana.rpc.async_api import AsyncClient
 from solders.keypair import Keypair
 
 from client.identity import save_keypair
-from coordinator_program.config import RunSpec, parse_run_spec
+from coordinator_program.spec.config import RunSpec, parse_run_spec
 
 START_TIMEOUT = 30.0
 FUNDS = 10 * 10**9

@@ -11,12 +11,12 @@ from anchorpy import Context
 from anchorpy.error import ProgramError
 from solders.keypair import Keypair
 
-from client.coordinator.backend import BackendError
-from client.coordinator.solana import SolanaBackend
-from coordinator_program import errors
-from coordinator_program.instructions import JoinRun
-from coordinator_program.rules import NO_AUTHORITY
-from coordinator_program.state import Phase, Role, encode_state
+from client.backends.base import BackendError
+from client.backends.solana import SolanaBackend
+from coordinator_program.spec import errors
+from coordinator_program.spec.instructions import JoinRun
+from coordinator_program.spec.rules import NO_AUTHORITY
+from coordinator_program.spec.state import Phase, Role, encode_state
 from tests.solana.conftest import Localnet, new_run_id, run_spec
 
 

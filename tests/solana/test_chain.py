@@ -16,9 +16,9 @@ from solders.sysvar import CLOCK, RENT
 from solders.transaction import VersionedTransaction
 from solders.transaction_status import InstructionErrorCustom, TransactionErrorFieldless
 
-from coordinator_program.errors import MalformedInstruction
 from coordinator_program.localnet.chain import RECENT_BLOCKHASHES, LocalChain
 from coordinator_program.program.build import DEFAULT_OUTPUT
+from coordinator_program.spec.errors import MalformedInstruction
 
 LOADER_V3 = Pubkey.from_string("BPFLoaderUpgradeab1e11111111111111111111111")
 SOL = 10**9

@@ -10,10 +10,10 @@ import pytest
 from solders.keypair import Keypair
 from typer.testing import CliRunner
 
+from client.backends.solana import SolanaBackend
 from client.cli import app
-from client.coordinator.solana import SolanaBackend
 from client.identity import save_keypair
-from coordinator_program.state import Role
+from coordinator_program.spec.state import Role
 from tests.solana.conftest import Localnet, new_run_id
 
 STATE_TOML = """

@@ -9,10 +9,11 @@ import pytest
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 
-from client.coordinator.backend import BackendError
-from client.coordinator.solana import SolanaBackend, resolve_url, websocket_url
-from coordinator_program.config import Checkpoint, CheckpointKind, Config, Model
-from coordinator_program.instructions import (
+from client.backends.base import BackendError
+from client.backends.solana import SolanaBackend, resolve_url, websocket_url
+from coordinator_program.onchain.program_id import PROGRAM_ID, PROGRAM_KEYPAIR_PATH
+from coordinator_program.spec.config import Checkpoint, CheckpointKind, Config, Model
+from coordinator_program.spec.instructions import (
     INSTRUCTIONS,
     CheckpointReport,
     HealthCheck,
@@ -24,8 +25,7 @@ from coordinator_program.instructions import (
     WarmupWitness,
     Witness,
 )
-from coordinator_program.program_id import PROGRAM_ID, PROGRAM_KEYPAIR_PATH
-from coordinator_program.state import Role
+from coordinator_program.spec.state import Role
 
 
 @pytest.mark.parametrize("given, url", [

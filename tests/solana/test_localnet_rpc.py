@@ -26,7 +26,7 @@ from solders.transaction import VersionedTransaction
 from solders.transaction_status import TransactionErrorFieldless, TransactionErrorInstructionError
 from websockets.asyncio.client import connect
 
-from coordinator_program.program_id import PROGRAM_ID
+from coordinator_program.onchain.program_id import PROGRAM_ID
 from tests.solana.conftest import Localnet
 
 SOL = 10**9

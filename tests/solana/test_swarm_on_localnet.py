@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from solders.keypair import Keypair
 
-from client.coordinator.solana import SolanaBackend
+from client.backends.solana import SolanaBackend
 from client.identity import save_keypair
 from client.swarm.launcher import Swarm
-from coordinator_program.config import parse_run_spec
-from coordinator_program.rules import NO_AUTHORITY
-from coordinator_program.state import CoordinatorState, Phase
+from coordinator_program.spec.config import parse_run_spec
+from coordinator_program.spec.rules import NO_AUTHORITY
+from coordinator_program.spec.state import CoordinatorState, Phase
 from tests.solana.conftest import Localnet, new_run_id
 
 TIMEOUT = 300.0

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from coordinator_program import limits, rules
-from coordinator_program.bloom import build_filter, participant_key
-from coordinator_program.config import Checkpoint, Config, Model
-from coordinator_program.state import CoordinatorState, Health, Phase, Role
+from coordinator_program.spec import limits, rules
+from coordinator_program.spec.bloom import build_filter, participant_key
+from coordinator_program.spec.config import Checkpoint, Config, Model
+from coordinator_program.spec.state import CoordinatorState, Health, Phase, Role
 
 AUTHORITY = b"\xaa" * 32
 RUN_ID = "test-run"

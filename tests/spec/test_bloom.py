@@ -7,10 +7,10 @@ import random
 import pytest
 from pybloom_live import BloomFilter
 
-from coordinator_program import limits
-from coordinator_program.bloom import build_filter, contains_raw, filter_from_bytes, participant_key
-from coordinator_program.config import Config, bloom_params, predicted_false_positive_rate
 from coordinator_program.facts import config_facts, fits_in_transaction
+from coordinator_program.spec import limits
+from coordinator_program.spec.bloom import build_filter, contains_raw, filter_from_bytes, participant_key
+from coordinator_program.spec.config import Config, bloom_params, predicted_false_positive_rate
 
 RATE = 0.0009
 SLICES, BITS = bloom_params(limits.MAX_CLIENTS, RATE)

@@ -16,17 +16,17 @@ from solana.rpc.async_api import AsyncClient
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 
-from coordinator_program import errors, limits, rules
-from coordinator_program.config import Checkpoint, CheckpointKind, GradAveraging, Schedule, Tokenizer, WireCodec
-from coordinator_program.idl import IDL_PATH, idl_json
-from coordinator_program.instance import (
+from coordinator_program.onchain.idl import IDL_PATH, idl_json
+from coordinator_program.onchain.instance import (
     INSTANCE_LAYOUT,
     INSTANCE_SIZE,
     CoordinatorInstance,
     decode_instance,
     encode_instance,
 )
-from coordinator_program.instructions import (
+from coordinator_program.spec import errors, limits, rules
+from coordinator_program.spec.config import Checkpoint, CheckpointKind, GradAveraging, Schedule, Tokenizer, WireCodec
+from coordinator_program.spec.instructions import (
     INSTRUCTIONS,
     CheckpointReport,
     CloseRun,
@@ -42,7 +42,7 @@ from coordinator_program.instructions import (
     Witness,
     decode_instruction,
 )
-from coordinator_program.layout import (
+from coordinator_program.spec.layout import (
     Array,
     Bool,
     Enum8,
@@ -54,7 +54,14 @@ from coordinator_program.layout import (
     Type,
     VarBytes,
 )
-from coordinator_program.state import ACCOUNT_LAYOUT, ACCOUNT_SIZE, CoordinatorState, Role, decode_state, encode_state
+from coordinator_program.spec.state import (
+    ACCOUNT_LAYOUT,
+    ACCOUNT_SIZE,
+    CoordinatorState,
+    Role,
+    decode_state,
+    encode_state,
+)
 from tests.spec.scenario import MODEL, SMALL, finish_round, join_pipeline, new_run, start_training, witness_all
 
 IDL = Idl.from_json(IDL_PATH.read_text())
@@ -178,7 +185,7 @@ def _snake(name: str) -> str:
 
 
 def test_committed_idl_is_generated_from_the_layouts() -> None:
-    assert IDL_PATH.read_text() == idl_json(), "run `python -m coordinator_program.idl` and commit the result"
+    assert IDL_PATH.read_text() == idl_json(), "run `python -m coordinator_program.onchain.idl` and commit the result"
     assert json.loads(idl_json())["accounts"][0]["name"] == "CoordinatorAccount"
 
 

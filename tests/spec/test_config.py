@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from client.cli import app
-from coordinator_program.config import (
+from coordinator_program.spec.config import (
     Config,
     GradAveraging,
     Model,
@@ -25,8 +25,8 @@ from coordinator_program.config import (
     validate_config,
     validate_model,
 )
-from coordinator_program.errors import InvalidConfig
-from coordinator_program.state import ACCOUNT_SIZE
+from coordinator_program.spec.errors import InvalidConfig
+from coordinator_program.spec.state import ACCOUNT_SIZE
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "state.toml"
 GOOD = Config()

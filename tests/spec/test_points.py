@@ -3,9 +3,9 @@ as the rules say, kept across epochs, and a full ledger making room for a new ea
 
 from __future__ import annotations
 
-from coordinator_program import limits, rules
-from coordinator_program.bloom import build_filter, compute_key, participant_key
-from coordinator_program.state import CoordinatorState, LedgerEntry, Phase, Role
+from coordinator_program.spec import limits, rules
+from coordinator_program.spec.bloom import build_filter, compute_key, participant_key
+from coordinator_program.spec.state import CoordinatorState, LedgerEntry, Phase, Role
 from tests.spec.scenario import RUN_ID, SMALL, ident, join_pipeline, new_run, replace, start_training
 
 EVERYONE = None

@@ -8,10 +8,10 @@ from hypothesis import HealthCheck as HypothesisHealthCheck
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator_program import errors, limits, rules
-from coordinator_program.bloom import build_filter, compute_key, participant_key
-from coordinator_program.config import Checkpoint, CheckpointKind
-from coordinator_program.instructions import (
+from coordinator_program.spec import errors, limits, rules
+from coordinator_program.spec.bloom import build_filter, compute_key, participant_key
+from coordinator_program.spec.config import Checkpoint, CheckpointKind
+from coordinator_program.spec.instructions import (
     CheckpointReport,
     HealthCheck,
     Instruction,
@@ -25,7 +25,7 @@ from coordinator_program.instructions import (
     apply,
     decode_instruction,
 )
-from coordinator_program.state import CoordinatorState, Phase, Role, decode_state, encode_state
+from coordinator_program.spec.state import CoordinatorState, Phase, Role, decode_state, encode_state
 from tests.spec.scenario import AUTHORITY, MODEL, RUN_ID, SMALL, ident, new_run
 
 IDS = [ident(i) for i in range(1, 11)]

@@ -6,12 +6,12 @@ from collections.abc import Callable
 
 import pytest
 
-from coordinator_program import errors, limits, rules
-from coordinator_program.bloom import build_filter
-from coordinator_program.config import Checkpoint, CheckpointKind, Config
-from coordinator_program.instructions import CloseRun, InitCoordinator, apply
-from coordinator_program.selection import next_seed
-from coordinator_program.state import CoordinatorState, Health, Phase, Role, encode_state
+from coordinator_program.spec import errors, limits, rules
+from coordinator_program.spec.bloom import build_filter
+from coordinator_program.spec.config import Checkpoint, CheckpointKind, Config
+from coordinator_program.spec.instructions import CloseRun, InitCoordinator, apply
+from coordinator_program.spec.selection import next_seed
+from coordinator_program.spec.state import CoordinatorState, Health, Phase, Role, encode_state
 from tests.spec.scenario import (
     AUTHORITY,
     MODEL,

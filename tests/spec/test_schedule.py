@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator_program.config import Model, Schedule
-from coordinator_program.schedule import learning_rate
+from coordinator_program.spec.config import Model, Schedule
+from coordinator_program.spec.schedule import learning_rate
 
 LR = 0.002  # learning_rate_micros 2000
 FLOOR = 0.0002

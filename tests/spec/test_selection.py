@@ -6,7 +6,7 @@ import hashlib
 import struct
 from collections import Counter
 
-from coordinator_program.selection import (
+from coordinator_program.spec.selection import (
     assign_data,
     elect_witnesses,
     next_seed,

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from client.cli import app
 from client.swarm.demo import DEMO_MARKER, TINY_LLAMA_CACHE, claim_workdir, run_demo
 from client.swarm.tiny_llama import PREPARED_FILE, TinyLlama, cached, state_toml
-from coordinator_program.config import Schedule, parse_run_spec
+from coordinator_program.spec.config import Schedule, parse_run_spec
 
 SMALL = {"vocab": 512, "corpus_bytes": 50_000}  # 8 files; 100 kB takes 13
 

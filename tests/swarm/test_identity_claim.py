@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from solders.keypair import Keypair
 
+from client.backends.tcp import TcpBackend
 from client.commands.claim import IdentityInUse, claim_identity
-from client.coordinator.tcp import TcpBackend
 from client.identity import save_keypair
 from client.swarm.launcher import Swarm
-from coordinator_program.state import Role
+from coordinator_program.spec.state import Role
 from tests.adversarial.test_process_exit import ends_with_one_line, wait_for
 from tests.integration.test_swarm import tiny
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import socket
 
 from client.swarm.launcher import free_port
-from coordinator_program import limits
-from coordinator_program.state import Role
+from coordinator_program.spec import limits
+from coordinator_program.spec.state import Role
 from tests.adversarial.test_process_exit import members, start, swarm, wait_for  # noqa: F401 - fixtures
 from tests.integration.test_swarm import tiny
 

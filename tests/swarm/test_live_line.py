@@ -15,10 +15,10 @@ from pathlib import Path
 from rich.console import Console
 from solders.keypair import Keypair
 
+from client.backends.tcp import TcpBackend
 from client.commands.live import ConsoleHandler, live_line, live_text, points_text
-from client.coordinator.tcp import TcpBackend
 from client.runner import Contributor, RunnerOptions
-from coordinator_program.state import LedgerEntry, Role
+from coordinator_program.spec.state import LedgerEntry, Role
 from tests.local_backend.test_server import run_with_server
 
 

@@ -11,9 +11,9 @@ import torch
 from client.join.checkpoints import revision_for, save_stage
 from client.swarm.demo import DEMO_TOML, LiveView, RoundResult, draw_losses
 from client.swarm.status import describe
-from coordinator_program import rules
-from coordinator_program.config import Checkpoint, CheckpointKind, parse_run_spec
-from coordinator_program.state import CoordinatorState, Phase
+from coordinator_program.spec import rules
+from coordinator_program.spec.config import Checkpoint, CheckpointKind, parse_run_spec
+from coordinator_program.spec.state import CoordinatorState, Phase
 
 matplotlib.use("Agg")
 ME = bytes(range(32))

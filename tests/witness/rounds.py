@@ -9,9 +9,9 @@ import json
 from solders.keypair import Keypair
 
 from client.witness.records import Commitment, Report
-from coordinator_program import limits, rules
-from coordinator_program.selection import Assignment
-from coordinator_program.state import CoordinatorState, Phase, Role
+from coordinator_program.spec import limits, rules
+from coordinator_program.spec.selection import Assignment
+from coordinator_program.spec.state import CoordinatorState, Phase, Role
 from tests.spec.scenario import RUN_ID, SMALL, new_run
 
 STAGES = ["head", "body1", "tail"]

@@ -5,9 +5,9 @@ only, and a worker copying another's public report earns no compute for it."""
 from __future__ import annotations
 
 from client.witness.judge import judge_round
-from coordinator_program import rules
-from coordinator_program.bloom import compute_key, contains_raw, participant_key
-from coordinator_program.state import CoordinatorState, Role
+from coordinator_program.spec import rules
+from coordinator_program.spec.bloom import compute_key, contains_raw, participant_key
+from coordinator_program.spec.state import CoordinatorState, Role
 from tests.spec.scenario import SMALL
 from tests.witness.rounds import honest_round, report, run_with_keys, shares, uid_of, workers_by_stage
 

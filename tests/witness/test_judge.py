@@ -9,8 +9,8 @@ from solders.keypair import Keypair
 
 from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
 from client.witness.records import ClaimedReceipt, Commitment, Ready, RecordError, Report
-from coordinator_program.bloom import batch_key, contains_raw, participant_key
-from coordinator_program.state import Role
+from coordinator_program.spec.bloom import batch_key, contains_raw, participant_key
+from coordinator_program.spec.state import Role
 from tests.spec.scenario import SMALL
 from tests.witness.rounds import (
     commitment,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from client.witness.judge import judge_round
 from client.witness.records import Presence
-from coordinator_program.bloom import contains_raw, participant_key
-from coordinator_program.state import Role
+from coordinator_program.spec.bloom import contains_raw, participant_key
+from coordinator_program.spec.state import Role
 from tests.spec.scenario import SMALL
 from tests.witness.rounds import commitment, honest_round, report, run_with_keys, shares, workers_by_stage
 

@@ -1,7 +1,7 @@
 /*
  * coordinator.h: what the coordinator program's translation units share.
  *
- * The program mirrors coordinator_program/rules.py, the executable specification: every operation checks
+ * The program mirrors coordinator_program/spec/rules.py, the executable specification: every operation checks
  * in the specification's order and returns the same error code (errors.py), and the account bytes it
  * leaves are exactly encode_state() of the specification's state. All account and instruction bytes are
  * read and written at the offsets of the generated psy_coordinator_layout.h; nothing here guesses a

@@ -11,8 +11,8 @@ import dataclasses
 import hashlib
 from typing import ClassVar
 
-from coordinator_program import limits, rules
-from coordinator_program.config import (
+from coordinator_program.spec import limits, rules
+from coordinator_program.spec.config import (
     CHECKPOINT_LAYOUT,
     CONFIG_LAYOUT,
     MODEL_LAYOUT,
@@ -21,8 +21,8 @@ from coordinator_program.config import (
     Config,
     Model,
 )
-from coordinator_program.errors import MalformedInstruction, NothingToTick
-from coordinator_program.layout import (
+from coordinator_program.spec.errors import MalformedInstruction, NothingToTick
+from coordinator_program.spec.layout import (
     BOOL,
     PUBKEY,
     U8,
@@ -34,7 +34,7 @@ from coordinator_program.layout import (
     Struct,
     VarBytes,
 )
-from coordinator_program.state import CoordinatorState, Role
+from coordinator_program.spec.state import CoordinatorState, Role
 
 
 @dataclasses.dataclass(frozen=True)

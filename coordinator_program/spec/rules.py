@@ -28,11 +28,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import based58
-
-from coordinator_program import limits
-from coordinator_program.bloom import compute_key, contains_raw, participant_key
-from coordinator_program.config import (
+from coordinator_program.spec import limits
+from coordinator_program.spec.bloom import compute_key, contains_raw, participant_key
+from coordinator_program.spec.config import (
     Checkpoint,
     CheckpointKind,
     Config,
@@ -42,7 +40,7 @@ from coordinator_program.config import (
     validate_config,
     validate_model,
 )
-from coordinator_program.errors import (
+from coordinator_program.spec.errors import (
     AlreadyJoined,
     AlreadyMarked,
     BadFilter,
@@ -69,8 +67,8 @@ from coordinator_program.errors import (
     WrongPhase,
     WrongRunId,
 )
-from coordinator_program.selection import Assignment, assign_data, effective_quorum, elect_witnesses, next_seed
-from coordinator_program.state import (
+from coordinator_program.spec.selection import Assignment, assign_data, effective_quorum, elect_witnesses, next_seed
+from coordinator_program.spec.state import (
     Client,
     CoordinatorState,
     Health,
@@ -84,14 +82,6 @@ from coordinator_program.state import (
 
 NO_AUTHORITY = bytes(32)
 """A join authority of all zeros makes a run permissionless."""
-
-
-def admission(join_authority: bytes) -> str:
-    """How a run with this join authority admits joiners, in words: "permissioned by <its base58 key>" (each
-    join needs that key's countersignature) or "permissionless" (anyone may join)."""
-    if join_authority == NO_AUTHORITY:
-        return "permissionless"
-    return f"permissioned by {based58.b58encode(join_authority).decode()}"
 
 
 # --- derived facts every client computes the same way -------------------------------------------------

@@ -11,8 +11,8 @@ import dataclasses
 import enum
 import hashlib
 
-from coordinator_program import limits
-from coordinator_program.config import (
+from coordinator_program.spec import limits
+from coordinator_program.spec.config import (
     CHECKPOINT_LAYOUT,
     CONFIG_LAYOUT,
     MODEL_LAYOUT,
@@ -20,7 +20,7 @@ from coordinator_program.config import (
     Config,
     Model,
 )
-from coordinator_program.layout import (
+from coordinator_program.spec.layout import (
     BOOL,
     I64,
     PUBKEY,
@@ -35,7 +35,7 @@ from coordinator_program.layout import (
     LayoutError,
     Struct,
 )
-from coordinator_program.layout import Field as F
+from coordinator_program.spec.layout import Field as F
 
 
 class Phase(enum.IntEnum):

@@ -10,9 +10,9 @@ import abc
 import asyncio
 from collections.abc import AsyncIterator
 
-from coordinator_program import limits
-from coordinator_program.config import CheckpointKind
-from coordinator_program.instructions import (
+from coordinator_program.spec import limits
+from coordinator_program.spec.config import CheckpointKind
+from coordinator_program.spec.instructions import (
     CheckpointReport,
     HealthCheck,
     Instruction,
@@ -23,7 +23,7 @@ from coordinator_program.instructions import (
     Withdraw,
     Witness,
 )
-from coordinator_program.state import CoordinatorState, Role
+from coordinator_program.spec.state import CoordinatorState, Role
 
 
 class BackendError(RuntimeError):

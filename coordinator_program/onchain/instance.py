@@ -15,8 +15,8 @@ import hashlib
 
 from solders.pubkey import Pubkey
 
-from coordinator_program import limits
-from coordinator_program.layout import PUBKEY, U8, Field, FixedStr, LayoutError, Struct
+from coordinator_program.spec import limits
+from coordinator_program.spec.layout import PUBKEY, U8, Field, FixedStr, LayoutError, Struct
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The coordinator reached as a Solana program, on a cluster or on ``psyswarm localnet``.
 
 - Instructions are built by anchorpy's ``Program`` from the committed IDL, with the accounts that
-  ``coordinator_program.instructions`` declares, and sent with solana-py's ``AsyncClient``; the client is
+  ``coordinator_program.spec.instructions`` declares, and sent with solana-py's ``AsyncClient``; the client is
   the fee payer. A rejection by the program comes back as its custom error code, raised here as the same
   ``CoordinatorError`` the TCP backend raises; anything else (no funds, an unreachable node, an expired
   blockhash) is a ``BackendError`` that says what happened.
@@ -59,12 +59,13 @@ from solders.transaction_status import (
 )
 from websockets.exceptions import WebSocketException
 
-from client.coordinator.backend import Backend, BackendError
-from coordinator_program.config import RunSpec
-from coordinator_program.errors import BY_CODE
-from coordinator_program.idl import IDL_PATH
-from coordinator_program.instance import decode_instance, instance_address
-from coordinator_program.instructions import (
+from client.backends.base import Backend, BackendError
+from coordinator_program.onchain.idl import IDL_PATH
+from coordinator_program.onchain.instance import decode_instance, instance_address
+from coordinator_program.onchain.program_id import PROGRAM_ID
+from coordinator_program.spec.config import RunSpec
+from coordinator_program.spec.errors import BY_CODE
+from coordinator_program.spec.instructions import (
     CloseRun,
     InitCoordinator,
     Instruction,
@@ -74,9 +75,8 @@ from coordinator_program.instructions import (
     Update,
     Witness,
 )
-from coordinator_program.layout import LayoutError
-from coordinator_program.program_id import PROGRAM_ID
-from coordinator_program.state import ACCOUNT_SIZE, decode_state
+from coordinator_program.spec.layout import LayoutError
+from coordinator_program.spec.state import ACCOUNT_SIZE, decode_state
 
 log = logging.getLogger("psyswarm.solana")
 

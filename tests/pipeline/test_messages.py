@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.pipeline.tensor_codec import MAGIC, CodecError, decode_message, encode_message, tensor_digest
+from client.pipeline.messages import MAGIC, MessageError, decode_message, encode_message, tensor_digest
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int64]
 
@@ -61,12 +61,12 @@ GOOD = encode_message({"a": 1}, {"x": torch.ones(2, 3)})
     ],
 )
 def test_malformed_messages_are_refused_with_reason(data: bytes, message: str) -> None:
-    with pytest.raises(CodecError, match=message):
+    with pytest.raises(MessageError, match=message):
         decode_message(data, max_elements=1000)
 
 
 def test_encoding_refuses_unsupported_input() -> None:
-    with pytest.raises(CodecError, match="cannot be encoded"):
+    with pytest.raises(MessageError, match="cannot be encoded"):
         encode_message({}, {"x": torch.zeros(2, dtype=torch.float64)})
-    with pytest.raises(CodecError, match="metadata"):
+    with pytest.raises(MessageError, match="metadata"):
         encode_message({"big": "x" * 5000}, {})

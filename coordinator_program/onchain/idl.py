@@ -11,11 +11,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from coordinator_program.errors import ALL_ERRORS
-from coordinator_program.instance import INSTANCE_LAYOUT
-from coordinator_program.instructions import INSTRUCTIONS
-from coordinator_program.layout import camel, referenced_types
-from coordinator_program.state import ACCOUNT_LAYOUT, ACCOUNT_NAME
+from coordinator_program.onchain.instance import INSTANCE_LAYOUT
+from coordinator_program.spec.errors import ALL_ERRORS
+from coordinator_program.spec.instructions import INSTRUCTIONS
+from coordinator_program.spec.layout import camel, referenced_types
+from coordinator_program.spec.state import ACCOUNT_LAYOUT, ACCOUNT_NAME
 
 PROGRAM_NAME = "psyswarm_coordinator"
 IDL_PATH = Path(__file__).parent / "idl" / f"{PROGRAM_NAME}.json"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from coordinator_program.config import Model, Schedule
+from coordinator_program.spec.config import Model, Schedule
 
 MICROS = 1_000_000
 

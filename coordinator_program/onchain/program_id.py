@@ -12,5 +12,5 @@ from pathlib import Path
 
 from solders.pubkey import Pubkey
 
-PROGRAM_KEYPAIR_PATH = Path(__file__).resolve().parent / "program" / "program-keypair.json"
+PROGRAM_KEYPAIR_PATH = Path(__file__).resolve().parents[1] / "program" / "program-keypair.json"
 PROGRAM_ID = Pubkey.from_string("FhKCPmEoX7GbcCTvvQ6o4cahgjdyxQivYUFsAnNqNZ3z")

@@ -1,5 +1,5 @@
 """The 8-bit block-quantised wire form: close to what it encodes, a quarter of float32's bytes, and decoded
-from untrusted bytes into nothing but finite values or a ``CodecError`` naming the problem."""
+from untrusted bytes into nothing but finite values or a ``MessageError`` naming the problem."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.pipeline.tensor_codec import (
+from client.pipeline.messages import (
     BLOCK,
     MAX_SCALE,
     BlockQuantized,
-    CodecError,
+    MessageError,
     decode_message,
     encode_message,
     encode_tensor,
     tensor_digest,
 )
 from client.pipeline.wire import WIRE_CODECS, codec_name, codec_of, from_wire, to_wire
-from coordinator_program.config import Model, WireCodec
+from coordinator_program.spec.config import Model, WireCodec
 
 
 def _decoded(tensor: BlockQuantized) -> BlockQuantized:
@@ -68,7 +68,7 @@ def test_hostile_bytes_decode_to_finite_values_or_a_codec_error(
     for data in (bytes(message), bytes(with_scale)):
         try:
             _, tensors = decode_message(data, max_elements=2 * 3 * 96)
-        except CodecError:
+        except MessageError:
             continue
         for tensor in tensors.values():
             assert bool(torch.isfinite(from_wire(tensor)).all())
@@ -85,7 +85,7 @@ def _message_with(scales: torch.Tensor, values: torch.Tensor) -> bytes:
 def test_hostile_scales_are_refused(scale: float, reason: str) -> None:
     values = torch.full((2, 64), 127, dtype=torch.int8)
     scales = torch.tensor([[1.0], [scale]])
-    with pytest.raises(CodecError, match=f"tensor 'x': quantisation scales must be {reason}"):
+    with pytest.raises(MessageError, match=f"tensor 'x': quantisation scales must be {reason}"):
         decode_message(_message_with(scales, values), max_elements=128)
 
 
@@ -97,25 +97,25 @@ def test_the_largest_scale_still_dequantises_to_finite_values() -> None:
 
 def test_minus_128_is_refused() -> None:
     values = torch.tensor([[1, -128]], dtype=torch.int8)
-    with pytest.raises(CodecError, match=r"values must lie in -127\.\.127"):
+    with pytest.raises(MessageError, match=r"values must lie in -127\.\.127"):
         decode_message(_message_with(torch.ones(1, 1), values), max_elements=8)
 
 
 def test_truncated_or_scalar_quantised_tensors_are_refused() -> None:
     good = _message_with(torch.ones(2, 1), torch.ones(2, 3, dtype=torch.int8))
-    with pytest.raises(CodecError, match="truncated while reading values"):
+    with pytest.raises(MessageError, match="truncated while reading values"):
         decode_message(good[:-1], max_elements=8)
-    with pytest.raises(CodecError, match="truncated while reading scales"):
+    with pytest.raises(MessageError, match="truncated while reading scales"):
         decode_message(good[: good.index(b"x") + 1 + 2 + 8 + 3], max_elements=8)
     scalar = bytearray(good[: good.index(b"x") + 1]) + bytes([6, 0]) + struct.pack("<f", 1.0) + b"\x01"
-    with pytest.raises(CodecError, match="needs at least one dimension"):
+    with pytest.raises(MessageError, match="needs at least one dimension"):
         decode_message(bytes(scalar), max_elements=8)
-    with pytest.raises(CodecError, match="exceeds the limit"):
+    with pytest.raises(MessageError, match="exceeds the limit"):
         decode_message(good, max_elements=5)
 
 
 def test_quantising_a_non_finite_tensor_is_refused() -> None:
-    with pytest.raises(CodecError, match="NaN or infinite"):
+    with pytest.raises(MessageError, match="NaN or infinite"):
         BlockQuantized.quantize(torch.tensor([1.0, math.inf]))
 
 

@@ -14,10 +14,10 @@ import random
 import time
 from collections.abc import Callable
 
-from client.coordinator.backend import Backend, BackendError
-from coordinator_program import rules
-from coordinator_program.errors import CoordinatorError, NothingToTick
-from coordinator_program.state import CoordinatorState
+from client.backends.base import Backend, BackendError
+from coordinator_program.spec import rules
+from coordinator_program.spec.errors import CoordinatorError, NothingToTick
+from coordinator_program.spec.state import CoordinatorState
 
 log = logging.getLogger("psyswarm.ticker")
 

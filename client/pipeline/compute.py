@@ -23,16 +23,16 @@ import torch
 
 from client.pipeline.admission import GradientBound, GradientRefused, RequestHeader, authenticate, read_header
 from client.pipeline.device import autocast
-from client.pipeline.model import ModelSpec, build_stage
-from client.pipeline.optim import OptimizerConfig, StageOptimizer, StepStats
-from client.pipeline.rpc import InvalidRequest
-from client.pipeline.tensor_codec import (
-    CodecError,
+from client.pipeline.messages import (
+    MessageError,
     WireTensor,
     decode_message,
     encode_message,
     tensor_digest,
 )
+from client.pipeline.model import ModelSpec, build_stage
+from client.pipeline.optim import OptimizerConfig, StageOptimizer, StepStats
+from client.pipeline.rpc import InvalidRequest
 from client.pipeline.wire import DEFAULT_CODEC, codec_name, codec_of, from_wire, is_finite, to_wire
 
 MAX_ID_CHARS = 128
@@ -44,7 +44,7 @@ class Receipt:
     """Evidence that a worker processed one backward: which trainer asked (its public key, as authenticated by
     the request's signature), for which microbatch and samples, on which data.
 
-    Digests are sha256 of the tensors' wire form (``tensor_codec.tensor_digest``), so the trainer computes
+    Digests are sha256 of the tensors' wire form (``messages.tensor_digest``), so the trainer computes
     the same values from what it sent and received (``input_digest`` for how the tail's targets count). The
     head returns no gradient and the tail receives none (empty digests).
     """
@@ -102,7 +102,7 @@ class StageRequest:
         return input_digest(self.header.digests)
 
 
-class StageBackend:
+class StageCompute:
     """A stage's module and optimizer, with the three operations the worker exposes."""
 
     def __init__(
@@ -156,7 +156,7 @@ class StageBackend:
             raise InvalidRequest(f"request of {len(payload)} bytes exceeds this worker's {self.max_message_bytes}")
         try:
             meta, tensors = decode_message(payload, max_elements=self.max_elements)
-        except CodecError as exc:
+        except MessageError as exc:
             raise InvalidRequest(f"malformed request: {exc}") from None
         stage = meta.get("stage")
         if stage != self.stage:

@@ -16,7 +16,7 @@ import struct
 
 from pybloom_live import BloomFilter
 
-from coordinator_program.config import Config, filter_capacity
+from coordinator_program.spec.config import Config, filter_capacity
 
 SALT_PREFIX = hashlib.sha256(struct.pack("<I", 0)).digest()
 """The 32 bytes pybloom-live's first salt has absorbed before the key; the program embeds this constant."""

@@ -8,10 +8,10 @@ import logging
 
 from solders.keypair import Keypair
 
-from client.coordinator.backend import Backend, BackendError
-from coordinator_program.errors import BY_CODE
-from coordinator_program.instructions import Instruction, JoinRun
-from coordinator_program.state import decode_state
+from client.backends.base import Backend, BackendError
+from coordinator_program.spec.errors import BY_CODE
+from coordinator_program.spec.instructions import Instruction, JoinRun
+from coordinator_program.spec.state import decode_state
 from local_backend import protocol as p
 
 log = logging.getLogger("psyswarm.tcp")

@@ -43,7 +43,7 @@ from solders.sysvar import CLOCK, RENT
 from solders.transaction import VersionedTransaction
 from solders.transaction_status import TransactionConfirmationStatus
 
-from coordinator_program.limits import SOLANA_TX_LIMIT
+from coordinator_program.spec.limits import SOLANA_TX_LIMIT
 
 LOADER_V3 = Pubkey.from_string("BPFLoaderUpgradeab1e11111111111111111111111")
 BUFFER_HEADER = 37

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coordinator_program import limits
-from coordinator_program.errors import InvalidCheckpoint, InvalidConfig
-from coordinator_program.layout import (
+from coordinator_program.spec import limits
+from coordinator_program.spec.errors import InvalidCheckpoint, InvalidConfig
+from coordinator_program.spec.layout import (
     U8,
     U16,
     U32,
@@ -29,7 +29,7 @@ from coordinator_program.layout import (
     FixedStr,
     Struct,
 )
-from coordinator_program.selection import strict_majority
+from coordinator_program.spec.selection import strict_majority
 
 BLOOM_MIN_SLICES = 11
 """pybloom-live hashes with SHA-256 (which the program gets from ``sol_sha256``) for 11 to 16 slices of
@@ -90,7 +90,7 @@ class Tokenizer(enum.IntEnum):
 
 
 class Schedule(enum.IntEnum):
-    """The learning rate's course over the run's steps (``coordinator_program.schedule``)."""
+    """The learning rate's course over the run's steps (``coordinator_program.spec.schedule``)."""
 
     Constant = 0
     LinearWarmup = 1

@@ -3,7 +3,7 @@
 Activations dominate the traffic, so tensors travel as raw little-endian bytes with a few bytes of header
 (no protobuf, no pickle: a worker decodes bytes from untrusted trainers and must never execute them).
 Decoding checks every length against the buffer and against caller-given limits before allocating, so a
-malformed or oversized message costs nothing but a ``CodecError`` naming the problem.
+malformed or oversized message costs nothing but a ``MessageError`` naming the problem.
 
 Layout::
 
@@ -55,7 +55,7 @@ if sys.byteorder != "little":  # pragma: no cover - every supported host is litt
     raise ImportError("psyswarm's tensor encoding assumes a little-endian host")
 
 
-class CodecError(ValueError):
+class MessageError(ValueError):
     """A message is malformed or exceeds a limit; the text says which field and why."""
 
 
@@ -91,10 +91,10 @@ class BlockQuantized:
         """Round each block to the nearest multiple of its absolute maximum / 127; refuses non-finite input,
         which no scale can represent."""
         if tensor.dim() < 1:
-            raise CodecError("a quantised tensor needs at least one dimension")
+            raise MessageError("a quantised tensor needs at least one dimension")
         x = tensor.detach().float()
         if not bool(torch.isfinite(x).all()):
-            raise CodecError("cannot quantise a tensor holding NaN or infinite values")
+            raise MessageError("cannot quantise a tensor holding NaN or infinite values")
         width = x.shape[-1]
         padded = torch.nn.functional.pad(x, (0, _blocks(width) * BLOCK - width))
         blocks = padded.reshape(*x.shape[:-1], _blocks(width), BLOCK)
@@ -110,12 +110,12 @@ class BlockQuantized:
         return self.values.float() * self.scales.repeat_interleave(BLOCK, dim=-1)[..., :width]
 
     def check(self) -> None:
-        """Raise ``CodecError`` unless every value and scale is in range (what ``decode_message`` enforces)."""
+        """Raise ``MessageError`` unless every value and scale is in range (what ``decode_message`` enforces)."""
         if bool((self.values < -QMAX).any()):
-            raise CodecError(f"quantised values must lie in -{QMAX}..{QMAX}")
+            raise MessageError(f"quantised values must lie in -{QMAX}..{QMAX}")
         finite = torch.isfinite(self.scales).all()
         if not bool(finite) or bool(((self.scales < 0) | (self.scales > MAX_SCALE)).any()):
-            raise CodecError(f"quantisation scales must be finite and in 0..{MAX_SCALE:.3g}")
+            raise MessageError(f"quantisation scales must be finite and in 0..{MAX_SCALE:.3g}")
 
 
 WireTensor = torch.Tensor | BlockQuantized
@@ -124,12 +124,12 @@ WireTensor = torch.Tensor | BlockQuantized
 def encode_tensor(tensor: WireTensor) -> bytes:
     """One tensor's wire form (dtype code, shape, raw bytes); also what receipts hash."""
     if tensor.dim() > MAX_NDIM:
-        raise CodecError(f"tensor has {tensor.dim()} dimensions, more than {MAX_NDIM}")
+        raise MessageError(f"tensor has {tensor.dim()} dimensions, more than {MAX_NDIM}")
     if isinstance(tensor, BlockQuantized):
         header = struct.pack(f"<BB{tensor.dim()}I", BLOCK_QUANTIZED_CODE, tensor.dim(), *tensor.shape)
         return header + _raw(tensor.scales) + _raw(tensor.values)
     if tensor.dtype not in DTYPE_CODES:
-        raise CodecError(f"dtype {tensor.dtype} cannot be encoded; use one of {list(DTYPE_CODES)}")
+        raise MessageError(f"dtype {tensor.dtype} cannot be encoded; use one of {list(DTYPE_CODES)}")
     header = struct.pack(f"<BB{tensor.dim()}I", DTYPE_CODES[tensor.dtype], tensor.dim(), *tensor.shape)
     return header + _raw(tensor)
 
@@ -147,14 +147,14 @@ def encode_message(meta: dict[str, MetaValue], tensors: dict[str, WireTensor]) -
     """Serialise metadata (flat JSON of scalars) and named tensors."""
     meta_bytes = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
     if len(meta_bytes) > MAX_META_BYTES:
-        raise CodecError(f"metadata is {len(meta_bytes)} bytes, more than {MAX_META_BYTES}")
+        raise MessageError(f"metadata is {len(meta_bytes)} bytes, more than {MAX_META_BYTES}")
     if len(tensors) > MAX_TENSORS:
-        raise CodecError(f"{len(tensors)} tensors, more than {MAX_TENSORS}")
+        raise MessageError(f"{len(tensors)} tensors, more than {MAX_TENSORS}")
     parts = [MAGIC, struct.pack("<I", len(meta_bytes)), meta_bytes, struct.pack("<B", len(tensors))]
     for name, tensor in tensors.items():
         raw_name = name.encode()
         if not 0 < len(raw_name) <= MAX_NAME_BYTES:
-            raise CodecError(f"tensor name {name!r} must be 1..{MAX_NAME_BYTES} bytes")
+            raise MessageError(f"tensor name {name!r} must be 1..{MAX_NAME_BYTES} bytes")
         parts += [struct.pack("<B", len(raw_name)), raw_name, encode_tensor(tensor)]
     return b"".join(parts)
 
@@ -168,7 +168,7 @@ class _Reader:
 
     def take(self, count: int, what: str) -> memoryview:
         if count < 0 or self.pos + count > len(self.data):
-            raise CodecError(f"message truncated while reading {what}")
+            raise MessageError(f"message truncated while reading {what}")
         chunk = self.data[self.pos : self.pos + count]
         self.pos += count
         return chunk
@@ -181,12 +181,12 @@ def _decode_meta(raw: memoryview) -> dict[str, MetaValue]:
     try:
         meta = json.loads(bytes(raw).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CodecError(f"metadata is not valid UTF-8 JSON: {exc}") from None
+        raise MessageError(f"metadata is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(meta, dict):
-        raise CodecError("metadata must be a JSON object")
+        raise MessageError("metadata must be a JSON object")
     for key, value in meta.items():
         if not isinstance(value, str | int | float | bool | type(None)):
-            raise CodecError(f"metadata field {key!r} must be a scalar, not {type(value).__name__}")
+            raise MessageError(f"metadata field {key!r} must be a scalar, not {type(value).__name__}")
     return meta
 
 
@@ -198,52 +198,52 @@ def decode_message(data: bytes, *, max_elements: int) -> tuple[dict[str, MetaVal
     """
     reader = _Reader(data)
     if bytes(reader.take(len(MAGIC), "magic")) != MAGIC:
-        raise CodecError("not a psyswarm message (bad magic bytes)")
+        raise MessageError("not a psyswarm message (bad magic bytes)")
     (meta_len,) = reader.unpack("<I", "metadata length")
     if meta_len > MAX_META_BYTES:
-        raise CodecError(f"metadata length {meta_len} exceeds {MAX_META_BYTES}")
+        raise MessageError(f"metadata length {meta_len} exceeds {MAX_META_BYTES}")
     meta = _decode_meta(reader.take(meta_len, "metadata"))
     (count,) = reader.unpack("<B", "tensor count")
     if count > MAX_TENSORS:
-        raise CodecError(f"{count} tensors, more than {MAX_TENSORS}")
+        raise MessageError(f"{count} tensors, more than {MAX_TENSORS}")
     tensors: dict[str, WireTensor] = {}
     for _ in range(count):
         (name_len,) = reader.unpack("<B", "tensor name length")
         if not 0 < name_len <= MAX_NAME_BYTES:
-            raise CodecError(f"tensor name length {name_len} is not in 1..{MAX_NAME_BYTES}")
+            raise MessageError(f"tensor name length {name_len} is not in 1..{MAX_NAME_BYTES}")
         try:
             name = bytes(reader.take(name_len, "tensor name")).decode("ascii")
         except UnicodeDecodeError:
-            raise CodecError("tensor name is not ASCII") from None
+            raise MessageError("tensor name is not ASCII") from None
         if name in tensors:
-            raise CodecError(f"tensor {name!r} appears twice")
+            raise MessageError(f"tensor {name!r} appears twice")
         tensors[name] = _decode_tensor(reader, name, max_elements)
     if reader.pos != len(reader.data):
-        raise CodecError(f"{len(reader.data) - reader.pos} unexpected bytes after the last tensor")
+        raise MessageError(f"{len(reader.data) - reader.pos} unexpected bytes after the last tensor")
     return meta, tensors
 
 
 def _decode_tensor(reader: _Reader, name: str, max_elements: int) -> WireTensor:
     code, ndim = reader.unpack("<BB", f"header of tensor {name!r}")
     if code not in _CODE_DTYPES and code != BLOCK_QUANTIZED_CODE:
-        raise CodecError(f"tensor {name!r} has unknown dtype code {code}")
+        raise MessageError(f"tensor {name!r} has unknown dtype code {code}")
     if ndim > MAX_NDIM:
-        raise CodecError(f"tensor {name!r} has {ndim} dimensions, more than {MAX_NDIM}")
+        raise MessageError(f"tensor {name!r} has {ndim} dimensions, more than {MAX_NDIM}")
     shape = reader.unpack(f"<{ndim}I", f"shape of tensor {name!r}")
     elements = math.prod(shape)
     if elements > max_elements:
-        raise CodecError(f"tensor {name!r} of shape {list(shape)} exceeds the limit of {max_elements} elements")
+        raise MessageError(f"tensor {name!r} of shape {list(shape)} exceeds the limit of {max_elements} elements")
     if code != BLOCK_QUANTIZED_CODE:
         return _take(reader, shape, _CODE_DTYPES[code], f"payload of tensor {name!r}")
     if ndim < 1:
-        raise CodecError(f"quantised tensor {name!r} needs at least one dimension")
+        raise MessageError(f"quantised tensor {name!r} needs at least one dimension")
     scale_shape = (*shape[:-1], _blocks(shape[-1]))
     scales = _take(reader, scale_shape, torch.float32, f"scales of tensor {name!r}")
     quantized = BlockQuantized(_take(reader, shape, torch.int8, f"values of tensor {name!r}"), scales)
     try:
         quantized.check()
-    except CodecError as exc:
-        raise CodecError(f"tensor {name!r}: {exc}") from None
+    except MessageError as exc:
+        raise MessageError(f"tensor {name!r}: {exc}") from None
     return quantized
 
 

@@ -1,0 +1,14 @@
+"""The coordinator's executable specification: what the rules are, and nothing that merely carries them.
+
+Every backend runs these functions: the TCP server calls them directly, and the C program in ``program/``
+implements the same rules, checked against vectors generated from here. Pure and deterministic: the caller
+passes the time and the entropy; nothing here does I/O or imports a Solana client or an HTTP library.
+
+- ``limits``, ``errors``: the account's fixed capacities and the typed rejections of every operation;
+- ``layout``: the Borsh-compatible schema language the account and the instructions are declared in;
+- ``config``, ``state``: a run's configuration and the coordinator's state, with their layouts;
+- ``selection``, ``bloom``, ``schedule``: what a round's seed decides, the witness filters, the learning rate;
+- ``rules``: every operation and the tick; ``instructions``: each instruction's bytes and how it applies.
+
+May import: nothing outside this package.
+"""
