@@ -1,9 +1,10 @@
-"""The package layout stays layered: no module imports against the rule its package states.
+"""The package layout stays layered: no module imports against the rule its package states, and no import
+circle exists anywhere, between packages or inside one.
 
 Each package (and each top-level module of ``client``) says on a ``May import:`` line of its docstring which
 other parts of psyswarm it may import; a module without a rule of its own follows its nearest package's.
-Every import counts, lazy ones inside functions included: they are how the CLI stays fast, not a way round
-the layering.
+Every import counts, lazy ones inside functions and ``TYPE_CHECKING`` ones included: they are how the CLI stays
+fast and how annotations name types, not a way round the layering.
 """
 
 from __future__ import annotations
@@ -85,6 +86,67 @@ def violations(root: Path) -> list[str]:
     return found
 
 
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """Each psyswarm module and the psyswarm modules it imports. ``from a import b`` imports the module ``a.b``
+    when there is one, else ``a``. A module importing its own package (whose ``__init__`` re-exports it) is not
+    an edge: the package is where it is defined, not something above it."""
+    paths = {module_name(p, root): p for top in TOP_PACKAGES for p in sorted((root / top).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        edges = set()
+        for _, name in imported_names(path, package):
+            while name and name not in paths:
+                name = name.rpartition(".")[0]
+            if name and name != module and not within(module, name):
+                edges.add(name)
+        graph[module] = edges
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: its strongly connected components of more than one module (Tarjan's
+    algorithm, iterative so that a deep chain of imports cannot exhaust Python's stack)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for target in edges:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph.get(target, ())))))
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
 def test_no_module_imports_against_its_package_rule():
     assert violations(ROOT) == []
 
@@ -109,3 +171,20 @@ def test_an_upward_import_is_reported(tmp_path):
     assert violations(tmp_path) == [
         "client/witness/judge.py:6 imports client.pipeline.model.build_stage, outside the rule of client.witness: "
         "client.identity, client.stages"]
+
+
+def test_no_import_circle_anywhere():
+    assert circles(module_graph(ROOT)) == []
+
+
+def test_a_circle_inside_a_package_is_reported(tmp_path):
+    models = tmp_path / "client" / "models"
+    models.mkdir(parents=True)
+    (tmp_path / "client" / "__init__.py").write_text('"""Top."""\n')
+    (models / "__init__.py").write_text('"""Models."""\nfrom client.models.spec import Spec\n')
+    (models / "spec.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                    "    from client.models.stages import Stage\nfrom client.models import weights\n")
+    (models / "stages.py").write_text("def build():\n    from client.models.sources import load\n")
+    (models / "sources.py").write_text("from client.models.spec import Spec\n")
+    (models / "weights.py").write_text("from client.models import Spec\n")  # its own package: not an edge
+    assert circles(module_graph(tmp_path)) == [["client.models.sources", "client.models.spec", "client.models.stages"]]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from client.models.sources import INDEX_FILE, SINGLE_FILE, TOKENIZER_EXTRAS, TOKENIZER_FILE
+from client.models.weights import INDEX_FILE, SINGLE_FILE, TOKENIZER_EXTRAS, TOKENIZER_FILE
 
 if TYPE_CHECKING:
     import torch

@@ -19,8 +19,8 @@ from client.stages import stage_names
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from client.models.sources import WeightSource
     from client.models.stages import HFStage
+    from client.models.weights import WeightSource
 
 # Families whose base model's forward is exactly: the modules of the config's ``base_model_pp_plan`` in order,
 # with the rotary embedding and the causal mask computed once and handed to every layer. Each one is checked
@@ -78,8 +78,6 @@ class HFModelSpec:
 
     @property
     def config_sha256(self) -> bytes:
-        from client.models.sources import config_digest
-
         return config_digest(dict(self.config))
 
     def fingerprint(self) -> str:
@@ -120,6 +118,12 @@ class HFModelSpec:
         from client.models.stages import HFStage
 
         return HFStage(self, stage)
+
+
+def config_digest(config_json: dict[str, Any]) -> bytes:
+    """sha256 of ``config.json`` in canonical form (sorted keys, no spaces): the same model on every machine
+    whatever the file's formatting."""
+    return hashlib.sha256(json.dumps(config_json, sort_keys=True, separators=(",", ":")).encode()).digest()
 
 
 def _positive(config: Mapping[str, Any], key: str) -> int:

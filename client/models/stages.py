@@ -13,21 +13,34 @@ the network. Dropout stays off: a Backward recomputes its Forward and must get t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from client.models.init import parameter_stream
-from client.models.sources import ModelSourceError
+from client.models.weights import ModelSourceError, WeightSource
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
-    from client.models.spec import HFModelSpec
-
 ROTARY = "rotary_emb"
+
+
+class CutModel(Protocol):
+    """What a stage is built from: a model, its cut into stages, and where its tensors come from
+    (``client.models.spec.HFModelSpec`` is the one the pipeline uses)."""
+
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def weights(self) -> WeightSource | None: ...
+    def stage_names(self) -> list[str]: ...
+    def layer_split(self) -> dict[str, range]: ...
+    def hf_config(self) -> PretrainedConfig: ...
 
 
 class UnsupportedModel(ModelSourceError):
@@ -38,7 +51,7 @@ class UnsupportedModel(ModelSourceError):
 class HFStage(nn.Module):
     """A stage of a ``transformers`` causal LM: head ids → hidden, body hidden → hidden, tail → mean loss."""
 
-    def __init__(self, spec: HFModelSpec, stage: str) -> None:
+    def __init__(self, spec: CutModel, stage: str) -> None:
         super().__init__()
         names = spec.stage_names()
         if stage not in names:
