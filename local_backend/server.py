@@ -93,7 +93,7 @@ class CoordinatorServer:
                      state.phase.name, state.epoch, state.step, admission(state.join_authority))
             return state
         me = bytes(self.authority.pubkey())
-        state = rules.init_coordinator(self.spec.run_id, me, join_authority)
+        state = rules.init_coordinator(self.spec.run_id, me, join_authority, self._now())
         self._persist(state, me, Update(self.spec.config, self.spec.model, self.spec.checkpoint).encode(),
                       lambda: rules.update(state, me, self.spec.config, self.spec.model, self.spec.checkpoint))
         self._persist(state, me, SetPaused(False).encode(), lambda: rules.set_paused(state, me, False))

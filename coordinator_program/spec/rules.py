@@ -26,6 +26,7 @@ into a ledger that outlives epochs (``credit_round``).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
 from coordinator_program.spec import limits
@@ -86,6 +87,16 @@ NO_AUTHORITY = bytes(32)
 
 # --- derived facts every client computes the same way -------------------------------------------------
 
+def run_instance(state: CoordinatorState) -> str:
+    """The name of this run, apart from any other run of the same id: ``<run_id>.<16 hex digits>`` of
+    sha256(run id ‖ main authority ‖ creation time). Everything a run's clients share off the coordinator (DHT
+    records, averaging groups, state sharing) lives under it, so a later run with the same id never reads an
+    earlier run's."""
+    digest = hashlib.sha256(state.run_id.encode() + state.main_authority + state.created_at.to_bytes(8, "little",
+                                                                                                     signed=True))
+    return f"{state.run_id}.{digest.hexdigest()[:16]}"
+
+
 def witnesses(state: CoordinatorState) -> list[bytes]:
     """Identities of the current round's witnesses, in election order."""
     indices = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
@@ -142,11 +153,13 @@ def assign_stages(pending: list[Pending], num_stages: int) -> list[Client]:
 
 # --- construction and administration ------------------------------------------------------------------
 
-def init_coordinator(run_id: str, main_authority: bytes, join_authority: bytes) -> CoordinatorState:
-    """A new, unconfigured run; ``update`` gives it a config and ``set_paused(False)`` starts it."""
+def init_coordinator(run_id: str, main_authority: bytes, join_authority: bytes, now: int) -> CoordinatorState:
+    """A new, unconfigured run created at ``now`` (the backend's clock); ``update`` gives it a config and
+    ``set_paused(False)`` starts it."""
     if not valid_run_id(run_id):
         raise InvalidRunId(f"run_id {run_id!r} must be 1-32 characters of [A-Za-z0-9._-]")
-    return CoordinatorState(run_id=run_id, main_authority=main_authority, join_authority=join_authority)
+    return CoordinatorState(run_id=run_id, main_authority=main_authority, join_authority=join_authority,
+                            created_at=now)
 
 
 def update(state: CoordinatorState, signer: bytes, config: Config, model: Model, checkpoint: Checkpoint) -> None:

@@ -148,6 +148,7 @@ class CoordinatorState:
     run_id: str
     main_authority: bytes
     join_authority: bytes
+    created_at: int = 0
     nonce: int = 0
     phase: Phase = Phase.Uninitialized
     pause_requested: bool = True
@@ -198,6 +199,8 @@ ACCOUNT_LAYOUT = Struct(CoordinatorState, [
     F("run_id", FixedStr(limits.RUN_ID_BYTES)),
     F("main_authority", PUBKEY),
     F("join_authority", PUBKEY),
+    F("created_at", I64, doc="the backend's clock when the run was created: with the run id and the main authority "
+      "it names this run apart from any earlier run of the same id"),
     F("phase", Enum8(Phase)),
     F("pause_requested", BOOL),
     F("phase_start", I64),

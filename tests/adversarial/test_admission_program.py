@@ -44,7 +44,7 @@ def test_init_creates_the_run_on_an_instance_address_someone_funded_first(amount
     created = chain.send(instructions, [creator, coordinator])
     assert isinstance(created, TransactionMetadata), logs(created)
 
-    state = rules.init_coordinator(RUN_ID, key(creator), bytes(32))
+    state = rules.init_coordinator(RUN_ID, key(creator), bytes(32), chain.svm.get_clock().unix_timestamp)
     assert chain.data(run.coordinator) == encode_state(state)
     account = chain.svm.get_account(instance)
     assert account is not None and account.owner == chain.program_id

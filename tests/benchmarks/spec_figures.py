@@ -41,7 +41,7 @@ def full_config() -> Config:
 
 
 def full_run(config: Config) -> rules.CoordinatorState:
-    state = rules.init_coordinator("bench", AUTHORITY, bytes(32))
+    state = rules.init_coordinator("bench", AUTHORITY, bytes(32), now=0)
     rules.update(state, AUTHORITY, config, Model(n_layers=4), Checkpoint())
     rules.set_paused(state, AUTHORITY, False)
     rules.tick(state, 0, 1)

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import re
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -29,7 +30,7 @@ from coordinator_program.onchain.program_id import PROGRAM_ID
 from coordinator_program.program.build import DEFAULT_OUTPUT
 from coordinator_program.spec import rules
 from coordinator_program.spec.instructions import CloseRun, InitCoordinator
-from coordinator_program.spec.state import ACCOUNT_SIZE, encode_state
+from coordinator_program.spec.state import ACCOUNT_SIZE, decode_state, encode_state
 from tests.program.coordinator_chain import init_instructions, program_instruction
 from tests.program.sbpf_harness import build_fixture, clang_missing
 from tests.solana.conftest import Localnet
@@ -118,8 +119,11 @@ def run_and_close_a_coordinator(localnet: Localnet, authority: Keypair, program_
     coordinator = Keypair()
     init = InitCoordinator("deployed", bytes(authority.pubkey()), bytes(32))
     instructions, run = init_instructions(program_id, rent(localnet, ACCOUNT_SIZE), authority, coordinator, init)
+    before = int(time.time())
     send(localnet, instructions, [authority, coordinator])
-    state = rules.init_coordinator(init.run_id, init.main_authority, init.join_authority)
+    created_at = decode_state(account_data(localnet, run.coordinator)).created_at  # the chain's clock (wall time)
+    assert before - 1 <= created_at <= time.time() + 1
+    state = rules.init_coordinator(init.run_id, init.main_authority, init.join_authority, created_at)
     assert account_data(localnet, run.coordinator) == encode_state(state)
     expected = CoordinatorInstance(init.run_id, bytes(run.coordinator), run.bump)
     assert account_data(localnet, run.instance) == encode_instance(expected)

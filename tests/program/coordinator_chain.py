@@ -176,7 +176,7 @@ class Replay:
         self.authority = authority
         chain.fund(authority)
         chain.set_clock(now)
-        self.state: CoordinatorState = rules.init_coordinator(run_id, key(authority), join_authority)
+        self.state: CoordinatorState = rules.init_coordinator(run_id, key(authority), join_authority, now)
         coordinator = Keypair()  # signs its own creation, as the system program requires
         instructions, self.run = init_instructions(
             chain.program_id, chain.account_rent(), authority, coordinator,

@@ -260,7 +260,7 @@ def prepare_init(run_id: str = RUN_ID, data: bytes | None = None, chain: Program
 def test_init_writes_the_initial_state_and_the_instance() -> None:
     init = prepare_init()
     assert isinstance(init.send(), TransactionMetadata)
-    state = rules.init_coordinator(RUN_ID, key(init.payer), bytes(32))
+    state = rules.init_coordinator(RUN_ID, key(init.payer), bytes(32), init.chain.svm.get_clock().unix_timestamp)
     assert init.chain.data(init.coordinator.pubkey()) == encode_state(state)
     instance = init.chain.svm.get_account(init.instance)
     assert instance is not None and instance.owner == init.chain.program_id
@@ -324,7 +324,7 @@ def test_second_init_of_a_run_id_is_refused_by_the_system_program() -> None:
 @pytest.mark.parametrize("run_id", ["", "has space", "émigré", "x" * 32])
 def test_init_run_id_rules_match_the_specification(run_id: str) -> None:
     try:
-        rules.init_coordinator(run_id, bytes(32), bytes(32))
+        rules.init_coordinator(run_id, bytes(32), bytes(32), now=0)
     except errors.InvalidRunId as exc:
         expected: int | None = exc.code
     else:

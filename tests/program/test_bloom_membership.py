@@ -36,7 +36,7 @@ TOTALS = {"positive": 0, "negative": 0, "false positive": 0}
 
 def judged_state(config: Config, checker: bytes, others: list[bytes], proof: bytes) -> rules.CoordinatorState:
     """Round 1 of an epoch whose round 0 received one proof, ``proof``, from witness position 0."""
-    state = rules.init_coordinator("bloom", bytes(32), bytes(32))
+    state = rules.init_coordinator("bloom", bytes(32), bytes(32), now=0)
     state.config = config
     state.phase = Phase.RoundTrain
     state.clients = [Client(checker, Role.Trainer, limits.NO_STAGE)] + [Client(o, Role.Worker, 0) for o in others]

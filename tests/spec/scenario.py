@@ -25,7 +25,7 @@ def ident(i: int) -> bytes:
 
 def new_run(config: Config = SMALL, *, join_authority: bytes = bytes(32), started: bool = True) -> CoordinatorState:
     """A configured run, resumed and ticked into WaitingForMembers unless ``started`` is False."""
-    state = rules.init_coordinator(RUN_ID, AUTHORITY, join_authority)
+    state = rules.init_coordinator(RUN_ID, AUTHORITY, join_authority, now=0)
     rules.update(state, AUTHORITY, config, MODEL, Checkpoint())
     if started:
         rules.set_paused(state, AUTHORITY, False)

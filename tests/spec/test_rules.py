@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
@@ -99,7 +100,7 @@ def test_join_rejections(case: str) -> None:
         assert_rejected(state, errors.RunFinished, lambda: rules.join(state, ident(9), RUN_ID, Role.Worker, 255,
                                                                        ident(9)))
     elif case == "uninitialized":
-        fresh = rules.init_coordinator(RUN_ID, AUTHORITY, bytes(32))
+        fresh = rules.init_coordinator(RUN_ID, AUTHORITY, bytes(32), now=0)
         assert_rejected(fresh, errors.NotInitialized, lambda: rules.join(fresh, ident(9), RUN_ID, Role.Worker,
                                                                           255, ident(9)))
     elif case == "authority":
@@ -416,7 +417,7 @@ def test_pause_in_waiting_and_authority_checks() -> None:
     rules.set_paused(state, AUTHORITY, True)
     rules.tick(state, 5, 1)
     assert state.phase == Phase.Paused
-    fresh = rules.init_coordinator(RUN_ID, AUTHORITY, bytes(32))
+    fresh = rules.init_coordinator(RUN_ID, AUTHORITY, bytes(32), now=0)
     assert_rejected(fresh, errors.NotInitialized, lambda: rules.set_paused(fresh, AUTHORITY, False))
 
 
@@ -435,7 +436,7 @@ def test_update_rules() -> None:
 
 
 def test_close_run_only_by_the_main_authority_of_a_halted_run() -> None:
-    fresh = rules.init_coordinator(RUN_ID, AUTHORITY, bytes(32))
+    fresh = rules.init_coordinator(RUN_ID, AUTHORITY, bytes(32), now=0)
     assert_rejected(fresh, errors.NotAuthorized, lambda: rules.close_run(fresh, ident(1)))
     rules.close_run(fresh, AUTHORITY)  # Uninitialized
     paused = new_run(started=False)
@@ -465,10 +466,10 @@ def test_apply_refuses_the_instructions_that_create_or_close_a_run(ix: CloseRun 
 
 def test_run_id_rules() -> None:
     with pytest.raises(errors.InvalidRunId):
-        rules.init_coordinator("has space", AUTHORITY, bytes(32))
+        rules.init_coordinator("has space", AUTHORITY, bytes(32), now=0)
     with pytest.raises(errors.InvalidRunId):
-        rules.init_coordinator("x" * 33, AUTHORITY, bytes(32))
-    assert rules.init_coordinator("a.b-c_1", AUTHORITY, bytes(32)).run_id == "a.b-c_1"
+        rules.init_coordinator("x" * 33, AUTHORITY, bytes(32), now=0)
+    assert rules.init_coordinator("a.b-c_1", AUTHORITY, bytes(32), now=0).run_id == "a.b-c_1"
 
 
 def test_every_accepted_operation_bumps_the_nonce() -> None:
@@ -483,3 +484,12 @@ def test_every_accepted_operation_bumps_the_nonce() -> None:
 def test_bloom_sizes_follow_the_config() -> None:
     config: Config = SMALL
     assert len(build_filter(config, [])) == config.bloom_bytes == (11 * 11 + 7) // 8
+
+
+def test_a_run_instance_names_one_creation_of_a_run_id() -> None:
+    first = rules.init_coordinator(RUN_ID, AUTHORITY, bytes(32), now=1_700_000_000)
+    assert rules.run_instance(first) == rules.run_instance(copy.deepcopy(first))
+    assert rules.run_instance(first).startswith(RUN_ID + ".")
+    later = rules.init_coordinator(RUN_ID, AUTHORITY, bytes(32), now=1_700_000_001)
+    other_creator = rules.init_coordinator(RUN_ID, bytes([9]) * 32, bytes(32), now=1_700_000_000)
+    assert len({rules.run_instance(s) for s in (first, later, other_creator)}) == 3

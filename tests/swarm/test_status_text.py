@@ -24,7 +24,7 @@ def demo_state(rounds: int = 8, epochs: int = 3) -> CoordinatorState:
     import tomllib
 
     spec = parse_run_spec(tomllib.loads(DEMO_TOML.format(rounds=rounds, steps=rounds * epochs)))
-    state = rules.init_coordinator(spec.run_id, ME, rules.NO_AUTHORITY)
+    state = rules.init_coordinator(spec.run_id, ME, rules.NO_AUTHORITY, now=0)
     rules.update(state, ME, spec.config, spec.model, spec.checkpoint)
     rules.set_paused(state, ME, False)
     rules.tick(state, 1_000, 0)

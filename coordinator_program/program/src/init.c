@@ -2,7 +2,7 @@
  * exactly the layout's size) in the same transaction, because an account created through CPI grows at most
  * 10 KiB; this instruction creates the small instance PDA ["coordinator", run_id] itself (tolerating lamports
  * sent to its address beforehand), records the link between the two, and writes the state
- * rules.init_coordinator produces. */
+ * rules.init_coordinator produces at the Clock sysvar's time. */
 #include "coordinator.h"
 
 /* Every byte is zero, compared a heap block of zeros at a time (the heap starts zeroed). */
@@ -122,5 +122,8 @@ uint64_t psy_init_coordinator(const psy_input_t *in) {
   sol_memcpy_(s + PSY_ACCOUNT_JOIN_AUTHORITY_OFFSET, data + PSY_IX_INIT_COORDINATOR_JOIN_AUTHORITY_OFFSET,
               PSY_PUBKEY_BYTES);
   PSY_ACCOUNT_PAUSE_REQUESTED_SET(s, 1);
+  psy_clock_t clock; /* the creation time comes from the Clock sysvar, never the caller */
+  sol_get_clock_sysvar(&clock);
+  PSY_ACCOUNT_CREATED_AT_SET(s, clock.unix_timestamp);
   return PSY_SUCCESS;
 }
