@@ -314,7 +314,8 @@ def claim_or_exit(identity: Keypair, run_id: str):
 def admission_mismatch(join_authority: bytes, auth: AuthSession | None) -> str | None:
     """Why the coordinator would refuse every join of this client, known before trying: a permissioned run
     joined without its auth service, or through an auth service that is not the run's join authority."""
-    from coordinator_program.spec.rules import NO_AUTHORITY, admission
+    from coordinator_program.facts import admission
+    from coordinator_program.spec.rules import NO_AUTHORITY
 
     if join_authority == NO_AUTHORITY:
         return None
