@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from client.stages import stage_name
@@ -26,7 +26,7 @@ from coordinator_program.spec.state import CoordinatorState, Phase, Role
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from client.runner import Contributor
+    from client.contributor.status import ContributorStatus
 
 REFRESH_PER_SECOND = 2
 SYNC_NAMES = {0: "active", 1: "sync 1", 2: "sync 2"}
@@ -57,23 +57,22 @@ def epoch_text(state: CoordinatorState) -> str:
     return f"epoch {last_epoch(state)}"
 
 
-def live_text(contributor: Contributor) -> str:
+def live_text(status: ContributorStatus) -> str:
     """The live line, short enough for 80 columns: phase, epoch and round; this client's membership, stage and sync
     phase; microbatches this round; points."""
-    state = contributor.backend.state
-    waiting = membership(state, contributor.me)
+    state = status.state
+    waiting = membership(state, status.me)
     parts = [state.phase.name, epoch_text(state), *([waiting] if waiting else [])]
-    if contributor.options.role == Role.Worker:
-        index = state.client_index(contributor.me)
-        stage = state.clients[index].stage if index is not None else contributor.options.stage  # assigned, or asked
+    if status.role == Role.Worker:
+        index = state.client_index(status.me)
+        stage = state.clients[index].stage if index is not None else status.asked_stage  # assigned, or asked
         parts.append(stage_name(stage, state.config.num_stages) if stage != limits.NO_STAGE else "any stage")
-        replica = contributor.replica
-        parts.append(SYNC_NAMES.get(int(replica.tracker.phase), "?") if replica is not None else "idle")
-        parts.append(f"{len(contributor.round_receipts)} batches")
+        phase = status.sync_phase
+        parts.append(SYNC_NAMES.get(int(phase), "?") if phase is not None else "idle")
     else:
         parts.append("trainer")
-        parts.append(f"{contributor.round_batches.get((state.epoch, state.round.height), 0)} batches")
-    parts.append(points_text(state, contributor.me))
+    parts.append(f"{status.batches} batches")
+    parts.append(points_text(state, status.me))
     return " | ".join(parts)
 
 
@@ -102,8 +101,9 @@ def terminal_console() -> Console | None:
 
 
 @contextlib.contextmanager
-def live_line(contributor: Contributor, console: Console | None) -> Iterator[None]:
-    """Keep the live line at the bottom of ``console`` while the block runs; nothing without a console."""
+def live_line(status: Callable[[], ContributorStatus], console: Console | None) -> Iterator[None]:
+    """Keep the live line, of what ``status`` says when it is drawn, at the bottom of ``console`` while the block
+    runs; nothing without a console."""
     if console is None:
         yield
         return
@@ -112,7 +112,7 @@ def live_line(contributor: Contributor, console: Console | None) -> Iterator[Non
 
     def render() -> Text:
         try:
-            return Text(live_text(contributor), no_wrap=True, overflow="ellipsis", style="bold")
+            return Text(live_text(status()), no_wrap=True, overflow="ellipsis", style="bold")
         except Exception as exc:  # noqa: BLE001 - a state being replaced mid-read: show why, try again next refresh
             return Text(f"(no status: {exc})")
 

@@ -52,7 +52,7 @@ def parse_stage(text: str | None) -> int:
 
 STOP_GRACE = 8.0
 """Seconds from SIGTERM or Ctrl+C to the process's end at the latest: the client's clean leave gets
-``runner.STOP_TIMEOUT`` of them; past STOP_GRACE the process ends regardless."""
+``client.contributor.runner.STOP_TIMEOUT`` of them; past STOP_GRACE the process ends regardless."""
 STOPPED = "stopped; the coordinator drops this client at the next health check"
 
 
@@ -177,7 +177,9 @@ def join_run(
     from client.backends.base import BackendError
     from client.commands.connect import check_target, connect, open_backend, open_identity
     from client.commands.live import live_line, terminal_console
-    from client.runner import CannotContribute, Contributor, ContributorRemoved, RunnerOptions
+    from client.contributor.context import RunnerOptions
+    from client.contributor.errors import CannotContribute, ContributorRemoved
+    from client.contributor.runner import Contributor
     from coordinator_program.spec import limits
     from coordinator_program.spec.state import Role
 
@@ -237,7 +239,7 @@ def join_run(
 
         contributor = Contributor(backend, identity, options)
         try:
-            with live_line(contributor, console):
+            with live_line(contributor.status, console):
                 await contributor.run(reconnect)
         except BackendError as exc:
             raise fail(str(exc) if exc.permanent else

@@ -79,7 +79,7 @@ def dht_workers_line(board, state) -> str:
 
 def dht_worker_records(board, state) -> dict:
     """Each stage's name and the worker records it announces in the run's DHT."""
-    from client.join.stage_replica import model_config
+    from client.contributor.run_model import model_config
     from client.pipeline.discovery import WorkerDirectory
     from client.stages import stage_name
 

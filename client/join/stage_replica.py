@@ -1,6 +1,6 @@
 """A worker's place among its stage's replicas: the state it starts from, its sync phase, SPARTA averaging.
 
-The runner builds one ``StageReplica`` when a worker takes a stage. It carries out the worker's part of the
+A contributor's worker role builds one ``StageReplica`` when it takes a stage. It carries out the worker's part of the
 join flow (seeds/contributor-join-flow.txt) and of fault tolerance (seeds/fault-tolerance.txt):
 
 - State: the first source that holds the stage, in order: the auth service's snapshot (the seed's periodic
@@ -45,9 +45,8 @@ from client.join.state_download import (
     worker_state_provider,
 )
 from client.join.sync import SyncPhase, SyncPolicy, SyncTracker
-from client.models.sources import BYTE_MODEL, model_spec_for
 from client.pipeline.discovery import WorkerDirectory
-from client.pipeline.model import ModelConfig, ModelSpec
+from client.pipeline.model import ModelSpec
 from client.pipeline.optim import OptimizerConfig
 from client.pipeline.wire import codec_name
 from client.pipeline.worker import StageWorker, StepStats
@@ -58,17 +57,6 @@ from coordinator_program.spec.state import CoordinatorState
 log = logging.getLogger("psyswarm.replica")
 
 PEER_DOWNLOAD_TIMEOUT = 120.0  # seconds a joiner tries same-stage donors before falling back
-
-
-def model_config(state: CoordinatorState, *, hf_endpoint: str | None = None,
-                 hf_token: str | None = None) -> ModelSpec:
-    """The model a run's state describes, as the pipeline builds it: the embedded byte-level model, or a Hugging
-    Face causal LM whose config.json is read from its source and checked against the run's digest."""
-    m = state.model
-    if getattr(m, "architecture", BYTE_MODEL) != BYTE_MODEL:
-        return model_spec_for(state, endpoint=hf_endpoint, token=hf_token)
-    return ModelConfig(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len,
-                       num_stages=state.config.num_stages, seed=m.init_seed)
 
 
 def sparta_settings(round_witness_time: int) -> SpartaSettings:
@@ -119,14 +107,13 @@ class StageReplica:
         self.samples_since_average = 0
 
     @classmethod
-    def create(cls, state: CoordinatorState, stage: str, *, dht, keypair: Keypair, host: str,
+    def create(cls, state: CoordinatorState, stage: str, config: ModelSpec, *, dht, keypair: Keypair, host: str,
                trainer_allowed: Callable[[bytes], bool], say: Callable[[str], None] = print,
-               device: str = "cpu", hf_endpoint: str | None = None, hf_token: str | None = None) -> StageReplica:
-        """Build the worker (not serving yet) and its averager: the averager forks hivemind's process, which is
-        safest before the worker's gRPC server starts its threads. The worker serves the trainers for which
-        ``trainer_allowed`` (a public key) is true. A Hugging Face model comes from its source through
-        ``hf_endpoint``; ``ModelSourceError`` when it cannot be built as the run names it."""
-        config = model_config(state, hf_endpoint=hf_endpoint, hf_token=hf_token)
+               device: str = "cpu") -> StageReplica:
+        """Build the worker of ``stage`` of the run's model ``config`` (not serving yet) and its averager: the
+        averager forks hivemind's process, which is safest before the worker's gRPC server starts its threads. The
+        worker serves the trainers for which ``trainer_allowed`` (a public key) is true; ``ModelSourceError`` when
+        its stage cannot be built as the run names it."""
         worker = StageWorker(config, stage, keypair=keypair, dht=dht, run_id=state.run_id, host=host,
                              trainer_allowed=trainer_allowed, device=device,
                              wire_codec=codec_name(state.model.wire_codec),

@@ -29,32 +29,32 @@ log = logging.getLogger("psyswarm.hostile")
 JUNK_LIFETIME = 86_400.0
 
 
-def plain_dht(contributor):
-    """A DHT node of the run's swarm that validates nothing: an attacker's own node."""
+def plain_dht(context):
+    """A DHT node of the run's swarm that validates nothing: an attacker's own node (one per client context)."""
     import hivemind
 
     from client.helper_processes import forking_helpers
 
-    if getattr(contributor, "_plain_dht", None) is None:
-        peers = [str(a) for a in contributor.dht.get_visible_maddrs()]
+    if getattr(context, "_plain_dht", None) is None:
+        peers = [str(a) for a in context.dht.get_visible_maddrs()]
         with forking_helpers():  # it dies with this process, like the client's own node
-            contributor._plain_dht = hivemind.DHT(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                                  start=True)
-    return contributor._plain_dht
+            context._plain_dht = hivemind.DHT(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                              start=True)
+    return context._plain_dht
 
 
-def store_junk(contributor, key: str, subkeys: list[str]) -> None:
+def store_junk(context, key: str, subkeys: list[str]) -> None:
     from hivemind.utils import get_dht_time
 
-    dht = plain_dht(contributor)
+    dht = plain_dht(context)
     for subkey in subkeys:
         stored = dht.store(key, {"junk": True}, get_dht_time() + JUNK_LIFETIME, subkey=subkey)
         log.info("junk under %s/%s: %s", key, subkey[:8], stored)
 
 
 def hostile_trainer() -> None:
+    from client.contributor.trainer import TrainerRole
     from client.pipeline.trainer import PipelineTrainer
-    from client.runner import Contributor
     from client.witness.records import Commitment
     from coordinator_program.spec import rules
     from coordinator_program.spec.state import Role
@@ -67,66 +67,70 @@ def hostile_trainer() -> None:
         return call(self, stage, micro, backward, tensors, **options)
 
     PipelineTrainer._call = poisoned_call
-    train = Contributor._train
+    train = TrainerRole.train
 
     async def claim_others_work(self, state) -> None:
         await train(self, state)  # every poisoned Backward is refused: no commitment of its own
-        share = next((a for a in rules.data_assignment(state) if a.client == self.me and a.size), None)
-        if share is None or self.board is None:
+        context = self.context
+        share = next((a for a in rules.data_assignment(state) if a.client == context.me and a.size), None)
+        if share is None or context.board is None:
             return
-        key = self.board.key(Commitment, state.epoch, state.round.height)
-        others = [c.id.hex() for c in state.clients if c.role == Role.Trainer and c.id != self.me]
-        await asyncio.to_thread(store_junk, self, key, others)
+        key = context.board.key(Commitment, state.epoch, state.round.height)
+        others = [c.id.hex() for c in state.clients if c.role == Role.Trainer and c.id != context.me]
+        await asyncio.to_thread(store_junk, context, key, others)
         deadline = time.monotonic() + state.config.max_round_train_time
         while time.monotonic() < deadline:
-            found = await asyncio.to_thread(self.board.fetch, Commitment, state.epoch, state.round.height)
-            honest = [c for author, c in found.items() if author != self.me.hex()]
+            found = await asyncio.to_thread(context.board.fetch, Commitment, state.epoch, state.round.height)
+            honest = [c for author, c in found.items() if author != context.me.hex()]
             if honest:
-                copied = Commitment.create(self.keypair, run_id=state.run_id, epoch=state.epoch,
+                copied = Commitment.create(context.keypair, run_id=state.run_id, epoch=state.epoch,
                                            round=state.round.height, start=share.start, end=share.end, loss=0.001,
                                            tokens=share.size * state.model.seq_len, receipts=honest[0].receipts)
-                published = await asyncio.to_thread(self.board.publish, copied, self.keypair)
+                published = await asyncio.to_thread(context.board.publish, copied, context.keypair)
                 log.info("round %d.%d: committed another trainer's receipts: %s", state.epoch,
                          state.round.height, published)
                 return
             await asyncio.sleep(0.5)
 
-    Contributor._train = claim_others_work
+    TrainerRole.train = claim_others_work
 
 
 def hostile_worker() -> None:
-    import client.runner
-    from client.runner import Contributor
+    import client.contributor.witnessing
+    from client.contributor.rounds import RoundKey
+    from client.contributor.worker import WorkerRole
     from client.witness.judge import Evidence
     from client.witness.records import Report
     from coordinator_program.spec.bloom import build_filter
     from coordinator_program.spec.state import Role
 
     Evidence.filters = lambda self, state: (build_filter(state.config, []), build_filter(state.config, []))
-    client.runner.unhealthy_clients = lambda state: [c.id for c in state.clients]
-    publish = Contributor._publish_receipts
+    client.contributor.witnessing.unhealthy_clients = lambda state: [c.id for c in state.clients]
+    publish = WorkerRole.publish_receipts
 
-    attacked: set[tuple[int, int]] = set()
+    attacked: set[RoundKey] = set()
 
-    async def publish_and_attack(self, epoch: int, height: int) -> None:
+    async def publish_and_attack(self, round_: RoundKey) -> None:
         from hivemind.utils import get_dht_time
 
-        await publish(self, epoch, height)
-        if self.worker is None or self.board is None or (epoch, height) in attacked:
+        await publish(self, round_)
+        context = self.context
+        if self.worker is None or context.board is None or round_ in attacked:
             return
-        attacked.add((epoch, height))
-        key = self.board.key(Report, epoch, height)
+        attacked.add(round_)
+        key = context.board.key(Report, round_.epoch, round_.height)
         malformed = {"receipts": 7, "uid": [[{}, "u", {}]]}
-        await asyncio.to_thread(plain_dht(self).store, key, malformed, get_dht_time() + 600, subkey=self.me.hex())
-        state = self.backend.state
+        await asyncio.to_thread(plain_dht(context).store, key, malformed, get_dht_time() + 600,
+                                subkey=context.me.hex())
+        state = context.state
         peers = [c.id.hex() for c in state.clients if c.role == Role.Worker and c.stage == self.stage
-                 and c.id != self.me]
+                 and c.id != context.me]
         await asyncio.to_thread(hijack, self, peers)
 
-    Contributor._publish_receipts = publish_and_attack
+    WorkerRole.publish_receipts = publish_and_attack
 
 
-def hijack(contributor, victims: list[str]) -> None:
+def hijack(role, victims: list[str]) -> None:
     """Announce this worker's address under each victim's uid: its own sealed record naming the victim's uid,
     and junk under the victim's own subkey from a node that validates nothing."""
     from dataclasses import asdict, replace
@@ -136,14 +140,14 @@ def hijack(contributor, victims: list[str]) -> None:
     from client.pipeline.discovery import default_index, stage_key, worker_uid
     from client.sealed import store_sealed
 
-    worker = contributor.worker
+    worker, context = role.worker, role.context
     expires = get_dht_time() + 60
-    key = stage_key(contributor.board.run_id, worker.stage)
+    key = stage_key(context.board.run_id, worker.stage)
     for victim in victims:
         uid = worker_uid(worker.stage, default_index(bytes.fromhex(victim)))
-        claim = replace(worker._record(expires), uid=uid).signed_by(contributor.keypair)
-        store_sealed(contributor.dht, contributor.keypair, key, asdict(claim), expires)
-        store_junk(contributor, key, [victim])
+        claim = replace(worker._record(expires), uid=uid).signed_by(context.keypair)
+        store_sealed(context.dht, context.keypair, key, asdict(claim), expires)
+        store_junk(context, key, [victim])
 
 
 def main() -> None:

@@ -17,7 +17,10 @@ import pytest
 from solders.keypair import Keypair
 
 from client.backends.base import Backend
-from client.runner import Contributor, RunnerOptions
+from client.contributor.context import RunnerOptions
+from client.contributor.rounds import RoundKey
+from client.contributor.runner import Contributor
+from client.contributor.worker import OpenRound, WorkerRole
 from client.sealed import store_sealed
 from client.witness.records import RECORD_TTL, Board, Commitment, Report
 from coordinator_program.spec import rules
@@ -71,7 +74,7 @@ class SpecBackend(Backend):
 
 
 class IssuedReceipts:
-    """Stands in for the contributor's stage worker: the receipts it issued, which the runner drains."""
+    """Stands in for the contributor's stage worker: the receipts it issued, which the worker role drains."""
 
     def __init__(self, uid: str) -> None:
         self.uid, self.pending = uid, []
@@ -97,9 +100,12 @@ def witnessing_worker(run_id: str, dht):
     backend = SpecBackend(state, keys[me])
     contributor = Contributor(backend, keys[me], RunnerOptions(role=Role.Worker, initial_peers=[]))
     worker = IssuedReceipts(uid_of(me, stage))
-    contributor.dht, contributor.board, contributor.stage = dht, board, stage
-    contributor.replica = SimpleNamespace(worker=worker)  # type: ignore[assignment]
-    contributor.open_round = (state.epoch, state.round.height, state.step)
+    contributor.context.dht, contributor.context.board = dht, board
+    role = contributor.role
+    assert isinstance(role, WorkerRole)
+    role.stage = stage
+    role.replica = SimpleNamespace(worker=worker)  # type: ignore[assignment]
+    role.open_round = OpenRound(RoundKey(state.epoch, state.round.height), state.step)
     mine = [r for s in shares(state) for r in share_receipts(state, s) if r["worker_uid"] == worker.uid]
     return state, keys, board, backend, contributor, worker, me, mine
 
@@ -127,12 +133,12 @@ def test_a_witness_loop_that_fails_is_restarted_and_reports_keep_flowing(dht, ru
             worker.pending += mine
             await eventually(lambda: reported(board, me) == {hash_of(r) for r in mine}, "the first report")
             await eventually(lambda: backend.broken_proofs == 0, "the proof that breaks")
-            late = receipt(shares(state)[0].client, STAGES[contributor.stage], worker.uid, 0, 1, "late")
+            late = receipt(shares(state)[0].client, STAGES[contributor.role.stage], worker.uid, 0, 1, "late")
             worker.pending.append(late)
             await eventually(lambda: hash_of(late) in reported(board, me), "the report after the failure")
             await eventually(lambda: backend.state.round.witness_count == 1, "the proof, sent again")
         finally:
-            contributor.stop_background()
+            contributor.tasks.stop()
 
     with caplog.at_level(logging.ERROR, logger="psyswarm.client"):
         asyncio.run(scenario())
@@ -163,7 +169,7 @@ def test_a_malformed_commitment_in_the_dht_silences_no_witness(dht, run_id, rece
             await backend.enter_round_witness()
             await eventually(lambda: backend.state.round.witness_count == 1, "the round's proof")
         finally:
-            contributor.stop_background()
+            contributor.tasks.stop()
 
     asyncio.run(scenario())
     assert rules.witnessed_by(backend.state, backend.state.round, honest.client) == 1

@@ -13,6 +13,7 @@ import torch
 from solders.keypair import Keypair
 
 from client.averaging.gradients import GradAveraging
+from client.contributor.run_model import model_config
 from client.join.stage_replica import StageReplica
 from client.join.sync import SyncPhase
 from client.pipeline.worker import StepStats
@@ -33,8 +34,8 @@ def make_replica(own_dht) -> Iterator[Callable[[CoordinatorState], StageReplica]
     made: list[StageReplica] = []
 
     def make(state: CoordinatorState) -> StageReplica:
-        replica = StageReplica.create(state, "body1", dht=own_dht(), keypair=Keypair(), host="127.0.0.1",
-                                      trainer_allowed=lambda pubkey: False, say=lambda line: None)
+        replica = StageReplica.create(state, "body1", model_config(state), dht=own_dht(), keypair=Keypair(),
+                                      host="127.0.0.1", trainer_allowed=lambda pubkey: False, say=lambda line: None)
         made.append(replica)
         return replica
 

@@ -12,8 +12,12 @@ from solders.keypair import Keypair
 from typer.testing import CliRunner
 
 from client.cli import app
+from client.contributor.context import RunnerOptions
+from client.contributor.errors import CannotContribute
+from client.contributor.runner import Contributor
+from client.contributor.trainer import TrainerRole
 from client.data import ByteDataset, TokenDataset
-from client.runner import CannotContribute, Contributor, RunnerOptions
+from coordinator_program.spec import limits
 from coordinator_program.spec.state import Role
 from tests.data.conftest import TOKENIZER_DIGEST, write_token_dir
 from tests.witness.rounds import run_with_keys
@@ -21,21 +25,22 @@ from tests.witness.rounds import run_with_keys
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "state.toml"
 
 
-def trainer_for(dataset: str, dht) -> Contributor:
+def trainer_for(dataset: str, dht) -> TrainerRole:
     state, _ = run_with_keys()
     state.model = dataclasses.replace(state.model, dataset=dataset)
     contributor = Contributor(None, Keypair(), RunnerOptions(role=Role.Trainer, initial_peers=[]))  # type: ignore[arg-type]
-    contributor.dht = dht
-    contributor._prepare_trainer(state)  # noqa: SLF001
-    return contributor
+    contributor.context.dht = dht
+    assert isinstance(contributor.role, TrainerRole)
+    contributor.role.prepare(state, limits.NO_STAGE)
+    return contributor.role
 
 
 def test_trainer_reads_a_token_directory_as_tokens(tmp_path: Path, dht) -> None:
     text = bytes(range(256)) * 40
     write_token_dir(tmp_path / "bytes", np.frombuffer(text, dtype=np.uint8), shard_tokens=3000, vocab_size=256,
                     tokenizer_sha256="0" * 64, name="bytes")
-    contributor = trainer_for(str(tmp_path / "bytes"), dht)
-    dataset = contributor.trainer.dataset  # type: ignore[union-attr]
+    trainer = trainer_for(str(tmp_path / "bytes"), dht)
+    dataset = trainer.trainer.dataset  # type: ignore[union-attr]
     assert isinstance(dataset, TokenDataset)
     assert dataset.sample(3).tolist() == ByteDataset(text, dataset.seq_len, name="same").sample(3).tolist()
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from solders.keypair import Keypair
 
+from client.contributor.run_model import model_config
 from client.join.checkpoints import save_snapshot, save_stage, snapshot_root
 from client.join.stage_replica import StageReplica, StateSources
 from client.join.sync import SyncPhase
@@ -40,8 +41,8 @@ def make_replica(own_dht) -> Iterator[Callable[..., StageReplica]]:
     made: list[StageReplica] = []
 
     def make(state: CoordinatorState, stage: str = "body1") -> StageReplica:
-        replica = StageReplica.create(state, stage, dht=own_dht(), keypair=Keypair(), host="127.0.0.1",
-                                      trainer_allowed=lambda pubkey: False, say=lines.append)
+        replica = StageReplica.create(state, stage, model_config(state), dht=own_dht(), keypair=Keypair(),
+                                      host="127.0.0.1", trainer_allowed=lambda pubkey: False, say=lines.append)
         made.append(replica)
         return replica
 

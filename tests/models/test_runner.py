@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 from solders.keypair import Keypair
 
+from client.contributor.context import RunnerOptions
+from client.contributor.errors import CannotContribute
+from client.contributor.runner import Contributor
 from client.models import config_digest
-from client.runner import CannotContribute, Contributor, RunnerOptions
 from coordinator_program.spec.state import Role
 from tests.witness.rounds import run_with_keys
 
@@ -23,7 +25,7 @@ def contributor_of(role: Role, source: Path, pinned: bytes, dht):
     state.model = dataclasses.replace(state.model, architecture="llama", source=str(source), config_sha256=pinned,
                                       seq_len=16)
     contributor = Contributor(None, Keypair(), RunnerOptions(role=role, initial_peers=[]))  # type: ignore[arg-type]
-    contributor.dht = dht
+    contributor.context.dht = dht
     return contributor, state
 
 
@@ -33,8 +35,5 @@ def test_a_contributor_refuses_a_source_whose_config_changed(role: Role, tmp_pat
     pinned = config_digest(tiny_config("llama", num_hidden_layers=4))  # what the run named before the change
     contributor, state = contributor_of(role, tmp_path, pinned, dht)
     with pytest.raises(CannotContribute, match="cannot build the run's model: .* refusing to train another model"):
-        if role == Role.Worker:
-            contributor._prepare_worker(state, 1)  # noqa: SLF001
-        else:
-            contributor._prepare_trainer(state)  # noqa: SLF001
-    assert contributor.replica is None and contributor.trainer is None
+        contributor.role.prepare(state, 1)
+    assert (contributor.role.replica if role == Role.Worker else contributor.role.trainer) is None

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
+from client.contributor.run_model import model_config
 from client.data import tokenizer_sha256
-from client.join.stage_replica import model_config
 from client.models import (
     HFModelSpec,
     ModelSourceError,

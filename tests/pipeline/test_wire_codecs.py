@@ -191,14 +191,15 @@ def test_a_request_in_another_codec_is_refused_before_it_runs(start) -> None:
 
 def test_the_runs_codec_reaches_a_contributors_worker(new_dht, run_id: str) -> None:
     """``wire_codec = "int8"`` in the run's state.toml: the worker a contributor starts for it serves int8 only."""
+    from client.contributor.run_model import model_config
     from client.join.stage_replica import StageReplica
 
     spec = parse_run_spec({**SPEC, "run_id": run_id, "model": {**SPEC["model"], "wire_codec": "int8"}})
     assert spec.model.wire_codec == WireCodec.Int8Block
     state = CoordinatorState(run_id=run_id, main_authority=bytes(32), join_authority=bytes(32), phase=Phase.Warmup,
                              step=0, config=spec.config, model=spec.model, checkpoint=spec.checkpoint)
-    replica = StageReplica.create(state, "body1", dht=new_dht(), keypair=Keypair(), host="127.0.0.1",
-                                  trainer_allowed=lambda pubkey: True, say=lambda line: None)
+    replica = StageReplica.create(state, "body1", model_config(state), dht=new_dht(), keypair=Keypair(),
+                                  host="127.0.0.1", trainer_allowed=lambda pubkey: True, say=lambda line: None)
     try:
         assert replica.worker.compute.wire_codec == "int8"
     finally:

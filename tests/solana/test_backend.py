@@ -147,7 +147,8 @@ def test_states_whose_nonce_is_not_newer_are_ignored(localnet: Localnet) -> None
 
 
 def test_the_contributor_joins_through_the_solana_backend(localnet: Localnet) -> None:
-    from client.runner import Contributor, RunnerOptions
+    from client.contributor.context import RunnerOptions
+    from client.contributor.runner import Contributor
 
     async def main() -> None:
         creator = await created_run(localnet)

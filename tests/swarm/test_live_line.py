@@ -17,7 +17,8 @@ from solders.keypair import Keypair
 
 from client.backends.tcp import TcpBackend
 from client.commands.live import ConsoleHandler, live_line, live_text, points_text
-from client.runner import Contributor, RunnerOptions
+from client.contributor.context import RunnerOptions
+from client.contributor.runner import Contributor
 from coordinator_program.spec.state import LedgerEntry, Role
 from tests.local_backend.test_server import run_with_server
 
@@ -31,10 +32,10 @@ def test_the_line_follows_this_client_from_not_joined_to_queued(tmp_path: Path) 
         await backend.connect()
         contributor = Contributor(backend, keypair, RunnerOptions(role=Role.Worker, initial_peers=[], stage=2))
         try:
-            lines.append(live_text(contributor))
+            lines.append(live_text(contributor.status()))
             await backend.join(Role.Worker, 2)
             await backend.wait_for(lambda state: state.pending_index(bytes(keypair.pubkey())) is not None, 5)
-            lines.append(live_text(contributor))
+            lines.append(live_text(contributor.status()))
         finally:
             await backend.close()
 
@@ -68,10 +69,10 @@ def test_on_a_terminal_the_log_scrolls_above_the_live_line(tmp_path: Path) -> No
         await backend.connect()
         contributor = Contributor(backend, keypair, RunnerOptions(role=Role.Trainer, initial_peers=[]))
         try:
-            with live_line(contributor, console):
+            with live_line(contributor.status, console):
                 log.warning("a log line")
                 await asyncio.sleep(1.2)  # the line refreshes twice a second
-                seen.append(live_text(contributor))
+                seen.append(live_text(contributor.status()))
         finally:
             await backend.close()
 

@@ -1,0 +1,92 @@
+"""Witnessing, which any client elected for a round does whatever its role: judge the round's signed records
+and send the proof, and health-check the clients the previous round's witnesses missed.
+
+A witness sends its proof as soon as every batch is in (opportunistic witnessing), or at RoundWitness with what
+it has; at Warmup it proves who is ready. A proof goes once per round: one the coordinator refuses is not sent
+again, one that did not get through is, at the next poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from client.contributor.context import ClientContext
+from client.contributor.rounds import RoundKey
+from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
+from client.witness.records import Commitment, Presence, Ready, Report
+from coordinator_program.spec import rules
+from coordinator_program.spec.errors import CoordinatorError
+from coordinator_program.spec.state import CoordinatorState, Phase
+
+log = logging.getLogger("psyswarm.client")
+
+
+@dataclass(frozen=True)
+class Proof:
+    """A proof this witness has settled: of a round's work, or of its epoch's warmup (who is ready)."""
+
+    round: RoundKey
+    warmup: bool
+
+
+class Witnessing:
+    """What this client does as an elected witness."""
+
+    def __init__(self, context: ClientContext) -> None:
+        self.context = context
+        self.proved: set[Proof] = set()
+        self.health_checked: set[RoundKey] = set()
+
+    async def witness_current(self) -> None:
+        """Prove the current round or warmup if this client witnesses it (polled in the background)."""
+        await self.witness(self.context.state)
+
+    async def witness(self, state: CoordinatorState) -> None:
+        if state.phase not in (Phase.Warmup, Phase.RoundTrain, Phase.RoundWitness):
+            return
+        warmup = state.phase == Phase.Warmup
+        key = Proof(RoundKey.of(state), warmup)
+        board = self.context.board
+        if key in self.proved or self.context.me not in rules.witnesses(state):
+            return
+        assert board is not None
+        if warmup:
+            ready = await asyncio.to_thread(board.fetch, Ready, state.epoch)
+            evidence = judge_warmup(state, ready)  # type: ignore[arg-type]
+        else:
+            commitments = await asyncio.to_thread(board.fetch, Commitment, state.epoch, state.round.height)
+            reports = await asyncio.to_thread(board.fetch, Report, state.epoch, state.round.height)
+            presences = await asyncio.to_thread(board.fetch, Presence, state.epoch, state.round.height)
+            evidence = judge_round(state, commitments, reports, presences)  # type: ignore[arg-type]
+        if not evidence.complete and state.phase != Phase.RoundWitness:
+            return
+        participants, batches = evidence.filters(state)
+        try:  # a proof that did not get through (a network error, say) is sent again at the next poll
+            if warmup:
+                await self.context.backend.warmup_witness(participants, batches)
+            else:
+                await self.context.backend.witness(state.round.height, participants, batches)
+        except CoordinatorError as exc:
+            self.proved.add(key)
+            log.info("witness proof not taken: %s", exc.detail)
+            return
+        self.proved.add(key)
+        log.info("%s proof sent for %s: %d participants, %d batches%s", "warmup" if warmup else "round",
+                 key.round, len(evidence.participants), len(evidence.batches),
+                 "" if evidence.complete else f", {len(evidence.missing)} missing")
+        for client, why in evidence.why_missing.items():
+            log.info("  %s not counted: %s", client.hex()[:8], why)
+
+    async def health_check(self, state: CoordinatorState) -> None:
+        """RoundTrain, once a round if elected: report the clients the previous round's witnesses did not see."""
+        key = RoundKey.of(state)
+        if key in self.health_checked or self.context.me not in rules.witnesses(state):
+            return
+        self.health_checked.add(key)
+        for target in unhealthy_clients(state):
+            with contextlib.suppress(CoordinatorError):
+                await self.context.backend.health_check(target)
+                log.info("health check: %s was not seen by the previous round's witnesses", target.hex()[:8])

@@ -1,0 +1,263 @@
+"""The worker role: one pipeline stage, served to the epoch's trainers and kept in step with the swarm.
+
+- Warmup: take the assigned stage (``client.join.stage_replica``: its state from a snapshot, the run's
+  checkpoint, its peers or the run's seed; sync phases if that state is stale), serve it over gRPC and announce
+  it in the DHT.
+- RoundTrain: accept the round's samples only, and publish signed reports of the receipts issued, as they come.
+- Leaving RoundTrain: apply the round's accumulated gradients (one optimizer step per round); every
+  ``sparta_every`` steps average a SPARTA partition with the stage's other workers; every ``snapshot_every``
+  steps, if active, snapshot the stage for whoever takes it should it empty. Every step moves the sync phases on.
+- Cooldown: save the stage to the checkpoint directory (or the Hub) and report it to the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from client.backends.base import BackendError
+from client.contributor.context import ClientContext
+from client.contributor.errors import ContributorRemoved
+from client.contributor.rounds import RoundKey
+from client.contributor.run_model import building_the_model, model_config
+from client.contributor.tasks import poll
+from client.join.checkpoints import revision_for, snapshot_root, upload_stage
+from client.join.stage_replica import StageReplica, StateSources
+from client.join.sync import SyncPhase
+from client.pipeline.worker import StageWorker
+from client.stages import stage_name
+from client.witness.records import Report, receipt_hash
+from coordinator_program.spec import limits
+from coordinator_program.spec.config import CheckpointKind
+from coordinator_program.spec.errors import CoordinatorError
+from coordinator_program.spec.state import CoordinatorState, Phase, Role
+
+log = logging.getLogger("psyswarm.client")
+
+
+@dataclass(frozen=True)
+class OpenRound:
+    """The round in RoundTrain whose gradients the worker accumulates, and the swarm step they complete."""
+
+    round: RoundKey
+    step: int
+
+
+@dataclass(frozen=True)
+class Reported:
+    """The last report the DHT took from this worker: its round, and how many receipts it listed."""
+
+    round: RoundKey
+    receipts: int
+
+
+def round_samples(state: CoordinatorState, step: int) -> tuple[int, int]:
+    """(first sample, global batch) of the round that takes the swarm from ``step`` to ``step + 1`` steps: the
+    coordinator starts each round's data at ``step * global_batch_size``."""
+    batch = state.config.global_batch_size
+    return step * batch, batch
+
+
+class WorkerRole:
+    """A contributor that holds one stage: what it does at each phase of the coordinator's state."""
+
+    def __init__(self, context: ClientContext) -> None:
+        self.context = context
+        self.replica: StageReplica | None = None
+        self.stage: int = limits.NO_STAGE  # the stage assigned at the last warmup
+        self.followed_step: int | None = None  # the swarm step the sync phases last followed
+        self.open_round: OpenRound | None = None
+        self.round_receipts: list[str] = []  # hashes of the receipts issued in the open round
+        self.reported: Reported | None = None
+        self.saved_epoch: int | None = None  # the last epoch whose checkpoint this worker saved
+
+    @property
+    def worker(self) -> StageWorker | None:
+        """This client's stage worker, if it holds a stage."""
+        return self.replica.worker if self.replica is not None else None
+
+    @property
+    def sync_phase(self) -> SyncPhase | None:
+        """The worker's sync phase; None while it holds no stage."""
+        return self.replica.tracker.phase if self.replica is not None else None
+
+    def batches(self, state: CoordinatorState) -> int:
+        """Microbatches served in the round under way: the receipts issued since it opened."""
+        return len(self.round_receipts)
+
+    def background(self) -> dict[str, Callable[[], Awaitable[None]]]:
+        """The loops this role keeps running: publishing the open round's receipts as they come."""
+        return {"publishing receipts": lambda: poll(self.publish_open_round)}
+
+    def stop_step(self) -> tuple[str, Callable[[], object]] | None:
+        """The step of a clean leave this role owes: stopping the worker (its DHT record says it left)."""
+        return ("stopping the worker", self.replica.stop) if self.replica is not None else None
+
+    # --- every state ------------------------------------------------------------------------------------
+
+    async def follow(self, state: CoordinatorState) -> None:
+        """Close a round the coordinator has left, and move the sync phases on with the swarm's step."""
+        if self.open_round is not None and (state.phase != Phase.RoundTrain or
+                                            RoundKey.of(state) != self.open_round.round):
+            await self._close_round()
+        if self.replica is not None and state.step != self.followed_step:
+            self.followed_step = state.step
+            await self._follow(state.step)
+
+    async def _follow(self, step: int) -> None:
+        """Move through the sync phases with the swarm's step; tell the auth service once synced."""
+        assert self.replica is not None
+        auth = self.context.options.auth
+        if await asyncio.to_thread(self.replica.follow, step) and auth is not None:
+            await asyncio.to_thread(auth.report_synced)
+
+    # --- warmup -----------------------------------------------------------------------------------------
+
+    def prepare(self, state: CoordinatorState, stage: int) -> None:
+        """Take the stage: find its state, wait for the join queue, start syncing or active, serve it."""
+        context, options = self.context, self.context.options
+        name = stage_name(stage, state.config.num_stages)
+        self.stage = stage
+        if self.replica is not None and self.replica.stage == name:
+            return  # a worker that stays keeps its live parameters: they are newer than any checkpoint
+        if self.replica is not None:
+            previous, self.replica = self.replica, None
+            previous.stop()
+        with building_the_model():
+            config = model_config(state, hf_endpoint=options.hf_endpoint, hf_token=options.hf_token)
+            replica = StageReplica.create(state, name, config, dht=context.dht, keypair=context.keypair,
+                                          host=options.host, device=options.device,
+                                          trainer_allowed=self._is_epoch_trainer,
+                                          say=lambda line: print(line, flush=True))
+        replica.worker.port = options.port  # not serving yet: it binds the port when it starts
+        auth = options.auth
+        sources = StateSources(snapshot=auth.snapshot if auth is not None else None,
+                               snapshots=snapshot_root(options.checkpoint_dir.resolve(), state.run_id),
+                               hf_token=options.hf_token, hf_endpoint=options.hf_endpoint)
+        replica.load(state, stage, sources, self._training_step)
+        replica.expect_samples(*round_samples(state, context.state.step))
+        if auth is not None:
+            auth.wait_turn()
+        swarm_step = context.state.step
+        phase = replica.begin(swarm_step)
+        replica.start()
+        self.replica, self.followed_step = replica, swarm_step
+        log.info("serving stage %s as %s at %s (%s)", name, replica.worker.uid, replica.worker.address,
+                 "active" if not phase else f"sync phase {int(phase)}")
+        if auth is not None and not phase:
+            auth.report_synced()
+
+    def _training_step(self) -> int | None:
+        """The swarm's step while rounds run (averaging may be under way), None between epochs."""
+        state = self.context.state
+        return state.step if state.phase in (Phase.RoundTrain, Phase.RoundWitness) else None
+
+    def _is_epoch_trainer(self, pubkey: bytes) -> bool:
+        """Whether a trainer is one of the current epoch's (as the coordinator's state last said): the only
+        trainers this client's worker serves, whose receipts the witnesses count (called from gRPC threads)."""
+        state = self.context.state
+        index = state.client_index(pubkey)
+        return index is not None and state.clients[index].role == Role.Trainer
+
+    # --- rounds -----------------------------------------------------------------------------------------
+
+    def on_round(self, state: CoordinatorState) -> None:
+        """RoundTrain: open the round, once, and accept its samples only."""
+        key = RoundKey.of(state)
+        if self.open_round is None or self.open_round.round != key:
+            self.open_round, self.round_receipts = OpenRound(key, state.step), []
+            if self.replica is not None:
+                self.replica.expect_samples(*round_samples(state, state.step))
+
+    async def publish_open_round(self) -> None:
+        """Publish the receipts of the round under way as they come."""
+        if self.open_round is not None:
+            await self.publish_receipts(self.open_round.round)
+
+    async def publish_receipts(self, round_: RoundKey) -> None:
+        """Publish a signed report of every receipt issued in ``round_`` so far, unless the DHT has it already."""
+        context, worker, board = self.context, self.worker, self.context.board
+        if worker is None or board is None:
+            return
+        self.round_receipts.extend(receipt_hash(r.to_bytes()) for r in worker.drain_receipts())
+        if self.reported == Reported(round_, len(self.round_receipts)):
+            return  # nothing new: the DHT already has this report (an empty one proves presence)
+        report = Report.create(context.keypair, run_id=board.run_id, epoch=round_.epoch, round=round_.height,
+                               stage=self.stage, uid=worker.uid, receipts=tuple(self.round_receipts))
+        if await asyncio.to_thread(board.publish, report, context.keypair):
+            self.reported = Reported(round_, len(self.round_receipts))
+
+    async def _close_round(self) -> None:
+        """The coordinator left RoundTrain: publish the last receipts and take this round's optimizer step."""
+        assert self.open_round is not None
+        closing, self.open_round = self.open_round, None
+        replica = self.replica
+        if replica is None:
+            return
+        step = closing.step
+        await self.publish_receipts(closing.round)
+        stats = await asyncio.to_thread(replica.step, step)
+        replica.expect_samples(*round_samples(self.context.state, step + 1))  # the next round's, whenever it starts
+        log.info("round %s: stepped on %d samples (grad norm %.3f)", closing.round, stats.samples, stats.grad_norm)
+        if self._snapshot_due(replica, step + 1):
+            self.context.tasks.spawn(self._save_snapshot(replica, step + 1))
+        self.context.tasks.spawn(self._average(replica, step + 1))
+
+    def _snapshot_due(self, replica: StageReplica, step: int) -> bool:
+        """Every ``snapshot_every`` steps, by active workers only: a syncing worker's state is not the stage's."""
+        every = self.context.options.snapshot_every
+        return every > 0 and step % every == 0 and replica.tracker.shares_state
+
+    async def _save_snapshot(self, replica: StageReplica, step: int) -> None:
+        """Snapshot the stage after ``step`` steps: if every worker of the stage dies, the epoch's checkpoint
+        misses it and no peer holds it, and its next worker starts from here rather than from the run's seed."""
+        root = snapshot_root(self.context.options.checkpoint_dir.resolve(), self.context.state.run_id)
+        try:
+            await asyncio.to_thread(replica.save_snapshot, root, step)
+        except OSError as exc:  # a full disk: the stage keeps training, its next snapshot may fare better
+            log.warning("could not snapshot stage %s at step %d: %s", replica.stage, step, exc)
+
+    async def _average(self, replica: StageReplica, completed_step: int) -> None:
+        """The SPARTA round due after ``completed_step``, if any; a worker whose rounds keep failing leaves
+        (``ContributorRemoved`` ends the client)."""
+        result = await asyncio.to_thread(replica.average, completed_step)
+        if result is None or not result.remove:
+            return
+        with contextlib.suppress(CoordinatorError, BackendError):
+            await self.context.backend.withdraw()
+        raise ContributorRemoved(f"stage {replica.stage}: {result.consecutive_failures} averaging rounds failed "
+                                 f"in a row (last: {result.reason}); withdrew from the run")
+
+    # --- cooldown ---------------------------------------------------------------------------------------
+
+    def on_cooldown(self, state: CoordinatorState) -> None:
+        """Cooldown: save the stage, once per epoch."""
+        if self.saved_epoch != state.epoch:
+            self.saved_epoch = state.epoch
+            self.context.tasks.spawn(self._save_checkpoint(state))
+
+    async def _save_checkpoint(self, state: CoordinatorState) -> None:
+        """Save this worker's stage (and upload it, for a Hub checkpoint), then report it to the coordinator."""
+        replica, options = self.replica, self.context.options
+        if replica is None:
+            return
+        revision = revision_for(state.epoch)
+        directory = (options.checkpoint_dir / state.run_id).resolve() / revision
+        try:
+            files = await asyncio.to_thread(replica.save, directory, state.step)
+            if options.hub_repo:
+                await asyncio.to_thread(upload_stage, files, options.hub_repo, revision,
+                                        token=options.hf_token, endpoint=options.hf_endpoint)
+        except Exception as exc:  # a full disk or an unreachable Hub: peers still hold the model (P2P)
+            log.warning("epoch %d: could not save stage %s: %s", state.epoch, replica.stage, exc)
+            return
+        kind, repo = ((CheckpointKind.Hub, options.hub_repo) if options.hub_repo
+                      else (CheckpointKind.Local, str(directory.parent)))
+        try:
+            await self.context.backend.checkpoint(kind, repo, revision)
+            log.info("epoch %d: stage %s saved to %s@%s", state.epoch, replica.stage, repo, revision)
+        except CoordinatorError as exc:
+            log.warning("checkpoint not recorded: %s", exc.detail)
