@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from solders.keypair import Keypair
 
+    from client.backends.base import Backend
+    from client.contributor.context import RunnerOptions
     from client.join.auth import AuthSession
 
 
@@ -174,13 +177,10 @@ def join_run(
     device: DeviceOption = "auto",
 ) -> None:
     """Join a run and contribute until it finishes: queue, load the model at warmup, train each round."""
-    from client.backends.base import BackendError
-    from client.commands.connect import check_target, connect, open_backend, open_identity
-    from client.commands.live import live_line, terminal_console
+    import client.contributor.runner  # noqa: F401 - torch, hivemind (seconds) load before the Stopper, not in its loop
+    from client.commands.connect import check_target, open_identity
+    from client.commands.live import terminal_console
     from client.contributor.context import RunnerOptions
-    from client.contributor.errors import CannotContribute, ContributorRemoved
-    from client.contributor.runner import Contributor
-    from coordinator_program.spec import limits
     from coordinator_program.spec.state import Role
 
     stopper = Stopper(STOP_GRACE)
@@ -202,68 +202,103 @@ def join_run(
         import torch
 
         torch.set_num_threads(threads)
-
-    async def run() -> None:
-        backend = await connect(server, identity, url, run_id, program_id, authorizer=auth)
-        state = backend.state
-        refusal = admission_mismatch(state.join_authority, auth)
-        if refusal is not None:
-            await backend.close()
-            typer.secho(refusal, fg=typer.colors.RED, err=True)
-            raise typer.Exit(1)
-        if await unfunded(backend, identity):
-            await backend.close()
-            raise fail(f"{identity.pubkey()} has no SOL to pay its transactions' fees on {url}: fund it first: "
-                       f"`psyswarm airdrop -u {url} -k {keypair}` (localnet, devnet, testnet), or send it SOL")
-        me = bytes(identity.pubkey())
-        if state.client_index(me) is not None or state.pending_index(me) is not None:
-            logging.getLogger("psyswarm.client").warning(
-                "%s is already in run %s: taking its place again (a restart after a crash?); if another machine "
-                "runs this keypair, stop one of them: one keypair per process", identity.pubkey(), run_id)
-        num_stages = state.config.num_stages
-        chosen = num_stages - 1 if wanted == -1 else wanted
-        if role == "worker" and chosen != limits.NO_STAGE and chosen >= num_stages:
-            await backend.close()
-            asked = f"the auth service's stage {chosen}" if auth is not None else f"--stage {stage}"
-            raise fail(f"this run has {num_stages} stages, and {asked} is not one of them: ask for "
-                       f"{stage_choices(num_stages)}, or leave --stage out", code=2)
-        options = RunnerOptions(role=Role.Worker if role == "worker" else Role.Trainer,
-                                initial_peers=list(initial_peers), stage=chosen, checkpoint_dir=checkpoint_dir,
-                                host=host, hub_repo=hub_repo, hf_token=hf_token,
-                                hf_endpoint=hf_endpoint, auth=auth, snapshot_every=snapshot_every,
-                                device=chosen_device, port=port, dht_port=dht_port)
-        async def reconnect():
-            fresh = open_backend(server, url, run_id, program_id, identity, authorizer=auth)
-            await fresh.connect()
-            return fresh
-
-        contributor = Contributor(backend, identity, options)
-        try:
-            with live_line(contributor.status, console):
-                await contributor.run(reconnect)
-        except BackendError as exc:
-            raise fail(str(exc) if exc.permanent else
-                       f"gave up on the coordinator: {exc}; rerun the same command to rejoin") from None
-        except CannotContribute as exc:
-            raise fail(str(exc)) from None
-        except ContributorRemoved as exc:
-            raise fail(f"left the run: {exc}; check this machine's network, then rerun the same command") from None
-        finally:
-            await contributor.backend.close()
-
     code = 0
     try:
         identity = open_identity(keypair)
         claim = claim_or_exit(identity, run_id)  # noqa: F841 - held, not used: the claim lasts while it is open
         auth = authorize(auth_url, identity, run_id, role, hf_token) if auth_url else None
-        if auth is not None and role == "worker":
-            wanted = auth.grant.stage
-        stopper.run(run())
+        options = RunnerOptions(role=Role.Worker if role == "worker" else Role.Trainer,
+                                initial_peers=list(initial_peers),
+                                stage=auth.grant.stage if auth is not None and role == "worker" else wanted,
+                                checkpoint_dir=checkpoint_dir, host=host, hub_repo=hub_repo, hf_token=hf_token,
+                                hf_endpoint=hf_endpoint, auth=auth, snapshot_every=snapshot_every,
+                                device=chosen_device, port=port, dht_port=dht_port)
+        target = RunTarget(server, url, run_id, program_id, identity, authorizer=auth)
+        stopper.run(contribute(target, options, console, asked=stage, keypair_file=keypair))
     except KeyboardInterrupt:
         typer.echo(STOPPED)
     except typer.Exit as exc:
         code = exc.exit_code
     finish(code)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunTarget:
+    """The run's coordinator as ``join-run`` names it (``--server``, or ``--url`` with ``--run-id`` and
+    ``--program-id``), reached as ``identity``, with ``authorizer`` countersigning its joins on a permissioned run."""
+
+    server: str | None
+    url: str | None
+    run_id: str
+    program_id: str | None
+    identity: Keypair
+    authorizer: AuthSession | None
+
+    async def connect(self) -> Backend:
+        """The first connection; exit with the reason if it fails."""
+        from client.commands.connect import connect
+
+        return await connect(self.server, self.identity, self.url, self.run_id, self.program_id,
+                             authorizer=self.authorizer)
+
+    async def reconnect(self) -> Backend:
+        """A connection again after the coordinator was lost; ``BackendError`` if it cannot be made yet."""
+        from client.commands.connect import open_backend
+
+        backend = open_backend(self.server, self.url, self.run_id, self.program_id, self.identity,
+                               authorizer=self.authorizer)
+        await backend.connect()
+        return backend
+
+
+async def contribute(target: RunTarget, options: RunnerOptions, console: Console | None, *, asked: str | None,
+                     keypair_file: Path) -> None:
+    """Connect, check that the run can take this client as ``options`` ask (``asked``: the --stage given), then
+    contribute until the run finishes; every way it can fail ends as ``typer.Exit`` with its line on stderr."""
+    from client.backends.base import BackendError
+    from client.commands.live import live_line
+    from client.contributor.errors import CannotContribute, ContributorRemoved
+    from client.contributor.runner import Contributor
+    from coordinator_program.spec import limits
+    from coordinator_program.spec.state import Role
+
+    identity, auth = target.identity, options.auth
+    backend = await target.connect()
+    state = backend.state
+    refusal = admission_mismatch(state.join_authority, auth)
+    if refusal is not None:
+        await backend.close()
+        typer.secho(refusal, fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+    if await unfunded(backend, identity):
+        await backend.close()
+        raise fail(f"{identity.pubkey()} has no SOL to pay its transactions' fees on {target.url}: fund it first: "
+                   f"`psyswarm airdrop -u {target.url} -k {keypair_file}` (localnet, devnet, testnet), or send it SOL")
+    me = bytes(identity.pubkey())
+    if state.client_index(me) is not None or state.pending_index(me) is not None:
+        logging.getLogger("psyswarm.client").warning(
+            "%s is already in run %s: taking its place again (a restart after a crash?); if another machine "
+            "runs this keypair, stop one of them: one keypair per process", identity.pubkey(), target.run_id)
+    num_stages = state.config.num_stages
+    chosen = num_stages - 1 if options.stage == -1 else options.stage
+    if options.role == Role.Worker and chosen != limits.NO_STAGE and chosen >= num_stages:
+        await backend.close()
+        which = f"the auth service's stage {chosen}" if auth is not None else f"--stage {asked}"
+        raise fail(f"this run has {num_stages} stages, and {which} is not one of them: ask for "
+                   f"{stage_choices(num_stages)}, or leave --stage out", code=2)
+    contributor = Contributor(backend, identity, dataclasses.replace(options, stage=chosen))
+    try:
+        with live_line(contributor.status, console):
+            await contributor.run(target.reconnect)
+    except BackendError as exc:
+        raise fail(str(exc) if exc.permanent else
+                   f"gave up on the coordinator: {exc}; rerun the same command to rejoin") from None
+    except CannotContribute as exc:
+        raise fail(str(exc)) from None
+    except ContributorRemoved as exc:
+        raise fail(f"left the run: {exc}; check this machine's network, then rerun the same command") from None
+    finally:
+        await contributor.backend.close()
 
 
 def stage_choices(num_stages: int) -> str:
