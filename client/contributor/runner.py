@@ -95,16 +95,16 @@ class Contributor:
     """One client process: a stage worker or a trainer, driven by the coordinator's state."""
 
     def __init__(self, backend: Backend, keypair: Keypair, options: RunnerOptions) -> None:
-        self.tasks = TaskSet(self._where, self._end)
-        self.context = ClientContext(backend, keypair, options, self.tasks)
+        self.tasks: TaskSet = TaskSet(self._where, self._end)
+        self.context: ClientContext = ClientContext(backend, keypair, options, self.tasks)
         self.role: ContributorRole = (WorkerRole(self.context) if options.role == Role.Worker
                                       else TrainerRole(self.context))
-        self.witnessing = Witnessing(self.context)
+        self.witnessing: Witnessing = Witnessing(self.context)
         self.prepared_epoch: int | None = None  # the last epoch whose model the role loaded (or is loading)
         self.ended: Ending | None = None  # why this client stops taking part
-        self.stopping = False
-        self.joining = False  # a join is under way
-        self.queue_logged = -QUEUE_LOG_PERIOD  # when this client last said where it waits in the queue
+        self.stopping: bool = False
+        self.joining: bool = False  # a join is under way
+        self.queue_logged: float = -QUEUE_LOG_PERIOD  # when this client last said where it waits in the queue
         self._main: asyncio.Task[None] | None = None
 
     @property

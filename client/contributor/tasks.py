@@ -32,7 +32,8 @@ class TaskSet:
     """
 
     def __init__(self, where: Callable[[], str], on_end: Callable[[Ending], None]) -> None:
-        self._where, self._on_end = where, on_end
+        self._where: Callable[[], str] = where
+        self._on_end: Callable[[Ending], None] = on_end
         self._tasks: set[asyncio.Task[None]] = set()
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str | None = None) -> None:

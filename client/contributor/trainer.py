@@ -49,7 +49,8 @@ class ClientDirectory:
     coordinator's state as last seen."""
 
     def __init__(self, inner: WorkerDirectory, state: Callable[[], CoordinatorState]) -> None:
-        self.inner, self.state = inner, state
+        self.inner: WorkerDirectory = inner
+        self.state: Callable[[], CoordinatorState] = state
         self.round: RoundKey | None = None  # the round whose training is under way
 
     def workers(self, stage: str) -> list[WorkerRecord]:
@@ -73,10 +74,10 @@ class TrainerRole:
     """A contributor that trains: what it does at each phase of the coordinator's state."""
 
     def __init__(self, context: ClientContext) -> None:
-        self.context = context
+        self.context: ClientContext = context
         self.trainer: PipelineTrainer | None = None
         self.directory: ClientDirectory | None = None  # the trainer's view of the workers
-        self.training = asyncio.Lock()  # one round's training at a time
+        self.training: asyncio.Lock = asyncio.Lock()  # one round's training at a time
         self.trained: set[RoundKey] = set()  # the rounds whose training started
         self.last_trained: TrainedRound | None = None
 

@@ -36,7 +36,7 @@ class Witnessing:
     """What this client does as an elected witness."""
 
     def __init__(self, context: ClientContext) -> None:
-        self.context = context
+        self.context: ClientContext = context
         self.proved: set[Proof] = set()
         self.health_checked: set[RoundKey] = set()
 

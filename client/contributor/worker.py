@@ -65,7 +65,7 @@ class WorkerRole:
     """A contributor that holds one stage: what it does at each phase of the coordinator's state."""
 
     def __init__(self, context: ClientContext) -> None:
-        self.context = context
+        self.context: ClientContext = context
         self.replica: StageReplica | None = None
         self.stage: int = limits.NO_STAGE  # the stage assigned at the last warmup
         self.followed_step: int | None = None  # the swarm step the sync phases last followed
