@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from local_backend.auth_service import AuthHTTPServer
+from local_backend.auth.app import AuthHTTPServer
 from tests.join.test_auth import client, serving
 
 HEAD = "PUT /api/join HTTP/1.1\r\nHost: auth\r\nAuthorization: Bearer tok-alice\r\n"

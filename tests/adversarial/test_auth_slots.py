@@ -15,7 +15,9 @@ import pytest
 from solders.keypair import Keypair
 
 from client.join.auth import AuthClient, AuthError
-from local_backend.auth_service import AuthService, HubIdentity, StoreError
+from local_backend.auth.identity import HubIdentity
+from local_backend.auth.rules import AuthService
+from local_backend.store import StoreError
 from tests.join.test_auth import RUN, TOKENS, client, serving
 
 

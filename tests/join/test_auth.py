@@ -22,14 +22,10 @@ from solders.keypair import Keypair
 
 from client.identity import load_keypair
 from client.join.auth import AuthClient, AuthError, Grant, confirmation_line, resolve_token
-from local_backend.auth_service import (
-    MAX_CONNECTIONS,
-    REQUEST_TIMEOUT,
-    AuthFailure,
-    AuthHTTPServer,
-    AuthService,
-    HubIdentity,
-)
+from local_backend.auth.app import MAX_CONNECTIONS, REQUEST_TIMEOUT, AuthHTTPServer
+from local_backend.auth.failures import AuthFailure
+from local_backend.auth.identity import HubIdentity
+from local_backend.auth.rules import AuthService
 from tests.fake_hub import FakeHub
 
 RUN = "run-1"
