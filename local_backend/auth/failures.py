@@ -1,20 +1,15 @@
-"""A refused request, as the auth service answers it: an HTTP status, a stable error code clients switch on, and
-a message for people."""
+"""A request the auth service refuses: an HTTP status, a stable error code clients switch on, and a message for
+people, answered as every psyswarm web service answers a refusal."""
 
 from __future__ import annotations
 
 from http import HTTPStatus
 
+from local_backend.web.answers import Refusal
 
-class AuthFailure(Exception):
-    """A refused request: an HTTP status, a stable error code clients switch on, and a message for people."""
 
-    def __init__(self, status: HTTPStatus, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-    def answer(self) -> dict[str, str]:
-        return {"error": self.code, "message": self.message}
+class AuthFailure(Refusal):
+    """A request the auth service refuses."""
 
 
 def bad_request(message: str) -> AuthFailure:
