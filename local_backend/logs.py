@@ -12,8 +12,9 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import logging.handlers
+import os
 import queue
+import select
 import sys
 import threading
 import time
@@ -94,41 +95,68 @@ class Throttled(logging.Filter):
             self.throttle.flush()
 
 
-class _Dropping(logging.handlers.QueueHandler):
-    """Hands formatted lines to the writer thread, or drops them when it is ``QUEUED_LINES`` behind."""
+class _Queued(logging.Handler):
+    """Hands each formatted line to the writer thread, or drops it (then counts it in one line) when the writer is
+    ``QUEUED_LINES`` behind."""
 
-    def __init__(self, lines: queue.Queue[logging.LogRecord]) -> None:
-        super().__init__(lines)
+    def __init__(self, lines: queue.Queue[str]) -> None:
+        super().__init__()
+        self.lines = lines
         self.dropped = 0
 
-    def enqueue(self, record: logging.LogRecord) -> None:
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
         try:
             if self.dropped:
-                self.queue.put_nowait(self.prepare(logging.makeLogRecord({
+                self.lines.put_nowait(self.format(logging.makeLogRecord({
                     "name": "psyswarm.log", "levelno": logging.WARNING, "levelname": "WARNING",
                     "msg": f"{self.dropped} log lines were dropped: nothing read this process's stderr"})))
                 self.dropped = 0
-            self.queue.put_nowait(record)
+            self.lines.put_nowait(line)
         except queue.Full:
             self.dropped += 1
 
 
 def to_stderr(level: int, fmt: str = "%(asctime)s %(name)s: %(message)s", datefmt: str | None = "%H:%M:%S") -> None:
-    """Log at ``level`` and above to stderr, never blocking the logging thread; like ``logging.basicConfig``, a
+    """Log at ``level`` and above to stderr, never blocking the thread that logs; like ``logging.basicConfig``, a
     process whose root logger already has a handler (an embedding program, a test) is left as it is."""
     root = logging.getLogger()
     if root.handlers:
         return
-    lines: queue.Queue[logging.LogRecord] = queue.Queue(QUEUED_LINES)
-    handler = _Dropping(lines)
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no stderr at all (a detached process): nowhere to log
+        root.addHandler(logging.NullHandler())
+        return
+    lines: queue.Queue[str] = queue.Queue(QUEUED_LINES)
+    handler = _Queued(lines)
     handler.setFormatter(logging.Formatter(fmt, datefmt))
-    logging.handlers.QueueListener(lines, logging.StreamHandler(sys.stderr)).start()  # a daemon thread
+    threading.Thread(target=_write, args=(lines, fd), name="log-writer", daemon=True).start()
     atexit.register(_drain, lines)
     root.addHandler(handler)
     root.setLevel(level)
 
 
-def _drain(lines: queue.Queue[logging.LogRecord]) -> None:
+def _write(lines: queue.Queue[str], fd: int) -> None:
+    """The writer thread: each line straight to the descriptor. Not through ``sys.stderr``, nor a logging handler,
+    whose locks it would hold while a write waits on a full pipe, and which the process's exit takes. A line
+    that cannot be written (the reader closed the pipe) is dropped; the thread goes on."""
+    while True:
+        data = f"{lines.get()}\n".encode(errors="backslashreplace")
+        while data:
+            try:
+                data = data[os.write(fd, data):]
+            except BlockingIOError:  # a non-blocking stderr: wait until it takes more
+                select.select([], [fd], [])
+            except OSError:
+                break
+
+
+def _drain(lines: queue.Queue[str]) -> None:
     """Give the writer ``DRAIN_SECONDS`` to write what is queued: an exit must not wait on a reader either."""
     deadline = time.monotonic() + DRAIN_SECONDS
     while not lines.empty() and time.monotonic() < deadline:
