@@ -19,7 +19,6 @@ applied together, and the answer leaves only once it commits.
 from __future__ import annotations
 
 import logging
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from local_backend.auth.failures import AuthFailure, bad_request
 from local_backend.auth.protocol import MAX_CLOCK_SKEW, ROLES, canonical, token_sha256
 from local_backend.auth.requests import SignedRequest, check_signed
 from local_backend.auth.slots import NONCE_CAPACITY, Slot, SlotStore
+from local_backend.store import StoreError
 
 log = logging.getLogger("psyswarm.auth")
 
@@ -166,16 +166,21 @@ class AuthService:
                         refusal = failure
             except AuthFailure:
                 raise  # a replay: nothing was changed
-            except Exception as exc:
-                self._slots = self._store.slots()  # back to what was committed
-                if isinstance(exc, sqlite3.Error):
-                    log.error("the auth service's database failed: %s", exc)
-                    raise AuthFailure(HTTPStatus.SERVICE_UNAVAILABLE, "storage_unavailable",
-                                      "the auth service could not save the request; try again") from None
+            except StoreError as exc:
+                self._reload_slots()
+                log.error("the auth service's database failed: %s", exc)
+                raise AuthFailure(HTTPStatus.SERVICE_UNAVAILABLE, "storage_unavailable",
+                                  "the auth service could not save the request; try again") from None
+            except Exception:
+                self._reload_slots()
                 raise
         if refusal is not None:
             raise refusal
         return answer
+
+    def _reload_slots(self) -> None:
+        """Back to the slots last committed, after a change that was not."""
+        self._slots = self._store.slots()
 
     def _spend_nonce(self, signed: SignedRequest, now: float) -> None:
         if signed.time <= self._store.nonce_floor:

@@ -1,8 +1,8 @@
 """The auth service's SQLite store: its slots, the nonces it has seen spent, and whose keys it granted.
 
 Each request is one transaction (``SlotStore.transaction``), answered only after it commits, so a restart
-forgets no contributor and re-opens no replay. A database that cannot be opened, or holds another run, raises
-the same ``StoreError`` as the TCP server's run store.
+forgets no contributor and re-opens no replay. A database that cannot be opened, holds another run or cannot
+take a write raises the same ``StoreError`` as the TCP server's run store.
 """
 
 from __future__ import annotations
@@ -95,15 +95,24 @@ class SlotStore:
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
-        """One atomic change; nothing of it is kept unless it commits."""
-        self.db.execute("BEGIN IMMEDIATE")
+        """One atomic change; nothing of it is kept unless it commits. The database failing within it (locked
+        past its timeout, a full disk, a file turned read-only) raises ``StoreError``."""
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path} cannot take a write: {exc}") from exc
         try:
             yield
             self.db.execute("COMMIT")
-        except BaseException:
-            if self.db.in_transaction:  # some failures roll back by themselves
-                self.db.execute("ROLLBACK")
-            self._read_nonce_bookkeeping()
+        except BaseException as exc:
+            try:
+                if self.db.in_transaction:  # some failures roll back by themselves
+                    self.db.execute("ROLLBACK")
+                self._read_nonce_bookkeeping()
+            except sqlite3.Error as failed:
+                raise StoreError(f"{self.path} cannot roll back: {failed}") from exc
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(f"{self.path} cannot take a write: {exc}") from exc
             raise
 
     def slots(self) -> dict[str, Slot]:
