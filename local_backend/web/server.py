@@ -2,8 +2,8 @@
 (``serve``, ``serve_forever``) or in a background thread (``start``, then ``shutdown``).
 
 Peers choose how often the stack has something to say about them, not how much it writes: uvicorn's lines (a
-malformed request, an app's failure) and the event loop's (accept failing when descriptors run out) are
-throttled, a few of a kind per period.
+malformed request, an app's failure), the event loop's (accept failing when descriptors run out) and the Hub
+client's (a request to the Hub) are throttled, a few of a kind per period.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from local_backend.web.body import BoundedBody
 from local_backend.web.connections import GuardedConfig
 from local_backend.web.limits import WebLimits
 
-LIBRARY_LOGS = ("uvicorn.error", "asyncio")
-"""The loggers the stack throttles: uvicorn's (one line per malformed request) and the event loop's (one line per
-failed accept)."""
+LIBRARY_LOGS = ("uvicorn.error", "asyncio", "httpx", "httpx2")
+"""The loggers the stack throttles: uvicorn's (one line per malformed request), the event loop's (one line per
+failed accept) and huggingface_hub's HTTP clients' (one line per call to the Hub, which any request bearing a
+token the service has not seen makes)."""
 _throttled = Throttled(LogThrottle(logging.getLogger("psyswarm.web")))
 
 

@@ -6,6 +6,11 @@ The slow-header attack (slowloris): a few hundred connections each send a reques
 a header every second, never ending the headers. A fresh client must be served within seconds all along, and
 each attacking connection must be answered 408 and closed at the header deadline, however it keeps trickling.
 A flood of malformed requests must not make a service that logs each one block on a pipe nobody reads.
+
+Before the shared web stack these failed: the dashboard on uvicorn's defaults and the auth service on its own
+asyncio server served no fresh client during the slow-header attack (neither raised the open-file limit nor
+refused in time, so accept failed), and the dashboard stopped answering the flood after some 1,600 requests,
+its event loop blocked writing uvicorn's line for each to a full stderr pipe.
 """
 
 from __future__ import annotations
