@@ -24,13 +24,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import resource
 import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterator
 
 from local_backend import protocol as p
+from local_backend.logs import LogThrottle
+from local_backend.open_files import open_file_limit
 
 log = logging.getLogger("psyswarm.server")
 
@@ -74,12 +75,9 @@ class Limits:
         """These limits, with the connection cap lowered to what the process may open once its soft open-file
         limit is raised as far as the hard one allows: past the limit accept fails, and the server serves no
         one."""
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         need = self.max_connections + self.login_slots + RESERVED_FILES
-        if soft != resource.RLIM_INFINITY and soft < need and (hard == resource.RLIM_INFINITY or soft < hard):
-            soft = need if hard == resource.RLIM_INFINITY else min(need, hard)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        if soft == resource.RLIM_INFINITY or soft >= need:
+        soft = open_file_limit(need)
+        if soft >= need:
             return self
         cap = (soft - RESERVED_FILES - 4) * 4 // 5  # so that cap + cap // 4 + 4 fits
         if cap < 1:
@@ -87,52 +85,6 @@ class Limits:
         log.warning("the open-file limit (%d) allows %d connections, not %d: raise it (ulimit -n) for more",
                     soft, cap, self.max_connections)
         return dataclasses.replace(self, max_connections=cap)
-
-
-@dataclasses.dataclass
-class _Window:
-    """One kind of event's current period in a ``LogThrottle``."""
-
-    start: float
-    level: int
-    written: int = 0
-    left_out: int = 0
-
-
-class LogThrottle:
-    """At most ``burst`` lines per kind of event in each ``period``; the rest are counted, and one line per
-    kind says how many were left out once its period ends. Peers choose how often the server has something
-    to say about them; they must not choose the size of its log."""
-
-    def __init__(self, logger: logging.Logger, *, period: float = 10.0, burst: int = 20,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.logger, self.period, self.burst, self.clock = logger, period, burst, clock
-        self._windows: dict[str, _Window] = {}
-
-    def __call__(self, level: int, kind: str, message: str, *args: object, exc_info: bool = False) -> None:
-        now = self.clock()
-        self._close_window(kind, now)
-        window = self._windows.setdefault(kind, _Window(now, level))
-        if window.written < self.burst:
-            window.written += 1
-            self.logger.log(level, message, *args, exc_info=exc_info)
-        else:
-            window.left_out += 1
-
-    def flush(self) -> None:
-        """Close every window whose period has ended; called now and then, so no count waits long."""
-        now = self.clock()
-        for kind in list(self._windows):
-            self._close_window(kind, now)
-
-    def _close_window(self, kind: str, now: float) -> None:
-        window = self._windows.get(kind)
-        if window is None or now - window.start < self.period:
-            return
-        del self._windows[kind]
-        if window.left_out:
-            self.logger.log(window.level, "%d more %s messages in the last %.0f s were left out", window.left_out,
-                            kind, now - window.start)
 
 
 class PeerClosed(Exception):

@@ -37,7 +37,8 @@ from coordinator_program.spec.instructions import (
 )
 from coordinator_program.spec.state import CoordinatorState, Health, Phase, decode_state, encode_state
 from local_backend import protocol as p
-from local_backend.peers import Limits, LogThrottle, Peer, PeerClosed, Peers, listen
+from local_backend.logs import LogThrottle
+from local_backend.peers import Limits, Peer, PeerClosed, Peers, listen
 from local_backend.store import RunStore, StoreError
 
 log = logging.getLogger("psyswarm.server")

@@ -35,7 +35,8 @@ BUSY_TIMEOUT = 5.0
 
 
 class StoreError(RuntimeError):
-    """The database holds a different run, cannot be opened, or cannot take a write."""
+    """The database holds a different run, cannot be opened, or cannot take a write: the run store's, or the auth
+    service's slot store (``local_backend.auth.slots``)."""
 
 
 class RunStore:

@@ -39,9 +39,13 @@ def auth_service(
     from solders.keypair import Keypair
 
     from client.identity import KeypairError, load_keypair, save_keypair
-    from local_backend.auth_service import AuthHTTPServer, AuthService, HubIdentity, StoreError
+    from local_backend.auth.app import AuthHTTPServer
+    from local_backend.auth.identity import HubIdentity
+    from local_backend.auth.rules import AuthService
+    from local_backend.logs import to_stderr
+    from local_backend.store import StoreError
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    to_stderr(logging.INFO)
     key_path = keypair or db.with_suffix(".join-authority.json")
     try:
         if keypair is None and not key_path.exists():  # the run's join authority must outlive a restart

@@ -2,14 +2,16 @@
 
 It reads the coordinator through the same backends as ``status`` (TCP or Solana, read-only: no keypair, it
 signs nothing), the run's DHT when given ``--initial-peer`` (the workers' sync phases, the trainers' losses),
-and, with ``--auth-url``, the run's auth service for which keys belong to one contributor.
+and, with ``--auth-url``, the run's auth service for which keys belong to one contributor. The page is served by
+the web stack every psyswarm web service shares (``local_backend.web``: deadlines, connection caps and sizes),
+and its log goes to stderr without ever blocking the server, even when nothing reads it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
+import logging
 import urllib.parse
 import urllib.request
 from typing import Annotated, NoReturn
@@ -124,14 +126,6 @@ def contributors_reader(auth_url: str):
     return read
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        return socket.create_server((host, port), family=family)
-    except OSError as exc:
-        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
-
-
 def dashboard(
     run_id: RunId,
     server: Server = None,
@@ -144,25 +138,26 @@ def dashboard(
 ) -> None:
     """Serve a live web page of the run: phase and time left, stage occupancy, loss and tokens/s (with
     --initial-peer), witnesses, checkpoint and the leaderboard."""
-    import uvicorn
-
     from client.dashboard.app import create_app
     from client.dashboard.feed import Feed
+    from local_backend.logs import to_stderr
+    from local_backend.web.server import WebServer
 
     checked_options(server, url, port, auth_url, initial_peers)
+    to_stderr(logging.WARNING)
     opener = backend_opener(server, url, run_id, program_id)
     dht = DhtReader(initial_peers, run_id) if initial_peers else None
     feed = Feed(opener, run_id, read_dht=dht, read_contributors=contributors_reader(auth_url) if auth_url else None)
-    sock = listening_socket(host, port)
-    bound_host, bound_port = sock.getsockname()[:2]
-    web = uvicorn.Server(uvicorn.Config(create_app(feed), log_level="warning", lifespan="off"))
+    try:
+        web = WebServer(create_app(feed), host, port)
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
 
     async def run() -> None:
         following = asyncio.create_task(feed.run())
-        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        typer.echo(f"dashboard: http://{shown}:{bound_port}/ (following {server or url})")
+        typer.echo(f"dashboard: {web.url}/ (following {server or url})")
         try:
-            await web.serve(sockets=[sock])
+            await web.serve()
         finally:
             following.cancel()
             if dht is not None:

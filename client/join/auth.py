@@ -1,7 +1,7 @@
 """The client side of authorization and the join queue (steps 1 and 3 of the join flow).
 
 ``AuthClient.join`` exchanges the contributor's Hugging Face token for a contributor slot and a stage with the
-run's auth service (``local_backend.auth_service``); ``wait_turn`` waits in the join queue, logging the
+run's auth service (``local_backend.auth``); ``wait_turn`` waits in the join queue, logging the
 position once a minute, while the downloaded state stays in memory. Every request is signed with the
 client's ed25519 identity over the run, the action, the sha256 of the token (never the token) and a fresh
 nonce, which binds the slot to this process's key and token and makes a captured request useless to replay;
@@ -31,7 +31,7 @@ from solders.signature import Signature
 
 from client.identity import verify
 from client.stages import stage_name
-from local_backend.auth_service import NONCE_BYTES, canonical, token_sha256
+from local_backend.auth.protocol import NONCE_BYTES, canonical, token_sha256
 
 log = logging.getLogger("psyswarm.auth")
 

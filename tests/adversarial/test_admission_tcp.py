@@ -22,7 +22,7 @@ from coordinator_program.spec.config import parse_run_spec
 from coordinator_program.spec.instructions import Instruction, JoinRun, Tick
 from coordinator_program.spec.state import Role
 from local_backend import protocol as p
-from local_backend.auth_service import AuthHTTPServer
+from local_backend.auth.app import AuthHTTPServer
 from local_backend.server import CoordinatorServer
 from tests.join.test_auth import RUN, serving
 from tests.local_backend.test_server import run_with_server

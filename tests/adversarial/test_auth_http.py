@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from local_backend.auth_service import AuthHTTPServer
+from local_backend.auth.app import AuthHTTPServer
+from local_backend.web.limits import WebLimits
 from tests.join.test_auth import client, serving
 
 HEAD = "PUT /api/join HTTP/1.1\r\nHost: auth\r\nAuthorization: Bearer tok-alice\r\n"
@@ -113,7 +114,7 @@ def test_fields_of_the_wrong_type_get_a_400_naming_the_field(fake_hub, case: str
 
 
 def test_held_half_sent_requests_neither_starve_a_fresh_client_nor_cost_a_thread_each(fake_hub) -> None:
-    with serving(fake_hub, request_timeout=2.0) as server:
+    with serving(fake_hub, limits=WebLimits(header_timeout=2.0, body_timeout=2.0)) as server:
         threads_before = threading.active_count()
         held: list[socket.socket] = []
         connecting_until = time.monotonic() + 20
@@ -138,7 +139,7 @@ def test_held_half_sent_requests_neither_starve_a_fresh_client_nor_cost_a_thread
 
 
 def test_connections_past_the_limit_are_answered_503_at_once(fake_hub) -> None:
-    with serving(fake_hub, request_timeout=1.0, max_connections=20) as server:
+    with serving(fake_hub, limits=WebLimits(header_timeout=1.0, body_timeout=1.0, max_connections=20)) as server:
         held = [socket.create_connection(address(server), timeout=5) for _ in range(20)]
         try:
             time.sleep(0.2)  # the service has taken them all

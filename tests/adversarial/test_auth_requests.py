@@ -12,7 +12,7 @@ import pytest
 from solders.keypair import Keypair
 
 from client.join.auth import AuthClient, AuthError
-from local_backend.auth_service import canonical
+from local_backend.auth.protocol import canonical
 from tests.join.test_auth import client, serving
 
 

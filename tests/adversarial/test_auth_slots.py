@@ -15,7 +15,9 @@ import pytest
 from solders.keypair import Keypair
 
 from client.join.auth import AuthClient, AuthError
-from local_backend.auth_service import AuthService, HubIdentity, StoreError
+from local_backend.auth.identity import HubIdentity
+from local_backend.auth.rules import AuthService
+from local_backend.store import StoreError
 from tests.join.test_auth import RUN, TOKENS, client, serving
 
 
@@ -98,3 +100,24 @@ def test_a_database_of_another_run_is_refused(tmp_path) -> None:
     with pytest.raises(StoreError, match="holds the auth service of run 'run-1', not 'other': use another --db"):
         AuthService(run_id="other", num_stages=3, capacity=3, identify=HubIdentity("http://127.0.0.1:9"),
                     max_slots_per_token=4, db=db)
+
+
+def test_a_database_that_cannot_take_a_write_answers_503_and_loses_nothing(fake_hub, tmp_path) -> None:
+    with serving(fake_hub, db=tmp_path / "auth.sqlite") as server:
+        alice = client(server)
+        held = alice.join("tok-alice")
+        store = server.service._store
+        store.db.execute("PRAGMA query_only = ON")  # as a full disk or a file turned read-only would
+        try:
+            with pytest.raises(AuthError, match="could not save the request; try again") as caught:
+                client(server).join("tok-bob")
+            assert caught.value.code == "storage_unavailable"
+            with pytest.raises(AuthError) as caught:
+                alice.leave()
+            assert caught.value.code == "storage_unavailable"
+        finally:
+            store.db.execute("PRAGMA query_only = OFF")
+        occupancy = server.service.occupancy()
+        assert (occupancy["slots"], occupancy["contributors"]) == (1, 1)  # alice's slot is kept, bob's never was
+        assert alice.join("tok-alice").slot == held.slot
+        assert client(server).join("tok-bob").slot != held.slot

@@ -31,7 +31,8 @@ from client.backends.tcp import TcpBackend
 from coordinator_program.spec.config import parse_run_spec
 from coordinator_program.spec.state import Role
 from local_backend import protocol as p
-from local_backend.peers import Limits, LogThrottle
+from local_backend.logs import LogThrottle
+from local_backend.peers import Limits
 from local_backend.server import CoordinatorServer
 from tests.local_backend.test_server import run_with_server
 

@@ -35,7 +35,7 @@ from coordinator_program.spec import rules
 from coordinator_program.spec.bloom import build_filter, compute_key, participant_key
 from coordinator_program.spec.errors import CoordinatorError
 from coordinator_program.spec.state import Phase, Role
-from local_backend.auth_service import AuthHTTPServer
+from local_backend.auth.app import AuthHTTPServer
 from tests.join.test_auth import serving
 
 CHROMIUM = Path("/usr/bin/chromium")

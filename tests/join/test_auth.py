@@ -22,14 +22,11 @@ from solders.keypair import Keypair
 
 from client.identity import load_keypair
 from client.join.auth import AuthClient, AuthError, Grant, confirmation_line, resolve_token
-from local_backend.auth_service import (
-    MAX_CONNECTIONS,
-    REQUEST_TIMEOUT,
-    AuthFailure,
-    AuthHTTPServer,
-    AuthService,
-    HubIdentity,
-)
+from local_backend.auth.app import AuthHTTPServer
+from local_backend.auth.failures import AuthFailure
+from local_backend.auth.identity import HubIdentity
+from local_backend.auth.rules import AuthService
+from local_backend.web.limits import WebLimits
 from tests.fake_hub import FakeHub
 
 RUN = "run-1"
@@ -37,13 +34,12 @@ TOKENS = {"tok-alice": "alice", "tok-bob": "bob", "tok-carol": "carol", "tok-dav
 
 
 @contextmanager
-def serving(hub: FakeHub, *, request_timeout: float = REQUEST_TIMEOUT, max_connections: int = MAX_CONNECTIONS,
-            **settings: Any) -> Iterator[AuthHTTPServer]:
+def serving(hub: FakeHub, *, limits: WebLimits = WebLimits(), **settings: Any) -> Iterator[AuthHTTPServer]:
     """A real auth service on loopback (3 stages, 3 slots, a join queue of 1 unless ``settings`` say else)."""
     hub.users.update(TOKENS)
     service = AuthService(**{"run_id": RUN, "num_stages": 3, "capacity": 3, "identify": HubIdentity(hub.url),
                              "max_slots_per_token": 4, "db": ":memory:", "max_integrating": 1, **settings})
-    server = AuthHTTPServer(service, request_timeout=request_timeout, max_connections=max_connections).start()
+    server = AuthHTTPServer(service, limits=limits).start()
     try:
         yield server
     finally:

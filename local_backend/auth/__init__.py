@@ -1,0 +1,20 @@
+"""The run's auth service: a Hugging Face token in, a contributor slot and a stage out; and the run's join
+authority, which countersigns each join the coordinator admits.
+
+The token is used for identity only (``identity``: the Hub's whoami) and never stored, only its sha256. Every
+process started with the same token is the same contributor; each holds its own slot, and one contributor holds
+at most a few, so no one can fill the swarm (``rules``, which also pace joiners through the join queue).
+
+Requests are JSON over HTTP, each signed by the peer's ed25519 key (``protocol``, the one module the client
+imports; ``requests`` checks them): a captured request cannot be replayed (its nonce is spent), nor sent under
+another token (its hash is signed), nor for another run or action, nor long after it was signed. Grants are
+signed by the service's key. Slots and spent nonces live in SQLite (``slots``), one transaction per request,
+answered only after it commits, so a restart forgets no contributor and re-opens no replay.
+
+The service's key is the run's join authority: the coordinator (``psyswarm serve`` or ``create-run``
+``--join-authority``) admits a join only with its countersignature (``countersign``: the TCP
+``join_authorization``, or the Solana join_run transaction message), so admission holds even against a client
+that never asks the service. ``app`` serves it all over HTTP.
+
+May import: coordinator_program, client.identity, local_backend.protocol, local_backend.store, local_backend.web.
+"""

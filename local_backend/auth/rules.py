@@ -1,0 +1,345 @@
+"""The auth service's rules (``AuthService``): who gets a slot and which stage, the join queue, leases, and
+which joins the run's join authority countersigns for whom.
+
+Slots: a join needs a free slot (a full swarm rejects it outright; there is no waiting list) and gets the least
+occupied stage. One identity (Hub user) holds at most ``max_slots_per_token`` slots, each process (each peer key)
+its own. Slots are leases: a client renews its slot by joining again, and one not renewed within
+``lease_seconds`` frees itself.
+
+Pacing (the join queue): at most ``max_integrating`` admitted peers integrate (download state, sync) at once;
+the others wait in join order, keeping their slots. Only the service moves the queue: it admits the peer at
+the head when it asks and there is room, and a peer may report itself synced only once admitted (a waiting
+peer that reports is refused, so none can skip the queue), or stops integrating after ``integration_seconds``
+so a joiner that crashed does not hold the queue.
+
+Each request is one transaction of the slot store: its nonce is spent, old slots expire and the change is
+applied together, and the answer leaves only once it commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+from solders.keypair import Keypair
+from solders.pubkey import Pubkey
+
+from coordinator_program.onchain.program_id import PROGRAM_ID
+from coordinator_program.spec import limits
+from coordinator_program.spec.instructions import JoinRun
+from local_backend.auth.countersign import join_to_countersign, message_bytes, refused_join
+from local_backend.auth.failures import AuthFailure, bad_request
+from local_backend.auth.protocol import MAX_CLOCK_SKEW, ROLES, canonical, token_sha256
+from local_backend.auth.requests import SignedRequest, check_signed
+from local_backend.auth.slots import NONCE_CAPACITY, Slot, SlotStore
+from local_backend.store import StoreError
+
+log = logging.getLogger("psyswarm.auth")
+
+GRANTS_KEPT = 1024  # keys the contributor map remembers (the newest granted); a ledger holds 256
+
+
+def _token_mismatch() -> AuthFailure:
+    return AuthFailure(HTTPStatus.UNAUTHORIZED, "token_mismatch",
+                       "the request is signed for another Hugging Face token than the one its slot is held under")
+
+
+@dataclass
+class AuthService:
+    """Slot, stage and queue bookkeeping for one run; thread-safe. ``identify`` maps a token to a user name;
+    ``db`` is the SQLite file that keeps the slots (``":memory:"`` keeps nothing across restarts)."""
+
+    run_id: str
+    num_stages: int
+    capacity: int
+    identify: Callable[[str], str]
+    max_slots_per_token: int
+    db: str | Path
+    keypair: Keypair = field(default_factory=Keypair)
+    lease_seconds: float = 600.0
+    max_integrating: int = 1
+    integration_seconds: float = 900.0
+    checkpoint: dict[str, str] | None = None
+    clock: Callable[[], float] = time.time
+    nonce_capacity: int = NONCE_CAPACITY
+    grants_kept: int = GRANTS_KEPT  # never fewer than ``capacity``: every live slot stays mapped
+    program_id: Pubkey = PROGRAM_ID  # the coordinator program whose joins it countersigns on Solana
+
+    def __post_init__(self) -> None:
+        if (self.num_stages < 2 or self.capacity < 1 or self.lease_seconds <= 0 or self.max_integrating < 0
+                or self.max_slots_per_token < 1 or self.nonce_capacity < 1):
+            raise ValueError("need num_stages >= 2, capacity >= 1, max_slots_per_token >= 1, lease_seconds > 0, "
+                             "max_integrating >= 0, nonce_capacity >= 1")
+        self._store = SlotStore(self.db, self.run_id, self.nonce_capacity)
+        self._lock = threading.Lock()
+        self._slots = self._store.slots()
+        self._drop_misfits()
+
+    # --- requests ---
+
+    def join(self, token: str, request: Any) -> dict[str, Any]:
+        """Grant (or renew) the requesting peer's slot; the signed grant is the answer."""
+        signed = check_signed(request, "join", self.run_id, self.clock())
+        role = signed.fields["role"]
+        if role not in ROLES:
+            raise bad_request(f"role must be one of {ROLES}, not {role!r}")
+        if signed.token_sha256 != token_sha256(token):
+            raise AuthFailure(HTTPStatus.UNAUTHORIZED, "token_mismatch",
+                              "the request is signed for another Hugging Face token than the one it was sent with")
+        contributor = self.identify(token)  # outside the lock: it may call the Hub
+        grant = self._apply(signed, lambda now: self._grant(signed, contributor, now))
+        signature = bytes(self.keypair.sign_message(canonical(grant))).hex()
+        return {"grant": grant, "signature": signature, "service": bytes(self.keypair.pubkey()).hex()}
+
+    def queue(self, request: Any) -> dict[str, Any]:
+        """The peer's place in the join queue: 0 and ``admitted`` means go and sync now, 1 is next in line."""
+        signed = check_signed(request, "queue", self.run_id, self.clock())
+        return self._apply(signed, lambda now: self._place(self._renew(self._own(signed), now), now))
+
+    def synced(self, request: Any) -> dict[str, Any]:
+        """The peer finished its sync phases: the next queued joiner may integrate. Only an admitted peer may
+        say so: from a waiting one it would be a way past the queue."""
+        signed = check_signed(request, "synced", self.run_id, self.clock())
+        return self._apply(signed, lambda now: self._mark_synced(self._own(signed), now))
+
+    def leave(self, request: Any) -> dict[str, Any]:
+        signed = check_signed(request, "leave", self.run_id, self.clock())
+        return self._apply(signed, lambda now: self._release(signed))
+
+    def countersign(self, request: Any) -> dict[str, str]:
+        """The join authority's signature over ``message``, a join of the requesting peer's own key into this
+        run, in the role (and, for a worker, the stage) its slot was granted; the slot must be live."""
+        signed = check_signed(request, "countersign", self.run_id, self.clock())
+        message = message_bytes(signed.fields["message"])
+        joiner, join = join_to_countersign(message, self.keypair.pubkey(), self.program_id, self.run_id)
+        self._apply(signed, lambda now: self._check_join(self._own(signed), joiner, join))
+        return {"signature": bytes(self.keypair.sign_message(message)).hex()}
+
+    def occupancy(self) -> dict[str, Any]:
+        """Live slots per stage and contributors (the dashboard's view); needs no authentication."""
+        with self._lock:
+            now = self.clock()
+            slots = [s for s in self._slots.values() if s.expires > now]
+        return {
+            "run_id": self.run_id, "capacity": self.capacity, "slots": len(slots),
+            "contributors": len({s.contributor for s in slots}),
+            "stages": [sum(s.stage == i for s in slots) for i in range(self.num_stages)],
+            "trainers": sum(s.role == "trainer" for s in slots),
+        }
+
+    def contributors(self, run_id: str) -> dict[str, str]:
+        """Which contributor each key granted a slot belongs to, by base58 public key: what lets a leaderboard sum
+        one contributor's processes into one score. A key that left stays mapped (its points outlive its slot),
+        for the ``grants_kept`` keys granted or renewed last. Only keys and Hub user names leave, never a token or
+        its hash. Another run's id gets an empty map (this service knows one run)."""
+        if run_id != self.run_id:
+            return {}
+        with self._lock:
+            return {str(Pubkey.from_bytes(bytes.fromhex(peer))): name for peer, name in self._store.grants()}
+
+    def close(self) -> None:
+        with self._lock:
+            self._store.close()
+
+    # --- one request, one transaction ---
+
+    def _apply(self, signed: SignedRequest, change: Callable[[float], dict[str, Any]]) -> dict[str, Any]:
+        """Spend the request's nonce, expire old slots and apply ``change``, all in one transaction; answer
+        only once it commits. A refused request still spends its nonce, so it cannot be replayed later, when
+        the refusal may no longer hold."""
+        refusal: AuthFailure | None = None
+        with self._lock:
+            try:
+                with self._store.transaction():
+                    now = self.clock()
+                    self._spend_nonce(signed, now)
+                    self._expire(now)
+                    try:
+                        answer = change(now)
+                    except AuthFailure as failure:
+                        refusal = failure
+            except AuthFailure:
+                raise  # a replay: nothing was changed
+            except StoreError as exc:
+                self._reload_slots()
+                log.error("the auth service's database failed: %s", exc)
+                raise AuthFailure(HTTPStatus.SERVICE_UNAVAILABLE, "storage_unavailable",
+                                  "the auth service could not save the request; try again") from None
+            except Exception:
+                self._reload_slots()
+                raise
+        if refusal is not None:
+            raise refusal
+        return answer
+
+    def _reload_slots(self) -> None:
+        """Back to the slots last committed, after a change that was not."""
+        self._slots = self._store.slots()
+
+    def _spend_nonce(self, signed: SignedRequest, now: float) -> None:
+        if signed.time <= self._store.nonce_floor:
+            raise AuthFailure(HTTPStatus.BAD_REQUEST, "stale_request",
+                              "the request is older than the nonces the service still remembers; send a fresh one")
+        if self._store.nonce_spent(signed.peer, signed.nonce):
+            raise AuthFailure(HTTPStatus.CONFLICT, "replayed_request",
+                              "this request's nonce was already used: a request is accepted once")
+        self._store.spend_nonce(signed.peer, signed.nonce, signed.time, forget_before=now - MAX_CLOCK_SKEW)
+
+    # --- the changes (under the lock, inside the transaction; each checks before it changes anything) ---
+
+    def _grant(self, signed: SignedRequest, contributor: str, now: float) -> dict[str, Any]:
+        role = signed.fields["role"]
+        slot = self._slots.get(signed.peer)
+        if slot is not None and (slot.contributor, slot.role, slot.token_sha256) != (
+                contributor, role, signed.token_sha256):
+            raise AuthFailure(HTTPStatus.CONFLICT, "peer_taken",
+                              f"this peer key already holds a {slot.role} slot under another token, identity or "
+                              "role; use a separate keypair per process")
+        if slot is None:
+            slot = self._new_slot(signed, contributor, role, now)
+        slot.expires = now + self.lease_seconds
+        self._store.put(slot)
+        self._store.remember_grant(slot.peer, contributor, now, max(self.grants_kept, self.capacity))
+        return {
+            "run_id": self.run_id, "contributor": contributor, "peer": slot.peer, "role": role,
+            "slot": slot.index, "capacity": self.capacity, "stage": slot.stage,
+            "num_stages": self.num_stages, "expires": slot.expires,
+            "peers_of_contributor": self._slots_of(contributor), "checkpoint": self.checkpoint,
+        }
+
+    def _new_slot(self, signed: SignedRequest, contributor: str, role: str, now: float) -> Slot:
+        held = self._slots_of(contributor)
+        if held >= self.max_slots_per_token:
+            raise AuthFailure(HTTPStatus.FORBIDDEN, "contributor_full",
+                              f"{contributor} already holds {held} slots in run {self.run_id}, the most one "
+                              f"contributor may hold (max {self.max_slots_per_token} per token); every process "
+                              "under a token counts toward it: stop one or wait for its lease to end")
+        if len(self._slots) >= self.capacity:
+            raise AuthFailure(HTTPStatus.SERVICE_UNAVAILABLE, "swarm_full",
+                              f"the swarm of run {self.run_id} is full: all {self.capacity} contributor "
+                              "slots are taken; try again later")
+        slot = Slot(peer=signed.peer, token_sha256=signed.token_sha256, contributor=contributor, role=role,
+                    stage=self._least_occupied_stage() if role == "worker" else -1,
+                    index=self._free_index(), expires=now, queued_at=now)
+        self._slots[slot.peer] = slot
+        log.info("granted slot %d to %s (%s, peer %s…), stage %d", slot.index, contributor, role,
+                 slot.peer[:8], slot.stage)
+        return slot
+
+    def _own(self, signed: SignedRequest) -> Slot:
+        """The requesting peer's slot, asked for under the token it was granted to."""
+        slot = self._slots.get(signed.peer)
+        if slot is None:
+            raise AuthFailure(HTTPStatus.NOT_FOUND, "no_slot", "this peer holds no slot (expired?): join again")
+        if slot.token_sha256 != signed.token_sha256:
+            raise _token_mismatch()
+        return slot
+
+    def _renew(self, slot: Slot, now: float) -> Slot:
+        slot.expires = now + self.lease_seconds
+        self._store.put(slot)
+        return slot
+
+    def _place(self, slot: Slot, now: float) -> dict[str, Any]:
+        if self._admitted(slot):
+            return self._queue_answer(0, True)
+        ahead = self._waiting().index(slot)
+        if ahead == 0 and self._integrating() < self.max_integrating:
+            slot.integrating_since = now
+            self._store.put(slot)
+            return self._queue_answer(0, True)
+        return self._queue_answer(ahead + 1, False)
+
+    def _mark_synced(self, slot: Slot, now: float) -> dict[str, Any]:
+        if not self._admitted(slot):
+            position = self._waiting().index(slot) + 1
+            raise AuthFailure(HTTPStatus.CONFLICT, "not_admitted",
+                              f"this peer is still waiting in the join queue (position {position}); it may report "
+                              "its sync only once the queue has admitted it")
+        slot.synced, slot.integrating_since = True, None
+        self._renew(slot, now)
+        return {"ok": True}
+
+    def _check_join(self, slot: Slot, joiner: bytes, join: JoinRun) -> dict[str, Any]:
+        """A join may be countersigned for the key, run, role and stage its slot was granted, and only those."""
+        if joiner.hex() != slot.peer:
+            raise refused_join(f"the join is for key {joiner.hex()[:8]}…, but this slot belongs to {slot.peer[:8]}…: "
+                               "a slot admits only the key it was granted to")
+        if join.run_id != self.run_id:
+            raise refused_join(f"the join is for run {join.run_id!r}; this service admits to run {self.run_id!r}")
+        if join.role.name.lower() != slot.role:
+            raise refused_join(f"the join is as a {join.role.name.lower()}; the slot was granted for a {slot.role}")
+        stage = slot.stage if slot.role == "worker" else limits.NO_STAGE
+        if join.stage != stage:
+            raise refused_join(f"the join asks for stage {join.stage}; the slot was granted stage {slot.stage}")
+        log.info("countersigned the join of slot %d (%s, peer %s…)", slot.index, slot.role, slot.peer[:8])
+        return {}
+
+    def _release(self, signed: SignedRequest) -> dict[str, Any]:
+        slot = self._slots.get(signed.peer)
+        if slot is not None:
+            if slot.token_sha256 != signed.token_sha256:
+                raise _token_mismatch()
+            del self._slots[signed.peer]
+            self._store.drop(signed.peer)
+            log.info("slot %d of %s left", slot.index, slot.contributor)
+        return {"ok": True}
+
+    def _expire(self, now: float) -> None:
+        for peer, slot in list(self._slots.items()):
+            if slot.expires <= now:
+                del self._slots[peer]
+                self._store.drop(peer)
+                log.info("slot %d of %s expired", slot.index, slot.contributor)
+            elif slot.integrating_since is not None and now - slot.integrating_since > self.integration_seconds:
+                slot.integrating_since, slot.synced = None, True  # gave it its time; stop holding the queue
+                self._store.put(slot)
+
+    # --- reading the slots ---
+
+    def _admitted(self, slot: Slot) -> bool:
+        return self.max_integrating == 0 or slot.synced or slot.integrating_since is not None
+
+    def _waiting(self) -> list[Slot]:
+        """The join queue, in join order."""
+        return sorted((s for s in self._slots.values() if not self._admitted(s)), key=lambda s: (s.queued_at, s.index))
+
+    def _integrating(self) -> int:
+        return sum(s.integrating_since is not None for s in self._slots.values())
+
+    def _slots_of(self, contributor: str) -> int:
+        return sum(s.contributor == contributor for s in self._slots.values())
+
+    def _least_occupied_stage(self) -> int:
+        counts = [0] * self.num_stages
+        for slot in self._slots.values():
+            if slot.stage >= 0:
+                counts[slot.stage] += 1
+        return counts.index(min(counts))
+
+    def _free_index(self) -> int:
+        taken = {s.index for s in self._slots.values()}
+        return next(i for i in range(self.capacity) if i not in taken)
+
+    def _queue_answer(self, position: int, admitted: bool) -> dict[str, Any]:
+        return {"position": position, "admitted": admitted, "integrating": self._integrating(),
+                "max_integrating": self.max_integrating}
+
+    def _drop_misfits(self) -> None:
+        """Slots kept from a run served with more stages or slots than now no longer exist."""
+        misfits = [s for s in self._slots.values() if s.stage >= self.num_stages or s.index >= self.capacity]
+        if not misfits:
+            return
+        with self._store.transaction():
+            for slot in misfits:
+                self._store.drop(slot.peer)
+                del self._slots[slot.peer]
+        log.warning("dropped %d kept slot(s) beyond %d stages or %d slots", len(misfits), self.num_stages,
+                    self.capacity)
+

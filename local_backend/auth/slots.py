@@ -1,0 +1,166 @@
+"""The auth service's SQLite store: its slots, the nonces it has seen spent, and whose keys it granted.
+
+Each request is one transaction (``SlotStore.transaction``), answered only after it commits, so a restart
+forgets no contributor and re-opens no replay. A database that cannot be opened, holds another run or cannot
+take a write raises the same ``StoreError`` as the TCP server's run store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import sqlite3
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from local_backend.store import StoreError
+
+NONCE_CAPACITY = 65_536  # spent nonces remembered at most; at 270 requests/s all of the skew window
+
+
+@dataclass
+class Slot:
+    peer: str  # hex ed25519 public key of the process holding the slot
+    token_sha256: str  # the token the slot is held under (its hash; the token itself is never kept)
+    contributor: str  # the Hub user the token belongs to
+    role: str
+    stage: int  # -1 for a trainer
+    index: int
+    expires: float
+    queued_at: float
+    integrating_since: float | None = None
+    synced: bool = False
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS service (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    run_id TEXT NOT NULL,
+    nonce_floor REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS slots (
+    peer TEXT PRIMARY KEY,
+    token_sha256 TEXT NOT NULL,
+    contributor TEXT NOT NULL,
+    role TEXT NOT NULL,
+    stage INTEGER NOT NULL,
+    idx INTEGER NOT NULL,
+    expires REAL NOT NULL,
+    queued_at REAL NOT NULL,
+    integrating_since REAL,
+    synced INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS nonces (
+    peer TEXT NOT NULL,
+    nonce TEXT NOT NULL,
+    time REAL NOT NULL,
+    PRIMARY KEY (peer, nonce)
+);
+CREATE INDEX IF NOT EXISTS nonces_by_time ON nonces (time);
+CREATE TABLE IF NOT EXISTS grants (
+    peer TEXT PRIMARY KEY,
+    contributor TEXT NOT NULL,
+    seen REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS grants_by_seen ON grants (seen);
+"""
+
+
+class SlotStore:
+    """The auth service's database, one run per file: its slots and the nonces it has seen spent.
+
+    The nonce floor is the newest time among forgotten nonces: a request at or below it may be one whose
+    nonce was forgotten, so it is refused. The count and the floor are cached, and re-read after a rollback.
+    """
+
+    def __init__(self, path: str | Path, run_id: str, nonce_capacity: int = NONCE_CAPACITY) -> None:
+        self.path = path
+        self.nonce_capacity = nonce_capacity
+        try:
+            # Requests run on worker threads, one at a time under the service's lock.
+            self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives process crashes
+            self.db.executescript(_SCHEMA)
+            self.db.execute("INSERT OR IGNORE INTO service (id, run_id, nonce_floor) VALUES (1, ?, ?)",
+                            (run_id, -math.inf))
+            (held,) = self.db.execute("SELECT run_id FROM service WHERE id = 1").fetchone()
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open {path}: {exc}") from None
+        if held != run_id:
+            raise StoreError(f"{path} holds the auth service of run {held!r}, not {run_id!r}: use another --db")
+        self._read_nonce_bookkeeping()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One atomic change; nothing of it is kept unless it commits. The database failing within it (locked
+        past its timeout, a full disk, a file turned read-only) raises ``StoreError``."""
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path} cannot take a write: {exc}") from exc
+        try:
+            yield
+            self.db.execute("COMMIT")
+        except BaseException as exc:
+            try:
+                if self.db.in_transaction:  # some failures roll back by themselves
+                    self.db.execute("ROLLBACK")
+                self._read_nonce_bookkeeping()
+            except sqlite3.Error as failed:
+                raise StoreError(f"{self.path} cannot roll back: {failed}") from exc
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(f"{self.path} cannot take a write: {exc}") from exc
+            raise
+
+    def slots(self) -> dict[str, Slot]:
+        rows = self.db.execute("SELECT * FROM slots").fetchall()
+        return {row[0]: Slot(*row[:-1], synced=bool(row[-1])) for row in rows}
+
+    def put(self, slot: Slot) -> None:
+        self.db.execute("INSERT OR REPLACE INTO slots VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        dataclasses.astuple(slot))
+
+    def remember_grant(self, peer: str, contributor: str, seen: float, kept: int) -> None:
+        """Note whose key ``peer`` is, for the contributor map; only the ``kept`` keys granted last are kept."""
+        self.db.execute("INSERT OR REPLACE INTO grants VALUES (?, ?, ?)", (peer, contributor, seen))
+        self.db.execute("DELETE FROM grants WHERE peer NOT IN (SELECT peer FROM grants ORDER BY seen DESC LIMIT ?)",
+                        (kept,))
+
+    def grants(self) -> list[tuple[str, str]]:
+        return self.db.execute("SELECT peer, contributor FROM grants ORDER BY seen DESC").fetchall()
+
+    def drop(self, peer: str) -> None:
+        self.db.execute("DELETE FROM slots WHERE peer = ?", (peer,))
+
+    def nonce_spent(self, peer: str, nonce: str) -> bool:
+        found = self.db.execute("SELECT 1 FROM nonces WHERE peer = ? AND nonce = ?", (peer, nonce)).fetchone()
+        return found is not None
+
+    def spend_nonce(self, peer: str, nonce: str, stamp: float, forget_before: float) -> None:
+        """Remember a nonce; forget those older than ``forget_before`` (their time no longer passes), and the
+        oldest beyond ``nonce_capacity``, raising the floor to the newest forgotten."""
+        self.db.execute("INSERT INTO nonces (peer, nonce, time) VALUES (?, ?, ?)", (peer, nonce, stamp))
+        self.nonce_count += 1
+        self._forget_nonces(forget_before)
+        excess = self.nonce_count - self.nonce_capacity
+        if excess > 0:
+            (newest,) = self.db.execute("SELECT MAX(time) FROM (SELECT time FROM nonces ORDER BY time LIMIT ?)",
+                                        (excess,)).fetchone()
+            self._forget_nonces(math.nextafter(newest, math.inf))
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _forget_nonces(self, before: float) -> None:
+        if before <= self.nonce_floor:
+            return
+        self.nonce_count -= self.db.execute("DELETE FROM nonces WHERE time < ?", (before,)).rowcount
+        self.nonce_floor = math.nextafter(before, -math.inf)
+        self.db.execute("UPDATE service SET nonce_floor = ? WHERE id = 1", (self.nonce_floor,))
+
+    def _read_nonce_bookkeeping(self) -> None:
+        (self.nonce_count,) = self.db.execute("SELECT COUNT(*) FROM nonces").fetchone()
+        (self.nonce_floor,) = self.db.execute("SELECT nonce_floor FROM service WHERE id = 1").fetchone()
