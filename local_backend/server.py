@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable
 
 from solders.keypair import Keypair
 
-from client.identity import verify
 from coordinator_program.facts import admission
 from coordinator_program.spec import rules
 from coordinator_program.spec.config import RunSpec
@@ -39,6 +38,7 @@ from coordinator_program.spec.state import CoordinatorState, Health, Phase, deco
 from local_backend import protocol as p
 from local_backend.logs import LogThrottle
 from local_backend.peers import Limits, Peer, PeerClosed, Peers, listen
+from local_backend.sessions import hello_key, verify_request
 from local_backend.store import RunStore, StoreError
 
 log = logging.getLogger("psyswarm.server")
@@ -286,17 +286,9 @@ class CoordinatorServer:
         except TimeoutError:
             peer.close(f"no Hello within {self.peers.limits.login_timeout:g} s")
             return False
-        return self.peers.admit(peer, self._authenticate(peer, hello), self._members())
-
-    def _authenticate(self, peer: Peer, payload: bytes) -> bytes:
-        """The key that signed ``peer``'s challenge in ``payload``, its Hello."""
-        hello = p.decode(payload)
-        if not isinstance(hello, p.Hello):
-            raise p.ProtocolError("authenticate first: the first message must be Hello")
-        if not verify(hello.pubkey, p.auth_message(peer.challenge), hello.signature):
-            raise p.ProtocolError("authentication failed: the signature does not match the key")
-        self.throttle(logging.INFO, "login", "%s authenticated as %s", peer.address, hello.pubkey.hex()[:8])
-        return hello.pubkey
+        key = hello_key(peer.challenge, hello)
+        self.throttle(logging.INFO, "login", "%s authenticated as %s", peer.address, key.hex()[:8])
+        return self.peers.admit(peer, key, self._members())
 
     async def _on_message(self, peer: Peer, payload: bytes) -> None:
         try:
@@ -311,21 +303,12 @@ class CoordinatorServer:
         peer.send(await self._on_request(peer, message))
 
     async def _on_request(self, conn: Peer, req: p.Request) -> p.Reply:
-        signed = p.request_message(conn.challenge, req.sequence, req.instruction)
-        if req.sequence <= conn.last_sequence:
-            return p.Reply(req.sequence, p.REPLY_REPLAY, f"replayed request: sequence {req.sequence} is not "
-                           f"above {conn.last_sequence}")
-        if not verify(conn.identity, signed, req.signature):
-            return p.Reply(req.sequence, p.REPLY_BAD_SIGNATURE, "the request's signature does not match your key")
-        authorizer = None
-        if req.authorizer:
-            if not verify(req.authorizer, p.join_authorization(conn.identity, signed), req.authorizer_signature):
-                return p.Reply(req.sequence, p.REPLY_BAD_SIGNATURE, "the co-signature does not match its key, or "
-                               "was given for another key than this connection's")
-            authorizer = req.authorizer
+        verified = verify_request(conn.challenge, conn.identity, conn.last_sequence, req)
+        if isinstance(verified, p.Reply):
+            return verified
         conn.last_sequence = req.sequence
         try:
-            await self.submit(conn.identity, req.instruction, authorizer)
+            await self.submit(conn.identity, verified.instruction, verified.authorizer)
         except CoordinatorError as exc:
             # A tick with nothing due is routine (every client may tick); other rejections are worth a line.
             level = logging.DEBUG if isinstance(exc, NothingToTick) else logging.INFO

@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from client.pipeline.discovery import WorkerRecord
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BAN_SECONDS = 30.0
 _EMA = 0.3
@@ -151,3 +155,91 @@ class StageRouter:
             # Updates leave stale entries behind (lazy deletion); rebuild before they pile up.
             self._heap = [(s.vruntime, next(self._tiebreak), u) for u, s in self._workers.items()]
             heapq.heapify(self._heap)
+
+
+class PipelineError(RuntimeError):
+    """A microbatch could not be completed."""
+
+
+class StageUnavailable(PipelineError):
+    """A stage had no usable worker for longer than the trainer's ``stall_timeout``."""
+
+
+class Directory(Protocol):
+    """Where the trainer learns which workers serve a stage (``discovery.WorkerDirectory``)."""
+
+    def workers(self, stage: str) -> list[WorkerRecord]: ...
+
+
+class StageFinder:
+    """A trainer's routers, one per stage, kept current from the directory: a worker for each attempt, the
+    forward's own worker for a backward while it is usable, and a stall (logged once per stage and period) while a
+    stage has none."""
+
+    def __init__(self, directory: Directory, stages: Sequence[str], *, ban_seconds: float = DEFAULT_BAN_SECONDS,
+                 stall_timeout: float | None = None, refresh_period: float = 2.0,
+                 stall_log_period: float = 10.0) -> None:
+        self.directory = directory
+        self.routers = {s: StageRouter(s, ban_seconds=ban_seconds) for s in stages}
+        self.stall_timeout = stall_timeout
+        self.refresh_period = refresh_period
+        self.stall_log_period = stall_log_period
+        self._refreshed: dict[str, float] = {}
+        self._stall_logged: dict[str, float] = {}
+        self._refresh_locks = {s: threading.Lock() for s in stages}
+        self._lock = threading.Lock()
+
+    def claim(self, stage: str, forward: WorkerRecord, microbatch_id: str) -> WorkerRecord | None:
+        """The forward's worker for the backward, if it is still announced and not banned."""
+        self.refresh(stage, force=False)
+        record = self.routers[stage].claim(forward)
+        if record is None:
+            log.info(
+                "backward of %s for stage %s moves off %s, which ran its forward but is banned or gone",
+                microbatch_id,
+                stage,
+                forward.uid,
+            )
+        return record
+
+    def pick(self, stage: str, charge: float, tried: set[str]) -> WorkerRecord:
+        """A worker for the next attempt, charged ``charge`` in advance: preferably one not tried yet; stalls
+        while the stage is empty."""
+        router = self.routers[stage]
+        stalled_since: float | None = None
+        while True:
+            self.refresh(stage, force=stalled_since is not None)
+            record = router.choose(charge, exclude=tried) or router.choose(charge)
+            if record is not None:
+                with self._lock:  # one line per stage, however many microbatches were waiting
+                    was_logged = self._stall_logged.pop(stage, None) is not None
+                if was_logged:
+                    log.info("stage %s has a worker again (%s); training resumes", stage, record.uid)
+                return record
+            now = time.monotonic()
+            stalled_since = stalled_since if stalled_since is not None else now
+            with self._lock:
+                due = now - self._stall_logged.get(stage, -1e9) >= self.stall_log_period
+                if due:
+                    self._stall_logged[stage] = now
+            if due:
+                known, banned = router.counts()
+                log.warning(
+                    "STALLED: stage %s has no reachable worker (%d known, %d banned as unreachable); "
+                    "waiting for one to appear",
+                    stage,
+                    known,
+                    banned,
+                )
+            if self.stall_timeout is not None and now - stalled_since > self.stall_timeout:
+                raise StageUnavailable(f"stage {stage} had no reachable worker for {self.stall_timeout:.0f} s")
+            time.sleep(0.5)
+
+    def refresh(self, stage: str, *, force: bool) -> None:
+        # Concurrent microbatches wait for one lookup rather than each querying the DHT, and none of them
+        # sees an empty router merely because another thread's first lookup is still in flight.
+        with self._refresh_locks[stage]:
+            if not force and time.monotonic() - self._refreshed.get(stage, -1e9) < self.refresh_period:
+                return
+            self.routers[stage].update(self.directory.workers(stage))
+            self._refreshed[stage] = time.monotonic()

@@ -32,7 +32,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
-from typing import Protocol
 
 import grpc
 import torch
@@ -50,7 +49,7 @@ from client.pipeline.messages import (
     tensor_digest,
 )
 from client.pipeline.model import ModelSpec, stage_names
-from client.pipeline.router import DEFAULT_BAN_SECONDS, StageRouter
+from client.pipeline.router import DEFAULT_BAN_SECONDS, Directory, PipelineError, StageFinder
 from client.pipeline.rpc import StageClient
 from client.pipeline.wire import DEFAULT_CODEC, codec_name, codec_of, is_finite
 
@@ -60,22 +59,8 @@ BACKWARD_COST = 3.0  # a backward recomputes the forward, then differentiates: a
 _BAN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
-class PipelineError(RuntimeError):
-    """A microbatch could not be completed."""
-
-
-class StageUnavailable(PipelineError):
-    """A stage had no usable worker for longer than the trainer's ``stall_timeout``."""
-
-
 class _BadResponse(Exception):
     """A worker's answer does not check out; the worker is treated as faulty."""
-
-
-class Directory(Protocol):
-    """Where the trainer learns which workers serve a stage (``discovery.WorkerDirectory``)."""
-
-    def workers(self, stage: str) -> list[WorkerRecord]: ...
 
 
 @dataclass(frozen=True)
@@ -154,17 +139,13 @@ class PipelineTrainer:
         self.wire_codec = codec_name(wire_codec)
         self.timeouts = {False: forward_timeout, True: backward_timeout}
         self.max_attempts = max_attempts
-        self.stall_timeout = stall_timeout
         self.max_inflight = max_inflight
-        self.refresh_period = refresh_period
-        self.stall_log_period = stall_log_period
         self.stages = stage_names(config.num_stages)
-        self.routers = {s: StageRouter(s, ban_seconds=ban_seconds) for s in self.stages}
+        self.finder = StageFinder(directory, self.stages, ban_seconds=ban_seconds, stall_timeout=stall_timeout,
+                                  refresh_period=refresh_period, stall_log_period=stall_log_period)
+        self.routers = self.finder.routers
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._refreshed: dict[str, float] = {}
-        self._stall_logged: dict[str, float] = {}
-        self._refresh_locks = {s: threading.Lock() for s in self.stages}
         self._clients: dict[str, StageClient] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -271,9 +252,9 @@ class PipelineTrainer:
         failures = 0
         last_error = ""
         while failures < self.max_attempts:
-            claimed = self._claim(stage, affinity, micro.id) if affinity is not None else None
+            claimed = self.finder.claim(stage, affinity, micro.id) if affinity is not None else None
             affinity = None  # only the first attempt: a retry goes wherever the router picks
-            record = claimed or self._pick(stage, charge, tried)
+            record = claimed or self.finder.pick(stage, charge, tried)
             try:
                 if needs_ticket and claimed is None:
                     self._exchange(stage, record, micro, False, {"input": tensors["input"]}, costs[False])
@@ -388,61 +369,6 @@ class PipelineTrainer:
             )
             if self._receipt(meta) != expected:
                 raise _BadResponse("the receipt does not match the exchanged tensors")
-
-    def _claim(self, stage: str, forward: WorkerRecord, microbatch_id: str) -> WorkerRecord | None:
-        """The forward's worker for the backward, if it is still announced and not banned."""
-        self._refresh(stage, force=False)
-        record = self.routers[stage].claim(forward)
-        if record is None:
-            log.info(
-                "backward of %s for stage %s moves off %s, which ran its forward but is banned or gone",
-                microbatch_id,
-                stage,
-                forward.uid,
-            )
-        return record
-
-    def _pick(self, stage: str, charge: float, tried: set[str]) -> WorkerRecord:
-        """A worker for the next attempt, charged ``charge`` in advance: preferably one not tried yet; stalls
-        while the stage is empty."""
-        router = self.routers[stage]
-        stalled_since: float | None = None
-        while True:
-            self._refresh(stage, force=stalled_since is not None)
-            record = router.choose(charge, exclude=tried) or router.choose(charge)
-            if record is not None:
-                with self._lock:  # one line per stage, however many microbatches were waiting
-                    was_logged = self._stall_logged.pop(stage, None) is not None
-                if was_logged:
-                    log.info("stage %s has a worker again (%s); training resumes", stage, record.uid)
-                return record
-            now = time.monotonic()
-            stalled_since = stalled_since if stalled_since is not None else now
-            with self._lock:
-                due = now - self._stall_logged.get(stage, -1e9) >= self.stall_log_period
-                if due:
-                    self._stall_logged[stage] = now
-            if due:
-                known, banned = router.counts()
-                log.warning(
-                    "STALLED: stage %s has no reachable worker (%d known, %d banned as unreachable); "
-                    "waiting for one to appear",
-                    stage,
-                    known,
-                    banned,
-                )
-            if self.stall_timeout is not None and now - stalled_since > self.stall_timeout:
-                raise StageUnavailable(f"stage {stage} had no reachable worker for {self.stall_timeout:.0f} s")
-            time.sleep(0.5)
-
-    def _refresh(self, stage: str, *, force: bool) -> None:
-        # Concurrent microbatches wait for one lookup rather than each querying the DHT, and none of them
-        # sees an empty router merely because another thread's first lookup is still in flight.
-        with self._refresh_locks[stage]:
-            if not force and time.monotonic() - self._refreshed.get(stage, -1e9) < self.refresh_period:
-                return
-            self.routers[stage].update(self.directory.workers(stage))
-            self._refreshed[stage] = time.monotonic()
 
     def _client(self, address: str) -> StageClient:
         with self._lock:

@@ -1,25 +1,20 @@
 """A stage worker: gRPC server, forward/backward queues, one runtime thread, DHT announcements.
 
 gRPC handler threads only validate and admit requests (``admission``: signed by a trainer the worker serves;
-a Backward after its own Forward, once) and queue them; a single runtime thread drains the queues,
-backward first (it completes a microbatch and frees the trainer's memory), so computation never competes
-with itself for the CPU and parameters change only between tasks. Gradients accumulate until ``step()``:
-the coordinator calls it when a round ends, or, run standalone, the worker steps by itself every
-``auto_step_samples`` samples.
+a Backward after its own Forward, once) and queue them; a single runtime thread (``runtime``) drains the queues,
+backward first, so computation never competes with itself for the CPU and parameters change only between tasks.
+Gradients accumulate until ``step()``: the coordinator calls it when a round ends, or, run standalone, the worker
+steps by itself every ``auto_step_samples`` samples.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import signal
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -40,22 +35,13 @@ from client.pipeline.messages import MessageError, decode_message, encode_messag
 from client.pipeline.model import ModelSpec, stage_index
 from client.pipeline.optim import OptimizerConfig, StepStats
 from client.pipeline.rpc import InvalidRequest, RequestRejected, start_server
+from client.pipeline.runtime import Runtime, Task
 from client.pipeline.wire import DEFAULT_CODEC
 
 if TYPE_CHECKING:
     import hivemind
 
 log = logging.getLogger(__name__)
-
-_THROUGHPUT_EMA = 0.2
-
-
-@dataclass
-class _Task:
-    backward: bool
-    request: StageRequest
-    future: Future
-
 
 class StageWorker:
     """Serves one pipeline stage; usable in-process (``start``/``stop``) or through ``run_worker``."""
@@ -101,9 +87,6 @@ class StageWorker:
         self.trainer_allowed = trainer_allowed
         self.announce_period = announce_period
         self.auto_step_samples = auto_step_samples
-        self.compute_delay = compute_delay
-        self.max_queue = max_queue
-        self.request_timeout = request_timeout
         self.rpc_threads = rpc_threads
         self.compute = StageCompute(
             config,
@@ -116,19 +99,13 @@ class StageWorker:
             device=device,
         )
         self.ledger = MicrobatchLedger()
-        self.throughput = 0.0  # tokens per second of compute, EMA
+        self.runtime = Runtime(self._execute, name=f"runtime-{stage}", uid=self.uid, max_queue=max_queue,
+                               request_timeout=request_timeout, compute_delay=compute_delay)
         self._sync_phase = 0
         self._receipts: list[Receipt] = []
-        self._queues: dict[bool, collections.deque[_Task]] = {
-            False: collections.deque(),
-            True: collections.deque(),
-        }
-        self._cv = threading.Condition()
-        self._holds = 0  # while positive, queued batches wait (an averaging round is updating the parameters)
-        self._stopping = False
+        self._receipts_lock = threading.Lock()
         self._stopped = False
         self._server: grpc.Server | None = None
-        self._runtime = threading.Thread(target=self._run, name=f"runtime-{stage}", daemon=True)
         self._announcer: Announcer | None = None
 
     # ----- lifecycle -----
@@ -149,7 +126,7 @@ class StageWorker:
             max_message_bytes=4 * self.compute.max_message_bytes,
             threads=self.rpc_threads,
         )
-        self._runtime.start()
+        self.runtime.start()
         if self.dht is not None:
             self._announcer = Announcer(self.dht, self.keypair, self._record, period=self.announce_period)
             self._announcer.start()
@@ -165,16 +142,7 @@ class StageWorker:
             self._announcer.stop(leave=leave)
         if self._server is not None:
             self._server.stop(grace).wait()
-        with self._cv:
-            self._stopping = True
-            pending = [*self._queues[True], *self._queues[False]]
-            for queue in self._queues.values():
-                queue.clear()
-            self._cv.notify_all()
-        for task in pending:
-            task.future.cancel()
-        if self._runtime.is_alive():
-            self._runtime.join()
+        self.runtime.stop()
         log.info("worker %s stopped", self.uid)
 
     def __enter__(self) -> StageWorker:
@@ -203,14 +171,8 @@ class StageWorker:
         """Queue batches without running them for the duration: SPARTA averaging, which may outlast the short
         RoundWitness, must not compete with the next round's batches for the CPU (requests keep queuing, within
         their own timeouts)."""
-        with self._cv:
-            self._holds += 1
-        try:
+        with self.runtime.held():
             yield
-        finally:
-            with self._cv:
-                self._holds -= 1
-                self._cv.notify_all()
 
     def step(self) -> StepStats:
         """Apply the accumulated gradients with AdamW and zero them; forward tickets end with the parameters
@@ -233,14 +195,18 @@ class StageWorker:
 
     def drain_receipts(self) -> list[Receipt]:
         """Receipts of the backward passes processed since the last call, oldest first."""
-        with self._cv:
+        with self._receipts_lock:
             receipts, self._receipts = self._receipts, []
         return receipts
 
     @property
     def load(self) -> int:
-        with self._cv:
-            return len(self._queues[True]) + len(self._queues[False])
+        return self.runtime.load
+
+    @property
+    def throughput(self) -> float:
+        """Tokens per second of compute (a moving average)."""
+        return self.runtime.throughput
 
     def info(self) -> dict[str, str | int | float]:
         """What the Info RPC answers: identity, state and the model this worker serves."""
@@ -308,7 +274,7 @@ class StageWorker:
             samples = (request.header.sample_start, request.header.sample_end)
             self.ledger.claim(request.trainer, request.microbatch_id, self._ticket(request), samples)
         try:
-            return self._run_task(_Task(backward, request, Future()))
+            return self.runtime.run(Task(backward, request, Future()))
         except BaseException:
             if backward:
                 self.ledger.release(request.trainer, request.microbatch_id)
@@ -328,67 +294,16 @@ class StageWorker:
         header = request.header
         return Ticket(request.input_digest(), header.sample_start, header.sample_end)
 
-    def _run_task(self, task: _Task) -> bytes:
-        """Queue the task and wait for its result; raises what it raised, or a rejection if it could not run.
-        A task that timed out but is already running is left to finish (its effect stands)."""
-        with self._cv:
-            if self._stopping:
-                raise RequestRejected("worker is shutting down", grpc.StatusCode.UNAVAILABLE)
-            if len(self._queues[True]) + len(self._queues[False]) >= self.max_queue:
-                raise RequestRejected(
-                    f"worker {self.uid} is overloaded ({self.max_queue} tasks queued)",
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                )
-            self._queues[task.backward].append(task)
-            self._cv.notify()
-        try:
-            return task.future.result(timeout=self.request_timeout)
-        except FutureTimeout:
-            if not task.future.cancel():
-                return task.future.result()
-            raise RequestRejected("timed out in the worker's queue", grpc.StatusCode.DEADLINE_EXCEEDED) from None
+    # ----- what the runtime thread runs -----
 
-    # ----- runtime (one thread) -----
-
-    def _next_task(self) -> _Task | None:
-        with self._cv:
-            while not self._stopping and (self._holds or not (self._queues[True] or self._queues[False])):
-                self._cv.wait()
-            if self._stopping:
-                return None
-            return (self._queues[True] or self._queues[False]).popleft()
-
-    def _run(self) -> None:
-        while (task := self._next_task()) is not None:
-            if not task.future.set_running_or_notify_cancel():
-                continue
-            started = time.perf_counter()
-            if self.compute_delay:
-                time.sleep(self.compute_delay)
-            try:
-                result = self._execute(task)
-            except RequestRejected as exc:
-                log.warning("%s refused for trainer %s: %s", self.uid, task.request.trainer[:16], exc)
-                task.future.set_exception(exc)
-                continue
-            except Exception as exc:
-                log.exception("%s of %s failed", "backward" if task.backward else "forward", self.uid)
-                task.future.set_exception(exc)
-                continue
-            task.future.set_result(result)
-            rate = task.request.tokens / max(time.perf_counter() - started, 1e-9)
-            self.throughput = (
-                rate if not self.throughput else ((1 - _THROUGHPUT_EMA) * self.throughput + _THROUGHPUT_EMA * rate)
-            )
-
-    def _execute(self, task: _Task) -> bytes:
+    def _execute(self, task: Task) -> bytes:
         if not task.backward:
             response = self.compute.forward(task.request)
             if (ticket := self._ticket(task.request)) is not None:
                 self.ledger.issue(task.request.trainer, task.request.microbatch_id, ticket)
             return response
         response, receipt = self.compute.backward(task.request)
-        with self._cv:
+        with self._receipts_lock:
             self._receipts.append(receipt)
         if self.auto_step_samples and self.compute.samples_accumulated >= self.auto_step_samples:
             self.step()

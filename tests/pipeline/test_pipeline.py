@@ -18,7 +18,8 @@ from client.data import ByteDataset
 from client.identity import save_keypair
 from client.pipeline.discovery import WorkerDirectory
 from client.pipeline.local import LocalTrainer
-from client.pipeline.trainer import PipelineTrainer, StageUnavailable
+from client.pipeline.router import StageUnavailable
+from client.pipeline.trainer import PipelineTrainer
 
 from .conftest import TINY, wait_until
 
@@ -140,7 +141,7 @@ def test_backward_fails_over_when_its_forward_worker_is_lost(fault, start_worker
         return tail_backward(request)
 
     victim.compute.forward, tail.compute.backward = forward, backward
-    with caplog.at_level(logging.INFO, logger="client.pipeline.trainer"):
+    with caplog.at_level(logging.INFO, logger="client.pipeline"):
         result = trainer.train(range(12), microbatch_size=2)
     assert len(result.losses) == 6 and all(torch.isfinite(torch.tensor(result.losses)))
     [hit] = [m for m in result.microbatches if m.microbatch_id in lost]
@@ -168,7 +169,7 @@ def test_backward_runs_the_forward_again_after_its_worker_stepped(start_worker, 
         return tail_backward(request)
 
     tail.compute.backward = backward
-    with caplog.at_level(logging.INFO, logger="client.pipeline.trainer"):
+    with caplog.at_level(logging.INFO, logger="client.pipeline"):
         result = make_trainer().train(range(4), microbatch_size=2)
     assert len(result.losses) == 2 and stepped
     [hit] = [m for m in result.microbatches if m.microbatch_id in stepped]
@@ -217,7 +218,7 @@ def test_killed_worker_fails_over_to_its_stage_peer(dht, run_id, start_worker, d
                 os.killpg(victim.pid, signal.SIGKILL)
                 victim.wait(10)
 
-        with caplog.at_level(logging.WARNING, logger="client.pipeline.trainer"):
+        with caplog.at_level(logging.WARNING, logger="client.pipeline"):
             result = trainer.train(range(8, 24), 1, on_microbatch=kill_mid_run)
         assert victim.poll() is not None
         assert len(result.losses) == 16 and all(torch.isfinite(torch.tensor(result.losses)))
@@ -241,6 +242,6 @@ def test_trainer_stalls_with_a_clear_log_when_a_stage_is_empty(start_worker, dir
     start_worker("tail")
     wait_for_stages(directory, {"head": 1, "tail": 1})
     trainer = make_trainer(stall_timeout=1.5)
-    with caplog.at_level(logging.WARNING, logger="client.pipeline.trainer"), pytest.raises(StageUnavailable):
+    with caplog.at_level(logging.WARNING, logger="client.pipeline"), pytest.raises(StageUnavailable):
         trainer.train(range(2), 2)
     assert "STALLED: stage body1 has no reachable worker" in caplog.text
