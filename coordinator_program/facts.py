@@ -19,6 +19,7 @@ from solders.pubkey import Pubkey
 from solders.transaction import Transaction
 
 from coordinator_program.spec import limits
+from coordinator_program.spec.bloom import part_count
 from coordinator_program.spec.config import Config, filter_capacity, predicted_false_positive_rate
 from coordinator_program.spec.instructions import Witness
 from coordinator_program.spec.rules import NO_AUTHORITY
@@ -31,11 +32,12 @@ class ConfigFacts:
     bloom_bytes: int
     witness_data_bytes: int
     witness_transaction_bytes: int
+    witness_parts: int
     false_positive_rate_at_capacity: float
 
 
 def witness_transaction_size(config: Config) -> tuple[int, int]:
-    """(instruction data bytes, whole signed transaction bytes) of a witness proof at this config.
+    """(instruction data bytes, whole signed transaction bytes) of one part of a witness proof at this config.
 
     Built as a real transaction (one signer paying, the coordinator account, the program), since that is
     what must fit in 1,232 bytes."""
@@ -55,6 +57,7 @@ def config_facts(config: Config) -> ConfigFacts:
         bloom_bytes=config.bloom_bytes,
         witness_data_bytes=data_bytes,
         witness_transaction_bytes=tx_bytes,
+        witness_parts=part_count(config.max_clients),
         false_positive_rate_at_capacity=predicted_false_positive_rate(config, filter_capacity(config.max_clients)),
     )
 

@@ -55,7 +55,8 @@ SWEEP_EVERY = 1.0
 class Limits:
     """What the server's peers may hold; ``psyswarm serve`` exposes each."""
 
-    max_connections: int = 512
+    max_connections: int = 2048
+    """Every client of a full run (1,024) and as many followers again (dashboards, spare connections)."""
     max_per_identity: int = 4
     login_timeout: float = 10.0
     idle_timeout: float = 60.0

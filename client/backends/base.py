@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from coordinator_program.spec import limits
 from coordinator_program.spec.config import CheckpointKind
+from coordinator_program.spec.errors import DuplicateWitness
 from coordinator_program.spec.instructions import (
     CheckpointReport,
     HealthCheck,
@@ -129,11 +130,25 @@ class Backend(abc.ABC):
     async def tick(self) -> None:
         await self.submit(Tick())
 
-    async def witness(self, round_height: int, participant_bloom: bytes, batch_bloom: bytes) -> None:
-        await self.submit(Witness(round_height, participant_bloom, batch_bloom))
+    async def witness(self, round_height: int, participant_bloom: bytes, batch_bloom: bytes, part: int = 0) -> None:
+        await self.submit(Witness(round_height, participant_bloom, batch_bloom, part))
 
-    async def warmup_witness(self, participant_bloom: bytes, batch_bloom: bytes) -> None:
-        await self.submit(WarmupWitness(participant_bloom, batch_bloom))
+    async def warmup_witness(self, participant_bloom: bytes, batch_bloom: bytes, part: int = 0) -> None:
+        await self.submit(WarmupWitness(participant_bloom, batch_bloom, part))
+
+    async def prove(self, round_height: int | None, parts: list[tuple[bytes, bytes]]) -> None:
+        """Send a whole proof, part by part (``bloom.proof_parts``): of round ``round_height``, or of the warmup when
+        it is None. Each part is its own instruction (on chain, its own transaction); the coordinator counts the
+        proof once its last part is in. A part the coordinator already holds (a proof resent after a lost reply) is
+        skipped, so a resent proof completes rather than stops at its first part."""
+        for part, (participants, batches) in enumerate(parts):
+            try:
+                if round_height is None:
+                    await self.warmup_witness(participants, batches, part)
+                else:
+                    await self.witness(round_height, participants, batches, part)
+            except DuplicateWitness:
+                continue
 
     async def health_check(self, target: bytes) -> None:
         await self.submit(HealthCheck(target))

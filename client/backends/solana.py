@@ -38,7 +38,6 @@ from solana.rpc.commitment import Commitment, Confirmed
 from solana.rpc.core import RPCException, TransactionExpiredBlockheightExceededError
 from solana.rpc.types import TxOpts
 from solana.rpc.websocket_api import SubscriptionError, connect
-from solders.compute_budget import set_compute_unit_limit
 from solders.errors import SignerError
 from solders.instruction import Instruction as SolanaInstruction
 from solders.keypair import Keypair
@@ -73,7 +72,6 @@ from coordinator_program.spec.instructions import (
     SetPaused,
     Tick,
     Update,
-    Witness,
 )
 from coordinator_program.spec.layout import LayoutError
 from coordinator_program.spec.state import ACCOUNT_SIZE, decode_state
@@ -90,17 +88,6 @@ MONIKERS = {
 POLL_INTERVAL = 1.0
 POLLS_BEFORE_RESUBSCRIBING = 10
 CONFIRM_POLL = 0.25
-DEFAULT_COMPUTE_UNITS = 200_000  # what an instruction may use unless its transaction asks for more
-WITNESS_BASE_UNITS = 10_000  # a witness proof measured 69,069 units at 64 clients and 269,112 at 256
-WITNESS_UNITS_PER_CLIENT = 1_200  # (tests/benchmarks/program_compute_units.py), with room to spare
-
-
-def witness_compute_units(num_clients: int) -> int:
-    """Compute units a witness proof may need: it tallies every client of the round (about 1,050 units each),
-    which past ~180 clients exceeds the default 200,000 per instruction, so such a proof asks for this many."""
-    return WITNESS_BASE_UNITS + WITNESS_UNITS_PER_CLIENT * num_clients
-
-
 def resolve_url(url: str) -> str:
     """A moniker (localhost, devnet, testnet, mainnet-beta, or l/d/t/m) or an http(s) URL → the RPC URL."""
     for moniker, address in MONIKERS.items():
@@ -281,15 +268,8 @@ class SolanaBackend(Backend):
     async def submit(self, ix: Instruction) -> None:
         self._check_open()
         cosigner = self.authorizer if isinstance(ix, JoinRun) else None
-        budget = self._compute_budget(ix)
-        await self._send([*budget, self.instruction(ix)], ix.NAME, cosigner)
+        await self._send([self.instruction(ix)], ix.NAME, cosigner)
         await self.refresh()
-
-    def _compute_budget(self, ix: Instruction) -> list[SolanaInstruction]:
-        if not isinstance(ix, Witness) or self._state is None:
-            return []
-        needed = witness_compute_units(len(self._state.clients))
-        return [set_compute_unit_limit(needed)] if needed > DEFAULT_COMPUTE_UNITS else []
 
     async def _send(self, instructions: list[SolanaInstruction], what: str, cosigner: Cosigner | None = None) -> None:
         """One transaction paid and signed by this client, and co-signed by ``cosigner`` when given; returns once

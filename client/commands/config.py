@@ -96,15 +96,16 @@ def validate_config(
         f"{c.rounds_per_epoch} rounds per epoch, {c.total_steps} steps",
         f"coordinator account: {facts.account_bytes:,} bytes",
         f"witness filters: {c.bloom_slices} slices x {c.bloom_bits_per_slice} bits = {facts.bloom_bytes} bytes each",
-        f"witness instruction: {facts.witness_data_bytes} bytes of data, "
-        f"{facts.witness_transaction_bytes} bytes as a transaction (limit {limits.SOLANA_TX_LIMIT})",
-        f"bloom false-positive rate at capacity ({filter_capacity(c.max_clients)} keys, 2 per client): "
+        f"witness proof: {facts.witness_parts} part(s) of up to {limits.PART_CLIENTS} clients, each one instruction of "
+        f"{facts.witness_data_bytes} bytes of data, {facts.witness_transaction_bytes} bytes as a transaction "
+        f"(limit {limits.SOLANA_TX_LIMIT})",
+        f"bloom false-positive rate at capacity ({filter_capacity(c.max_clients)} keys a part, 2 per client): "
         f"{facts.false_positive_rate_at_capacity:.4%}",
     ]
     for line in lines:
         typer.echo(line)
     if not fits_in_transaction(facts):
-        typer.secho("a witness proof would not fit in one Solana transaction: raise bloom_error_rate or "
+        typer.secho("a witness proof part would not fit in one Solana transaction: raise bloom_error_rate or "
                     "lower max_clients", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
     typer.secho("config OK", fg=typer.colors.GREEN)

@@ -63,12 +63,9 @@ class Witnessing:
             evidence = judge_round(state, commitments, reports, presences)  # type: ignore[arg-type]
         if not evidence.complete and state.phase != Phase.RoundWitness:
             return
-        participants, batches = evidence.filters(state)
+        parts = evidence.filters(state)
         try:  # a proof that did not get through (a network error, say) is sent again at the next poll
-            if warmup:
-                await self.context.backend.warmup_witness(participants, batches)
-            else:
-                await self.context.backend.witness(state.round.height, participants, batches)
+            await self.context.backend.prove(None if warmup else state.round.height, parts)
         except CoordinatorError as exc:
             self.proved.add(key)
             log.info("witness proof not taken: %s", exc.detail)

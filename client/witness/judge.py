@@ -37,7 +37,7 @@ from types import MappingProxyType
 from client.stages import stage_names
 from client.witness.records import ClaimedReceipt, Commitment, Presence, Ready, RecordError, Report, SignedRecord
 from coordinator_program.spec import rules
-from coordinator_program.spec.bloom import batch_key, build_filter, compute_key, participant_key
+from coordinator_program.spec.bloom import proof_parts
 from coordinator_program.spec.selection import Assignment
 from coordinator_program.spec.state import CoordinatorState, Health, Role
 
@@ -46,17 +46,21 @@ from coordinator_program.spec.state import CoordinatorState, Health, Role
 class Evidence:
     participants: set[bytes] = dataclasses.field(default_factory=set)
     computed: set[bytes] = dataclasses.field(default_factory=set)
-    batches: set[bytes] = dataclasses.field(default_factory=set)
+    commitments: dict[bytes, bytes] = dataclasses.field(default_factory=dict)
     losses: dict[bytes, float] = dataclasses.field(default_factory=dict)
     complete: bool = False
     missing: list[bytes] = dataclasses.field(default_factory=list)
     why_missing: dict[bytes, str] = dataclasses.field(default_factory=dict)
 
-    def filters(self, state: CoordinatorState) -> tuple[bytes, bytes]:
-        keys = [participant_key(p) for p in self.participants] + [compute_key(c) for c in self.computed]
-        participants = build_filter(state.config, sorted(keys))
-        batches = build_filter(state.config, sorted(batch_key(b) for b in self.batches))
-        return participants, batches
+    @property
+    def batches(self) -> set[bytes]:
+        """The hash of every counted commitment."""
+        return set(self.commitments.values())
+
+    def filters(self, state: CoordinatorState) -> list[tuple[bytes, bytes]]:
+        """The (participant, batch) filters of every part of this witness's proof, in part order."""
+        return proof_parts(state.config, [c.id for c in state.clients], self.participants, self.computed,
+                           self.commitments)
 
     def miss(self, client: bytes, why: str) -> None:
         self.missing.append(client)
@@ -106,7 +110,7 @@ def judge_round(state: CoordinatorState, commitments: Mapping[str, Commitment], 
         evidence.participants.add(share.client)
         evidence.computed.add(share.client)
         evidence.computed.update(workers)
-        evidence.batches.add(commitment.digest())
+        evidence.commitments[share.client] = commitment.digest()
         evidence.losses[share.client] = commitment.loss  # type: ignore[attr-defined]
     evidence.complete = not evidence.missing
     return evidence

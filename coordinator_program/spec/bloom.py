@@ -1,11 +1,13 @@
 """Witness bloom filters: pybloom-live's ``BloomFilter``, with parameters fixed by the run's config.
 
 A witness fills a participant filter with every client whose signed round record it verified, and a
-batch filter with every verified result commitment. The coordinator (here, and the C program on chain)
-tests membership from the raw bits alone, recomputing pybloom-live's bit positions: with 11-16 slices of
-fewer than 32,768 bits, the positions are the first ``slices`` little-endian u16 words of
-sha256(sha256(u32 0) ‖ key), each modulo the slice size, slice s starting at bit s × bits_per_slice, and
-bit b living in byte b // 8 at mask 1 << (b % 8) (the bit array is little-endian).
+batch filter with every verified result commitment. A proof comes in parts, one per ``limits.PART_CLIENTS``
+clients by client index (``proof_parts``): part p's filters hold only the keys of p's clients, so every part's
+filters are sized for one part's keys (``config.filter_capacity``) and fit one transaction whatever the run's size.
+The coordinator (here, and the C program on chain) tests membership from the raw bits alone, recomputing
+pybloom-live's bit positions: with 11-16 slices of fewer than 32,768 bits, the positions are the first ``slices``
+little-endian u16 words of sha256(sha256(u32 0) ‖ key), each modulo the slice size, slice s starting at bit
+s × bits_per_slice, and bit b living in byte b // 8 at mask 1 << (b % 8) (the bit array is little-endian).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from __future__ import annotations
 import hashlib
 import io
 import struct
+from collections.abc import Collection, Mapping
 
 from pybloom_live import BloomFilter
 
+from coordinator_program.spec import limits
 from coordinator_program.spec.config import Config, filter_capacity
 
 SALT_PREFIX = hashlib.sha256(struct.pack("<I", 0)).digest()
@@ -89,3 +93,30 @@ def build_filter(config: Config, keys: list[str]) -> bytes:
     for key in keys:
         bloom.add(key, skip_check=True)
     return filter_bytes(bloom)
+
+
+def part_count(clients: int) -> int:
+    """Parts of a proof for a round of ``clients`` clients (one part at least, so an empty round's proof exists)."""
+    return max(1, -(-clients // limits.PART_CLIENTS))
+
+
+def part_range(part: int, clients: int) -> range:
+    """The client indices part ``part`` of a proof covers."""
+    return range(part * limits.PART_CLIENTS, min(clients, (part + 1) * limits.PART_CLIENTS))
+
+
+def proof_parts(config: Config, clients: list[bytes], present: Collection[bytes], computed: Collection[bytes],
+                commitments: Mapping[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+    """(participant filter, batch filter) of every part of a witness's proof, in part order, for a round whose
+    clients are ``clients`` in index order. Part p's participant filter holds the participant key of each of p's
+    clients in ``present`` and the compute key of each in ``computed``; its batch filter the hash of each counted
+    commitment (``commitments``: trainer -> commitment hash) of p's trainers."""
+    present, computed = set(present), set(computed)
+    parts = []
+    for part in range(part_count(len(clients))):
+        members = [clients[i] for i in part_range(part, len(clients))]
+        keys = [participant_key(c) for c in members if c in present] + [compute_key(c) for c in members
+                                                                         if c in computed]
+        batches = [batch_key(commitments[c]) for c in members if c in commitments]
+        parts.append((build_filter(config, sorted(keys)), build_filter(config, sorted(batches))))
+    return parts

@@ -60,7 +60,7 @@ class Config:
 
     @property
     def bloom_bytes(self) -> int:
-        """Bytes of one witness filter: pybloom-live's bit array, rounded up to whole bytes."""
+        """Bytes of one filter of a proof part: pybloom-live's bit array, rounded up to whole bytes."""
         return _filter_bytes(self.bloom_slices, self.bloom_bits_per_slice)
 
 
@@ -358,14 +358,18 @@ KEYS_PER_CLIENT = 2
 
 
 def filter_capacity(max_clients: int) -> int:
-    """Keys a participant filter is sized for: every client present and credited for compute."""
-    return KEYS_PER_CLIENT * max_clients
+    """Keys a part's participant filter is sized for: every client of a full part (``limits.PART_CLIENTS``, or
+    all of a smaller run) present and credited for compute."""
+    return KEYS_PER_CLIENT * min(max_clients, limits.PART_CLIENTS)
 
 
 def largest_max_clients(error_rate: float) -> int:
-    """The most clients whose participant filter still fits a witness transaction at ``error_rate``."""
-    fits = [n for n in range(1, limits.MAX_CLIENTS + 1)
+    """The most clients whose part filters still fit a witness transaction at ``error_rate``: any run size once a
+    full part fits."""
+    fits = [n for n in range(1, limits.PART_CLIENTS + 1)
             if _filter_bytes(*bloom_params(filter_capacity(n), error_rate)) <= limits.MAX_BLOOM_BYTES]
+    if fits and fits[-1] == limits.PART_CLIENTS:
+        return limits.MAX_CLIENTS
     return max(fits, default=0)
 
 
@@ -512,8 +516,9 @@ def parse_run_spec(doc: dict[str, Any], resolve_model: Callable[[Model], Model] 
     config = Config(**config_args, bloom_slices=slices, bloom_bits_per_slice=bits)
     if config.bloom_bytes > limits.MAX_BLOOM_BYTES:
         raise InvalidConfig(
-            f"max_clients: a participant filter for {max_clients} clients holds {filter_capacity(max_clients)} keys "
-            f"(a participant and a compute key each) and needs {config.bloom_bytes} bytes at bloom_error_rate "
+            f"max_clients: a participant filter for {min(max_clients, limits.PART_CLIENTS)} clients holds "
+            f"{filter_capacity(max_clients)} keys (a participant and a compute key each; a proof part covers at most "
+            f"{limits.PART_CLIENTS} clients) and needs {config.bloom_bytes} bytes at bloom_error_rate "
             f"{error_rate['rate']}, more than the {limits.MAX_BLOOM_BYTES} a witness transaction has room for: lower "
             f"max_clients to {largest_max_clients(error_rate['rate'])} or raise bloom_error_rate (at most 0.00097)")
     validate_config(config)

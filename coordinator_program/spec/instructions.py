@@ -34,7 +34,7 @@ from coordinator_program.spec.layout import (
     Struct,
     VarBytes,
 )
-from coordinator_program.spec.state import CoordinatorState, Role
+from coordinator_program.spec.state import CoordinatorState, Phase, Role
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +133,13 @@ class Tick(Instruction):
 
 @dataclasses.dataclass(frozen=True)
 class Witness(Instruction):
+    """One part of an elected witness's proof: the filters of the clients part ``part`` covers (part 0, the only one,
+    for a run of at most ``limits.PART_CLIENTS`` clients)."""
+
     round_height: int
     participant_bloom: bytes
     batch_bloom: bytes
+    part: int = 0
     NAME = "witness"
 
 
@@ -143,6 +147,7 @@ class Witness(Instruction):
 class WarmupWitness(Instruction):
     participant_bloom: bytes
     batch_bloom: bytes
+    part: int = 0
     NAME = "warmup_witness"
 
 
@@ -177,8 +182,9 @@ JoinRun.LAYOUT = Struct(JoinRun, [
     Field("run_id", FixedStr(limits.RUN_ID_BYTES)), Field("role", Enum8(Role)), Field("stage", U8)])
 Tick.LAYOUT = Struct(Tick, [])
 Witness.LAYOUT = Struct(Witness, [
-    Field("round_height", U32), Field("participant_bloom", _BLOOM), Field("batch_bloom", _BLOOM)])
-WarmupWitness.LAYOUT = Struct(WarmupWitness, [Field("participant_bloom", _BLOOM), Field("batch_bloom", _BLOOM)])
+    Field("round_height", U32), Field("part", U8), Field("participant_bloom", _BLOOM), Field("batch_bloom", _BLOOM)])
+WarmupWitness.LAYOUT = Struct(WarmupWitness, [
+    Field("part", U8), Field("participant_bloom", _BLOOM), Field("batch_bloom", _BLOOM)])
 HealthCheck.LAYOUT = Struct(HealthCheck, [Field("target", PUBKEY)])
 CheckpointReport.LAYOUT = Struct(CheckpointReport, [
     Field("kind", Enum8(CheckpointKind)), Field("repo", FixedStr(limits.REPO_BYTES)),
@@ -220,10 +226,10 @@ def apply(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, ent
             rules.join(state, signer, run_id, role, stage, signer if authorizer is None else authorizer)
         case Tick():
             rules.tick(state, now, entropy)
-        case Witness(round_height, participant_bloom, batch_bloom):
-            rules.witness(state, signer, round_height, participant_bloom, batch_bloom)
-        case WarmupWitness(participant_bloom, batch_bloom):
-            rules.warmup_witness(state, signer, participant_bloom, batch_bloom)
+        case Witness(round_height, participant_bloom, batch_bloom, part):
+            rules.witness(state, signer, round_height, participant_bloom, batch_bloom, part)
+        case WarmupWitness(participant_bloom, batch_bloom, part):
+            rules.warmup_witness(state, signer, participant_bloom, batch_bloom, part)
         case HealthCheck(target):
             rules.health_check(state, signer, target)
         case CheckpointReport(kind, repo, revision):
@@ -239,11 +245,19 @@ TICKS_AFTER = (Witness, WarmupWitness, HealthCheck, CheckpointReport)
 run on in the same transaction."""
 
 
+def ticks_after(ix: Instruction, phase_before: Phase) -> bool:
+    """Whether the program ticks after ``ix``, applied in ``phase_before``. A witness proof part taken in RoundWitness
+    does not: the only transition due then is the round's end, whose crediting is a tick's own work, and one
+    instruction holding both a part's tally and a crediting chunk would overrun the compute budget."""
+    return isinstance(ix, TICKS_AFTER) and not (isinstance(ix, Witness) and phase_before == Phase.RoundWitness)
+
+
 def apply_then_tick(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, entropy: int,
                     authorizer: bytes | None = None) -> None:
     """What the on-chain program does: apply, then tick if the instruction is one that ticks after."""
+    phase_before = state.phase
     apply(state, ix, signer, now, entropy, authorizer)
-    if isinstance(ix, TICKS_AFTER):
+    if ticks_after(ix, phase_before):
         try:
             rules.tick(state, now, entropy)
         except NothingToTick:

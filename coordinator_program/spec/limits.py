@@ -4,8 +4,24 @@ They size the account's fixed layout, which the Python specification, the C prog
 coder all share, so changing one of them is a change of the on-chain format.
 """
 
-MAX_CLIENTS = 256
+MAX_CLIENTS = 1024
 """Clients admitted to one epoch, and also the most pending joiners the account can hold."""
+
+PART_CLIENTS = 128
+"""Clients one part of a witness proof covers: part p holds the filters of client indices [128p, 128p + 128).
+A proof of n clients is ceil(n / 128) parts, each its own transaction, so a proof grows in transactions rather than
+outgrowing one, and each part's tally costs the same whatever the run's size."""
+
+MAX_PARTS = MAX_CLIENTS // PART_CLIENTS
+"""Parts of a proof at full size; a witness's received parts are tracked in a 32-bit mask."""
+assert MAX_PARTS <= 32 and MAX_CLIENTS % PART_CLIENTS == 0
+
+CREDIT_CLIENTS = 128
+"""Clients one tick credits at the end of a round: a round of more takes several ticks (``rules.credit_chunk``)."""
+
+CREDIT_EVICTIONS = 4
+"""New ledger entries one crediting tick places in a full ledger before it stops: each scans the whole ledger for
+the entry with the fewest points, so this bounds the tick's cost."""
 
 MAX_WITNESSES = 32
 """Witnesses elected per round; a round's submissions are tracked in a 32-bit mask."""
@@ -17,7 +33,7 @@ RUN_ID_BYTES = 32
 """A run id is a PDA seed on chain, and seeds are at most 32 bytes."""
 
 MAX_BLOOM_BYTES = 480
-"""Room for one witness filter. Two filters of this size plus a transaction's fixed parts fit the
+"""Room for one filter of a proof part. Two filters of this size plus a transaction's fixed parts fit the
 1,232-byte Solana transaction limit, which is what bounds it."""
 
 ROUND_SLOTS = 2

@@ -21,7 +21,9 @@ all, can thus neither end a round nor get a client removed. A round nobody prove
 
 Points follow the same majority: at the end of each round a client earns presence when a quorum of the round's
 proofs hold its participant key, and compute (the samples it worked) when a quorum hold its compute key. They go
-into a ledger that outlives epochs (``credit_round``).
+into a ledger that outlives epochs (``credit_chunk``).
+A proof comes in parts of ``limits.PART_CLIENTS`` clients, each tallied as it arrives and the whole counted once;
+the round's end credits a chunk of clients a tick: no instruction's cost grows with the clients times the witnesses.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import hashlib
 from collections.abc import Iterable
 
 from coordinator_program.spec import limits
-from coordinator_program.spec.bloom import compute_key, contains_raw, participant_key
+from coordinator_program.spec.bloom import compute_key, contains_raw, part_count, part_range, participant_key
 from coordinator_program.spec.config import (
     Checkpoint,
     CheckpointKind,
@@ -78,6 +80,7 @@ from coordinator_program.spec.state import (
     Phase,
     Role,
     Round,
+    no_parts,
     no_votes,
 )
 
@@ -271,7 +274,10 @@ def _healthy_client(state: CoordinatorState, signer: bytes) -> int:
     return index
 
 
-def _record_proof(state: CoordinatorState, signer: bytes, participant_bloom: bytes, batch_bloom: bytes) -> None:
+def _record_part(state: CoordinatorState, signer: bytes, participant_bloom: bytes, batch_bloom: bytes,
+                 part: int) -> None:
+    """Record part ``part`` of an elected witness's proof; the proof counts (``Round.witnessed``) once all its parts
+    are in: once however many transactions it takes, and never on a part."""
     index = state.client_index(signer)
     assert index is not None
     elected = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
@@ -280,76 +286,85 @@ def _record_proof(state: CoordinatorState, signer: bytes, participant_bloom: byt
     position = elected.index(index)
     if state.round.witnessed >> position & 1:
         raise DuplicateWitness("this witness already sent its proof for the round")
+    parts = part_count(len(state.clients))
+    if part >= parts:
+        raise BadFilter(f"this round's proofs have parts 0-{parts - 1} (one per {limits.PART_CLIENTS} clients), "
+                        f"not {part}")
+    if state.round.parts[position] >> part & 1:
+        raise DuplicateWitness(f"this witness already sent part {part} of its proof for the round")
     size = state.config.bloom_bytes
     if len(participant_bloom) != size or len(batch_bloom) != size:
         raise BadFilter(f"filters of this run are {size} bytes; got {len(participant_bloom)} and "
                         f"{len(batch_bloom)}")
-    state.round.witnessed |= 1 << position
-    state.round.participant_blooms[position] = participant_bloom.ljust(limits.MAX_BLOOM_BYTES, b"\0")
+    state.round.parts[position] |= 1 << part
+    if state.round.parts[position] == (1 << parts) - 1:
+        state.round.witnessed |= 1 << position
     state.nonce += 1
 
 
-def witness(state: CoordinatorState, signer: bytes, round_height: int, participant_bloom: bytes,
-            batch_bloom: bytes) -> None:
-    """Record an elected witness's proof for the current round (opportunistic during RoundTrain), and count
-    whom its participant filter says were present and did counted work (``tally_proof``)."""
+def closing(state: CoordinatorState) -> bool:
+    """Whether the round's end has begun crediting (``credit_chunk``): it takes no more proofs, so votes stay put."""
+    return state.phase == Phase.RoundWitness and state.round.credited > 0
+
+
+def _check_open_round(state: CoordinatorState) -> None:
     if state.phase not in (Phase.RoundTrain, Phase.RoundWitness):
         raise WrongPhase(f"witness proofs are taken in RoundTrain and RoundWitness, not {state.phase.name}")
+    if closing(state):
+        raise WrongPhase("the round is closing (its points are being credited): proofs are no longer taken")
+
+
+def witness(state: CoordinatorState, signer: bytes, round_height: int, participant_bloom: bytes, batch_bloom: bytes,
+            part: int = 0) -> None:
+    """Record part ``part`` of an elected witness's proof for the current round (opportunistic during RoundTrain),
+    and count whom its participant filter says were present and did counted work among the part's clients
+    (``tally_part``)."""
+    _check_open_round(state)
     _healthy_client(state, signer)
     if round_height != state.round.height:
         raise StaleRound(f"the current round is {state.round.height}, not {round_height}")
-    _record_proof(state, signer, participant_bloom, batch_bloom)
-    tally_proof(state, participant_bloom)
+    _record_part(state, signer, participant_bloom, batch_bloom, part)
+    tally_part(state, part, participant_bloom)
 
 
-def tally_proof(state: CoordinatorState, participant_bloom: bytes) -> None:
-    """Add one proof's votes: for each client of the round, whether the filter holds its participant key and its
-    compute key. Counting as proofs arrive spreads the hashing over the witness instructions, so the tick that
-    ends the round only reads the counts. Client indices do not move during a round (health marks do not
-    reorder the clients), so a vote stays with its client until the round ends."""
+def tally_part(state: CoordinatorState, part: int, participant_bloom: bytes) -> None:
+    """Add one proof part's votes: for each client the part covers, whether the filter holds its participant key and
+    its compute key; each instruction hashes one part's keys, and the round's end only reads the counts. Client
+    indices do not move during a round, so a vote stays with its client until the round ends."""
     config = state.config
-    for i, client in enumerate(state.clients):
+    for i in part_range(part, len(state.clients)):
+        client = state.clients[i]
         for votes, key in ((state.presence_votes, participant_key(client.id)),
                            (state.compute_votes, compute_key(client.id))):
             if contains_raw(participant_bloom, key, config.bloom_slices, config.bloom_bits_per_slice):
                 votes[i] += 1
 
 
-def warmup_witness(state: CoordinatorState, signer: bytes, participant_bloom: bytes, batch_bloom: bytes) -> None:
-    """Record a warmup witness's proof of which clients have loaded the model."""
+def warmup_witness(state: CoordinatorState, signer: bytes, participant_bloom: bytes, batch_bloom: bytes,
+                   part: int = 0) -> None:
+    """Record part ``part`` of a warmup witness's proof of which clients have loaded the model."""
     if state.phase != Phase.Warmup:
         raise WrongPhase(f"warmup proofs are taken in Warmup, not {state.phase.name}")
     _healthy_client(state, signer)
-    _record_proof(state, signer, participant_bloom, batch_bloom)
+    _record_part(state, signer, participant_bloom, batch_bloom, part)
 
 
-def witnessed_by(state: CoordinatorState, round_: Round, client_id: bytes) -> int:
-    """How many of a round's proofs have ``client_id`` in their participant filter."""
-    config = state.config
-    key = participant_key(client_id)
-    return sum(
-        1 for position in range(limits.MAX_WITNESSES)
-        if round_.witnessed >> position & 1 and contains_raw(
-            round_.participant_blooms[position], key, config.bloom_slices, config.bloom_bits_per_slice)
-    )
-
-
-def left_out_by(state: CoordinatorState, round_: Round, client_id: bytes) -> int:
-    """How many of a round's proofs leave ``client_id`` out of their participant filter. A proof that was
-    never sent leaves no one out: a dead or silent witness counts against nobody."""
-    return round_.witness_count - witnessed_by(state, round_, client_id)
+def left_out_counts(state: CoordinatorState) -> list[int]:
+    """Per client of the ending round: the proof parts covering it that leave it out (parts sent less its presence
+    votes). A part never sent leaves no one out: a dead or silent witness counts against nobody."""
+    n = len(state.clients)
+    sent = [state.round.part_proofs(p) for p in range(part_count(n))]
+    return [sent[i // limits.PART_CLIENTS] - state.presence_votes[i] for i in range(n)]
 
 
 def missed_by_quorum(state: CoordinatorState, client_id: bytes) -> bool:
-    """The health rule: a client is unhealthy when a quorum of the previous round's proofs leave it out (the
-    epoch's first round has no previous round, and judges no one).
-
-    A quorum being a strict majority of the witnesses, a client the honest majority saw is always left out
-    by too few proofs, whatever the others send: no single witness gets a client removed.
-    """
-    if state.round.height == 0:
+    """The health rule: a client is unhealthy when a quorum of the previous round's proofs of its part leave it out
+    (the epoch's first round has no previous round, and judges no one). A quorum being a strict majority of the
+    witnesses, a client the honest majority saw is left out by too few: no single witness gets a client removed."""
+    index = state.client_index(client_id)
+    if state.round.height == 0 or index is None:
         return False
-    return left_out_by(state, state.previous_round, client_id) >= quorum(state)
+    return state.left_out[index] >= quorum(state)
 
 
 def health_check(state: CoordinatorState, signer: bytes, target: bytes) -> None:
@@ -455,28 +470,36 @@ def fewest_points(ledger: list[LedgerEntry]) -> int:
     return min(range(len(ledger)), key=lambda i: (ledger[i].total, i))
 
 
-def award(ledger: list[LedgerEntry], client_id: bytes, presence: int, compute: int) -> None:
+def award(ledger: list[LedgerEntry], client_id: bytes, presence: int, compute: int) -> bool:
     """Add points to ``client_id``'s entry, making one if it has none: the ledger stays sorted by id, and a new
-    earner in a full ledger takes the place of the entry with the fewest points."""
+    earner in a full ledger takes the place of the entry with the fewest points. Whether it evicted one."""
     position = next((i for i, entry in enumerate(ledger) if entry.id >= client_id), len(ledger))
     if position < len(ledger) and ledger[position].id == client_id:
         entry = ledger[position]
         entry.presence = min(POINTS_MAX, entry.presence + presence)
         entry.compute = min(POINTS_MAX, entry.compute + compute)
-        return
-    if len(ledger) == limits.MAX_CLIENTS:
+        return False
+    evicts = len(ledger) == limits.MAX_CLIENTS
+    if evicts:
         evicted = fewest_points(ledger)
         del ledger[evicted]
         position -= 1 if evicted < position else 0
     ledger.insert(position, LedgerEntry(client_id, presence, compute))
+    return evicts
 
 
-def credit_round(state: CoordinatorState) -> None:
-    """At the end of a round, every client the proofs counted earns its points; then the votes start over."""
-    for client, (presence, compute) in zip(state.clients, round_points(state), strict=True):
+def credit_chunk(state: CoordinatorState) -> None:
+    """At a round's end, credit the next clients from ``Round.credited`` on: at most ``limits.CREDIT_CLIENTS``,
+    stopping once ``limits.CREDIT_EVICTIONS`` new entries have each displaced one from a full ledger (a tick's cost)."""
+    points = round_points(state)
+    end = min(len(state.clients), state.round.credited + limits.CREDIT_CLIENTS)
+    i, evictions = state.round.credited, 0
+    while i < end and evictions < limits.CREDIT_EVICTIONS:
+        presence, compute = points[i]
         if presence or compute:
-            award(state.ledger, client.id, presence, compute)
-    state.presence_votes, state.compute_votes = no_votes(), no_votes()
+            evictions += award(state.ledger, state.clients[i].id, presence, compute)
+        i += 1
+    state.round.credited = i
 
 
 # --- the tick -----------------------------------------------------------------------------------------
@@ -515,7 +538,7 @@ def _tick_waiting(state: CoordinatorState, now: int, entropy: int) -> bool:
     if not pipeline_complete(admitted, state.config):
         return False
     seed = next_seed(state.round.seed, entropy)
-    state.clients, state.pending = admitted, []
+    state.clients, state.pending, state.left_out = admitted, [], no_votes()
     state.current_round = 0
     state.rounds = [Round(0, seed, state.step * state.config.global_batch_size)] + [
         Round() for _ in range(limits.ROUND_SLOTS - 1)]
@@ -536,7 +559,7 @@ def _tick_warmup(state: CoordinatorState, now: int, entropy: int) -> bool:
         state.clients = [c for c in state.clients if c.health == Health.Healthy]
         # Indices shifted, so the warmup's election changed: proofs start over.
         state.round.witnessed = 0
-        state.round.participant_blooms = Round().participant_blooms
+        state.round.parts = no_parts()
         changed = True
         if not pipeline_complete(state.clients, state.config):
             _return_to_waiting(state, now)
@@ -568,13 +591,27 @@ def unproven(round_: Round) -> bool:
     return round_.witness_count == 0
 
 
+def _close_round_votes(state: CoordinatorState) -> None:
+    """Keep the ending round's ``left_out_counts`` of the clients that stay, in their new order; votes start over."""
+    left = left_out_counts(state)
+    if unproven(state.round):
+        state.clients, left = [], []
+    else:
+        kept = [i for i, c in enumerate(state.clients) if c.health == Health.Healthy]
+        state.clients, left = [state.clients[i] for i in kept], [left[i] for i in kept]
+    state.left_out = left + [0] * (limits.MAX_CLIENTS - len(left))
+    state.presence_votes, state.compute_votes = no_votes(), no_votes()
+
+
 def _tick_witness(state: CoordinatorState, now: int, entropy: int) -> bool:
     if now < state.phase_start + state.config.round_witness_time:
         return False
-    reached_quorum = quorum_reached(state)
-    credit_round(state)
+    credit_chunk(state)
+    if state.round.credited < len(state.clients):
+        return True
+    reached_quorum = quorum_reached(state)  # judged with the round's clients, before the unhealthy leave
     state.step += 1
-    state.clients = [] if unproven(state.round) else [c for c in state.clients if c.health == Health.Healthy]
+    _close_round_votes(state)
     if (state.round.height + 1 >= state.config.rounds_per_epoch
             or state.step >= state.config.total_steps
             or not reached_quorum
@@ -593,7 +630,7 @@ def _tick_cooldown(state: CoordinatorState, now: int, entropy: int) -> bool:
         return False
     state.epoch += 1
     staying = [c for c in state.clients if c.health == Health.Healthy]
-    state.clients = []
+    state.clients, state.left_out = [], no_votes()
     if state.step >= state.config.total_steps:
         _enter(state, Phase.Finished, now)
         return True

@@ -30,7 +30,6 @@ from coordinator_program.spec.layout import (
     U64,
     Array,
     Enum8,
-    FixedBytes,
     FixedStr,
     LayoutError,
     Struct,
@@ -115,30 +114,37 @@ def no_votes() -> list[int]:
     return [0] * limits.MAX_CLIENTS
 
 
-def empty_blooms() -> list[bytes]:
-    return [bytes(limits.MAX_BLOOM_BYTES) for _ in range(limits.MAX_WITNESSES)]
+def no_parts() -> list[int]:
+    return [0] * limits.MAX_WITNESSES
 
 
 @dataclasses.dataclass
 class Round:
-    """One round (or the epoch's warmup): its seed decides witnesses and data; ``witnessed`` has bit i set
-    once the witness elected i-th sent its proof, whose participant filter is kept for health checks."""
+    """One round (or the epoch's warmup): its seed decides witnesses and data. A witness's proof comes in parts,
+    one per ``limits.PART_CLIENTS`` clients: ``parts[i]`` has bit p set once the witness elected i-th sent part p,
+    and ``witnessed`` has bit i set once it sent them all, so a partial proof never counts as a whole one.
+    ``credited`` is how many of the round's clients its end has credited with points so far."""
 
     height: int = 0
     seed: int = 0
     data_index: int = 0
     witnessed: int = 0
-    participant_blooms: list[bytes] = dataclasses.field(default_factory=empty_blooms)
+    parts: list[int] = dataclasses.field(default_factory=no_parts)
+    credited: int = 0
 
     @property
     def witness_count(self) -> int:
         return self.witnessed.bit_count()
 
+    def part_proofs(self, part: int) -> int:
+        """How many witnesses sent part ``part`` of their proof."""
+        return sum(mask >> part & 1 for mask in self.parts)
+
 
 ROUND_LAYOUT = Struct(Round, [
     F("height", U32), F("seed", U64), F("data_index", U64), F("witnessed", U32),
-    F("participant_blooms", Array(FixedBytes(limits.MAX_BLOOM_BYTES), limits.MAX_WITNESSES)),
-], doc="A round: height in the epoch, seed, first sample index, witness mask, participant filters.")
+    F("parts", Array(U32, limits.MAX_WITNESSES)), F("credited", U16),
+], doc="A round: height in the epoch, seed, first sample index, whole proofs, parts per witness, clients credited.")
 
 
 @dataclasses.dataclass
@@ -164,6 +170,7 @@ class CoordinatorState:
     pending: list[Pending] = dataclasses.field(default_factory=list)
     presence_votes: list[int] = dataclasses.field(default_factory=no_votes)
     compute_votes: list[int] = dataclasses.field(default_factory=no_votes)
+    left_out: list[int] = dataclasses.field(default_factory=no_votes)
     ledger: list[LedgerEntry] = dataclasses.field(default_factory=list)
 
     @property
@@ -219,6 +226,8 @@ ACCOUNT_LAYOUT = Struct(CoordinatorState, [
       doc="per client index: the current round's proofs whose participant filter holds its participant key"),
     F("compute_votes", Array(U8, limits.MAX_CLIENTS),
       doc="per client index: the current round's proofs whose participant filter holds its compute key"),
+    F("left_out", Array(U8, limits.MAX_CLIENTS),
+      doc="per client index: the previous round's proofs of its part whose participant filter left it out"),
     F("num_ledger", U16, count_of="ledger"),
     F("ledger", Array(LEDGER_ENTRY_LAYOUT, limits.MAX_CLIENTS), doc="points earned, sorted by id"),
 ], doc="The coordinator of one run.")

@@ -104,7 +104,7 @@ def hostile_worker() -> None:
     from coordinator_program.spec.bloom import build_filter
     from coordinator_program.spec.state import Role
 
-    Evidence.filters = lambda self, state: (build_filter(state.config, []), build_filter(state.config, []))
+    Evidence.filters = lambda self, state: [(build_filter(state.config, []), build_filter(state.config, []))]
     client.contributor.witnessing.unhealthy_clients = lambda state: [c.id for c in state.clients]
     publish = WorkerRole.publish_receipts
 

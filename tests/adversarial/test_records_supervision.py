@@ -143,7 +143,7 @@ def test_a_witness_loop_that_fails_is_restarted_and_reports_keep_flowing(dht, ru
     with caplog.at_level(logging.ERROR, logger="psyswarm.client"):
         asyncio.run(scenario())
     assert "witnessing failed (RoundTrain, epoch 0, round 0)" in caplog.text
-    assert all(rules.witnessed_by(backend.state, backend.state.round, c.id) == 1 for c in state.clients)
+    assert all(backend.state.presence_votes[i] == 1 for i in range(len(state.clients)))
 
 
 @pytest.mark.parametrize("receipts", [7, [[1, 2]], [[{}, "u", {}]], [{}]], ids=repr)
@@ -172,6 +172,6 @@ def test_a_malformed_commitment_in_the_dht_silences_no_witness(dht, run_id, rece
             contributor.tasks.stop()
 
     asyncio.run(scenario())
-    assert rules.witnessed_by(backend.state, backend.state.round, honest.client) == 1
-    assert rules.witnessed_by(backend.state, backend.state.round, attacker.client) == 0
-    assert rules.witnessed_by(backend.state, backend.state.round, me) == 1
+    assert backend.state.presence_votes[backend.state.client_index(honest.client)] == 1
+    assert backend.state.presence_votes[backend.state.client_index(attacker.client)] == 0
+    assert backend.state.presence_votes[backend.state.client_index(me)] == 1

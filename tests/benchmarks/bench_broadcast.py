@@ -1,6 +1,6 @@
-"""How fast and how cheaply the TCP backend tells 128 clients about each change.
+"""How fast and how cheaply the TCP backend tells 1,024 clients about each change.
 
-Run: python tests/benchmarks/bench_broadcast.py [--clients 128]
+Run: python tests/benchmarks/bench_broadcast.py [--clients 1024]
 
 Starts `psyswarm serve` in a subprocess and connects N lightweight simulated clients (no training: each
 authenticates, then applies the state patches it receives to its copy of the account bytes). Each client
@@ -30,8 +30,8 @@ from local_backend import protocol as p
 STATE_TOML = """
 run_id = "bench"
 [config]
-min_clients = 128
-max_clients = 131            # the most a state.toml may ask for: the witness filters hold two keys per client
+min_clients = 1024
+max_clients = 1024           # the most a run holds (limits.MAX_CLIENTS)
 witness_nodes = 32
 witness_quorum = 22
 num_stages = 4
@@ -118,10 +118,8 @@ async def measure(port: int, n: int) -> None:
         c.writer.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--clients", type=int, default=128)
-    args = parser.parse_args()
+def run(clients: int) -> None:
+    """Serve a run with ``psyswarm serve`` in a subprocess and measure its broadcast to ``clients`` followers."""
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "state.toml"
         config.write_text(STATE_TOML)
@@ -136,10 +134,16 @@ def main() -> None:
                     break
                 except OSError:
                     time.sleep(0.1)
-            asyncio.run(measure(port, args.clients))
+            asyncio.run(measure(port, clients))
         finally:
             server.terminate()
             server.wait(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--clients", type=int, default=1024)
+    run(parser.parse_args().clients)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from solders.transaction_status import InstructionErrorCustom, TransactionErrorI
 from coordinator_program.onchain.instance import CoordinatorInstance, encode_instance, instance_address
 from coordinator_program.program.build import DEFAULT_OUTPUT
 from coordinator_program.spec import rules
-from coordinator_program.spec.bloom import build_filter, compute_key, participant_key
+from coordinator_program.spec.bloom import build_filter, compute_key, participant_key, proof_parts
 from coordinator_program.spec.config import Checkpoint, Config, Model
 from coordinator_program.spec.errors import CoordinatorError
 from coordinator_program.spec.instructions import (
@@ -97,8 +97,8 @@ class ProgramChain:
         self.now = 0
 
     def fund(self, *keypairs: Keypair) -> None:
-        for keypair in keypairs:
-            self.svm.airdrop(keypair.pubkey(), FUNDS)
+        for keypair in keypairs:  # set directly: LiteSVM's airdrop pool runs dry past about a thousand members
+            self.svm.set_account(keypair.pubkey(), Account(FUNDS, b"", SYSTEM_PROGRAM_ID, False))
 
     def set_clock(self, now: int) -> None:
         """Move to the next slot at unix time ``now``."""
@@ -293,20 +293,30 @@ class Swarm:
         keys = [participant_key(i) for i in identities] + [compute_key(i) for i in worked]
         return build_filter(self.state.config, keys)
 
-    def proof(self, participant_bloom: bytes) -> Instruction:
-        """The proof instruction of the current phase (warmup or round) carrying ``participant_bloom``."""
+    def proof(self, participant_bloom: bytes, part: int = 0) -> Instruction:
+        """Part ``part`` of the proof instruction of the current phase (warmup or round) carrying
+        ``participant_bloom``."""
         batches = self.filter_of([])
         if self.state.phase == Phase.Warmup:
-            return WarmupWitness(participant_bloom, batches)
-        return Witness(self.state.round.height, participant_bloom, batches)
+            return WarmupWitness(participant_bloom, batches, part)
+        return Witness(self.state.round.height, participant_bloom, batches, part)
+
+    def proof_parts(self, participants: Sequence[bytes], worked: Sequence[bytes] = ()) -> list[Instruction]:
+        """Every part of a proof naming ``participants`` (and the compute keys of ``worked``)."""
+        parts = proof_parts(self.state.config, self.clients(), participants, worked, {})
+        return [self.proof(participant_bloom, part) for part, (participant_bloom, _) in enumerate(parts)]
 
     def prove(self, participants: list[bytes], witnesses: list[bytes] | None = None,
               worked: Sequence[bytes] = ()) -> list[int | None]:
-        """``witnesses`` (by default every elected witness) each send a proof naming ``participants`` (and the
-        compute keys of ``worked``); returns each outcome."""
-        ix = self.proof(self.filter_of(participants, worked))
+        """``witnesses`` (by default every elected witness) each send a whole proof, part by part, naming
+        ``participants`` (and the compute keys of ``worked``); returns each one's first error, or None."""
+        ixs = self.proof_parts(participants, worked)
         chosen = rules.witnesses(self.state) if witnesses is None else witnesses
-        return [self.replay.apply(ix, self.of(witness)) for witness in chosen]
+        outcomes = []
+        for witness in chosen:
+            codes = [self.replay.apply(ix, self.of(witness)) for ix in ixs]
+            outcomes.append(next((code for code in codes if code is not None), None))
+        return outcomes
 
     def clients(self) -> list[bytes]:
         return [c.id for c in self.state.clients]

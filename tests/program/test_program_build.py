@@ -24,7 +24,7 @@ def test_committed_header_is_what_the_generator_produces() -> None:
 def test_check_mode_reports_a_stale_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     stale = tmp_path / "psy_coordinator_layout.h"
-    stale.write_text(gen_layout.render().replace("#define PSY_MAX_CLIENTS 256", "#define PSY_MAX_CLIENTS 255"))
+    stale.write_text(gen_layout.render().replace("#define PSY_MAX_CLIENTS 1024", "#define PSY_MAX_CLIENTS 1023"))
     monkeypatch.setattr(gen_layout, "HEADER_PATH", stale)
     assert gen_layout.main(["--check"]) == 1
     assert "is stale" in capsys.readouterr().err

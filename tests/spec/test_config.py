@@ -35,8 +35,8 @@ GOOD = Config()
 @pytest.mark.parametrize(("field", "value", "fragment"), [
     ("num_stages", 1, "between 2 and 16"),
     ("num_stages", 17, "between 2 and 16"),
-    ("max_clients", 0, "between 1 and 256"),
-    ("max_clients", 257, "between 1 and 256"),
+    ("max_clients", 0, "between 1 and 1024"),
+    ("max_clients", 1025, "between 1 and 1024"),
     ("min_clients", 3, "num_stages + 1"),
     ("min_clients", 65, "must not exceed max_clients"),
     ("witness_nodes", 0, "between 1 and 32"),
@@ -152,7 +152,7 @@ def test_validate_config_cli_prints_the_derived_facts(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["validate-config", str(EXAMPLE)])
     assert result.exit_code == 0, result.output
     assert f"coordinator account: {ACCOUNT_SIZE:,} bytes" in result.output
-    assert "witness instruction:" in result.output and "config OK" in result.output
+    assert "witness proof: 1 part(s)" in result.output and "config OK" in result.output
     bad = tmp_path / "bad.toml"
     bad.write_text('run_id = "demo"\n[config]\nwitness_nodes = 40\n')
     result = CliRunner().invoke(app, ["validate-config", str(bad)])
@@ -287,15 +287,21 @@ def test_resolve_model_fills_the_digests_before_validation() -> None:
                        resolve_model=lambda m: dataclasses.replace(m, config_sha256=b"\x01" * 32))
 
 
-def test_participant_filter_sized_for_two_keys_per_client_and_a_clear_error_when_too_big() -> None:
+def test_participant_filter_sized_for_two_keys_per_client_of_a_part_and_a_clear_error_when_too_big() -> None:
     spec = parse_run_spec({"run_id": "ok", "config": {"max_clients": 100}})
     assert (spec.config.bloom_slices, spec.config.bloom_bits_per_slice) == bloom_params(200, 0.0009)
-    largest = largest_max_clients(0.0009)
-    assert parse_run_spec({"run_id": "ok", "config": {"max_clients": largest}}).config.bloom_bytes <= 480
+    full = parse_run_spec({"run_id": "ok", "config": {"max_clients": 1024}}).config
+    assert (full.bloom_slices, full.bloom_bits_per_slice) == bloom_params(2 * 128, 0.0009), "sized for one part"
+    assert largest_max_clients(0.0009) == 1024 and full.bloom_bytes <= 480
+    largest = largest_max_clients(0.0003)
+    assert largest < 128
+    doc = {"run_id": "ok", "config": {"max_clients": largest, "bloom_error_rate": 0.0003}}
+    assert parse_run_spec(doc).config.bloom_bytes <= 480
     with pytest.raises(InvalidConfig) as info:
-        parse_run_spec({"run_id": "ok", "config": {"max_clients": largest + 1}})
+        parse_run_spec({"run_id": "ok", "config": {"max_clients": largest + 1, "bloom_error_rate": 0.0003}})
     assert info.value.detail.startswith(f"max_clients: a participant filter for {largest + 1} clients holds "
                                         f"{2 * (largest + 1)} keys")
     assert f"lower max_clients to {largest}" in info.value.detail
     with pytest.raises(InvalidConfig, match="more than the 480"):
-        parse_run_spec({"run_id": "ok", "config": {"max_clients": 256, "min_clients": 32}})
+        parse_run_spec({"run_id": "ok", "config": {"max_clients": 1024, "min_clients": 32,
+                                                   "bloom_error_rate": 0.0003}})

@@ -142,8 +142,9 @@ def test_points_survive_the_epoch_and_keep_adding_up() -> None:
 
 
 def full_ledger() -> list[LedgerEntry]:
-    """MAX_CLIENTS entries, sorted by id (0x80 0x00.., 0x80 0x01.., ...): 5 points each but entries 16 and 32, 2."""
-    entries = [LedgerEntry(bytes([0x80, i]) + bytes(30), 5, 0) for i in range(limits.MAX_CLIENTS)]
+    """MAX_CLIENTS entries, sorted by id (0x80 0x0000.., 0x80 0x0001.., ...): 5 points each but entries 16 and 32,
+    2."""
+    entries = [LedgerEntry(b"\x80" + i.to_bytes(2, "big") + bytes(29), 5, 0) for i in range(limits.MAX_CLIENTS)]
     entries[16].presence = entries[32].presence = 2
     return entries
 

@@ -29,7 +29,7 @@ def test_the_filter_holds_compute_keys_for_counted_work_only() -> None:
     evidence = judge_round(state, commitments, reports)
     assert evidence.complete and idle in evidence.participants
     assert evidence.computed == {s.client for s in shares(state)} | set(workers_by_stage(state).values())
-    participants, _ = evidence.filters(state)
+    [(participants, _)] = evidence.filters(state)
     for client in state.clients:
         assert holds(state, participants, participant_key(client.id))
         assert holds(state, participants, compute_key(client.id)) == (client.id != idle)
@@ -43,7 +43,7 @@ def test_a_phase1_worker_earns_presence_only_through_the_coordinator() -> None:
     idle = phase1_worker(state)
     assigned = {s.client: s.size for s in shares(state)}
     for witness in rules.witnesses(state):
-        participants, batches = judge_round(state, commitments, reports).filters(state)
+        [(participants, batches)] = judge_round(state, commitments, reports).filters(state)
         rules.witness(state, witness, state.round.height, participants, batches)
     rules.tick(state, state.phase_start, 1)  # the quorum ended training early
     rules.tick(state, state.phase_start + SMALL.round_witness_time, 1)

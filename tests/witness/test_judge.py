@@ -30,7 +30,7 @@ def test_honest_round_is_complete_and_filters_hold_everyone() -> None:
     evidence = judge_round(state, commitments, reports)
     assert evidence.complete and evidence.missing == []
     assert evidence.participants == {c.id for c in state.clients}
-    participants, batches = evidence.filters(state)
+    [(participants, batches)] = evidence.filters(state)  # one part: a run of at most 128 clients
     assert all(contains_raw(participants, participant_key(c.id), SMALL.bloom_slices, SMALL.bloom_bits_per_slice)
                for c in state.clients)
     assert all(contains_raw(batches, batch_key(c.digest()), SMALL.bloom_slices, SMALL.bloom_bits_per_slice)

@@ -27,7 +27,7 @@ def test_a_stalled_trainer_is_present_without_credit() -> None:
     assert stalled.client in evidence.participants and stalled.client not in evidence.losses
     assert not evidence.complete and evidence.missing == [stalled.client], "its batch is still missing"
     assert len(evidence.batches) == 1, "only the finished trainer's commitment earns a batch"
-    participants, _ = evidence.filters(state)
+    [(participants, _)] = evidence.filters(state)
     assert contains_raw(participants, participant_key(stalled.client), SMALL.bloom_slices, SMALL.bloom_bits_per_slice)
 
 

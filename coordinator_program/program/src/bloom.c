@@ -32,12 +32,6 @@ static void key_digest(const uint8_t *key, uint64_t len, uint8_t digest[32]) {
   sol_sha256(pieces, 2, digest);
 }
 
-void psy_participant_digest(const uint8_t *id, uint8_t digest[32]) {
-  uint8_t keys[PREFIX_LEN + 2 * PSY_PUBKEY_BYTES];
-  write_keys(id, keys);
-  key_digest(keys + PREFIX_LEN, 2 * PSY_PUBKEY_BYTES, digest);
-}
-
 void psy_client_digests(const uint8_t *id, uint8_t participant[32], uint8_t compute[32]) {
   uint8_t keys[PREFIX_LEN + 2 * PSY_PUBKEY_BYTES];
   write_keys(id, keys);

@@ -38,8 +38,9 @@ typedef enum {
   PSY_OP_CLOSE_RUN,
 } psy_op_kind_t;
 
-/* The two filters of a witness or warmup witness instruction (pointers into the instruction data). */
+/* The part and the two filters of a witness or warmup witness instruction (pointers into the instruction data). */
 typedef struct {
+  uint64_t part;
   const uint8_t *participant;
   uint64_t participant_len;
   uint64_t batch_len;
@@ -127,6 +128,11 @@ static inline void psy_bump_nonce(uint8_t *s) {
   PSY_ACCOUNT_NONCE_SET(s, PSY_ACCOUNT_NONCE_GET(s) + 1);
 }
 
+/* rules.part_count: parts of a proof for a round of `clients` clients. */
+static inline uint64_t psy_part_count(uint64_t clients) {
+  return clients == 0 ? 1 : (clients + PSY_PART_CLIENTS - 1) / PSY_PART_CLIENTS;
+}
+
 /* Bits set in a round's witness mask (Round.witness_count). */
 uint64_t psy_witness_count(const uint8_t *round);
 /* rules.quorum: the configured quorum, capped by how many witnesses the clients allow. */
@@ -143,7 +149,7 @@ typedef struct {
 
 void psy_census(uint8_t *s, const psy_list_t *list, psy_census_t *out);
 bool psy_pipeline_complete(const uint8_t *s, const psy_census_t *census);
-/* Drops every client that is not healthy, keeping the others' order. */
+/* Drops every client that is not healthy, keeping the others' order; each one's left_out count moves with it. */
 void psy_keep_healthy_clients(uint8_t *s);
 /* pending = clients (as joiners, keeping their stages) + pending; clients = []. */
 uint64_t psy_requeue_clients(uint8_t *s);
@@ -159,8 +165,6 @@ uint64_t psy_elect_witnesses(uint64_t seed, uint64_t n, uint64_t k, uint16_t *or
 /* selection.shuffled_prefix(seed, DATA_DOMAIN, n, n): the order in which trainers take their shares. */
 void psy_data_order(uint64_t seed, uint64_t n, uint16_t *order);
 
-/* sha256(SALT_PREFIX ‖ hex(id)): its first slices u16 words give the participant key's bit positions. */
-void psy_participant_digest(const uint8_t *id, uint8_t digest[32]);
 /* The digests of a client's participant key and of its compute key (bloom.compute_key). */
 void psy_client_digests(const uint8_t *id, uint8_t participant[32], uint8_t compute[32]);
 bool psy_bloom_contains(const uint8_t *bloom, const uint8_t digest[32], uint64_t slices, uint64_t bits_per_slice);
@@ -191,9 +195,11 @@ uint64_t psy_tick(uint8_t *s, int64_t now);
 
 /* ---- points (points.c) ------------------------------------------------------------------------------ */
 
-/* rules.tally_proof: the votes of one round proof's participant filter, for every client. */
-void psy_tally_proof(uint8_t *s, const uint8_t *participant_bloom);
-/* rules.credit_round: every counted client of the ending round earns its points; the votes start over. */
-void psy_credit_round(uint8_t *s);
+/* rules.tally_part: the votes of one proof part's participant filter, for the clients the part covers. */
+void psy_tally_part(uint8_t *s, uint64_t part, const uint8_t *participant_bloom);
+/* rules.credit_chunk: the next clients of the ending round earn their points, from the round's credited count on. */
+void psy_credit_chunk(uint8_t *s);
+/* rules._close_round_votes: the ending round's votes become the left_out counts of the clients that stay. */
+void psy_close_round_votes(uint8_t *s);
 
 #endif /* PSY_COORDINATOR_H */

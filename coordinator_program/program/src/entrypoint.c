@@ -2,10 +2,13 @@
  * ticks after applying (instructions.apply_then_tick). */
 #include "coordinator.h"
 
-/* The instructions after which the program ticks (instructions.TICKS_AFTER). */
-static bool ticks_after(psy_op_kind_t kind) {
-  return kind == PSY_OP_WITNESS || kind == PSY_OP_WARMUP_WITNESS || kind == PSY_OP_HEALTH_CHECK ||
-         kind == PSY_OP_CHECKPOINT;
+/* instructions.ticks_after: the instructions after which the program ticks, but for a witness proof part taken in
+ * RoundWitness (the round's end is a tick's own work). */
+static bool ticks_after(psy_op_kind_t kind, uint64_t phase_before) {
+  if (kind == PSY_OP_WITNESS) {
+    return phase_before != PSY_PHASE_ROUND_WITNESS;
+  }
+  return kind == PSY_OP_WARMUP_WITNESS || kind == PSY_OP_HEALTH_CHECK || kind == PSY_OP_CHECKPOINT;
 }
 
 static uint64_t apply(const psy_op_t *op) {
@@ -48,7 +51,7 @@ uint64_t entrypoint(const uint8_t *input) {
   if (err != PSY_SUCCESS) {
     return err;
   }
-  bool ticks = ticks_after(op.kind);
+  bool ticks = ticks_after(op.kind, PSY_ACCOUNT_PHASE_GET(op.state));
   if (ticks || op.kind == PSY_OP_TICK) { /* time comes from the Clock sysvar, never the caller */
     psy_clock_t clock;
     sol_get_clock_sysvar(&clock);

@@ -77,10 +77,12 @@ uint64_t psy_decode_instruction(const uint8_t *data, uint64_t len, psy_op_t *op)
     case PSY_IX_WITNESS_DISCRIMINATOR:
       op->kind = PSY_OP_WITNESS;
       ok = decode_blooms(data, len, PSY_IX_WITNESS_PARTICIPANT_BLOOM_OFFSET, &op->proof);
+      op->proof.part = ok ? data[PSY_IX_WITNESS_PART_OFFSET] : 0;
       break;
     case PSY_IX_WARMUP_WITNESS_DISCRIMINATOR:
       op->kind = PSY_OP_WARMUP_WITNESS;
       ok = decode_blooms(data, len, PSY_IX_WARMUP_WITNESS_PARTICIPANT_BLOOM_OFFSET, &op->proof);
+      op->proof.part = ok ? data[PSY_IX_WARMUP_WITNESS_PART_OFFSET] : 0;
       break;
     case PSY_IX_HEALTH_CHECK_DISCRIMINATOR:
       op->kind = PSY_OP_HEALTH_CHECK;

@@ -1,5 +1,5 @@
-/* proofs.c: what witnesses prove and what health checks judge by (rules.witness and its tally_proof,
- * warmup_witness, _record_proof, witnessed_by, left_out_by, missed_by_quorum, health_check). */
+/* proofs.c: what witnesses prove, part by part, and what health checks judge by (rules.witness and its tally_part,
+ * warmup_witness, _record_part, missed_by_quorum, health_check). */
 #include "coordinator.h"
 
 static bool training(const uint8_t *s) {
@@ -7,12 +7,12 @@ static bool training(const uint8_t *s) {
   return phase == PSY_PHASE_ROUND_TRAIN || phase == PSY_PHASE_ROUND_WITNESS;
 }
 
-/* rules._record_proof, for a signer already known to be the healthy client at `index`. */
-static uint64_t record_proof(const psy_op_t *op, uint64_t index) {
+/* rules._record_part, for a signer already known to be the healthy client at `index`. */
+static uint64_t record_part(const psy_op_t *op, uint64_t index) {
   uint8_t *s = op->state;
   uint8_t *round = psy_current_round(s);
   uint64_t clients = psy_list_count(s, &PSY_CLIENTS);
-  /* At most 512 bytes: the instruction's only allocation always fits the 32 KiB heap. */
+  /* At most 2 KiB: the instruction's only allocation always fits the 32 KiB heap. */
   uint16_t *order = psy_alloc(clients * sizeof(uint16_t));
   uint64_t elected =
       psy_elect_witnesses(PSY_ROUND_SEED_GET(round), clients, PSY_ACCOUNT_CONFIG_WITNESS_NODES_GET(s), order);
@@ -27,23 +27,31 @@ static uint64_t record_proof(const psy_op_t *op, uint64_t index) {
   if ((witnessed >> position) & 1) {
     return PSY_ERR_DUPLICATE_WITNESS;
   }
+  uint64_t parts = psy_part_count(clients);
+  if (op->proof.part >= parts) {
+    return PSY_ERR_BAD_FILTER;
+  }
+  uint8_t *received = round + PSY_ROUND_PARTS_OFFSET + position * sizeof(uint32_t);
+  uint32_t mask = psy_load_u32(received);
+  if ((mask >> op->proof.part) & 1) {
+    return PSY_ERR_DUPLICATE_WITNESS;
+  }
   uint64_t size = psy_bloom_bytes(s + PSY_ACCOUNT_CONFIG_OFFSET);
   if (op->proof.participant_len != size || op->proof.batch_len != size) {
     return PSY_ERR_BAD_FILTER;
   }
-  PSY_ROUND_WITNESSED_SET(round, witnessed | (1u << position));
-  /* The participant filter is kept for health checks, zero-padded to its slot (the batch filter is not
-   * kept: the specification only records it was the right size). */
-  uint8_t *slot = round + PSY_ROUND_PARTICIPANT_BLOOMS_OFFSET + position * PSY_MAX_BLOOM_BYTES;
-  sol_memcpy_(slot, op->proof.participant, size);
-  sol_memset_(slot + size, 0, PSY_MAX_BLOOM_BYTES - size);
+  mask |= 1u << op->proof.part;
+  psy_store_u32(received, mask);
+  if (mask == (uint32_t)((1ull << parts) - 1)) { /* the whole proof is in: the witness counts, once */
+    PSY_ROUND_WITNESSED_SET(round, witnessed | (1u << position));
+  }
   psy_bump_nonce(s);
   return PSY_SUCCESS;
 }
 
 uint64_t psy_witness(const psy_op_t *op) {
   uint8_t *s = op->state;
-  if (!training(s)) {
+  if (!training(s) || PSY_ROUND_CREDITED_GET(psy_current_round(s)) > 0) { /* rules._check_open_round */
     return PSY_ERR_WRONG_PHASE;
   }
   uint64_t index;
@@ -54,9 +62,9 @@ uint64_t psy_witness(const psy_op_t *op) {
   if (psy_load_u32(op->data + PSY_IX_WITNESS_ROUND_HEIGHT_OFFSET) != PSY_ROUND_HEIGHT_GET(psy_current_round(s))) {
     return PSY_ERR_STALE_ROUND;
   }
-  err = record_proof(op, index);
+  err = record_part(op, index);
   if (err == PSY_SUCCESS) {
-    psy_tally_proof(s, op->proof.participant);
+    psy_tally_part(s, op->proof.part, op->proof.participant);
   }
   return err;
 }
@@ -71,24 +79,7 @@ uint64_t psy_warmup_witness(const psy_op_t *op) {
   if (err != PSY_SUCCESS) {
     return err;
   }
-  return record_proof(op, index);
-}
-
-/* rules.witnessed_by: how many of the round's proofs hold the client in their participant filter. */
-static uint64_t witnessed_by(uint8_t *s, const uint8_t *round, const uint8_t *client_id) {
-  uint8_t digest[32];
-  psy_participant_digest(client_id, digest);
-  uint64_t slices = PSY_ACCOUNT_CONFIG_BLOOM_SLICES_GET(s);
-  uint64_t bits = PSY_ACCOUNT_CONFIG_BLOOM_BITS_PER_SLICE_GET(s);
-  uint32_t witnessed = PSY_ROUND_WITNESSED_GET(round);
-  uint64_t count = 0;
-  for (uint64_t position = 0; position < PSY_MAX_WITNESSES; position++) {
-    const uint8_t *bloom = round + PSY_ROUND_PARTICIPANT_BLOOMS_OFFSET + position * PSY_MAX_BLOOM_BYTES;
-    if (((witnessed >> position) & 1) && psy_bloom_contains(bloom, digest, slices, bits)) {
-      count++;
-    }
-  }
-  return count;
+  return record_part(op, index);
 }
 
 uint64_t psy_health_check(const psy_op_t *op) {
@@ -113,11 +104,9 @@ uint64_t psy_health_check(const psy_op_t *op) {
   if (PSY_CLIENT_HEALTH_GET(client) != PSY_HEALTH_HEALTHY) {
     return PSY_ERR_ALREADY_MARKED;
   }
-  /* rules.missed_by_quorum: unhealthy only when a quorum of the previous round's proofs left it out; a
-   * proof never sent leaves no one out. */
-  const uint8_t *previous = psy_previous_round(s);
-  uint64_t left_out = psy_witness_count(previous) - witnessed_by(s, previous, target);
-  if (left_out < psy_quorum(s)) {
+  /* rules.missed_by_quorum: unhealthy only when a quorum of the previous round's proofs of its part left it out
+   * (counted as that round ended); a proof never sent leaves no one out. */
+  if (s[PSY_ACCOUNT_LEFT_OUT_OFFSET + (uint64_t)index] < psy_quorum(s)) {
     return PSY_ERR_CLIENT_HEALTHY;
   }
   PSY_CLIENT_HEALTH_SET(client, PSY_HEALTH_UNHEALTHY);

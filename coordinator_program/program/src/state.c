@@ -86,6 +86,7 @@ bool psy_pipeline_complete(const uint8_t *s, const psy_census_t *census) {
 
 void psy_keep_healthy_clients(uint8_t *s) {
   uint64_t n = psy_list_count(s, &PSY_CLIENTS);
+  uint8_t *left_out = s + PSY_ACCOUNT_LEFT_OUT_OFFSET;
   uint64_t kept = 0;
   for (uint64_t i = 0; i < n; i++) {
     uint8_t *client = psy_list_entry(s, &PSY_CLIENTS, i);
@@ -94,9 +95,11 @@ void psy_keep_healthy_clients(uint8_t *s) {
     }
     if (kept != i) {
       sol_memcpy_(psy_list_entry(s, &PSY_CLIENTS, kept), client, PSY_CLIENT_SIZE);
+      left_out[kept] = left_out[i];
     }
     kept++;
   }
+  sol_memset_(left_out + kept, 0, n - kept);
   psy_list_set_count(s, &PSY_CLIENTS, kept);
 }
 

@@ -78,7 +78,7 @@ static uint64_t tick_waiting(uint8_t *s, int64_t now) {
   uint64_t joiners = psy_list_count(s, &PSY_PENDING);
   psy_census_t census;
   psy_census(s, &PSY_PENDING, &census);
-  uint8_t *stages = psy_alloc(joiners); /* at most 256 bytes, the instruction's only allocation */
+  uint8_t *stages = psy_alloc(joiners); /* at most 1 KiB, the instruction's only allocation */
   for (uint64_t i = 0; i < joiners; i++) {
     const uint8_t *joiner = psy_list_entry(s, &PSY_PENDING, i);
     uint8_t stage = PSY_PENDING_STAGE_GET(joiner);
@@ -99,6 +99,7 @@ static uint64_t tick_waiting(uint8_t *s, int64_t now) {
   }
   psy_list_set_count(s, &PSY_CLIENTS, joiners);
   psy_list_set_count(s, &PSY_PENDING, 0);
+  sol_memset_(s + PSY_ACCOUNT_LEFT_OUT_OFFSET, 0, PSY_ACCOUNT_LEFT_OUT_SIZE);
   /* The epoch's warmup is round 0 in slot 0, its seed chained from the last round's; slot 1 starts empty. */
   uint64_t seed = psy_next_seed(PSY_ROUND_SEED_GET(psy_current_round(s)));
   sol_memset_(s + PSY_ACCOUNT_ROUNDS_OFFSET, 0, PSY_ACCOUNT_ROUNDS_SIZE);
@@ -118,7 +119,7 @@ static uint64_t tick_warmup(uint8_t *s, int64_t now) {
     /* Indices shifted, so the warmup's election changed: proofs start over. */
     uint8_t *round = psy_current_round(s);
     PSY_ROUND_WITNESSED_SET(round, 0);
-    sol_memset_(round + PSY_ROUND_PARTICIPANT_BLOOMS_OFFSET, 0, PSY_ROUND_PARTICIPANT_BLOOMS_SIZE);
+    sol_memset_(round + PSY_ROUND_PARTS_OFFSET, 0, PSY_ROUND_PARTS_SIZE);
     changed = true;
     if (!clients_complete(s)) {
       uint64_t err = psy_requeue_clients(s);
@@ -148,15 +149,14 @@ static uint64_t tick_witness(uint8_t *s, int64_t now) {
   if (!phase_time_reached(s, now, PSY_ACCOUNT_CONFIG_ROUND_WITNESS_TIME_GET(s))) {
     return NOTHING;
   }
+  psy_credit_chunk(s);
+  if (PSY_ROUND_CREDITED_GET(psy_current_round(s)) < psy_list_count(s, &PSY_CLIENTS)) {
+    return PSY_SUCCESS; /* the next tick credits the next clients */
+  }
   bool quorum = reached_quorum(s); /* judged with the round's clients, before the unhealthy leave */
-  psy_credit_round(s);             /* so are the points */
   uint32_t step = PSY_ACCOUNT_STEP_GET(s) + 1;
   PSY_ACCOUNT_STEP_SET(s, step);
-  if (psy_witness_count(psy_current_round(s)) == 0) {
-    psy_list_set_count(s, &PSY_CLIENTS, 0); /* rules.unproven: nobody can tell who is alive, so all leave */
-  } else {
-    psy_keep_healthy_clients(s);
-  }
+  psy_close_round_votes(s);
   uint64_t next_height = (uint64_t)PSY_ROUND_HEIGHT_GET(psy_current_round(s)) + 1;
   if (next_height >= PSY_ACCOUNT_CONFIG_ROUNDS_PER_EPOCH_GET(s) || step >= PSY_ACCOUNT_CONFIG_TOTAL_STEPS_GET(s) ||
       !quorum || !clients_complete(s)) {
@@ -178,6 +178,7 @@ static uint64_t tick_cooldown(uint8_t *s, int64_t now) {
     return NOTHING;
   }
   PSY_ACCOUNT_EPOCH_SET(s, PSY_ACCOUNT_EPOCH_GET(s) + 1);
+  sol_memset_(s + PSY_ACCOUNT_LEFT_OUT_OFFSET, 0, PSY_ACCOUNT_LEFT_OUT_SIZE); /* no round is left to check */
   if (PSY_ACCOUNT_STEP_GET(s) >= PSY_ACCOUNT_CONFIG_TOTAL_STEPS_GET(s)) {
     psy_list_set_count(s, &PSY_CLIENTS, 0);
     enter(s, PSY_PHASE_FINISHED, now);
