@@ -266,6 +266,9 @@ class Struct(Type):
         sizes = [f.type.size for f in self.fields]
         self.size = None if any(s is None for s in sizes) else sum(sizes)  # type: ignore[arg-type]
         self.counts = {f.count_of: f.name for f in self.fields if f.count_of}
+        for name in self.counts:  # encode pads a bounded list with zero bytes: its zero element's
+            elem = next(f.type for f in self.fields if f.name == name).elem  # type: ignore[attr-defined]
+            assert elem.pack(elem.zero()) == bytes(elem.size), f"{name}: a zero entry must encode as zeros"
 
     @property
     def name(self) -> str:
@@ -281,9 +284,13 @@ class Struct(Type):
                     assert isinstance(f.type, Array)
                     if len(item) > f.type.n:
                         raise LayoutError(f"{self.name}.{f.name}: {len(item)} entries exceed {f.type.n}")
-                    item = list(item) + [f.type.elem.zero() for _ in range(f.type.n - len(item))]
             try:
-                f.type.encode(item, out)
+                if f.name in self.counts:  # the unused entries are zero elements, whose bytes are all zero
+                    for element in item:
+                        f.type.elem.encode(element, out)
+                    out += bytes(f.type.elem.size * (f.type.n - len(item)))  # type: ignore[attr-defined,operator]
+                else:
+                    f.type.encode(item, out)
             except LayoutError as exc:
                 raise LayoutError(f"{self.name}.{f.name}: {exc}") from None
 
