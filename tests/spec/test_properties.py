@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 from hypothesis import HealthCheck as HypothesisHealthCheck
 from hypothesis import given, settings
@@ -149,13 +150,13 @@ def test_random_sequences_keep_invariants(prejoin: bool, steps: list[tuple]) -> 
         ix, signer, advance = build(state, step)
         now += advance
         assert decode_instruction(ix.encode()) == ix
-        before_bytes = encode_state(state)
+        snapshot = pickle.dumps(state)  # cheaper than encoding the 115 KB account at every step
         before = (state.step, state.epoch, state.nonce)
         elected = rules.witnesses(state) if state.clients else []
         try:
             apply(state, ix, signer, now, entropy=now * 7919 + 1)
         except errors.CoordinatorError:
-            assert encode_state(state) == before_bytes, f"rejected {ix.NAME} changed the state"
+            assert state == pickle.loads(snapshot), f"rejected {ix.NAME} changed the state"
             continue
         if isinstance(ix, (Witness, WarmupWitness)):
             assert signer in elected, "a proof was accepted from a client that was not elected"
