@@ -78,7 +78,7 @@ def serve(
 ) -> None:
     """Run the centralised coordinator: it ticks the run, authenticates clients and broadcasts the state.
     Give --join-authority (joins need the auth service's countersignature) or --permissionless."""
-    from client.commands.config import load_spec_or_exit
+    from client.commands.config import check_dataset_or_exit, load_spec_or_exit
     from client.identity import KeypairError, load_keypair, save_keypair
     from coordinator_program.spec.errors import CoordinatorError
     from local_backend.server import CoordinatorServer
@@ -95,6 +95,7 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         spec = load_spec_or_exit(config)  # a Hugging Face model's digests filled from its source
+        check_dataset_or_exit(spec.model)
         key_path = keypair or db.with_suffix(".authority.json")
         if not key_path.exists() and keypair is None:
             from solders.keypair import Keypair

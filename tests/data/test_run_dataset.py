@@ -74,3 +74,18 @@ def test_validate_config_accepts_matching_data_and_notes_unreachable_data(tmp_pa
     assert result.exit_code == 0 and "config OK" in result.output, result.output
     offline = CliRunner().invoke(app, ["validate-config", str(_config_with_dataset(tmp_path, "http://127.0.0.1:9/d"))])
     assert offline.exit_code == 0 and "dataset tokenizer not checked: cannot download" in offline.output
+
+
+@pytest.mark.parametrize("make", [lambda d: d / "missing", lambda d: (d / "empty").mkdir() or d / "empty"])
+def test_validate_config_and_serve_refuse_a_local_dataset_that_cannot_be_read(tmp_path: Path, make) -> None:
+    """Before: `config OK`, and the run found out at warmup, after every worker joined."""
+    location = make(tmp_path)
+    config = _config_with_dataset(tmp_path, str(location))
+    result = CliRunner().invoke(app, ["validate-config", str(config)])
+    assert result.exit_code == 1 and "config OK" not in result.output, result.output
+    assert f"invalid config: dataset: {location} " in result.output
+    db = tmp_path / "run.sqlite"
+    served = CliRunner().invoke(app, ["serve", "--config", str(config), "--db", str(db), "--port", "0",
+                                      "--permissionless"])
+    assert served.exit_code == 1 and f"invalid config: dataset: {location} " in served.output, served.output
+    assert not db.exists(), "a refused serve creates nothing"
