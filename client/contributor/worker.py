@@ -28,7 +28,7 @@ from client.join.checkpoints import revision_for, snapshot_root, upload_stage
 from client.join.stage_replica import StageReplica, StateSources
 from client.join.sync import SyncPhase
 from client.pipeline.worker import StageWorker
-from client.stages import stage_name
+from client.stages import checkpoint_location, stage_name
 from client.witness.records import Report, receipt_hash
 from coordinator_program.spec import limits
 from coordinator_program.spec.config import CheckpointKind
@@ -258,6 +258,7 @@ class WorkerRole:
                       else (CheckpointKind.Local, str(directory.parent)))
         try:
             await self.context.backend.checkpoint(kind, repo, revision)
-            log.info("epoch %d: stage %s saved to %s@%s", state.epoch, replica.stage, repo, revision)
+            log.info("epoch %d: stage %s saved to %s", state.epoch, replica.stage,
+                     checkpoint_location(repo, revision, hub=kind == CheckpointKind.Hub))
         except CoordinatorError as exc:
             log.warning("checkpoint not recorded: %s", exc.detail)
