@@ -181,9 +181,16 @@ def authority_command(run_id: str, server: str | None, url: str | None, program_
     """Connect to run ``run_id`` as its main authority, run ``action(backend)`` and print ``done`` with the phase
     the run is then in; the coordinator's refusal, or an unreachable backend, is one line and exit status 1."""
     from client.backends.base import BackendError
-    from coordinator_program.spec.errors import CoordinatorError
+    from coordinator_program.spec.errors import CoordinatorError, NotAuthorized
 
     check_target(server, url, run_id)
+    advice = ("on the TCP server the run's main authority is the keypair `serve` keeps beside its --db "
+              "(run.authority.json beside run.sqlite): give it with -k" if server is not None else
+              "on Solana it is the keypair that ran `create-run`: give it with -k")
+    if not keypair.expanduser().exists():  # a new key would not be the run's authority: no keygen advice here
+        typer.secho(f"cannot {verb} run {run_id!r}: keypair file {keypair} does not exist; {advice}",
+                    fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
     authority = open_identity(keypair)
 
     async def run() -> str:
@@ -198,8 +205,9 @@ def authority_command(run_id: str, server: str | None, url: str | None, program_
     try:
         phase = asyncio.run(run())
     except (CoordinatorError, BackendError) as exc:
-        typer.secho(f"cannot {verb} run {run_id!r}: {getattr(exc, 'detail', None) or exc}", fg=typer.colors.RED,
-                    err=True)
+        why = getattr(exc, "detail", None) or exc
+        typer.secho(f"cannot {verb} run {run_id!r}: {why}{f'; {advice}' if isinstance(exc, NotAuthorized) else ''}",
+                    fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     typer.echo(done.format(run_id=run_id, phase=phase, authority=authority.pubkey()))
 
