@@ -56,7 +56,7 @@ def parse_stage(text: str | None) -> int:
 STOP_GRACE = 8.0
 """Seconds from SIGTERM or Ctrl+C to the process's end at the latest: the client's clean leave gets
 ``client.contributor.runner.STOP_TIMEOUT`` of them; past STOP_GRACE the process ends regardless."""
-STOPPED = "stopped; the coordinator drops this client at the next health check"
+STOPPED = "stopped; started again with the same keypair, it rejoins the run (a worker from the stage it saved)"
 
 
 class Stopper:
