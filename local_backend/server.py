@@ -16,6 +16,7 @@ import contextlib
 import logging
 import pickle
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 
@@ -223,10 +224,11 @@ class CoordinatorServer:
 
     # --- connections ----------------------------------------------------------------------------------
 
-    async def start(self, host: str = "127.0.0.1", port: int = 7070) -> int:
-        """Listen and start ticking; returns the bound port (useful with port 0)."""
+    async def start(self, host: str = "127.0.0.1", port: int = 7070, listener: socket.socket | None = None) -> int:
+        """Listen (on ``listener`` if given: ``serve`` binds before it creates anything) and start ticking; returns
+        the bound port (useful with port 0)."""
         self.peers.limits = self.peers.limits.fitted_to_open_files()
-        listener = listen(host, port)
+        listener = listener or listen(host, port)
         bound = listener.getsockname()[1]
         self._serving = asyncio.create_task(self.peers.serve(listener, self._session))
         self._ticker = asyncio.create_task(self._tick_loop())

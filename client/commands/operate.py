@@ -26,7 +26,7 @@ from client.commands.connect import (
 )
 from client.commands.options import KEYPAIR_HELP, keypair_option
 from client.identity import DEFAULT_KEYPAIR_PATH
-from local_backend.peers import Limits
+from local_backend.peers import Limits, listen
 
 MIN_INTERVAL = 0.05
 """The shortest interval any option takes (50 ms): shorter would only flood the coordinator or drop every client."""
@@ -93,9 +93,14 @@ def serve(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    spec = load_spec_or_exit(config)  # a Hugging Face model's digests filled from its source
+    check_dataset_or_exit(spec.model)
+    try:  # bound before the run's database and key are made: a busy port leaves nothing behind
+        listener = listen(host, port)
+    except OSError as exc:
+        typer.secho(f"cannot listen on {host}:{port}: {exc.strerror or exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
     try:
-        spec = load_spec_or_exit(config)  # a Hugging Face model's digests filled from its source
-        check_dataset_or_exit(spec.model)
         key_path = keypair or db.with_suffix(".authority.json")
         if not key_path.exists() and keypair is None:
             from solders.keypair import Keypair
@@ -104,11 +109,12 @@ def serve(
         authority = load_keypair(key_path)
         server = CoordinatorServer(spec, RunStore(db), authority, join_authority=admits, limits=limits)
     except (CoordinatorError, KeypairError, StoreError) as exc:
+        listener.close()
         typer.secho(f"cannot serve: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
 
     async def run() -> None:
-        await server.start(host, port)
+        await server.start(host, port, listener)
         try:
             await asyncio.Event().wait()
         finally:

@@ -173,7 +173,7 @@ def test_serve_restarted_with_an_edited_state_toml_reports_and_applies_it(tmp_pa
         assert asyncio.run(read()) == 5
     finally:
         proc.terminate()
-        out = proc.communicate(timeout=10)[0].decode()
+        out = proc.startup_log + proc.communicate(timeout=10)[0].decode()
     assert "config.rounds_per_epoch: 10 -> 5" in out and "applied now" in out, out
 
     config.write_text(toml.replace("n_layers = 3", "n_layers = 4"))
