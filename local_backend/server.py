@@ -196,9 +196,12 @@ class CoordinatorServer:
     def _announce(self, previous_phase: Phase) -> None:
         s = self.state
         if s.phase != previous_phase:
-            log.info("phase %s -> %s (epoch %d, round %d, step %d, %d clients, %d pending)",
-                     previous_phase.name, s.phase.name, s.epoch, s.round.height, s.step, len(s.clients),
-                     len(s.pending))
+            # Counted as `psyswarm status` counts: rounds from 1, and a finished run in the last epoch it trained.
+            epoch = s.epoch - 1 if s.phase == Phase.Finished else s.epoch
+            in_round = s.phase in (Phase.RoundTrain, Phase.RoundWitness, Phase.Cooldown)
+            round_ = f"round {s.round.height + 1}/{s.config.rounds_per_epoch}, " if in_round else ""
+            log.info("phase %s -> %s (epoch %d, %sstep %d/%d, %d clients, %d pending)", previous_phase.name,
+                     s.phase.name, epoch, round_, s.step, s.config.total_steps, len(s.clients), len(s.pending))
         self._broadcast()
 
     def _broadcast(self) -> None:
