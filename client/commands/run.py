@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from client.commands.connect import KeypairFile, ProgramId, RunId, Server, Url
-from client.commands.pipeline import DeviceOption, InitialPeers, parse_device_option
+from client.commands.pipeline import DeviceOption, InitialPeers, parse_device_option, quiet_clean_p2p_stop
 from client.identity import DEFAULT_KEYPAIR_PATH
 from client.join.checkpoints import SNAPSHOT_EVERY
 
@@ -322,6 +322,7 @@ def log_to_stdout(console: Console | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per RPC call drowns the run's own lines
     logging.captureWarnings(True)
     use_hivemind_log_handler("nowhere")
+    quiet_clean_p2p_stop()
 
 
 async def unfunded(backend, identity: Keypair) -> bool:
