@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import shutil
 import socket
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -198,9 +199,12 @@ def draw_losses(ax, results: list[RoundResult], model: DemoModel = MODELS["psysw
         ax.axvline(first - 0.5, color="grey", linewidth=0.6, linestyle=":")
         ax.annotate(f"epoch {epoch}", (first - 0.5, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
                     textcoords="offset points", ha="left", va="top", fontsize=8, color="dimgrey")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     ax.set_xlabel("optimizer step (one per round)")
     ax.set_ylabel(f"training loss ({model.loss_unit})")
-    ax.set_title(model.title)
+    ax.set_title(textwrap.fill(model.title, 60), fontsize=11)  # one line overran the figure's width
     ax.grid(alpha=0.3)
 
 

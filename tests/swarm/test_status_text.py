@@ -88,3 +88,21 @@ def test_every_printed_checkpoint_is_what_export_takes(tmp_path: Path) -> None:
     directory = tmp_path / "checkpoints" / "run" / revision_for(0)
     assert checkpoint_location(str(directory.parent), revision_for(0), hub=False) == str(directory)
     assert _HUB.fullmatch(checkpoint_location("org/run", revision_for(3), hub=True)).groups() == ("org/run", "epoch-3")
+
+
+def test_the_demo_plots_title_fits_in_its_figure(tmp_path: Path) -> None:
+    """The one-line title of the byte-level demo ran past both edges of the saved figure."""
+    import matplotlib.pyplot as plt
+
+    from client.swarm.demo import MODELS
+
+    results = [RoundResult(0, r, r, 5.0 - 0.1 * r, 100, 1.0) for r in range(3)]
+    for model in MODELS.values():
+        fig, ax = plt.subplots(figsize=(7, 4))  # as the demo's plot()
+        try:
+            draw_losses(ax, results, model)
+            fig.tight_layout()
+            box = ax.title.get_window_extent(fig.canvas.get_renderer())
+            assert box.x0 >= 0 and box.x1 <= fig.bbox.x1, (model.title, box, fig.bbox)
+        finally:
+            plt.close(fig)
