@@ -190,6 +190,9 @@ def join_run(
         raise typer.BadParameter(f"--role must be worker or trainer, not {role!r}")
     if not initial_peers:
         raise typer.BadParameter("give the run's DHT with --initial-peer (printed by `psyswarm dht`)")
+    if not all(peer.strip() for peer in initial_peers):
+        raise typer.BadParameter("--initial-peer is empty (an unset shell variable?): give the address `psyswarm "
+                                 "dht` printed")
     wanted = parse_stage(stage)
     if role == "trainer" and stage is not None:
         raise typer.BadParameter("a trainer holds no stage: drop --stage")

@@ -35,3 +35,10 @@ def test_a_mistyped_demo_model_names_the_choices_and_the_likeliest(tmp_path) -> 
     assert result.exit_code == 2 and "Value error" not in result.output
     assert "'tiny-lama' is not a demo model: choose 'psyswarm' or 'tiny-llama'; did you mean 'tiny-llama'?" in \
         " ".join(result.output.split())
+
+
+def test_an_empty_initial_peer_is_refused_at_once(tmp_path) -> None:
+    """`--initial-peer "$PEER"` with PEER unset started a client that could find no one."""
+    result = CliRunner().invoke(app, ["join-run", "--server", "127.0.0.1:1", "--run-id", "demo", "--role", "worker",
+                                      "-k", str(tmp_path / "k.json"), "--initial-peer", ""])
+    assert result.exit_code == 2 and "--initial-peer is empty" in " ".join(result.output.split()), result.output
