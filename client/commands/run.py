@@ -71,6 +71,7 @@ class Stopper:
     def __init__(self, grace: float) -> None:
         self.grace = grace
         self.requested = False
+        self.finished = False  # the client has ended (the run finished, or it failed): only the exit is left
         self.loop: asyncio.AbstractEventLoop | None = None
         self.task: asyncio.Task | None = None
 
@@ -81,6 +82,8 @@ class Stopper:
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.requested:
             end_process(0, STOPPED)
+        if self.finished:  # the client is done and the process is on its way out: no traceback from an exit hook
+            end_process(128 + signum)
         self.requested = True
         timer = threading.Timer(self.grace, end_process, (0, f"{STOPPED} (its clean leave was cut short)"))
         timer.daemon = True
@@ -101,7 +104,7 @@ class Stopper:
                 raise
             raise KeyboardInterrupt from None
         finally:
-            self.task = None
+            self.task, self.finished = None, True
             left = asyncio.all_tasks(loop)
             for task in left:
                 task.cancel()
