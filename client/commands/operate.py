@@ -94,7 +94,7 @@ def serve(
         raise typer.BadParameter(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     spec = load_spec_or_exit(config)  # a Hugging Face model's digests filled from its source
-    check_dataset_or_exit(spec.model)
+    check_dataset_or_exit(spec.model, here=False)  # the coordinator's machine need not hold the data
     try:  # bound before the run's database and key are made: a busy port leaves nothing behind
         listener = listen(host, port)
     except OSError as exc:
