@@ -9,8 +9,10 @@ May import: client.commands.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import typer
+from typer.core import TyperCommand
 
 COMMAND_MODULES = (
     "client.commands.config",
@@ -38,12 +40,44 @@ app = typer.Typer(
 )
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"psyswarm {version('psyswarm')}")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            typer.echo("psyswarm (not installed: run from a source tree)")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    show_version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                      help="Print psyswarm's version and exit."),
+) -> None:
     """Keep the CLI a group of commands even while only one is registered."""
+
+class UniformMetavars(TyperCommand):
+    """Every value placeholder in help spelled one way, as the options that name theirs do (``FILE``, ``PORT``,
+    ``RUN_ID``): the option's name in capitals, where typer would print its Python type (``<int>``, ``<str>``,
+    ``<int range>``, ``<list[Path]>``). Choices keep their list."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if param.param_type_name == "argument":
+                param.metavar = param.metavar or (param.name or "value").upper()
+                param.display_type_rich = lambda ctx: None  # its name is its placeholder, as in the usage line
+            elif param.metavar is None and not param.is_flag and not param.type_descriptor.is_choice:
+                param.metavar = (param.name or "value").upper()
+
 
 for _module in COMMAND_MODULES:
     importlib.import_module(_module).register(app)
+for _command in app.registered_commands:
+    if _command.cls in (None, TyperCommand):
+        _command.cls = UniformMetavars
 
 
 def main() -> None:

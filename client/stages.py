@@ -19,3 +19,10 @@ def stage_names(num_stages: int) -> list[str]:
 def stage_name(stage: int, num_stages: int) -> str:
     """The name of stage number ``stage``."""
     return stage_names(num_stages)[stage]
+
+
+def checkpoint_location(repo: str, revision: str, *, hub: bool) -> str:
+    """A saved checkpoint as ``psyswarm export --checkpoint`` takes it, and as every log and status line prints
+    it: a local one's directory (``<dir>/<run_id>/epoch-<E>``, the run's checkpoint ``repo`` then its revision),
+    or ``hub:<repo>@<revision>``."""
+    return f"hub:{repo}@{revision}" if hub else f"{repo.rstrip('/')}/{revision}"

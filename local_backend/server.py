@@ -16,29 +16,28 @@ import contextlib
 import logging
 import pickle
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 
 from solders.keypair import Keypair
 
-from coordinator_program.facts import admission
 from coordinator_program.spec import rules
 from coordinator_program.spec.config import RunSpec
 from coordinator_program.spec.errors import CoordinatorError, MalformedInstruction, NothingToTick
 from coordinator_program.spec.instructions import (
     CloseRun,
-    SetPaused,
     Tick,
-    Update,
     Withdraw,
     apply,
     decode_instruction,
 )
-from coordinator_program.spec.state import CoordinatorState, Health, Phase, decode_state, encode_state
+from coordinator_program.spec.state import CoordinatorState, Health, Phase, encode_state
 from local_backend import protocol as p
 from local_backend.logs import LogThrottle
 from local_backend.peers import Limits, Peer, PeerClosed, Peers, listen
 from local_backend.sessions import hello_key, verify_request
+from local_backend.startup import APPLICABLE_PHASES, apply_config, differences, open_run, update_instruction
 from local_backend.store import RunStore, StoreError
 
 log = logging.getLogger("psyswarm.server")
@@ -68,7 +67,7 @@ class CoordinatorServer:
         self.spec, self.store, self.authority, self.clock = spec, store, authority, clock
         self.throttle = LogThrottle(log)
         self.peers = Peers(limits, self.throttle)
-        self.state = self._load_or_create(join_authority)
+        self.state, self._next_config = open_run(spec, store, authority, join_authority, self._now)
         self.account = encode_state(self.state)  # what subscribers hold
         self._committed = self.account  # what the store holds: encoded once per change, sent from here
         self._full_state = (b"", b"")  # (account, its FullState frame)
@@ -82,34 +81,22 @@ class CoordinatorServer:
     def _now(self) -> int:
         return int(self.clock())
 
-    def _load_or_create(self, join_authority: bytes) -> CoordinatorState:
-        stored = self.store.load(self.spec.run_id)
-        if stored is not None:
-            state = decode_state(stored)
-            if state.join_authority != join_authority:
-                held, asked = admission(state.join_authority), admission(join_authority)
-                raise StoreError(f"{self.store.path} holds run {state.run_id!r}, {held}, not {asked}: a run's join "
-                                 "authority is fixed when it is created; give the run's own, or another --db")
-            log.info("resumed run %r from %s: %s, epoch %d, step %d, %s", state.run_id, self.store.path,
-                     state.phase.name, state.epoch, state.step, admission(state.join_authority))
-            return state
-        me = bytes(self.authority.pubkey())
-        state = rules.init_coordinator(self.spec.run_id, me, join_authority, self._now())
-        self._persist(state, me, Update(self.spec.config, self.spec.model, self.spec.checkpoint).encode(),
-                      lambda: rules.update(state, me, self.spec.config, self.spec.model, self.spec.checkpoint))
-        self._persist(state, me, SetPaused(False).encode(), lambda: rules.set_paused(state, me, False))
-        self._persist(state, me, Tick().encode(), lambda: rules.tick(state, self._now(), secrets.randbits(64)))
-        log.info("created run %r in %s, %s", state.run_id, self.store.path, admission(state.join_authority))
-        return state
-
-    def _persist(self, state: CoordinatorState, signer: bytes, instruction: bytes, change: Callable[[], None]) -> None:
-        change()
-        self._commit(state, signer, instruction)
-
-    def _commit(self, state: CoordinatorState, signer: bytes, instruction: bytes) -> None:
-        """Store an accepted change with the state it produced, encoding that state once."""
-        self._committed = encode_state(state)
-        self.store.save(state.run_id, state.nonce, self._committed, signer, instruction)
+    async def _apply_next_config(self) -> None:
+        """Give the run the state.toml's rules once it waits for members; a config the run cannot take then (more
+        joiners queued than its ``max_clients``) is dropped with a warning, and the run keeps its rules."""
+        config = self._next_config
+        if config is None or self.state.phase not in APPLICABLE_PHASES:
+            return
+        changes = differences("config", self.state.config, config)
+        try:
+            await self._change(bytes(self.authority.pubkey()), update_instruction(self.state, config),
+                               lambda state: apply_config(state, config))
+        except CoordinatorError as exc:
+            self._next_config = None
+            log.warning("the state.toml's rules were not applied, and the run keeps its own: %s", exc)
+            return
+        self._next_config = None  # a write that failed (StoreError) leaves it for the next tick
+        log.info("the state.toml's rules now apply: %s", "; ".join(changes))
 
     async def submit(self, signer: bytes, instruction: bytes, authorizer: bytes | None = None) -> None:
         """Apply one instruction from an authenticated signer, then tick; store each change, then broadcast.
@@ -176,11 +163,14 @@ class CoordinatorServer:
         and the next tick tries again."""
         try:
             await self._withdraw_disconnected_joiners()
-            while True:  # a round's end credits 128 clients a tick: finish it now rather than a tick interval apart
-                await self._change(bytes(self.authority.pubkey()), Tick().encode(),
-                                   lambda state: rules.tick(state, self._now(), secrets.randbits(64)))
-                if not rules.closing(self.state):
-                    break
+            try:
+                while True:  # a round's end credits 128 clients a tick: finish it now rather than a tick interval apart
+                    await self._change(bytes(self.authority.pubkey()), Tick().encode(),
+                                       lambda state: rules.tick(state, self._now(), secrets.randbits(64)))
+                    if not rules.closing(self.state):
+                        break
+            finally:
+                await self._apply_next_config()
         except NothingToTick:
             pass
         except CoordinatorError as exc:  # finished or uninitialised: nothing will ever be due
@@ -209,9 +199,12 @@ class CoordinatorServer:
     def _announce(self, previous_phase: Phase) -> None:
         s = self.state
         if s.phase != previous_phase:
-            log.info("phase %s -> %s (epoch %d, round %d, step %d, %d clients, %d pending)",
-                     previous_phase.name, s.phase.name, s.epoch, s.round.height, s.step, len(s.clients),
-                     len(s.pending))
+            # Counted as `psyswarm status` counts: rounds from 1, and a finished run in the last epoch it trained.
+            epoch = s.epoch - 1 if s.phase == Phase.Finished else s.epoch
+            in_round = s.phase in (Phase.RoundTrain, Phase.RoundWitness, Phase.Cooldown)
+            round_ = f"round {s.round.height + 1}/{s.config.rounds_per_epoch}, " if in_round else ""
+            log.info("phase %s -> %s (epoch %d, %sstep %d/%d, %d clients, %d pending)", previous_phase.name,
+                     s.phase.name, epoch, round_, s.step, s.config.total_steps, len(s.clients), len(s.pending))
         self._broadcast()
 
     def _broadcast(self) -> None:
@@ -237,10 +230,11 @@ class CoordinatorServer:
 
     # --- connections ----------------------------------------------------------------------------------
 
-    async def start(self, host: str = "127.0.0.1", port: int = 7070) -> int:
-        """Listen and start ticking; returns the bound port (useful with port 0)."""
+    async def start(self, host: str = "127.0.0.1", port: int = 7070, listener: socket.socket | None = None) -> int:
+        """Listen (on ``listener`` if given: ``serve`` binds before it creates anything) and start ticking; returns
+        the bound port (useful with port 0)."""
         self.peers.limits = self.peers.limits.fitted_to_open_files()
-        listener = listen(host, port)
+        listener = listener or listen(host, port)
         bound = listener.getsockname()[1]
         self._serving = asyncio.create_task(self.peers.serve(listener, self._session))
         self._ticker = asyncio.create_task(self._tick_loop())

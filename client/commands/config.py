@@ -45,12 +45,39 @@ def load_spec_or_exit(path: Path, *, offline: bool = False):
         raise typer.Exit(1) from None
 
 
-def check_dataset_or_exit(model, *, offline: bool = False) -> None:
-    """Refuse a token dataset made with another tokenizer than the model's; one this machine cannot reach
-    (offline) is reported and left to the trainers, which check it again before they train."""
+def local_dataset_problem(location: str) -> str | None:
+    """Why a local dataset path cannot be read as the run's data (None if it can, or if it is not local): it does
+    not exist, or is a directory without a file."""
+    from client.data import STDLIB_SOURCE
+    from client.data.locations import is_remote
+
+    if location == STDLIB_SOURCE or is_remote(location):
+        return None
+    path = Path(location).expanduser()
+    if not path.exists():
+        return (f"{location} does not exist on this machine: give a text file or directory, a directory of token "
+                "files (psyswarm tokenize), hf:org/name or an http(s) URL, or stdlib")
+    if path.is_dir() and not any(child.is_file() for child in path.rglob("*")):
+        return f"{location} is a directory without a file in it"
+    return None
+
+
+def check_dataset_or_exit(model, *, offline: bool = False, here: bool = True) -> None:
+    """Refuse a local dataset that does not exist (``here``: this machine is one the run trains on; else it is
+    only reported, as on a coordinator whose trainers hold the data), and a token dataset made with another
+    tokenizer than the model's; one this machine cannot reach (offline) is reported and left to the trainers, which
+    check it again before they train."""
     from client.data import DatasetError, DatasetUnreachable, check_dataset_tokenizer
     from client.data.locations import is_remote, is_token_location
 
+    problem = local_dataset_problem(model.dataset)
+    if problem is not None and here:
+        typer.secho(f"invalid config: dataset: {problem}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+    if problem is not None:
+        typer.secho(f"dataset: {problem}; every trainer must have it there, or it fails at warmup",
+                    fg=typer.colors.YELLOW, err=True)
+        return
     digest_unknown = model.tokenizer_sha256 == UNCHECKED_DIGEST  # the model's own tokenizer, offline
     if digest_unknown and not is_token_location(model.dataset):
         typer.secho(f"invalid config: dataset: {model.dataset} is text read as bytes, but the model uses its own "

@@ -85,26 +85,23 @@ class DhtReader:
     def __init__(self, initial_peers: list[str], run_id: str) -> None:
         self.initial_peers, self.run_id = initial_peers, run_id
         self.board = None
-        self.looked_at = -1  # the state nonce of the last look for a loss
+        self.history = None
+        self.looked_at = -1  # the state nonce of the last look for rounds' results
 
     def __call__(self, state):
         from client.commands.status import dht_worker_records, open_board
         from client.dashboard.feed import DhtReading
-        from client.dashboard.view import RoundResult
-        from client.witness.records import Commitment, last_loss
+        from client.dashboard.history import History
+        from client.witness.records import Commitment
 
         if self.board is None:
             self.board = open_board(self.initial_peers, self.run_id)
+            self.history = History(lambda epoch, round_: list(self.board.fetch(Commitment, epoch, round_).values()))
         announced = dht_worker_records(self.board, state)
-        if state.nonce == self.looked_at:  # looking back for a loss may read many rounds: once per state
-            return DhtReading(announced, None)
+        if state.nonce == self.looked_at:  # a round's commitments are read once per state, not once per refresh
+            return DhtReading(announced)
         self.looked_at = state.nonce
-        found = last_loss(self.board, state.epoch, state.round.height, state.config.rounds_per_epoch)
-        if found is None:
-            return DhtReading(announced, None)
-        epoch, round_, loss = found
-        tokens = sum(c.tokens for c in self.board.fetch(Commitment, epoch, round_).values())  # type: ignore
-        return DhtReading(announced, RoundResult(epoch, round_, loss, tokens))
+        return DhtReading(announced, self.history.read(state))
 
     def close(self) -> None:
         if self.board is not None:

@@ -26,7 +26,7 @@ from client.commands.connect import (
 )
 from client.commands.options import KEYPAIR_HELP, keypair_option
 from client.identity import DEFAULT_KEYPAIR_PATH
-from local_backend.peers import Limits
+from local_backend.peers import Limits, listen
 
 MIN_INTERVAL = 0.05
 """The shortest interval any option takes (50 ms): shorter would only flood the coordinator or drop every client."""
@@ -78,7 +78,7 @@ def serve(
 ) -> None:
     """Run the centralised coordinator: it ticks the run, authenticates clients and broadcasts the state.
     Give --join-authority (joins need the auth service's countersignature) or --permissionless."""
-    from client.commands.config import load_spec_or_exit
+    from client.commands.config import check_dataset_or_exit, load_spec_or_exit
     from client.identity import KeypairError, load_keypair, save_keypair
     from coordinator_program.spec.errors import CoordinatorError
     from local_backend.server import CoordinatorServer
@@ -93,8 +93,14 @@ def serve(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    spec = load_spec_or_exit(config)  # a Hugging Face model's digests filled from its source
+    check_dataset_or_exit(spec.model, here=False)  # the coordinator's machine need not hold the data
+    try:  # bound before the run's database and key are made: a busy port leaves nothing behind
+        listener = listen(host, port)
+    except OSError as exc:
+        typer.secho(f"cannot listen on {host}:{port}: {exc.strerror or exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
     try:
-        spec = load_spec_or_exit(config)  # a Hugging Face model's digests filled from its source
         key_path = keypair or db.with_suffix(".authority.json")
         if not key_path.exists() and keypair is None:
             from solders.keypair import Keypair
@@ -103,11 +109,12 @@ def serve(
         authority = load_keypair(key_path)
         server = CoordinatorServer(spec, RunStore(db), authority, join_authority=admits, limits=limits)
     except (CoordinatorError, KeypairError, StoreError) as exc:
+        listener.close()
         typer.secho(f"cannot serve: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
 
     async def run() -> None:
-        await server.start(host, port)
+        await server.start(host, port, listener)
         try:
             await asyncio.Event().wait()
         finally:
@@ -180,9 +187,16 @@ def authority_command(run_id: str, server: str | None, url: str | None, program_
     """Connect to run ``run_id`` as its main authority, run ``action(backend)`` and print ``done`` with the phase
     the run is then in; the coordinator's refusal, or an unreachable backend, is one line and exit status 1."""
     from client.backends.base import BackendError
-    from coordinator_program.spec.errors import CoordinatorError
+    from coordinator_program.spec.errors import CoordinatorError, NotAuthorized
 
     check_target(server, url, run_id)
+    advice = ("on the TCP server the run's main authority is the keypair `serve` keeps beside its --db "
+              "(run.authority.json beside run.sqlite): give it with -k" if server is not None else
+              "on Solana it is the keypair that ran `create-run`: give it with -k")
+    if not keypair.expanduser().exists():  # a new key would not be the run's authority: no keygen advice here
+        typer.secho(f"cannot {verb} run {run_id!r}: keypair file {keypair} does not exist; {advice}",
+                    fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
     authority = open_identity(keypair)
 
     async def run() -> str:
@@ -197,8 +211,9 @@ def authority_command(run_id: str, server: str | None, url: str | None, program_
     try:
         phase = asyncio.run(run())
     except (CoordinatorError, BackendError) as exc:
-        typer.secho(f"cannot {verb} run {run_id!r}: {getattr(exc, 'detail', None) or exc}", fg=typer.colors.RED,
-                    err=True)
+        why = getattr(exc, "detail", None) or exc
+        typer.secho(f"cannot {verb} run {run_id!r}: {why}{f'; {advice}' if isinstance(exc, NotAuthorized) else ''}",
+                    fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     typer.echo(done.format(run_id=run_id, phase=phase, authority=authority.pubkey()))
 

@@ -74,8 +74,24 @@ def parse_device_option(text: str) -> str:
 _DEFAULTS = {"layers": 6, "width": 128, "heads": 4, "seq_len": 128, "stages": 3, "seed": 0}
 
 
+class ClosedListenerNoise(logging.Filter):
+    """Drops the error p2pd reports when its listening socket closes under its accept loop, which is how hivemind
+    stops it: every clean stop printed an ``[ERROR]`` line that was no fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "use of closed network connection" not in record.getMessage()
+
+
+def quiet_clean_p2p_stop() -> None:
+    """Install ``ClosedListenerNoise`` on the logger hivemind passes p2pd's lines to (once)."""
+    p2p = logging.getLogger("hivemind.p2p.p2p_daemon")
+    if not any(isinstance(f, ClosedListenerNoise) for f in p2p.filters):
+        p2p.addFilter(ClosedListenerNoise())
+
+
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_clean_p2p_stop()
 
 
 def _model_config(layers: int, width: int, heads: int, seq_len: int, stages: int, seed: int) -> ModelConfig:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from client.commands.connect import KeypairFile, ProgramId, RunId, Server, Url
-from client.commands.pipeline import DeviceOption, InitialPeers, parse_device_option
+from client.commands.pipeline import DeviceOption, InitialPeers, parse_device_option, quiet_clean_p2p_stop
 from client.identity import DEFAULT_KEYPAIR_PATH
 from client.join.checkpoints import SNAPSHOT_EVERY
 
@@ -56,7 +56,7 @@ def parse_stage(text: str | None) -> int:
 STOP_GRACE = 8.0
 """Seconds from SIGTERM or Ctrl+C to the process's end at the latest: the client's clean leave gets
 ``client.contributor.runner.STOP_TIMEOUT`` of them; past STOP_GRACE the process ends regardless."""
-STOPPED = "stopped; the coordinator drops this client at the next health check"
+STOPPED = "stopped; started again with the same keypair, it rejoins the run (a worker from the stage it saved)"
 
 
 class Stopper:
@@ -71,6 +71,7 @@ class Stopper:
     def __init__(self, grace: float) -> None:
         self.grace = grace
         self.requested = False
+        self.finished = False  # the client has ended (the run finished, or it failed): only the exit is left
         self.loop: asyncio.AbstractEventLoop | None = None
         self.task: asyncio.Task | None = None
 
@@ -81,6 +82,8 @@ class Stopper:
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.requested:
             end_process(0, STOPPED)
+        if self.finished:  # the client is done and the process is on its way out: no traceback from an exit hook
+            end_process(128 + signum)
         self.requested = True
         timer = threading.Timer(self.grace, end_process, (0, f"{STOPPED} (its clean leave was cut short)"))
         timer.daemon = True
@@ -101,7 +104,7 @@ class Stopper:
                 raise
             raise KeyboardInterrupt from None
         finally:
-            self.task = None
+            self.task, self.finished = None, True
             left = asyncio.all_tasks(loop)
             for task in left:
                 task.cancel()
@@ -190,6 +193,9 @@ def join_run(
         raise typer.BadParameter(f"--role must be worker or trainer, not {role!r}")
     if not initial_peers:
         raise typer.BadParameter("give the run's DHT with --initial-peer (printed by `psyswarm dht`)")
+    if not all(peer.strip() for peer in initial_peers):
+        raise typer.BadParameter("--initial-peer is empty (an unset shell variable?): give the address `psyswarm "
+                                 "dht` printed")
     wanted = parse_stage(stage)
     if role == "trainer" and stage is not None:
         raise typer.BadParameter("a trainer holds no stage: drop --stage")
@@ -322,6 +328,7 @@ def log_to_stdout(console: Console | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per RPC call drowns the run's own lines
     logging.captureWarnings(True)
     use_hivemind_log_handler("nowhere")
+    quiet_clean_p2p_stop()
 
 
 async def unfunded(backend, identity: Keypair) -> bool:

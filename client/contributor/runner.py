@@ -200,6 +200,8 @@ class Contributor:
         self.stopping = True
         self.tasks.stop()
         deadline = time.monotonic() + STOP_TIMEOUT
+        if self.ended is None:  # told to stop (not removed, not finished): leave the run before anything else
+            await self._withdraw(deadline)
         steps: list[tuple[str, Callable[[], object]]] = []
         role_step = self.role.stop_step()
         if role_step is not None:
@@ -215,6 +217,19 @@ class Contributor:
                 log.warning("%s took longer than the %.0f s a stop may: going without", what, STOP_TIMEOUT)
             except Exception as exc:  # noqa: BLE001 - the process is ending: a step that fails leaves the next to run
                 log.warning("%s failed: %s", what, exc)
+
+    async def _withdraw(self, deadline: float) -> None:
+        """Tell the coordinator this client leaves: a joiner leaves the queue at once, a client of the epoch at the
+        end of the round, neither queued again nor left to the health checks."""
+        state = self.backend.state
+        if state.pending_index(self.context.me) is None and state.client_index(self.context.me) is None:
+            return
+        try:
+            await asyncio.wait_for(self.backend.withdraw(), max(deadline - time.monotonic(), 0.1))
+            log.info("withdrew from the run")
+        except (TimeoutError, CoordinatorError, BackendError) as exc:
+            log.warning("could not withdraw from the run (%s): the coordinator's health checks will drop this client",
+                        getattr(exc, "detail", None) or exc or "no answer in time")
 
     def _end(self, why: Ending) -> None:
         """Stop taking part in the run: ``run`` leaves cleanly, then raises ``why``."""

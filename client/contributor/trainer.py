@@ -168,16 +168,16 @@ class TrainerRole:
             except Exception as exc:  # a stage that vanished mid-round: the witnesses will see the gap
                 log.warning("round %s: training failed: %s", key, exc)
                 return
+        seconds = time.perf_counter() - started
         self.last_trained = TrainedRound(key, len(result.microbatches))
         losses = result.losses
         loss = sum(losses) / len(losses)
         receipts = tuple(dataclasses.asdict(r) for m in result.microbatches for _, r in sorted(m.receipts.items()))
         commitment = Commitment.create(context.keypair, run_id=state.run_id, epoch=state.epoch,
                                        round=state.round.height, start=share.start, end=share.end, loss=loss,
-                                       tokens=share.size * state.model.seq_len, receipts=receipts)
+                                       tokens=share.size * state.model.seq_len, seconds=seconds, receipts=receipts)
         assert context.board is not None
         await asyncio.to_thread(context.board.publish, commitment, context.keypair)
-        seconds = time.perf_counter() - started
         log.info("round %s: trained samples %d-%d, loss %.4f, %.0f tokens/s", key, share.start, share.end, loss,
                  share.size * state.model.seq_len / max(seconds, 1e-9))
 

@@ -18,7 +18,7 @@ from client.contributor.rounds import RoundKey
 from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
 from client.witness.records import Commitment, Presence, Ready, Report
 from coordinator_program.spec import rules
-from coordinator_program.spec.errors import CoordinatorError
+from coordinator_program.spec.errors import CoordinatorError, WrongPhase
 from coordinator_program.spec.state import CoordinatorState, Phase
 
 log = logging.getLogger("psyswarm.client")
@@ -66,9 +66,15 @@ class Witnessing:
         parts = evidence.filters(state)
         try:  # a proof that did not get through (a network error, say) is sent again at the next poll
             await self.context.backend.prove(None if warmup else state.round.height, parts)
+        except WrongPhase:
+            self.proved.add(key)
+            log.info("%s proof for %s arrived after the %s had ended (the other witnesses' quorum or its time limit "
+                     "ended it): nothing is lost", "warmup" if warmup else "round", key.round,
+                     "warmup" if warmup else "round")
+            return
         except CoordinatorError as exc:
             self.proved.add(key)
-            log.info("witness proof not taken: %s", exc.detail)
+            log.info("%s proof for %s refused: %s", "warmup" if warmup else "round", key.round, exc.detail)
             return
         self.proved.add(key)
         log.info("%s proof sent for %s: %d participants, %d batches%s", "warmup" if warmup else "round",

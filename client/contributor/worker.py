@@ -28,7 +28,7 @@ from client.join.checkpoints import revision_for, snapshot_root, upload_stage
 from client.join.stage_replica import StageReplica, StateSources
 from client.join.sync import SyncPhase
 from client.pipeline.worker import StageWorker
-from client.stages import stage_name
+from client.stages import checkpoint_location, stage_name
 from client.witness.records import Report, receipt_hash
 from coordinator_program.spec import limits
 from coordinator_program.spec.config import CheckpointKind
@@ -73,6 +73,9 @@ class WorkerRole:
         self.round_receipts: list[str] = []  # hashes of the receipts issued in the open round
         self.reported: Reported | None = None
         self.saved_epoch: int | None = None  # the last epoch whose checkpoint this worker saved
+        self.stepped: int | None = None  # the swarm steps the stage's parameters hold, once this worker stepped
+        self.snapshotted: int | None = None  # the step of this worker's newest snapshot
+        self.stepping = False  # an optimizer step is under way on a thread
 
     @property
     def worker(self) -> StageWorker | None:
@@ -93,8 +96,25 @@ class WorkerRole:
         return {"publishing receipts": lambda: poll(self.publish_open_round)}
 
     def stop_step(self) -> tuple[str, Callable[[], object]] | None:
-        """The step of a clean leave this role owes: stopping the worker (its DHT record says it left)."""
-        return ("stopping the worker", self.replica.stop) if self.replica is not None else None
+        """The step of a clean leave this role owes: snapshotting what it trained since its last snapshot, so that
+        its restart resumes at its step (``StageReplica`` loads the newest snapshot no newer than the swarm), then
+        stopping the worker (its DHT record says it left)."""
+        return ("saving the stage and stopping the worker", self._save_and_stop) if self.replica is not None else None
+
+    def _save_and_stop(self) -> None:
+        replica = self.replica
+        assert replica is not None
+        step = self.stepped
+        if self.stepping:
+            log.warning("stage %s: an optimizer step was under way, so it is not saved on leaving", replica.stage)
+        elif step is not None and step != self.snapshotted and replica.tracker.shares_state:
+            root = snapshot_root(self.context.options.checkpoint_dir.resolve(), self.context.state.run_id)
+            try:
+                replica.save_snapshot(root, step)
+                log.info("stage %s saved at step %d under %s: a restart resumes from it", replica.stage, step, root)
+            except OSError as exc:
+                log.warning("could not save stage %s on leaving: %s", replica.stage, exc)
+        replica.stop()
 
     # --- every state ------------------------------------------------------------------------------------
 
@@ -133,6 +153,7 @@ class WorkerRole:
                                           trainer_allowed=self._is_epoch_trainer,
                                           say=lambda line: print(line, flush=True))
         replica.worker.port = options.port  # not serving yet: it binds the port when it starts
+        self.stepped = self.snapshotted = None
         auth = options.auth
         sources = StateSources(snapshot=auth.snapshot if auth is not None else None,
                                snapshots=snapshot_root(options.checkpoint_dir.resolve(), state.run_id),
@@ -199,10 +220,13 @@ class WorkerRole:
             return
         step = closing.step
         await self.publish_receipts(closing.round)
+        self.stepping = True  # until the step's thread returns, even if this task is cancelled meanwhile
         stats = await asyncio.to_thread(replica.step, step)
+        self.stepping, self.stepped = False, step + 1
         replica.expect_samples(*round_samples(self.context.state, step + 1))  # the next round's, whenever it starts
         log.info("round %s: stepped on %d samples (grad norm %.3f)", closing.round, stats.samples, stats.grad_norm)
         if self._snapshot_due(replica, step + 1):
+            self.snapshotted = step + 1
             self.context.tasks.spawn(self._save_snapshot(replica, step + 1))
         self.context.tasks.spawn(self._average(replica, step + 1))
 
@@ -258,6 +282,7 @@ class WorkerRole:
                       else (CheckpointKind.Local, str(directory.parent)))
         try:
             await self.context.backend.checkpoint(kind, repo, revision)
-            log.info("epoch %d: stage %s saved to %s@%s", state.epoch, replica.stage, repo, revision)
+            log.info("epoch %d: stage %s saved to %s", state.epoch, replica.stage,
+                     checkpoint_location(repo, revision, hub=kind == CheckpointKind.Hub))
         except CoordinatorError as exc:
             log.warning("checkpoint not recorded: %s", exc.detail)

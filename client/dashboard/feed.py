@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from client.backends.base import Backend, BackendError
-from client.dashboard.view import RoundResult, Timeline, snapshot
+from client.dashboard.history import RoundResult
+from client.dashboard.view import Timeline, snapshot
 from coordinator_program.spec.state import CoordinatorState
 
 log = logging.getLogger("psyswarm.dashboard")
@@ -30,10 +31,10 @@ RETRY_SECONDS = 2.0
 
 @dataclasses.dataclass
 class DhtReading:
-    """What the run's DHT shows: each stage's announced worker records, and the newest round's result."""
+    """What the run's DHT shows: each stage's announced worker records, and the results of the rounds read."""
 
     announced: Mapping[str, Sequence[Any]]
-    result: RoundResult | None
+    results: Sequence[RoundResult] = ()
 
 
 def reason_of(exc: BaseException) -> str:
@@ -83,7 +84,6 @@ class Feed:
         try:
             async for state in backend.updates():
                 self.state = state
-                self.timeline.observe(state)
                 self.rebuild()
         finally:
             refresher.cancel()
@@ -118,8 +118,8 @@ class Feed:
         assert self.read_dht is not None
         reading = self.read_dht(state)
         self.announced = reading.announced
-        if reading.result is not None:
-            self.timeline.record(reading.result)
+        for result in reading.results:
+            self.timeline.record(result)
 
     def _read_contributors(self, state: CoordinatorState) -> None:
         assert self.read_contributors is not None

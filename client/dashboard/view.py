@@ -6,19 +6,16 @@ repository string a peer chose can never become markup.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from solders.pubkey import Pubkey
 
+from client.dashboard.history import MAX_LOSS_POINTS, RoundResult
 from client.stages import stage_names
 from client.swarm.status import ROUND_PHASES, checkpoint_text, last_epoch, phase_limit, syncing_counts
 from coordinator_program.spec import limits, rules
 from coordinator_program.spec.state import CoordinatorState, Phase, Role
-
-MAX_LOSS_POINTS = 500
-"""Rounds of loss the page keeps: enough for a long curve, bounded however long the dashboard runs."""
 
 
 def key_text(identity: bytes) -> str:
@@ -98,53 +95,27 @@ def leaderboard(ledger: Sequence[Any], contributors: Mapping[str, str]) -> list[
     return sorted(rows.values(), key=lambda r: (-r["total"], r["name"]))
 
 
-@dataclasses.dataclass
-class RoundResult:
-    """One round's committed result: the trainers' sample-weighted mean loss and the tokens they processed."""
-
-    epoch: int
-    round: int
-    loss: float
-    tokens: int
-
-
 class Timeline:
-    """What the dashboard learns by watching: when each round's training started and ended (by the coordinator's
-    clock), and each round's result as the DHT shows it; bounded to the last ``MAX_LOSS_POINTS`` rounds."""
+    """Each round's result as the run's DHT shows it, bounded to the newest ``MAX_LOSS_POINTS`` rounds."""
 
     def __init__(self) -> None:
-        self.train_start: dict[tuple[int, int], int] = {}
-        self.train_end: dict[tuple[int, int], int] = {}
         self.results: dict[tuple[int, int], RoundResult] = {}
-
-    def observe(self, state: CoordinatorState) -> None:
-        key = (state.epoch, state.round.height)
-        if state.phase == Phase.RoundTrain:
-            self.train_start.setdefault(key, state.phase_start)
-        elif state.phase == Phase.RoundWitness:
-            self.train_end.setdefault(key, state.phase_start)
-        for table in (self.train_start, self.train_end):
-            _keep_newest(table)
 
     def record(self, result: RoundResult) -> None:
         self.results[(result.epoch, result.round)] = result
-        _keep_newest(self.results)
+        for key in sorted(self.results)[:-MAX_LOSS_POINTS]:
+            del self.results[key]
 
     def losses(self) -> list[dict[str, Any]]:
         return [{"epoch": r.epoch, "round": r.round + 1, "loss": r.loss} for _, r in sorted(self.results.items())]
 
     def tokens_per_second(self) -> float | None:
-        """The newest result's tokens over its round's training time, when the dashboard saw both ends."""
+        """The newest round's throughput, by the seconds its trainers measured (None if none said)."""
         for key in sorted(self.results, reverse=True):
-            start, end = self.train_start.get(key), self.train_end.get(key)
-            if start is not None and end is not None:
-                return self.results[key].tokens / max(end - start, 1)
+            rate = self.results[key].tokens_per_second
+            if rate is not None:
+                return rate
         return None
-
-
-def _keep_newest(table: dict[tuple[int, int], Any]) -> None:
-    for key in sorted(table)[:-MAX_LOSS_POINTS]:
-        del table[key]
 
 
 def snapshot(state: CoordinatorState, now: float, *, announced: Mapping[str, Sequence[Any]] | None = None,

@@ -184,7 +184,7 @@ def causal_masks(config: PretrainedConfig, hidden: torch.Tensor, position_ids: t
     """The masks of both attention kinds, as ``transformers`` builds them (None where the kernel is causal)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
+    kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=None, cache=None,
                   position_ids=position_ids)
     masks: dict[str, object] = {"full_attention": create_causal_mask(**kwargs)}
     if getattr(config, "sliding_window", None) is not None:

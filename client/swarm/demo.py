@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import shutil
+import socket
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -197,9 +199,12 @@ def draw_losses(ax, results: list[RoundResult], model: DemoModel = MODELS["psysw
         ax.axvline(first - 0.5, color="grey", linewidth=0.6, linestyle=":")
         ax.annotate(f"epoch {epoch}", (first - 0.5, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
                     textcoords="offset points", ha="left", va="top", fontsize=8, color="dimgrey")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     ax.set_xlabel("optimizer step (one per round)")
     ax.set_ylabel(f"training loss ({model.loss_unit})")
-    ax.set_title(model.title)
+    ax.set_title(textwrap.fill(model.title, 60), fontsize=11)  # one line overran the figure's width
     ax.grid(alpha=0.3)
 
 
@@ -229,10 +234,40 @@ def claim_workdir(workdir: Path) -> None:
     marker.write_text("Written by `psyswarm demo`: the next demo run with this --workdir empties this directory.\n")
 
 
+PORTS_TAKEN = 10
+"""Ports the demo takes from ``--port-base`` B on: the coordinator B (a local chain B and B + 1), the DHT bootstrap
+B + 2, the head, body1 and tail workers' gRPC B + 3..B + 5 and their DHT nodes B + 6..B + 8, the trainer's DHT
+node B + 9."""
+STAGES = ("head", "body1", "tail")
+
+
+def busy_ports(base: int) -> list[int]:
+    """The ports of ``base``..``base + PORTS_TAKEN - 1`` that something on this machine already listens on."""
+    busy = []
+    for port in range(base, base + PORTS_TAKEN):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
+def client_ports(base: int, name: str) -> tuple[str, ...]:
+    """The ``join-run`` options that fix a demo client's ports (none without a base: free ones are picked)."""
+    if not base:
+        return ()
+    if name == "trainer":
+        return ("--dht-port", str(base + 9))
+    i = STAGES.index(name)
+    return ("--port", str(base + 3 + i), "--dht-port", str(base + 6 + i))
+
+
 def run_demo(workdir: Path, epochs: int, rounds: int, timeout: float, out=print,
-             backend: str = "tcp", model: str = "psyswarm") -> list[RoundResult]:
+             backend: str = "tcp", model: str = "psyswarm", port_base: int = 0) -> list[RoundResult]:
     """Run the demo of ``model`` (a key of ``MODELS``) end to end in a cleared ``workdir`` (``WorkdirNotOurs`` if it
-    is not the demo's to clear); returns each round's result (the CLI prints the summary)."""
+    is not the demo's to clear), on the ports from ``port_base`` (``PORTS_TAKEN`` of them; free ones if 0);
+    returns each round's result (the CLI prints the summary)."""
     if model not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, not {model!r}")
     started = time.monotonic()
@@ -246,13 +281,13 @@ def run_demo(workdir: Path, epochs: int, rounds: int, timeout: float, out=print,
     where = "a local Solana chain running the program" if backend == "solana" else "the coordinator server"
     try:
         progress(f"starting {where} (logs in {swarm.logs})")
-        swarm.start_server()
+        swarm.start_server(port_base or None)
         progress(f"coordinator up at {swarm.address}; starting the DHT bootstrap")
-        swarm.start_dht()
+        swarm.start_dht(port_base + 2 if port_base else 0)
         progress("DHT up; starting 3 workers (head, body1, tail) and a trainer, each its own process")
-        for stage in ("head", "body1", "tail"):
-            swarm.start_client(f"worker-{stage}", "worker", stage)
-        swarm.start_client("trainer", "trainer")
+        for stage in STAGES:
+            swarm.start_client(f"worker-{stage}", "worker", stage, extra=client_ports(port_base, stage))
+        swarm.start_client("trainer", "trainer", extra=client_ports(port_base, "trainer"))
         progress("clients started: each loads torch and hivemind, then joins; the run starts once all 4 are in")
         view.started = started
         asyncio.run(follow(swarm, view, timeout))

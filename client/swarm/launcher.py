@@ -79,21 +79,23 @@ class Swarm:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def start_server(self, port: int | None = None) -> None:
-        """Start the coordinator: ``psyswarm serve``, or ``psyswarm localnet`` and ``create-run`` on it."""
+        """Start the coordinator: ``psyswarm serve``, or ``psyswarm localnet`` (on ``port`` and the next) and
+        ``create-run`` on it."""
         if self.backend == "solana":
-            self._start_chain()
+            self._start_chain(port)
             return
         self.port = port or self.port or free_port()
         self._spawn("server", "serve", "--config", str(self.config), "--port", str(self.port),
                     "--db", str(self.workdir / "run.sqlite"), *self._admission())
         self._wait(lambda: _listening(self.port), "the coordinator server", "server")
 
-    def _start_chain(self) -> None:
+    def _start_chain(self, port: int | None = None) -> None:
         authority = self._keypair("authority")
-        while True:  # the chain takes two ports, RPC and RPC + 1 for websockets
+        self.port = port or 0
+        while not self.port:  # the chain takes two ports, RPC and RPC + 1 for websockets
             self.port = free_port()
-            if not _listening(self.port + 1):
-                break
+            if _listening(self.port + 1):
+                self.port = 0
         self._spawn("server", "localnet", "--port", str(self.port), "--fund", str(authority))
         # Ready once it prints its banner, which it does when both ports listen.
         self._wait(lambda: "psyswarm localnet:" in self.log_text("server"), "the local chain", "server")
@@ -122,8 +124,8 @@ class Swarm:
 
         Client(self.address).request_airdrop(load_keypair(key).pubkey(), CLIENT_LAMPORTS)
 
-    def start_dht(self) -> None:
-        self._spawn("dht", "dht")
+    def start_dht(self, port: int = 0) -> None:
+        self._spawn("dht", "dht", "--port", str(port))
         self._wait(lambda: DHT_LINE in self.log_text("dht"), "the DHT bootstrap", "dht")
         line = next(x for x in self.log_text("dht").splitlines() if DHT_LINE in x)
         self.peer = line.split(DHT_LINE, 1)[1].strip()

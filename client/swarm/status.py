@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from client.stages import stage_name
+from client.stages import checkpoint_location, stage_name
 from coordinator_program.spec import rules
 from coordinator_program.spec.config import CheckpointKind
 from coordinator_program.spec.state import CoordinatorState, Health, Phase, Role
@@ -89,15 +89,14 @@ def describe(state: CoordinatorState, now: float) -> str:
 
 
 def checkpoint_text(state: CoordinatorState) -> str:
-    """Where the run's model is, as a user would open it: a local checkpoint's directory
-    (``<dir>/<run>/epoch-<E>``, as ``client.join.checkpoints`` lays it out), a Hub repo at its branch, and which
-    stages are saved, by name."""
+    """Where the run's model is, as ``psyswarm export --checkpoint`` takes it (``client.stages.checkpoint_location``),
+    and which stages are saved, by name."""
     cp = state.checkpoint
     if cp.kind == CheckpointKind.Fresh:
         return "fresh initialisation"
     if cp.kind == CheckpointKind.P2P:
         return "from peers (P2P)"
-    where = f"{cp.repo}/{cp.revision}" if cp.kind == CheckpointKind.Local else f"{cp.repo}@{cp.revision}"
+    where = checkpoint_location(cp.repo, cp.revision, hub=cp.kind == CheckpointKind.Hub)
     return f"{cp.kind.name} {where} (stages saved: {stages_saved(cp.stages_done, state.config.num_stages)})"
 
 

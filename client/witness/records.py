@@ -183,6 +183,7 @@ class Commitment(SignedRecord):
     end: int = 0
     loss: float = 0.0
     tokens: int = 0
+    seconds: float = 0.0  # how long the trainer measured training its share: the dashboard's tokens/s
     receipts: tuple = ()  # every backward's receipt, as a JSON object with ClaimedReceipt's fields
 
     def check(self) -> None:
@@ -192,6 +193,9 @@ class Commitment(SignedRecord):
         _require(self.start <= self.end, "commitment.start must not exceed commitment.end")
         _require(isinstance(self.loss, int | float) and not isinstance(self.loss, bool) and math.isfinite(self.loss)
                  and self.loss >= 0, "commitment.loss must be a finite, non-negative number")
+        _require(isinstance(self.seconds, int | float) and not isinstance(self.seconds, bool)
+                 and math.isfinite(self.seconds) and self.seconds >= 0,
+                 "commitment.seconds must be a finite, non-negative number")
         self.claims()
 
     def claims(self) -> tuple[ClaimedReceipt, ...]:

@@ -217,23 +217,30 @@ def test_the_page_follows_a_live_run_and_ranks_its_contributors(tmp_path: Path, 
 
 @pytest.mark.slow
 def test_the_page_shows_a_training_swarms_loss_and_workers_from_its_dht(tmp_path: Path) -> None:
-    from tests.integration.test_swarm import fail_with_logs, launch, tiny
+    """The dashboard starts mid-run, after three rounds: its chart still begins at the run's first round."""
+    from tests.integration.test_swarm import fail_with_logs, launch, tiny, watch
 
     start_browser = sync_playwright()
     from playwright.sync_api import Error as PlaywrightError
 
     swarm = launch(tmp_path, tiny(rounds=40, steps=40), ["head", "body1", "tail"])
-    dashboard = start_process(["dashboard", *swarm.target, "--run-id", swarm.run_id(), "--initial-peer", swarm.peer,
-                               "--port", "0"], tmp_path / "dashboard.log")
+    dashboard = None
     try:
+        asyncio.run(watch(swarm, lambda s: s.step >= 3, 240))
+        dashboard = start_process(["dashboard", *swarm.target, "--run-id", swarm.run_id(), "--initial-peer",
+                                   swarm.peer, "--port", "0"], tmp_path / "dashboard.log")
         url = dashboard_url(dashboard)
         with start_browser() as playwright:
             browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1280, "height": 860}, bypass_csp=True)
             page.goto(url)
             page.wait_for_function("document.querySelectorAll('#loss-chart polyline').length === 1 && "
-                                   "document.getElementById('loss-chart').textContent.includes('4 rounds')",
+                                   "document.getElementById('loss-chart').textContent.includes('5 rounds')",
                                    timeout=240_000)
+            chart = page.locator("#loss-chart").text_content() or ""
+            assert "e0 r1" in chart, f"the chart does not start at the run's first round: {chart}"
+            ticks = page.locator("#loss-chart text.tick").all_text_contents()
+            assert len(ticks) >= 2 and all(re.fullmatch(r"\d+(\.\d+)?", t) for t in ticks), ticks
             assert re.fullmatch(r"last loss \d+\.\d{4} \(epoch 0, round \d+\)", page.locator("#last-loss").inner_text())
             assert re.fullmatch(r"\d+ tokens/s", page.locator("#tokens-per-s").inner_text())
             stages = [[cell.inner_text() for cell in row.locator("td").all()]
@@ -247,5 +254,6 @@ def test_the_page_shows_a_training_swarms_loss_and_workers_from_its_dht(tmp_path
     except (AssertionError, PlaywrightError, TimeoutError, RuntimeError) as exc:
         fail_with_logs(swarm, exc)
     finally:
-        stop(dashboard)
+        if dashboard is not None:
+            stop(dashboard)
         swarm.stop()

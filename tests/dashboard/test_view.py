@@ -6,9 +6,6 @@ import pytest
 from solders.keypair import Keypair
 
 from client.dashboard.view import (
-    MAX_LOSS_POINTS,
-    RoundResult,
-    Timeline,
     checkpoint,
     contributor_map,
     key_text,
@@ -22,7 +19,7 @@ from client.pipeline.discovery import WorkerRecord
 from coordinator_program.spec import limits, rules
 from coordinator_program.spec.bloom import build_filter
 from coordinator_program.spec.config import Checkpoint, CheckpointKind
-from coordinator_program.spec.state import LedgerEntry, Phase
+from coordinator_program.spec.state import LedgerEntry
 from tests.spec.scenario import full_filter, ident, join_pipeline, new_run, start_training
 
 
@@ -75,7 +72,7 @@ def test_the_checkpoint_names_its_saved_stages_instead_of_a_bit_mask() -> None:
     state, _ = training_state()
     state.checkpoint = Checkpoint(CheckpointKind.Hub, 0b101, "org/model", "epoch-1")
     assert checkpoint(state) == {"kind": "Hub", "repo": "org/model", "revision": "epoch-1",
-                                 "text": "Hub org/model@epoch-1 (stages saved: head, tail (2 of 3))"}
+                                 "text": "Hub hub:org/model@epoch-1 (stages saved: head, tail (2 of 3))"}
 
 
 def test_the_leaderboard_sums_a_contributors_keys_and_keeps_unknown_keys_apart() -> None:
@@ -89,21 +86,6 @@ def test_the_leaderboard_sums_a_contributors_keys_and_keeps_unknown_keys_apart()
     assert [r["contributor"] for r in rows] == [True, True, False]
     assert [r["name"] for r in leaderboard(ledger, {})] == [key_text(b), key_text(a1), key_text(a2),
                                                             key_text(stranger)]
-
-
-def test_the_timeline_rates_tokens_by_the_rounds_training_time_and_stays_bounded() -> None:
-    state, now = training_state()
-    timeline = Timeline()
-    timeline.observe(state)
-    timeline.record(RoundResult(0, 0, 5.5, 4000))
-    assert timeline.tokens_per_second() is None  # the round's training has not ended yet
-    rules.tick(state, now + state.config.max_round_train_time, 5)
-    assert state.phase == Phase.RoundWitness
-    timeline.observe(state)
-    assert timeline.tokens_per_second() == 4000 / state.config.max_round_train_time
-    for r in range(MAX_LOSS_POINTS + 10):
-        timeline.record(RoundResult(1, r, 1.0, 1))
-    assert len(timeline.losses()) == MAX_LOSS_POINTS and timeline.losses()[-1]["round"] == MAX_LOSS_POINTS + 10
 
 
 def test_a_snapshot_of_a_real_state_is_plain_json() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import typer
 from solders.keypair import Keypair
 from typer.testing import CliRunner
 
@@ -74,3 +75,21 @@ def test_validate_config_accepts_matching_data_and_notes_unreachable_data(tmp_pa
     assert result.exit_code == 0 and "config OK" in result.output, result.output
     offline = CliRunner().invoke(app, ["validate-config", str(_config_with_dataset(tmp_path, "http://127.0.0.1:9/d"))])
     assert offline.exit_code == 0 and "dataset tokenizer not checked: cannot download" in offline.output
+
+
+@pytest.mark.parametrize("make", [lambda d: d / "missing", lambda d: (d / "empty").mkdir() or d / "empty"])
+def test_a_local_dataset_that_cannot_be_read_is_refused_by_validate_config_and_named_by_serve(tmp_path: Path,
+                                                                                             make) -> None:
+    """Before: `config OK`, not a word from serve, and the run found out at warmup, after every worker joined. The
+    coordinator's machine need not hold the data (its trainers' do), so serve says so in one line and serves."""
+    location = make(tmp_path)
+    config = _config_with_dataset(tmp_path, str(location))
+    result = CliRunner().invoke(app, ["validate-config", str(config)])
+    assert result.exit_code == 1 and "config OK" not in result.output, result.output
+    assert f"invalid config: dataset: {location} " in result.output
+    from client.commands.config import check_dataset_or_exit, load_spec_or_exit
+
+    spec = load_spec_or_exit(config, offline=True)
+    with pytest.raises(typer.Exit):
+        check_dataset_or_exit(spec.model)
+    check_dataset_or_exit(spec.model, here=False)  # serve's check: named, not refused

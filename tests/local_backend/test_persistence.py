@@ -8,7 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 from solders.keypair import Keypair
@@ -38,17 +38,24 @@ def free_port() -> int:
 
 
 def start_server(config: Path, db: Path, port: int) -> subprocess.Popen:
+    """``psyswarm serve``, once it serves: it binds its port before it opens the run, so a connection alone does
+    not say the run is stored yet; its log line does."""
     proc = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", "--config", str(config), "--db", str(db),
                              "--port", str(port), "--permissionless"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc
-        except OSError:
-            time.sleep(0.1)
+    assert proc.stdout is not None
+    seen = []
+    timer = threading.Timer(60, proc.kill)  # a server that never says it serves ends the read below
+    timer.start()
+    try:
+        for line in proc.stdout:
+            seen.append(line.decode(errors="replace"))
+            if b"serving run" in line:
+                proc.startup_log = "".join(seen)  # type: ignore[attr-defined] - what it said until then
+                return proc
+    finally:
+        timer.cancel()
     proc.kill()
-    raise AssertionError(f"server did not start: {proc.stdout.read().decode() if proc.stdout else ''}")
+    raise AssertionError(f"server did not start: {''.join(seen)}")
 
 
 async def join_four(address: str) -> tuple[list[TcpBackend], int]:
@@ -111,3 +118,19 @@ def test_a_database_of_another_run_is_refused(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "client.cli", "serve", "--config", str(other), "--db", str(db),
                              "--port", str(port), "--permissionless"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "holds run 'persist'" in result.stderr
+
+
+def test_serve_on_a_busy_port_creates_nothing(tmp_path: Path) -> None:
+    """Before: the database and the authority key were made, then the bind failed."""
+    config = tmp_path / "state.toml"
+    config.write_text(STATE_TOML)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "client.cli", "serve", "--config", str(config), "--db",
+                                 str(tmp_path / "run.sqlite"), "--port", str(port), "--permissionless"],
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.toml"], "a refused serve leaves nothing behind"

@@ -37,6 +37,24 @@ def test_each_stage_computes_its_slice_of_the_whole_model(architecture: str) -> 
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("architecture", SUPPORTED_ARCHITECTURES)
+def test_the_stages_path_makes_no_deprecated_call(architecture: str) -> None:
+    """transformers 5.24 warned on every forward that a keyword the stages passed goes away in 5.40."""
+    import warnings
+
+    spec = tiny_spec(architecture)
+    stages = build_all_stages(spec)
+    ids = torch.randint(0, VOCAB, (2, SEQ_LEN + 1), generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hidden = ids[:, :-1]
+        for stage in stages[:-1]:
+            hidden = stage(hidden)
+        stages[-1](hidden, ids[:, 1:]).backward()
+    deprecated = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning | FutureWarning)]
+    assert not deprecated, deprecated
+
+
 @pytest.mark.parametrize("architecture", ["llama", "gpt_neox"])
 def test_stage_state_dicts_merge_into_the_whole_models(architecture: str) -> None:
     spec = tiny_spec(architecture)

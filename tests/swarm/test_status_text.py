@@ -46,7 +46,7 @@ def test_a_local_checkpoint_is_shown_where_the_workers_saved_it(tmp_path: Path) 
 def test_a_hub_checkpoint_names_its_branch() -> None:
     state = demo_state()
     state.checkpoint = Checkpoint(CheckpointKind.Hub, 0b010, "org/model", revision_for(2))
-    assert "checkpoint: Hub org/model@epoch-2 (stages saved: body1 (1 of 3))" in describe(state, now=1_000)
+    assert "checkpoint: Hub hub:org/model@epoch-2 (stages saved: body1 (1 of 3))" in describe(state, now=1_000)
 
 
 def test_the_next_epoch_shows_no_round_of_the_last() -> None:
@@ -78,3 +78,31 @@ def test_the_loss_plot_labels_every_epoch() -> None:
         assert [line.get_xdata()[0] for line in ax.lines[1:]] == [0.5, 2.5, 4.5]  # where each epoch begins
     finally:
         plt.close(fig)
+
+
+def test_every_printed_checkpoint_is_what_export_takes(tmp_path: Path) -> None:
+    """Workers logged `<dir>/<run>@epoch-0` for the directory `<dir>/<run>/epoch-0`; pasted into export, it failed."""
+    from client.commands.export import _HUB
+    from client.stages import checkpoint_location
+
+    directory = tmp_path / "checkpoints" / "run" / revision_for(0)
+    assert checkpoint_location(str(directory.parent), revision_for(0), hub=False) == str(directory)
+    assert _HUB.fullmatch(checkpoint_location("org/run", revision_for(3), hub=True)).groups() == ("org/run", "epoch-3")
+
+
+def test_the_demo_plots_title_fits_in_its_figure(tmp_path: Path) -> None:
+    """The one-line title of the byte-level demo ran past both edges of the saved figure."""
+    import matplotlib.pyplot as plt
+
+    from client.swarm.demo import MODELS
+
+    results = [RoundResult(0, r, r, 5.0 - 0.1 * r, 100, 1.0) for r in range(3)]
+    for model in MODELS.values():
+        fig, ax = plt.subplots(figsize=(7, 4))  # as the demo's plot()
+        try:
+            draw_losses(ax, results, model)
+            fig.tight_layout()
+            box = ax.title.get_window_extent(fig.canvas.get_renderer())
+            assert box.x0 >= 0 and box.x1 <= fig.bbox.x1, (model.title, box, fig.bbox)
+        finally:
+            plt.close(fig)

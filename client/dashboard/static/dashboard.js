@@ -49,6 +49,21 @@ function svgElement(name, attributes, text) {
   return element;
 }
 
+function niceTicks(bottom, top, count) {
+  // Round-numbered ticks (1, 2 or 5 times a power of ten) covering [bottom, top].
+  const raw = (top - bottom) / count || Math.abs(top) / 10 || 1;
+  const power = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map(m => m * power).find(s => s >= raw);
+  const ticks = [];
+  for (let t = Math.floor(bottom / step) * step; t <= top + step / 2; t += step) ticks.push(Number(t.toFixed(10)));
+  if (ticks.length === 1) ticks.push(ticks[0] + step);
+  return {ticks, digits: Math.max(0, -Math.floor(Math.log10(step)))};
+}
+
+function roundName(p) {
+  return `e${p.epoch} r${p.round}`;
+}
+
 function showLoss(points, tokensPerSecond, dht) {
   const chart = $("loss-chart");
   chart.replaceChildren();
@@ -58,15 +73,25 @@ function showLoss(points, tokensPerSecond, dht) {
   setText("tokens-per-s", tokensPerSecond === null ? "tokens/s –" : `${Math.round(tokensPerSecond)} tokens/s`);
   if (points.length === 0) return;
   const losses = points.map(p => p.loss);
-  const top = Math.max(...losses), bottom = Math.min(...losses), span = top - bottom || 1;
-  const left = 40, right = 395, up = 10, down = 140;
+  const {ticks, digits} = niceTicks(Math.min(...losses), Math.max(...losses), 4);
+  const bottom = ticks[0], top = ticks[ticks.length - 1];
+  const left = 44, right = 395, up = 8, down = 132;
   const x = i => left + (points.length === 1 ? 0 : (i * (right - left)) / (points.length - 1));
-  const y = loss => down - ((loss - bottom) * (down - up)) / span;
+  const y = loss => down - ((loss - bottom) * (down - up)) / (top - bottom);
+  for (const tick of ticks) {
+    chart.append(svgElement("line", {class: "grid", x1: left, y1: y(tick), x2: right, y2: y(tick)}),
+                 svgElement("text", {class: "tick", x: left - 4, y: y(tick) + 3}, tick.toFixed(digits)));
+  }
+  points.forEach((p, i) => {  // each epoch's first round read
+    if (i > 0 && p.epoch !== points[i - 1].epoch) {
+      chart.append(svgElement("line", {class: "epoch", x1: x(i), y1: up, x2: x(i), y2: down}));
+    }
+  });
   chart.append(svgElement("line", {x1: left, y1: down, x2: right, y2: down}),
                svgElement("line", {x1: left, y1: up, x2: left, y2: down}),
-               svgElement("text", {x: 2, y: up + 4}, top.toFixed(2)),
-               svgElement("text", {x: 2, y: down}, bottom.toFixed(2)),
-               svgElement("text", {x: right - 60, y: 155}, `${points.length} rounds`),
+               svgElement("text", {x: left, y: 146}, roundName(points[0])),
+               svgElement("text", {class: "end", x: right, y: 146}, roundName(last)),
+               svgElement("text", {class: "middle", x: (left + right) / 2, y: 157}, `${points.length} rounds`),
                svgElement("polyline", {points: points.map((p, i) => `${x(i)},${y(p.loss)}`).join(" ")}));
 }
 
