@@ -35,6 +35,7 @@ from client.contributor.worker import WorkerRole
 from client.join.auth import AuthError, AuthSession
 from client.join.sync import SyncPhase
 from client.witness.records import Board, Ready
+from coordinator_program.spec import limits
 from coordinator_program.spec.errors import (
     AlreadyJoined,
     CoordinatorError,
@@ -295,7 +296,8 @@ class Contributor:
         self.joining = True
         options = self.context.options
         try:
-            await self.backend.join(options.role, options.stage)
+            slot = options.auth.grant.slot if options.auth is not None else limits.NO_SLOT
+            await self.backend.join(options.role, options.stage, slot)
             log.info("joined run %s as a %s; waiting to be admitted", state.run_id, options.role.name.lower())
         except AlreadyJoined:
             pass  # a state that shows this client queued is on its way

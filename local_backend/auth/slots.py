@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from local_backend.store import StoreError
+
+log = logging.getLogger("psyswarm.auth")
 
 NONCE_CAPACITY = 65_536  # spent nonces remembered at most; at 270 requests/s all of the skew window
 
@@ -32,6 +35,8 @@ class Slot:
     queued_at: float
     integrating_since: float | None = None
     synced: bool = False
+    countersigned_until: float = 0.0  # the latest deadline of a join countersigned for this slot
+    ended: float | None = None  # when the slot ended (left, lapsed); it is freed once the coordinator confirms
 
 
 _SCHEMA = """
@@ -50,7 +55,9 @@ CREATE TABLE IF NOT EXISTS slots (
     expires REAL NOT NULL,
     queued_at REAL NOT NULL,
     integrating_since REAL,
-    synced INTEGER NOT NULL
+    synced INTEGER NOT NULL,
+    countersigned_until REAL NOT NULL DEFAULT 0,
+    ended REAL
 );
 CREATE TABLE IF NOT EXISTS nonces (
     peer TEXT NOT NULL,
@@ -66,6 +73,57 @@ CREATE TABLE IF NOT EXISTS grants (
 );
 CREATE INDEX IF NOT EXISTS grants_by_seen ON grants (seen);
 """
+
+
+def admitted(slot: Slot, max_integrating: int) -> bool:
+    """Past the join queue: integrating, synced, or in a run with no queue."""
+    return max_integrating == 0 or slot.synced or slot.integrating_since is not None
+
+
+def waiting(slots: Iterable[Slot], max_integrating: int) -> list[Slot]:
+    """The join queue, in join order."""
+    return sorted((s for s in slots if s.ended is None and not admitted(s, max_integrating)),
+                  key=lambda s: (s.queued_at, s.index))
+
+
+def integrating(slots: Iterable[Slot]) -> int:
+    return sum(s.integrating_since is not None for s in slots)
+
+
+def held_by(slots: Iterable[Slot], contributor: str) -> int:
+    """The slots a contributor holds, ended ones included: their keys may still be in the run."""
+    return sum(s.contributor == contributor for s in slots)
+
+
+def least_occupied_stage(slots: Iterable[Slot], num_stages: int) -> int:
+    """The stage the fewest live worker slots hold (the lowest on ties)."""
+    counts = [0] * num_stages
+    for slot in slots:
+        if slot.stage >= 0 and slot.ended is None:
+            counts[slot.stage] += 1
+    return counts.index(min(counts))
+
+
+def free_index(slots: Iterable[Slot], capacity: int) -> int:
+    """The lowest slot index no slot holds, ended ones included (their keys may still be in the run)."""
+    taken = {s.index for s in slots}
+    return next(i for i in range(capacity) if i not in taken)
+
+
+def drop_misfits(store: SlotStore, slots: dict[str, Slot], num_stages: int, capacity: int) -> None:
+    """Slots kept from a run served with more stages or slots than now no longer exist."""
+    misfits = [s for s in slots.values() if s.stage >= num_stages or s.index >= capacity]
+    if not misfits:
+        return
+    with store.transaction():
+        for slot in misfits:
+            store.drop(slot.peer)
+            del slots[slot.peer]
+    log.warning("dropped %d kept slot(s) beyond %d stages or %d slots", len(misfits), num_stages, capacity)
+
+
+_SLOT_FIELDS = len(dataclasses.fields(Slot))
+_SLOT_COLUMNS = ", ".join("idx" if f.name == "index" else f.name for f in dataclasses.fields(Slot))
 
 
 class SlotStore:
@@ -84,6 +142,7 @@ class SlotStore:
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives process crashes
             self.db.executescript(_SCHEMA)
+            self._add_slot_end_columns()
             self.db.execute("INSERT OR IGNORE INTO service (id, run_id, nonce_floor) VALUES (1, ?, ?)",
                             (run_id, -math.inf))
             (held,) = self.db.execute("SELECT run_id FROM service WHERE id = 1").fetchone()
@@ -116,11 +175,12 @@ class SlotStore:
             raise
 
     def slots(self) -> dict[str, Slot]:
-        rows = self.db.execute("SELECT * FROM slots").fetchall()
-        return {row[0]: Slot(*row[:-1], synced=bool(row[-1])) for row in rows}
+        rows = self.db.execute(f"SELECT {_SLOT_COLUMNS} FROM slots").fetchall()
+        slots = (Slot(*row) for row in rows)
+        return {slot.peer: dataclasses.replace(slot, synced=bool(slot.synced)) for slot in slots}
 
     def put(self, slot: Slot) -> None:
-        self.db.execute("INSERT OR REPLACE INTO slots VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        self.db.execute(f"INSERT OR REPLACE INTO slots ({_SLOT_COLUMNS}) VALUES ({', '.join('?' * _SLOT_FIELDS)})",
                         dataclasses.astuple(slot))
 
     def remember_grant(self, peer: str, contributor: str, seen: float, kept: int) -> None:
@@ -153,6 +213,14 @@ class SlotStore:
 
     def close(self) -> None:
         self.db.close()
+
+    def _add_slot_end_columns(self) -> None:
+        """A store written before slots ended through the coordinator (issue 21) gains their two columns."""
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(slots)")}
+        if "countersigned_until" not in columns:
+            self.db.execute("ALTER TABLE slots ADD COLUMN countersigned_until REAL NOT NULL DEFAULT 0")
+        if "ended" not in columns:
+            self.db.execute("ALTER TABLE slots ADD COLUMN ended REAL")
 
     def _forget_nonces(self, before: float) -> None:
         if before <= self.nonce_floor:
