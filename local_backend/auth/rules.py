@@ -42,11 +42,13 @@ from coordinator_program.onchain.program_id import PROGRAM_ID
 from coordinator_program.spec import limits
 from coordinator_program.spec.instructions import JoinRun
 from local_backend.auth.countersign import check_join, join_to_countersign, message_bytes
+from local_backend.auth.ending import SlotEnding
 from local_backend.auth.failures import AuthFailure, bad_request
 from local_backend.auth.protocol import MAX_CLOCK_SKEW, ROLES, canonical, token_sha256
 from local_backend.auth.requests import SignedRequest, check_signed
 from local_backend.auth.slots import (
-    NONCE_CAPACITY,
+    NONCES_PER_ADDRESS,
+    NONCES_PER_TOKEN,
     Slot,
     SlotStore,
     admitted,
@@ -73,7 +75,7 @@ def _token_mismatch() -> AuthFailure:
 
 
 @dataclass
-class AuthService:
+class AuthService(SlotEnding):
     """Slot, stage and queue bookkeeping for one run; thread-safe. ``identify`` maps a token to a user name;
     ``db`` is the SQLite file that keeps the slots (``":memory:"`` keeps nothing across restarts)."""
 
@@ -89,7 +91,8 @@ class AuthService:
     integration_seconds: float = 900.0
     checkpoint: dict[str, str] | None = None
     clock: Callable[[], float] = time.time
-    nonce_capacity: int = NONCE_CAPACITY
+    nonces_per_token: int = NONCES_PER_TOKEN
+    nonces_per_address: int = NONCES_PER_ADDRESS
     grants_kept: int = GRANTS_KEPT  # never fewer than ``capacity``: every live slot stays mapped
     program_id: Pubkey = PROGRAM_ID  # the coordinator program whose joins it countersigns on Solana
     tells_coordinator: bool = True  # False (tests of this service alone): an ended slot frees once its joins expire
@@ -97,17 +100,18 @@ class AuthService:
 
     def __post_init__(self) -> None:
         if (self.num_stages < 2 or not 1 <= self.capacity < limits.NO_SLOT or self.lease_seconds <= 0
-                or self.max_integrating < 0 or self.max_slots_per_token < 1 or self.nonce_capacity < 1):
+                or self.max_integrating < 0 or self.max_slots_per_token < 1 or min(self.nonces_per_token,
+                                                                                    self.nonces_per_address) < 1):
             raise ValueError(f"need num_stages >= 2, 1 <= capacity < {limits.NO_SLOT}, max_slots_per_token >= 1, "
-                             "lease_seconds > 0, max_integrating >= 0, nonce_capacity >= 1")
-        self._store = SlotStore(self.db, self.run_id, self.nonce_capacity)
+                             "lease_seconds > 0, max_integrating >= 0, nonces_per_token >= 1, nonces_per_address >= 1")
+        self._store = SlotStore(self.db, self.run_id)
         self._lock = threading.Lock()
         self._slots = self._store.slots()
         drop_misfits(self._store, self._slots, self.num_stages, self.capacity)
 
     # --- requests ---
 
-    def join(self, token: str, request: Any) -> dict[str, Any]:
+    def join(self, token: str, request: Any, address: str = "") -> dict[str, Any]:
         """Grant (or renew) the requesting peer's slot; the signed grant is the answer."""
         signed = check_signed(request, "join", self.run_id, self.clock())
         role = signed.fields["role"]
@@ -117,7 +121,7 @@ class AuthService:
             raise AuthFailure(HTTPStatus.UNAUTHORIZED, "token_mismatch",
                               "the request is signed for another Hugging Face token than the one it was sent with")
         contributor = self.identify(token)  # outside the lock: it may call the Hub
-        grant = self._apply(signed, lambda now: self._grant(signed, contributor, now))
+        grant = self._apply(signed, lambda now: self._grant(signed, contributor, now), address=address, holder=False)
         signature = bytes(self.keypair.sign_message(canonical(grant))).hex()
         return {"grant": grant, "signature": signature, "service": bytes(self.keypair.pubkey()).hex()}
 
@@ -134,7 +138,12 @@ class AuthService:
 
     def leave(self, request: Any) -> dict[str, Any]:
         signed = check_signed(request, "leave", self.run_id, self.clock())
-        return self._apply(signed, lambda now: self._release(signed, now))
+        try:
+            return self._apply(signed, lambda now: self._release(signed, now))
+        except AuthFailure as refusal:
+            if refusal.code != "no_slot":
+                raise
+            return {"ok": True}  # nothing to leave: answered, and nothing spent
 
     def countersign(self, request: Any) -> dict[str, str]:
         """The join authority's signature over ``message``, a join of the requesting peer's own key into this
@@ -144,20 +153,6 @@ class AuthService:
         joiner, join = join_to_countersign(message, self.keypair.pubkey(), self.program_id, self.run_id)
         self._apply(signed, lambda now: self._check_join(self._own(signed), joiner, join, now))
         return {"signature": bytes(self.keypair.sign_message(message)).hex()}
-
-    def due_releases(self) -> list[Slot]:
-        """The ended slots whose countersigned joins are all past their deadline, once the leases that lapsed while
-        no one asked anything have ended too: those whose keys the coordinator may now be told to withdraw
-        (``release.release_ended``)."""
-        with self._lock:
-            now = self.clock()
-            self._in_transaction(lambda: self._expire(now))
-            return [slot for slot in self._slots.values() if self._releasable(slot, now)]
-
-    def released(self, slot: Slot) -> bool:
-        """The coordinator confirmed that ``slot``'s key is gone: free the slot (False if it was freed already)."""
-        with self._lock:
-            return self._in_transaction(lambda: self._slots.get(slot.peer) is slot and self._free(slot))
 
     def occupancy(self) -> dict[str, Any]:
         """Live slots per stage and contributors (the dashboard's view); needs no authentication."""
@@ -187,23 +182,31 @@ class AuthService:
 
     # --- one request, one transaction ---
 
-    def _apply(self, signed: SignedRequest, change: Callable[[float], dict[str, Any]]) -> dict[str, Any]:
-        """Spend the request's nonce, expire old slots and apply ``change``, all in one transaction; answer
-        only once it commits. A refused request still spends its nonce, so it cannot be replayed later, when
-        the refusal may no longer hold."""
+    def _apply(self, signed: SignedRequest, change: Callable[[float], dict[str, Any]], *, address: str = "",
+               holder: bool = True) -> dict[str, Any]:
+        """Expire old slots, spend the request's nonce and apply ``change``, all in one transaction; answer only
+        once it commits.
+
+        A request that can change nothing spends nothing: with ``holder``, one from a peer holding no live slot
+        under its token, or signed before its slot was granted (so no later slot of the peer is open to it). A
+        join (``holder`` False) may make a slot, so it spends, within its token's quota and, unless it renews
+        a slot the peer holds, its address's; a request past a quota is refused and spends nothing. Otherwise a
+        refused request still spends its nonce: it cannot be replayed later, when the refusal may no longer hold.
+        """
         refusal: AuthFailure | None = None
+        answer: dict[str, Any] = {}
         with self._lock:
             try:
                 with self._store.transaction():
                     now = self.clock()
-                    self._spend_nonce(signed, now)
                     self._expire(now)
                     try:
+                        self._check_fresh(signed, now, address, holder)
+                        self._store.spend_nonce(signed.peer, signed.nonce, signed.time, signed.token_sha256,
+                                                address, forget_before=now - MAX_CLOCK_SKEW)
                         answer = change(now)
                     except AuthFailure as failure:
                         refusal = failure
-            except AuthFailure:
-                raise  # a replay: nothing was changed
             except StoreError as exc:
                 self._reload_slots()
                 log.error("the auth service's database failed: %s", exc)
@@ -216,18 +219,22 @@ class AuthService:
             raise refusal
         return answer
 
-    def _reload_slots(self) -> None:
-        """Back to the slots last committed, after a change that was not."""
-        self._slots = self._store.slots()
-
-    def _spend_nonce(self, signed: SignedRequest, now: float) -> None:
-        if signed.time <= self._store.nonce_floor:
-            raise AuthFailure(HTTPStatus.BAD_REQUEST, "stale_request",
-                              "the request is older than the nonces the service still remembers; send a fresh one")
+    def _check_fresh(self, signed: SignedRequest, now: float, address: str, holder: bool) -> None:
+        """Refuse, before its nonce is spent, a replay, a slot holder's request that can change nothing, and a
+        request past its token's or address's quota."""
         if self._store.nonce_spent(signed.peer, signed.nonce):
             raise AuthFailure(HTTPStatus.CONFLICT, "replayed_request",
                               "this request's nonce was already used: a request is accepted once")
-        self._store.spend_nonce(signed.peer, signed.nonce, signed.time, forget_before=now - MAX_CLOCK_SKEW)
+        slot = self._slots.get(signed.peer)
+        if holder:
+            self._own(signed)
+        elif slot is not None and slot.ended is None and slot.token_sha256 == signed.token_sha256:
+            address = ""  # a renewal: charged to the slot's token alone
+        by_token, by_address = self._store.nonces_of(signed.token_sha256, address, now - 2 * MAX_CLOCK_SKEW)
+        if by_token >= self.nonces_per_token or (address and by_address >= self.nonces_per_address):
+            raise AuthFailure(HTTPStatus.TOO_MANY_REQUESTS, "too_many_requests",
+                              f"more than {self.nonces_per_token} requests of this token (or "
+                              f"{self.nonces_per_address} of this address) in {2 * MAX_CLOCK_SKEW:.0f} s; slow down")
 
     # --- the changes (under the lock, inside the transaction; each checks before it changes anything) ---
 
@@ -269,7 +276,8 @@ class AuthService:
                               "slots are taken; try again later")
         slot = Slot(peer=signed.peer, token_sha256=signed.token_sha256, contributor=contributor, role=role,
                     stage=least_occupied_stage(self._slots.values(), self.num_stages) if role == "worker" else -1,
-                    index=free_index(self._slots.values(), self.capacity), expires=now, queued_at=now)
+                    index=free_index(self._slots.values(), self.capacity), expires=now, queued_at=now,
+                    since=signed.time)
         self._slots[slot.peer] = slot
         log.info("granted slot %d to %s (%s, peer %s…), stage %d", slot.index, contributor, role,
                  slot.peer[:8], slot.stage)
@@ -282,6 +290,9 @@ class AuthService:
             raise AuthFailure(HTTPStatus.NOT_FOUND, "no_slot", "this peer holds no slot (expired?): join again")
         if slot.token_sha256 != signed.token_sha256:
             raise _token_mismatch()
+        if signed.time < slot.since:
+            raise AuthFailure(HTTPStatus.BAD_REQUEST, "stale_request",
+                              "the request was signed before this peer's slot was granted; send a fresh one")
         return slot
 
     def _renew(self, slot: Slot, now: float) -> Slot:
@@ -319,49 +330,9 @@ class AuthService:
         return {}
 
     def _release(self, signed: SignedRequest, now: float) -> dict[str, Any]:
-        """The peer leaves its slot: it ends (``_end``). A peer with no live slot is answered without change."""
-        slot = self._slots.get(signed.peer)
-        if slot is not None and slot.ended is None:
-            if slot.token_sha256 != signed.token_sha256:
-                raise _token_mismatch()
-            self._end(slot, now, "left")
+        """The peer leaves its slot (``_apply`` checked that it holds one): it ends (``_end``)."""
+        self._end(self._own(signed), now, "left")
         return {"ok": True}
-
-    def _expire(self, now: float) -> None:
-        for slot in list(self._slots.values()):
-            if slot.ended is None and slot.expires <= now:
-                self._end(slot, now, "expired")
-            elif slot.ended is None and slot.integrating_since is not None and (
-                    now - slot.integrating_since > self.integration_seconds):
-                slot.integrating_since, slot.synced = None, True  # gave it its time; stop holding the queue
-                self._store.put(slot)
-        if not self.tells_coordinator:
-            for slot in [s for s in self._slots.values() if self._releasable(s, now)]:
-                self._free(slot)
-
-    def _end(self, slot: Slot, now: float, why: str) -> None:
-        slot.ended, slot.integrating_since = now, None
-        self._store.put(slot)
-        log.info("slot %d of %s %s; freed once the coordinator lets its key go", slot.index, slot.contributor, why)
-
-    def _releasable(self, slot: Slot, now: float) -> bool:
-        """An ended slot none of whose countersigned joins can still be accepted, whichever clock is behind."""
-        return slot.ended is not None and now > slot.countersigned_until + self.clock_margin
-
-    def _free(self, slot: Slot) -> bool:
-        del self._slots[slot.peer]
-        self._store.drop(slot.peer)
-        log.info("slot %d of %s is free: its key has left the coordinator", slot.index, slot.contributor)
-        return True
-
-    def _in_transaction(self, change: Callable[[], Any]) -> Any:
-        """``change`` in one transaction of the store (the lock held); the slots as committed if it fails."""
-        try:
-            with self._store.transaction():
-                return change()
-        except StoreError:
-            self._reload_slots()
-            raise
 
     # --- reading the slots ---
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import sqlite3
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -20,7 +19,8 @@ from local_backend.store import StoreError
 
 log = logging.getLogger("psyswarm.auth")
 
-NONCE_CAPACITY = 65_536  # spent nonces remembered at most; at 270 requests/s all of the skew window
+NONCES_PER_TOKEN = 1024  # spent nonces one token's requests may hold in the skew window (its slots poll ~2/s)
+NONCES_PER_ADDRESS = 4096  # those of one address's requests for a new slot (many tokens behind one NAT)
 
 
 @dataclass
@@ -37,13 +37,13 @@ class Slot:
     synced: bool = False
     countersigned_until: float = 0.0  # the latest deadline of a join countersigned for this slot
     ended: float | None = None  # when the slot ended (left, lapsed); it is freed once the coordinator confirms
+    since: float = 0.0  # the signed time of the join that granted it: no request signed before acts on it
 
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS service (
     id INTEGER PRIMARY KEY CHECK (id = 1),
-    run_id TEXT NOT NULL,
-    nonce_floor REAL NOT NULL
+    run_id TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS slots (
     peer TEXT PRIMARY KEY,
@@ -57,15 +57,20 @@ CREATE TABLE IF NOT EXISTS slots (
     integrating_since REAL,
     synced INTEGER NOT NULL,
     countersigned_until REAL NOT NULL DEFAULT 0,
-    ended REAL
+    ended REAL,
+    since REAL NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS nonces (
     peer TEXT NOT NULL,
     nonce TEXT NOT NULL,
     time REAL NOT NULL,
+    token_sha256 TEXT NOT NULL,
+    address TEXT NOT NULL,
     PRIMARY KEY (peer, nonce)
 );
 CREATE INDEX IF NOT EXISTS nonces_by_time ON nonces (time);
+CREATE INDEX IF NOT EXISTS nonces_by_token ON nonces (token_sha256);
+CREATE INDEX IF NOT EXISTS nonces_by_address ON nonces (address);
 CREATE TABLE IF NOT EXISTS grants (
     peer TEXT PRIMARY KEY,
     contributor TEXT NOT NULL,
@@ -129,28 +134,26 @@ _SLOT_COLUMNS = ", ".join("idx" if f.name == "index" else f.name for f in datacl
 class SlotStore:
     """The auth service's database, one run per file: its slots and the nonces it has seen spent.
 
-    The nonce floor is the newest time among forgotten nonces: a request at or below it may be one whose
-    nonce was forgotten, so it is refused. The count and the floor are cached, and re-read after a rollback.
+    A nonce is kept until its request's time is past the skew window (then the time alone refuses a replay), so
+    no floor ever stands in for forgotten nonces, and none can be moved past real time. What bounds the table is
+    the service's quotas per token and per address (``nonces_of``), checked before a nonce is spent.
     """
 
-    def __init__(self, path: str | Path, run_id: str, nonce_capacity: int = NONCE_CAPACITY) -> None:
+    def __init__(self, path: str | Path, run_id: str) -> None:
         self.path = path
-        self.nonce_capacity = nonce_capacity
         try:
             # Requests run on worker threads, one at a time under the service's lock.
             self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives process crashes
+            self._upgrade()
             self.db.executescript(_SCHEMA)
-            self._add_slot_end_columns()
-            self.db.execute("INSERT OR IGNORE INTO service (id, run_id, nonce_floor) VALUES (1, ?, ?)",
-                            (run_id, -math.inf))
+            self.db.execute("INSERT OR IGNORE INTO service (id, run_id) VALUES (1, ?)", (run_id,))
             (held,) = self.db.execute("SELECT run_id FROM service WHERE id = 1").fetchone()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open {path}: {exc}") from None
         if held != run_id:
             raise StoreError(f"{path} holds the auth service of run {held!r}, not {run_id!r}: use another --db")
-        self._read_nonce_bookkeeping()
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
@@ -167,7 +170,6 @@ class SlotStore:
             try:
                 if self.db.in_transaction:  # some failures roll back by themselves
                     self.db.execute("ROLLBACK")
-                self._read_nonce_bookkeeping()
             except sqlite3.Error as failed:
                 raise StoreError(f"{self.path} cannot roll back: {failed}") from exc
             if isinstance(exc, sqlite3.Error):
@@ -199,36 +201,33 @@ class SlotStore:
         found = self.db.execute("SELECT 1 FROM nonces WHERE peer = ? AND nonce = ?", (peer, nonce)).fetchone()
         return found is not None
 
-    def spend_nonce(self, peer: str, nonce: str, stamp: float, forget_before: float) -> None:
-        """Remember a nonce; forget those older than ``forget_before`` (their time no longer passes), and the
-        oldest beyond ``nonce_capacity``, raising the floor to the newest forgotten."""
-        self.db.execute("INSERT INTO nonces (peer, nonce, time) VALUES (?, ?, ?)", (peer, nonce, stamp))
-        self.nonce_count += 1
-        self._forget_nonces(forget_before)
-        excess = self.nonce_count - self.nonce_capacity
-        if excess > 0:
-            (newest,) = self.db.execute("SELECT MAX(time) FROM (SELECT time FROM nonces ORDER BY time LIMIT ?)",
-                                        (excess,)).fetchone()
-            self._forget_nonces(math.nextafter(newest, math.inf))
+    def spend_nonce(self, peer: str, nonce: str, stamp: float, token: str, address: str,
+                    forget_before: float) -> None:
+        """Remember a nonce, charged to ``token`` and ``address`` (empty: to no address); forget those whose time
+        is before ``forget_before`` (their requests are refused as stale anyway)."""
+        self.db.execute("DELETE FROM nonces WHERE time < ?", (forget_before,))
+        self.db.execute("INSERT INTO nonces VALUES (?, ?, ?, ?, ?)", (peer, nonce, stamp, token, address))
+
+    def nonces_of(self, token: str, address: str, since: float) -> tuple[int, int]:
+        """The nonces charged to ``token`` and to ``address`` whose time is at or after ``since``."""
+        (by_token,) = self.db.execute("SELECT COUNT(*) FROM nonces WHERE token_sha256 = ? AND time >= ?",
+                                      (token, since)).fetchone()
+        (by_address,) = self.db.execute("SELECT COUNT(*) FROM nonces WHERE address = ? AND time >= ?",
+                                        (address, since)).fetchone()
+        return by_token, by_address
 
     def close(self) -> None:
         self.db.close()
 
-    def _add_slot_end_columns(self) -> None:
-        """A store written before slots ended through the coordinator (issue 21) gains their two columns."""
-        columns = {row[1] for row in self.db.execute("PRAGMA table_info(slots)")}
-        if "countersigned_until" not in columns:
-            self.db.execute("ALTER TABLE slots ADD COLUMN countersigned_until REAL NOT NULL DEFAULT 0")
-        if "ended" not in columns:
-            self.db.execute("ALTER TABLE slots ADD COLUMN ended REAL")
-
-    def _forget_nonces(self, before: float) -> None:
-        if before <= self.nonce_floor:
-            return
-        self.nonce_count -= self.db.execute("DELETE FROM nonces WHERE time < ?", (before,)).rowcount
-        self.nonce_floor = math.nextafter(before, -math.inf)
-        self.db.execute("UPDATE service SET nonce_floor = ? WHERE id = 1", (self.nonce_floor,))
-
-    def _read_nonce_bookkeeping(self) -> None:
-        (self.nonce_count,) = self.db.execute("SELECT COUNT(*) FROM nonces").fetchone()
-        (self.nonce_floor,) = self.db.execute("SELECT nonce_floor FROM service WHERE id = 1").fetchone()
+    def _upgrade(self) -> None:
+        """A store written before issue 21 gains the slots' new columns, and its nonces table the token and address
+        they are charged to (its nonces are dropped: they are at most two minutes from being refused as stale)."""
+        tables = {row[0] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "slots" in tables:
+            columns = {row[1] for row in self.db.execute("PRAGMA table_info(slots)")}
+            for column, kind in (("countersigned_until", "REAL NOT NULL DEFAULT 0"), ("ended", "REAL"),
+                                 ("since", "REAL NOT NULL DEFAULT 0")):
+                if column not in columns:
+                    self.db.execute(f"ALTER TABLE slots ADD COLUMN {column} {kind}")
+        if "nonces" in tables and "address" not in {row[1] for row in self.db.execute("PRAGMA table_info(nonces)")}:
+            self.db.execute("DROP TABLE nonces")
