@@ -91,19 +91,20 @@ class DhtReader:
         from client.commands.status import dht_worker_records, open_board
         from client.dashboard.feed import DhtReading
         from client.dashboard.view import RoundResult
-        from client.witness.records import Commitment, last_loss
+        from client.witness.records import Commitment, last_loss, members
 
         if self.board is None:
-            self.board = open_board(self.initial_peers, self.run_id)
+            self.board = open_board(self.initial_peers, state)
         announced = dht_worker_records(self.board, state)
         if state.nonce == self.looked_at:  # looking back for a loss may read many rounds: once per state
             return DhtReading(announced, None)
         self.looked_at = state.nonce
-        found = last_loss(self.board, state.epoch, state.round.height, state.config.rounds_per_epoch)
+        found = last_loss(self.board, state)
         if found is None:
             return DhtReading(announced, None)
         epoch, round_, loss = found
-        tokens = sum(c.tokens for c in self.board.fetch(Commitment, epoch, round_).values())  # type: ignore
+        committed = self.board.fetch(Commitment, epoch, round_, members(state)).values()
+        tokens = sum(c.tokens for c in committed)  # type: ignore[attr-defined]
         return DhtReading(announced, RoundResult(epoch, round_, loss, tokens))
 
     def close(self) -> None:

@@ -134,7 +134,7 @@ class Contributor:
         self._main = asyncio.current_task()
         try:
             self.context.dht = await asyncio.to_thread(self._start_dht)
-            self.context.board = Board(self.context.dht, self.backend.state.run_id)
+            self.context.board = Board(self.context.dht, self.backend.state)
             self.start_background()
             await self._follow_run(reconnect, max_outage)
         except asyncio.CancelledError:
