@@ -44,6 +44,9 @@ def auth_service(
     program_id: ProgramId = None,
     server: CoordinatorServer = None,
     url: CoordinatorUrl = None,
+    publish_contributors: Annotated[bool, typer.Option(help=(
+        "Let anyone read GET /api/contributors, which Hub user holds which key (a dashboard's leaderboard uses "
+        "it); private by default."))] = False,
 ) -> None:
     """Serve PUT /api/join (Bearer <HF token>), POST /api/queue|synced|leave|countersign and GET /api/occupancy.
 
@@ -76,7 +79,8 @@ def auth_service(
         service = AuthService(run_id=run_id, num_stages=stages, capacity=capacity, identify=identity,
                               max_slots_per_token=max_slots_per_token, db=db, lease_seconds=lease,
                               max_integrating=max_integrating, integration_seconds=integration_time,
-                              checkpoint=checkpoint, keypair=signer, program_id=program)
+                              checkpoint=checkpoint, keypair=signer, program_id=program,
+                              publish_contributors=publish_contributors)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     except StoreError as exc:

@@ -97,6 +97,7 @@ class AuthService(SlotEnding):
     program_id: Pubkey = PROGRAM_ID  # the coordinator program whose joins it countersigns on Solana
     tells_coordinator: bool = True  # False (tests of this service alone): an ended slot frees once its joins expire
     clock_margin: float = CLOCK_MARGIN  # how far the coordinator's clock may lag this one
+    publish_contributors: bool = False  # whether anyone may read which Hub user holds which key
 
     def __post_init__(self) -> None:
         if (self.num_stages < 2 or not 1 <= self.capacity < limits.NO_SLOT or self.lease_seconds <= 0
@@ -170,7 +171,12 @@ class AuthService(SlotEnding):
         """Which contributor each key granted a slot belongs to, by base58 public key: what lets a leaderboard sum
         one contributor's processes into one score. A key that left stays mapped (its points outlive its slot),
         for the ``grants_kept`` keys granted or renewed last. Only keys and Hub user names leave, never a token or
-        its hash. Another run's id gets an empty map (this service knows one run)."""
+        its hash. Another run's id gets an empty map (this service knows one run). The map is the operator's to
+        publish (``publish_contributors``): it ties keys to people, so it is refused unless published."""
+        if not self.publish_contributors:
+            raise AuthFailure(HTTPStatus.FORBIDDEN, "contributors_private",
+                              "this run's contributor map is private (its operator may publish it with "
+                              "`psyswarm auth-service --publish-contributors`)")
         if run_id != self.run_id:
             return {}
         with self._lock:
