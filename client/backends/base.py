@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from coordinator_program.spec import limits
@@ -25,6 +26,10 @@ from coordinator_program.spec.instructions import (
     Witness,
 )
 from coordinator_program.spec.state import CoordinatorState, Role
+
+JOIN_VALIDITY = 60
+"""Seconds a countersigned join stays valid for the coordinator: long enough to reach it, short enough that an
+ended slot is freed soon (the auth service waits out every deadline it countersigned)."""
 
 
 class BackendError(RuntimeError):
@@ -124,8 +129,11 @@ class Backend(abc.ABC):
 
     # --- the coordinator's operations -----------------------------------------------------------------
 
-    async def join(self, role: Role, stage: int = limits.NO_STAGE) -> None:
-        await self.submit(JoinRun(self.state.run_id, role, stage))
+    async def join(self, role: Role, stage: int = limits.NO_STAGE, slot: int = limits.NO_SLOT) -> None:
+        """Join as ``role``; ``slot`` is the join authority's slot this process holds on a permissioned run, whose
+        countersignature then also covers a deadline ``JOIN_VALIDITY`` seconds ahead."""
+        valid_until = limits.NO_DEADLINE if slot == limits.NO_SLOT else int(time.time() + JOIN_VALIDITY)
+        await self.submit(JoinRun(self.state.run_id, role, stage, slot, valid_until))
 
     async def tick(self) -> None:
         await self.submit(Tick())

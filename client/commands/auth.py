@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from client.commands.connect import ProgramId, program_address
+from client.commands.connect import ProgramId, check_target, open_backend, program_address
+from client.commands.options import url_option
+
+CoordinatorServer = Annotated[str | None, typer.Option("--server", metavar="HOST:PORT", help=(
+    "The run's TCP coordinator (`psyswarm serve`), which the service tells when a slot ends; or give --url."))]
+CoordinatorUrl = Annotated[str | None, url_option(
+    "The Solana cluster of the run instead of --server (an RPC URL or localhost, devnet, ...): the join authority "
+    "pays a transaction fee each time it tells the program that a slot ended, so fund its key.")]
 
 
 def auth_service(
@@ -34,17 +42,27 @@ def auth_service(
                                                              "download.")] = None,
     checkpoint_revision: Annotated[str, typer.Option(help="Revision of --checkpoint-repo.")] = "main",
     program_id: ProgramId = None,
+    server: CoordinatorServer = None,
+    url: CoordinatorUrl = None,
+    publish_contributors: Annotated[bool, typer.Option(help=(
+        "Let anyone read GET /api/contributors, which Hub user holds which key (a dashboard's leaderboard uses "
+        "it); private by default."))] = False,
 ) -> None:
-    """Serve PUT /api/join (Bearer <HF token>), POST /api/queue|synced|leave|countersign and GET /api/occupancy."""
+    """Serve PUT /api/join (Bearer <HF token>), POST /api/queue|synced|leave|countersign and GET /api/occupancy.
+
+    The service tells the run's coordinator (--server or --url) whenever a slot ends, and frees the slot only
+    once the coordinator has let its key go: that is what keeps a contributor's keys in the run within its cap."""
     from solders.keypair import Keypair
 
     from client.identity import KeypairError, load_keypair, save_keypair
     from local_backend.auth.app import AuthHTTPServer
     from local_backend.auth.identity import HubIdentity
+    from local_backend.auth.release import Releaser
     from local_backend.auth.rules import AuthService
     from local_backend.logs import to_stderr
     from local_backend.store import StoreError
 
+    check_target(server, url, run_id)
     to_stderr(logging.INFO)
     key_path = keypair or db.with_suffix(".join-authority.json")
     try:
@@ -61,29 +79,55 @@ def auth_service(
         service = AuthService(run_id=run_id, num_stages=stages, capacity=capacity, identify=identity,
                               max_slots_per_token=max_slots_per_token, db=db, lease_seconds=lease,
                               max_integrating=max_integrating, integration_seconds=integration_time,
-                              checkpoint=checkpoint, keypair=signer, program_id=program)
+                              checkpoint=checkpoint, keypair=signer, program_id=program,
+                              publish_contributors=publish_contributors)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     except StoreError as exc:
         raise typer.BadParameter(str(exc), param_hint="--db") from None
     try:
-        server = AuthHTTPServer(service, host, port)
+        web = AuthHTTPServer(service, host, port)
     except OSError as exc:
         service.close()
         typer.secho(f"cannot listen on {host}:{port}: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"auth service for run {run_id} listening on {server.url} "
+    typer.echo(f"auth service for run {run_id} listening on {web.url} "
                f"({capacity} slots, at most {max_slots_per_token} per contributor, {stages} stages, "
                f"identities from {identity.endpoint}, slots kept in {db})")
     typer.echo(f"join authority {signer.pubkey()} (from {key_path}): start the run with `psyswarm serve` or "
                f"`psyswarm create-run` --join-authority {signer.pubkey()}")
+    releaser = Releaser(service, coordinator_release(server, url, run_id, program_id, signer)).start()
     try:
-        server.serve_forever()
+        web.serve_forever()
     except KeyboardInterrupt:
         typer.echo("auth service stopped; its slots are kept in the same --db")
     finally:
-        server.server_close()
+        web.server_close()
+        releaser.stop()
         service.close()
+
+
+def coordinator_release(server: str | None, url: str | None, run_id: str, program_id: str | None, signer):
+    """The join authority's ``release_slot`` to the coordinator ``--server`` or ``--url`` names, one connection
+    each (slots end a few times a minute at most); it returns once the coordinator confirms the key is gone."""
+    from client.backends.base import BackendError
+    from coordinator_program.spec.errors import NotHealthy, NotJoined
+    from coordinator_program.spec.instructions import ReleaseSlot
+
+    async def release(key: bytes) -> None:
+        backend = open_backend(server, url, run_id, program_id, signer)
+        await backend.connect()
+        try:
+            if backend.state.run_id != run_id:
+                raise BackendError(f"the coordinator at {server or url} serves run {backend.state.run_id!r}, "
+                                   f"not {run_id!r}")
+            await backend.submit(ReleaseSlot(key))
+        except (NotJoined, NotHealthy):
+            pass  # the key is gone already, or leaving: what the release is for
+        finally:
+            await backend.close()
+
+    return lambda key: asyncio.run(release(key))
 
 
 def register(app: typer.Typer) -> None:

@@ -92,11 +92,13 @@ class DhtReader:
         from client.commands.status import dht_worker_records, open_board
         from client.dashboard.feed import DhtReading
         from client.dashboard.history import History
-        from client.witness.records import Commitment
+        from client.witness.records import Commitment, members
 
+        self.members = members(state)  # only the run's clients' commitments count, read afresh with each state
         if self.board is None:
-            self.board = open_board(self.initial_peers, self.run_id)
-            self.history = History(lambda epoch, round_: list(self.board.fetch(Commitment, epoch, round_).values()))
+            self.board = open_board(self.initial_peers, state)
+            self.history = History(lambda epoch, round_: list(
+                self.board.fetch(Commitment, epoch, round_, self.members).values()))
         announced = dht_worker_records(self.board, state)
         if state.nonce == self.looked_at:  # a round's commitments are read once per state, not once per refresh
             return DhtReading(announced)

@@ -33,7 +33,7 @@ def status(
 
     async def run() -> None:
         backend = await connect(server, Keypair(), url, run_id, program_id)
-        board = await asyncio.to_thread(open_board, initial_peers, backend.state.run_id) if initial_peers else None
+        board = await asyncio.to_thread(open_board, initial_peers, backend.state) if initial_peers else None
         try:
             async for state in backend.updates():
                 text = describe(state, now=time.time()) + "\n" + admission_line(state)
@@ -54,17 +54,18 @@ def status(
         pass
 
 
-def open_board(initial_peers: list[str], run_id: str):
+def open_board(initial_peers: list[str], state):
+    """The run's records in the DHT, under its instance (``Board``)."""
     from client.pipeline.discovery import start_dht
     from client.witness.records import Board
 
-    return Board(start_dht(initial_peers), run_id)
+    return Board(start_dht(initial_peers), state)
 
 
 def loss_line(board, state) -> str:
     from client.witness.records import last_loss
 
-    found = last_loss(board, state.epoch, state.round.height, state.config.rounds_per_epoch)
+    found = last_loss(board, state)
     if found is None:
         return "last loss: none committed yet"
     epoch, round_, loss = found

@@ -35,6 +35,7 @@ from client.contributor.worker import WorkerRole
 from client.join.auth import AuthError, AuthSession
 from client.join.sync import SyncPhase
 from client.witness.records import Board, Ready
+from coordinator_program.spec import limits
 from coordinator_program.spec.errors import (
     AlreadyJoined,
     CoordinatorError,
@@ -133,7 +134,7 @@ class Contributor:
         self._main = asyncio.current_task()
         try:
             self.context.dht = await asyncio.to_thread(self._start_dht)
-            self.context.board = Board(self.context.dht, self.backend.state.run_id)
+            self.context.board = Board(self.context.dht, self.backend.state)
             self.start_background()
             await self._follow_run(reconnect, max_outage)
         except asyncio.CancelledError:
@@ -310,7 +311,8 @@ class Contributor:
         self.joining = True
         options = self.context.options
         try:
-            await self.backend.join(options.role, options.stage)
+            slot = options.auth.grant.slot if options.auth is not None else limits.NO_SLOT
+            await self.backend.join(options.role, options.stage, slot)
             log.info("joined run %s as a %s; waiting to be admitted", state.run_id, options.role.name.lower())
         except AlreadyJoined:
             pass  # a state that shows this client queued is on its way

@@ -123,7 +123,8 @@ def resolve_model_digests(model: Described, *, endpoint: str | None = None,
 
 def model_spec_for(state: Any, *, endpoint: str | None = None, token: str | None = None,
                    cache_dir: Path | None = None) -> HFModelSpec:
-    """The Hugging Face model a run's state describes, its config checked against the digest on chain."""
+    """The Hugging Face model a run's state describes, its config (and its own tokenizer, where the run uses it)
+    checked against the digests on chain: what every worker, trainer and ``export`` builds the model from."""
     model = state.model
     revision = model.source_revision or None
     where = describe(model)
@@ -134,6 +135,11 @@ def model_spec_for(state: Any, *, endpoint: str | None = None, token: str | None
     if found != model.config_sha256:
         raise ModelSourceError(f"{where}: its {CONFIG_FILE} has sha256 {found.hex()}, the run names "
                                f"{model.config_sha256.hex()}; refusing to train another model")
+    if int(model.tokenizer) != 0:  # the source's own tokenizer: the one a worker, trainer or export uses
+        found = tokenizer_digest(directory)
+        if found != model.tokenizer_sha256:
+            raise ModelSourceError(f"{where}: its {TOKENIZER_FILE} has sha256 {found.hex()}, the run names "
+                                   f"{model.tokenizer_sha256.hex()}; refusing to use another tokenizer")
     weights = WeightSource(model.source, revision, endpoint, token, cache_dir)
     try:
         return HFModelSpec(config, num_stages=state.config.num_stages, seq_len=model.seq_len, seed=model.init_seed,

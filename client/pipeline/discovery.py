@@ -18,7 +18,6 @@ A DHT is writable by anyone, so:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING
 from solders.keypair import Keypair
 
 from client.identity import verify
+from client.stages import HAND_PICKED_INDICES, default_index
 
 if TYPE_CHECKING:
     import hivemind
@@ -46,20 +46,6 @@ SYNC_PHASES = (
     2,
 )  # 0: active; 1: catching up, serves no batches; 2: serves batches, averages with weight 0
 _EXPIRY_SLACK = 1e-3
-HAND_PICKED_INDICES = 1 << 16
-"""uid indices below this are chosen by hand; every index derived from a key is above it."""
-
-
-def worker_uid(stage: str, index: int) -> str:
-    """The stage-prefixed id under which a worker announces itself."""
-    return f"{stage}.0.{index}"
-
-
-def default_index(pubkey: bytes) -> int:
-    """The uid index bound to an identity: nobody else can announce it, and honest workers never collide."""
-    return HAND_PICKED_INDICES + int.from_bytes(hashlib.sha256(pubkey).digest()[:8], "little")
-
-
 def uid_index(uid: str, stage: str) -> int | None:
     """N of a ``<stage>.0.N`` uid (decimal, no leading zeros), or None if ``uid`` is not one."""
     prefix = f"{stage}.0."

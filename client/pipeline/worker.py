@@ -28,8 +28,6 @@ from client.pipeline.discovery import (
     SYNC_PHASES,
     Announcer,
     WorkerRecord,
-    default_index,
-    worker_uid,
 )
 from client.pipeline.messages import MessageError, decode_message, encode_message
 from client.pipeline.model import ModelSpec, stage_index
@@ -37,6 +35,7 @@ from client.pipeline.optim import OptimizerConfig, StepStats
 from client.pipeline.rpc import InvalidRequest, RequestRejected, start_server
 from client.pipeline.runtime import Runtime, Task
 from client.pipeline.wire import DEFAULT_CODEC
+from client.stages import default_index, worker_uid
 
 if TYPE_CHECKING:
     import hivemind

@@ -28,7 +28,7 @@ from pathlib import Path
 from client.swarm import tiny_llama
 from client.swarm.launcher import Swarm
 from client.swarm.status import last_epoch, round_text, stage_counts
-from client.witness.records import Board, Commitment
+from client.witness.records import Board, Commitment, members
 from coordinator_program.spec.state import CoordinatorState, Phase
 
 DEMO_MARKER = ".psyswarm-demo"
@@ -145,7 +145,7 @@ async def follow(swarm: Swarm, view: LiveView, timeout: float) -> CoordinatorSta
     backend = swarm.observer()
     await backend.connect()
     dht = await asyncio.to_thread(start_dht, [swarm.peer])
-    board = Board(dht, backend.state.run_id)
+    board = Board(dht, backend.state)
     collected: set[tuple[int, int]] = set()
     deadline = time.monotonic() + timeout
     try:
@@ -169,7 +169,7 @@ async def _collect(board: Board, state: CoordinatorState, view: LiveView, collec
     if key in collected:
         return
     for _ in range(10):  # the commitment may still be propagating through the DHT
-        found = await asyncio.to_thread(board.fetch, Commitment, key[0], key[1])
+        found = await asyncio.to_thread(board.fetch, Commitment, key[0], key[1], members(state))
         if found:
             collected.add(key)
             view.result(key[0], key[1], state.step, list(found.values()))  # type: ignore[arg-type]

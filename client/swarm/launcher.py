@@ -136,7 +136,9 @@ class Swarm:
         as its key; returns its URL."""
         args = ["auth-service", "--run-id", self.run_id(), "--stages", str(stages), "--capacity", str(capacity),
                 "--hf-endpoint", hf_endpoint, "--max-integrating", str(max_integrating),
-                "--keypair", str(self._keypair(JOIN_AUTHORITY))]
+                "--keypair", str(self._keypair(JOIN_AUTHORITY)), *self.target]
+        if self.backend == "solana":
+            self._fund(self._keypair(JOIN_AUTHORITY))  # it pays the fee of each release_slot
         if snapshot is not None:
             args += ["--checkpoint-repo", snapshot[0], "--checkpoint-revision", snapshot[1]]
         self._spawn("auth", *args)

@@ -4,7 +4,9 @@ Every record is admitted first (``SignedRecord.admit``: well-formed field by fie
 filed under, of this run, epoch and round); one that is not counts against its author as missing work, and
 nothing a record holds can make the judgement fail.
 
-Workers that published an admitted report for the round, in the stage the coordinator gave them, were present;
+Workers that published an admitted report for the round, in the stage the coordinator gave them and under the
+uid their own key derives (``client.stages.own_uid``: a report is public, and one re-filed under another key
+must count for nobody), were present;
 so were trainers of the epoch that published an admitted ``Presence`` for it (a trainer stalled by a stage that
 emptied is alive: it keeps its place, and earns nothing without a counted commitment), unless they also signed
 a false commitment: one that claims what the trainer was not assigned or not issued. Only a receipt that no
@@ -24,8 +26,7 @@ client and every counted trainer; the batch filter holds the hash of every count
 The participant filter also holds the compute key (``bloom.compute_key``) of every client whose work counted, for
 the coordinator's compute points: every trainer with a counted commitment, and every worker that alone reported,
 under the uid it names, a receipt of a counted commitment. A worker still in sync phase 1 is never routed, so it
-issues no receipt and earns presence only. A receipt that two present workers report under one uid earns neither
-of them compute: one of them copied the other's public report, and the witness cannot tell which.
+issues no receipt and earns presence only.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from client.stages import stage_names
+from client.stages import own_uid, stage_names
 from client.witness.records import ClaimedReceipt, Commitment, Presence, Ready, RecordError, Report, SignedRecord
 from coordinator_program.spec import rules
 from coordinator_program.spec.bloom import proof_parts
@@ -127,8 +128,8 @@ def present_workers(state: CoordinatorState, reports: Mapping[str, Report], evid
             report = admitted(Report, reports, worker.id.hex(), state, state.round.height)
         except RecordError:
             continue
-        if report.stage != worker.stage:  # type: ignore[attr-defined]
-            continue
+        if report.stage != worker.stage or report.uid != own_uid(names[worker.stage], worker.id):  # type: ignore
+            continue  # a report in another stage, or under a uid that is not the author's: not its own work
         evidence.participants.add(worker.id)
         for h in report.receipts:  # type: ignore[attr-defined]
             by_uid = issued.setdefault(h, {})

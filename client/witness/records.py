@@ -24,12 +24,15 @@ import json
 import logging
 import math
 import re
+from collections.abc import Collection
 from typing import Any, ClassVar
 
 from solders.keypair import Keypair
 
 from client.identity import verify
+from coordinator_program.spec import rules
 from coordinator_program.spec.config import valid_run_id
+from coordinator_program.spec.state import CoordinatorState
 
 log = logging.getLogger("psyswarm.records")
 
@@ -40,6 +43,9 @@ MAX_RECEIPTS = 4096
 MAX_TEXT = 128
 """The longest id (microbatch id, worker uid, stage name) a record may carry."""
 MAX_NUMBER = 2**63 - 1
+MAX_LOSS = 1e6
+"""A mean cross-entropy above this is no model's (float32 probabilities bound it near 104); the bound keeps every
+sum a reader makes of losses finite."""
 
 _HEX = re.compile(r"[0-9a-f]*")
 
@@ -192,7 +198,7 @@ class Commitment(SignedRecord):
             _require(_is_number(getattr(self, name)), f"commitment.{name} must be a non-negative integer")
         _require(self.start <= self.end, "commitment.start must not exceed commitment.end")
         _require(isinstance(self.loss, int | float) and not isinstance(self.loss, bool) and math.isfinite(self.loss)
-                 and self.loss >= 0, "commitment.loss must be a finite, non-negative number")
+                 and 0 <= self.loss <= MAX_LOSS, f"commitment.loss must be a number in [0, {MAX_LOSS:g}]")
         _require(isinstance(self.seconds, int | float) and not isinstance(self.seconds, bool)
                  and math.isfinite(self.seconds) and self.seconds >= 0,
                  "commitment.seconds must be a finite, non-negative number")
@@ -238,15 +244,20 @@ def receipt_hash(receipt_bytes: bytes) -> str:
 
 
 class Board:
-    """Stores and reads one run's round records in the DHT, one sealed subkey per author."""
+    """Stores and reads one run's round records in the DHT, one sealed subkey per author.
 
-    def __init__(self, dht, run_id: str) -> None:
-        self.dht, self.run_id = dht, run_id
+    Its keys are named for the run's instance (``rules.run_instance``), not its id alone, so a later run with the
+    same id never reads an earlier one's records; ``fetch`` given the run's ``members`` keeps only their records,
+    so no stranger on the DHT shows a loss or tokens in its place.
+    """
+
+    def __init__(self, dht, state: CoordinatorState) -> None:
+        self.dht, self.run_id, self.instance = dht, state.run_id, rules.run_instance(state)
 
     def key(self, kind: type[SignedRecord], epoch: int, round_: int | None = None) -> str:
         """The DHT key of a run's records of ``kind`` for an epoch (and round)."""
         where = f"e{epoch}" if round_ is None else f"e{epoch}.r{round_}"
-        return f"{self.run_id}.{kind.KIND}.{where}"
+        return f"{self.instance}.{kind.KIND}.{where}"
 
     def publish(self, record: SignedRecord, keypair: Keypair) -> bool:
         """Store ``record``, signed by ``keypair``, for this run; whether the DHT accepted it. A record readers
@@ -259,8 +270,10 @@ class Board:
         key = self.key(type(record), record.epoch, record.round_height())
         return store_sealed(self.dht, keypair, key, record.to_value(), get_dht_time() + RECORD_TTL)
 
-    def fetch(self, kind: type[SignedRecord], epoch: int, round_: int | None = None) -> dict[str, SignedRecord]:
-        """Admitted records by author (hex); anything malformed, forged, misfiled or foreign is skipped."""
+    def fetch(self, kind: type[SignedRecord], epoch: int, round_: int | None = None,
+              members: Collection[str] | None = None) -> dict[str, SignedRecord]:
+        """Admitted records by author (hex), of ``members`` only when given; anything malformed, forged, misfiled
+        or foreign is skipped."""
         from client.sealed import within_lifetime
 
         found = self.dht.get(self.key(kind, epoch, round_), latest=True)
@@ -268,6 +281,8 @@ class Board:
             return {}
         out: dict[str, SignedRecord] = {}
         for subkey, item in found.value.items():
+            if members is not None and subkey not in members:
+                continue
             try:
                 record = kind.from_value(item.value)
                 record.admit(subkey, self.run_id, epoch, round_)
@@ -279,12 +294,23 @@ class Board:
         return out
 
 
-def last_loss(board: Board, epoch: int, round_: int, rounds_per_epoch: int) -> tuple[int, int, float] | None:
-    """The newest round with commitments, at or before (epoch, round), and its sample-weighted mean loss."""
+def members(state: CoordinatorState) -> set[str]:
+    """The keys (hex) whose records a reader of the run counts: its clients and joiners, and every key its ledger
+    credited (a trainer of an earlier epoch that has left)."""
+    return {c.id.hex() for c in state.clients} | {j.id.hex() for j in state.pending} | {
+        e.id.hex() for e in state.ledger}
+
+
+def last_loss(board: Board, state: CoordinatorState) -> tuple[int, int, float] | None:
+    """The newest round with commitments of the run's members, at or before the current one (this epoch or the
+    last), and its sample-weighted mean loss."""
+    authors = members(state)
+    epoch, round_ = state.epoch, state.round.height
     for e in range(epoch, max(epoch - 2, -1), -1):
-        for r in range(round_ if e == epoch else rounds_per_epoch - 1, -1, -1):
-            found = list(board.fetch(Commitment, e, r).values())
+        for r in range(round_ if e == epoch else state.config.rounds_per_epoch - 1, -1, -1):
+            found = list(board.fetch(Commitment, e, r, authors).values())
             if found:
                 samples = sum(c.end - c.start for c in found)  # type: ignore[attr-defined]
-                return e, r, sum(c.loss * (c.end - c.start) for c in found) / max(samples, 1)  # type: ignore
+                weighted = math.fsum(c.loss * ((c.end - c.start) / max(samples, 1)) for c in found)  # type: ignore
+                return e, r, weighted
     return None

@@ -51,6 +51,8 @@ InvalidRunId = _error("InvalidRunId", 6022, "a run id is 1-32 bytes of [A-Za-z0-
 NotHealthy = _error("NotHealthy", 6023, "the signer has been marked unhealthy or has withdrawn")
 MalformedInstruction = _error("MalformedInstruction", 6024, "the instruction data cannot be decoded")
 AlreadyMarked = _error("AlreadyMarked", 6025, "the named client is already leaving the epoch")
+SlotTaken = _error("SlotTaken", 6026, "another key already holds this join authority's slot")
+JoinExpired = _error("JoinExpired", 6027, "the join's countersignature is past its deadline")
 
 ALL_ERRORS: tuple[type[CoordinatorError], ...] = tuple(
     cls for cls in list(globals().values()) if isinstance(cls, type) and issubclass(cls, CoordinatorError)

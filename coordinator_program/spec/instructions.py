@@ -24,8 +24,10 @@ from coordinator_program.spec.config import (
 from coordinator_program.spec.errors import MalformedInstruction, NothingToTick
 from coordinator_program.spec.layout import (
     BOOL,
+    I64,
     PUBKEY,
     U8,
+    U16,
     U32,
     Enum8,
     Field,
@@ -113,9 +115,14 @@ class CloseRun(Instruction):
 
 @dataclasses.dataclass(frozen=True)
 class JoinRun(Instruction):
+    """Join a run. On a permissioned run the join authority's countersignature covers ``slot`` (the slot it
+    granted) and ``valid_until`` (the coordinator's clock after which the join admits no one)."""
+
     run_id: str
     role: Role
     stage: int = limits.NO_STAGE
+    slot: int = limits.NO_SLOT
+    valid_until: int = limits.NO_DEADLINE
     NAME = "join_run"
     ACCOUNTS = (
         _SIGNER,
@@ -124,6 +131,15 @@ class JoinRun(Instruction):
         _INSTANCE,
         _COORDINATOR,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseSlot(Instruction):
+    """The join authority ends the slot ``key`` holds: ``key`` withdraws (``rules.release_slot``)."""
+
+    key: bytes
+    NAME = "release_slot"
+    ACCOUNTS = (AccountMeta("signer", mut=False, signer=True, doc="the run's join authority"), _COORDINATOR)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +195,9 @@ Update.LAYOUT = Struct(Update, [
 SetPaused.LAYOUT = Struct(SetPaused, [Field("paused", BOOL)])
 CloseRun.LAYOUT = Struct(CloseRun, [])
 JoinRun.LAYOUT = Struct(JoinRun, [
-    Field("run_id", FixedStr(limits.RUN_ID_BYTES)), Field("role", Enum8(Role)), Field("stage", U8)])
+    Field("run_id", FixedStr(limits.RUN_ID_BYTES)), Field("role", Enum8(Role)), Field("stage", U8),
+    Field("slot", U16), Field("valid_until", I64)])
+ReleaseSlot.LAYOUT = Struct(ReleaseSlot, [Field("key", PUBKEY)])
 Tick.LAYOUT = Struct(Tick, [])
 Witness.LAYOUT = Struct(Witness, [
     Field("round_height", U32), Field("part", U8), Field("participant_bloom", _BLOOM), Field("batch_bloom", _BLOOM)])
@@ -193,7 +211,7 @@ Withdraw.LAYOUT = Struct(Withdraw, [])
 
 INSTRUCTIONS: tuple[type[Instruction], ...] = (
     InitCoordinator, Update, SetPaused, JoinRun, Tick, Witness, WarmupWitness, HealthCheck,
-    CheckpointReport, Withdraw, CloseRun,
+    CheckpointReport, Withdraw, CloseRun, ReleaseSlot,
 )
 _BY_DISCRIMINATOR = {cls.discriminator(): cls for cls in INSTRUCTIONS}
 
@@ -222,8 +240,11 @@ def apply(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, ent
             rules.update(state, signer, config, model, checkpoint)
         case SetPaused(paused):
             rules.set_paused(state, signer, paused)
-        case JoinRun(run_id, role, stage):
-            rules.join(state, signer, run_id, role, stage, signer if authorizer is None else authorizer)
+        case JoinRun(run_id, role, stage, slot, valid_until):
+            rules.join(state, signer, run_id, role, stage, signer if authorizer is None else authorizer, slot,
+                       valid_until, now)
+        case ReleaseSlot(key):
+            rules.release_slot(state, signer, key)
         case Tick():
             rules.tick(state, now, entropy)
         case Witness(round_height, participant_bloom, batch_bloom, part):

@@ -63,5 +63,12 @@ MAX_POWERSGD_RANK = 64
 NO_STAGE = 0xFF
 """The stage of a trainer, and of a worker that lets the coordinator choose its stage."""
 
+NO_SLOT = 0xFFFF
+"""The slot of a joiner no join authority placed: any joiner of a permissionless run. A permissioned run's join
+authority names the slot its countersignature grants, and the coordinator keeps at most one live key per slot."""
+
+NO_DEADLINE = 2**63 - 1
+"""The ``valid_until`` of a join that never expires (the largest i64): a permissionless joiner's."""
+
 SOLANA_TX_LIMIT = 1232
 """The most bytes one Solana transaction may take on the wire."""

@@ -53,6 +53,7 @@ from coordinator_program.spec.errors import (
     InvalidConfig,
     InvalidJoin,
     InvalidRunId,
+    JoinExpired,
     NoPreviousRound,
     NotAClient,
     NotAuthorized,
@@ -65,6 +66,7 @@ from coordinator_program.spec.errors import (
     NotJoined,
     RunFinished,
     RunFull,
+    SlotTaken,
     StaleRound,
     UnknownClient,
     WrongPhase,
@@ -150,7 +152,7 @@ def assign_stages(pending: list[Pending], num_stages: int) -> list[Client]:
         if joiner.role == Role.Worker and stage == limits.NO_STAGE:
             stage = counts.index(min(counts))
             counts[stage] += 1
-        admitted.append(Client(joiner.id, joiner.role, stage, Health.Healthy))
+        admitted.append(Client(joiner.id, joiner.role, stage, Health.Healthy, joiner.slot))
     return admitted
 
 
@@ -225,17 +227,23 @@ def _check_open(state: CoordinatorState) -> None:
 
 
 def join(state: CoordinatorState, signer: bytes, run_id: str, role: Role, stage: int,
-         authorizer: bytes) -> None:
+         authorizer: bytes, slot: int = limits.NO_SLOT, valid_until: int = limits.NO_DEADLINE,
+         now: int = 0) -> None:
     """Queue a joiner; it is admitted when the run next leaves WaitingForMembers.
 
     ``authorizer`` is the co-signer of the join: the run's join authority, or for a permissionless run
-    anyone (the joiner itself).
+    anyone (the joiner itself). The authority names the ``slot`` it grants and a deadline, ``valid_until``:
+    one slot holds one live key at a time, and a countersignature kept unused past its deadline admits no
+    one, so a slot the authority has ended (``release_slot``) cannot be filled again by an old one. Together
+    they make the authority's cap per contributor a cap on the keys the coordinator admits.
     """
     if run_id != state.run_id:
         raise WrongRunId(f"this is run {state.run_id!r}, not {run_id!r}")
     _check_open(state)
     if state.join_authority != NO_AUTHORITY and authorizer != state.join_authority:
         raise NotAuthorized("this run needs its join authority to co-sign every join")
+    if now > valid_until:
+        raise JoinExpired(f"the join was valid until {valid_until}; it is now {now}: ask for a new countersignature")
     if role == Role.Worker:
         if stage != limits.NO_STAGE and stage >= state.config.num_stages:
             raise InvalidJoin(f"stage {stage} does not exist: the run has {state.config.num_stages} stages")
@@ -243,20 +251,47 @@ def join(state: CoordinatorState, signer: bytes, run_id: str, role: Role, stage:
         raise InvalidJoin("a trainer holds no stage")
     if state.client_index(signer) is not None or state.pending_index(signer) is not None:
         raise AlreadyJoined("this identity has already joined the run")
+    if slot != limits.NO_SLOT and slot_holder(state, slot) is not None:
+        raise SlotTaken(f"slot {slot} is held by another key until its holder leaves")
     if len(state.clients) + len(state.pending) >= state.config.max_clients:
         raise RunFull(f"the run is full ({state.config.max_clients} clients)")
-    state.pending.append(Pending(signer, role, stage))
+    state.pending.append(Pending(signer, role, stage, slot))
     state.nonce += 1
+
+
+def slot_holder(state: CoordinatorState, slot: int) -> bytes | None:
+    """The live key in ``slot``: a joiner, or a healthy client (an unhealthy or withdrawn one leaves at the
+    round's end and acts no more)."""
+    for joiner in state.pending:
+        if joiner.slot == slot:
+            return joiner.id
+    for client in state.clients:
+        if client.slot == slot and client.health == Health.Healthy:
+            return client.id
+    return None
 
 
 def withdraw(state: CoordinatorState, signer: bytes) -> None:
     """Leave the run: a pending joiner leaves at once, a client at the end of the current round."""
-    index = state.pending_index(signer)
+    _withdraw(state, signer)
+
+
+def release_slot(state: CoordinatorState, signer: bytes, key: bytes) -> None:
+    """The join authority ends the slot ``key`` holds: it withdraws as if it had asked (a joiner at once, a
+    client at the round's end). The authority sends this for every slot that ends (its holder left, its lease
+    lapsed), so a contributor that gives a slot up cannot keep the key it admitted."""
+    if state.join_authority == NO_AUTHORITY or signer != state.join_authority:
+        raise NotAuthorized("only the run's join authority may end a slot")
+    _withdraw(state, key)
+
+
+def _withdraw(state: CoordinatorState, key: bytes) -> None:
+    index = state.pending_index(key)
     if index is not None:
         del state.pending[index]
         state.nonce += 1
         return
-    index = state.client_index(signer)
+    index = state.client_index(key)
     if index is None:
         raise NotJoined("this identity is not in the run")
     if state.clients[index].health == Health.Withdrawn:
@@ -548,7 +583,7 @@ def _tick_waiting(state: CoordinatorState, now: int, entropy: int) -> bool:
 
 def _return_to_waiting(state: CoordinatorState, now: int) -> None:
     """Send the epoch's clients back to the front of the queue, keeping each worker's stage."""
-    state.pending = [Pending(c.id, c.role, c.stage) for c in state.clients] + state.pending
+    state.pending = [Pending(c.id, c.role, c.stage, c.slot) for c in state.clients] + state.pending
     state.clients = []
     _enter(state, Phase.WaitingForMembers, now)
 
@@ -634,7 +669,7 @@ def _tick_cooldown(state: CoordinatorState, now: int, entropy: int) -> bool:
     if state.step >= state.config.total_steps:
         _enter(state, Phase.Finished, now)
         return True
-    state.pending = [Pending(c.id, c.role, c.stage) for c in staying] + state.pending
+    state.pending = [Pending(c.id, c.role, c.stage, c.slot) for c in staying] + state.pending
     _enter(state, Phase.Paused if state.pause_requested else Phase.WaitingForMembers, now)
     return True
 

@@ -73,24 +73,27 @@ class Client:
     role: Role
     stage: int
     health: Health = Health.Healthy
+    slot: int = limits.NO_SLOT
 
 
 CLIENT_LAYOUT = Struct(Client, [
-    F("id", PUBKEY), F("role", Enum8(Role)), F("stage", U8), F("health", Enum8(Health)),
-], doc="An admitted client; stage is 255 for trainers.")
+    F("id", PUBKEY), F("role", Enum8(Role)), F("stage", U8), F("slot", U16), F("health", Enum8(Health)),
+], doc="An admitted client; stage is 255 for trainers, slot 65535 for a joiner no join authority placed.")
 
 
 @dataclasses.dataclass
 class Pending:
-    """A joiner waiting for the next WaitingForMembers; stage 255 lets the coordinator choose."""
+    """A joiner waiting for the next WaitingForMembers; stage 255 lets the coordinator choose. ``slot`` is the
+    join authority's slot the joiner holds (``limits.NO_SLOT`` in a permissionless run)."""
 
     id: bytes
     role: Role
     stage: int
+    slot: int = limits.NO_SLOT
 
 
-PENDING_LAYOUT = Struct(Pending, [F("id", PUBKEY), F("role", Enum8(Role)), F("stage", U8)],
-                        doc="A joiner waiting for admission; stage 255 means 'any'.")
+PENDING_LAYOUT = Struct(Pending, [F("id", PUBKEY), F("role", Enum8(Role)), F("stage", U8), F("slot", U16)],
+                        doc="A joiner waiting for admission; stage 255 means 'any', slot 65535 'none'.")
 
 
 @dataclasses.dataclass

@@ -78,8 +78,8 @@ def create_app(service: AuthService, workers: ThreadPoolExecutor, max_body_bytes
         Route("/api/occupancy", endpoint(lambda request, body: service.occupancy()), methods=["GET"]),
         Route("/api/contributors", endpoint(lambda request, body: service.contributors(
             _query_value(_query(request), "run_id"))), methods=["GET"]),
-        Route("/api/join", endpoint(lambda request, body: service.join(_bearer(request.headers), json_body(body))),
-              methods=["PUT"]),
+        Route("/api/join", endpoint(lambda request, body: service.join(_bearer(request.headers), json_body(body),
+                                                                       _address(request))), methods=["PUT"]),
         *(Route(path, endpoint(act(action)), methods=["POST"]) for path, action in (
             ("/api/queue", service.queue), ("/api/synced", service.synced), ("/api/leave", service.leave),
             ("/api/countersign", service.countersign))),
@@ -122,6 +122,11 @@ def _query_value(query: str, name: str) -> str:
     if len(values) != 1:
         raise bad_request(f"give exactly one {name}= in the query")
     return values[0]
+
+
+def _address(request: Request) -> str:
+    """The peer's IP address, which a request for a new slot is charged to (``AuthService.join``)."""
+    return request.client.host if request.client is not None else ""
 
 
 def _bearer(headers: Headers) -> str:

@@ -11,10 +11,12 @@ from solders.message import Message
 from solders.pubkey import Pubkey
 
 from coordinator_program.onchain.instance import instance_address
+from coordinator_program.spec import limits
 from coordinator_program.spec.errors import MalformedInstruction
 from coordinator_program.spec.instructions import JoinRun, decode_instruction
 from local_backend import protocol
 from local_backend.auth.failures import AuthFailure, bad_request
+from local_backend.auth.slots import Slot
 
 MAX_COUNTERSIGNED_BYTES = 1232  # a Solana transaction's limit; a TCP join authorization is far smaller
 
@@ -82,3 +84,23 @@ def solana_join(message: bytes, authority: Pubkey, program_id: Pubkey, run_id: s
     if header.num_readonly_signed_accounts < 1:
         raise refused_join("the join authority must be a read-only account of the transaction")
     return bytes(joiner), bytes(compiled.data)
+
+
+def check_join(slot: Slot, joiner: bytes, join: JoinRun, run_id: str, now: float, furthest: float) -> None:
+    """A join may be countersigned for the key, run, role, stage and slot its slot was granted, with a deadline in
+    the next ``furthest`` seconds, and only those; ``AuthFailure`` says which one it is not."""
+    if joiner.hex() != slot.peer:
+        raise refused_join(f"the join is for key {joiner.hex()[:8]}…, but this slot belongs to {slot.peer[:8]}…: "
+                           "a slot admits only the key it was granted to")
+    if join.run_id != run_id:
+        raise refused_join(f"the join is for run {join.run_id!r}; this service admits to run {run_id!r}")
+    if join.role.name.lower() != slot.role:
+        raise refused_join(f"the join is as a {join.role.name.lower()}; the slot was granted for a {slot.role}")
+    stage = slot.stage if slot.role == "worker" else limits.NO_STAGE
+    if join.stage != stage:
+        raise refused_join(f"the join asks for stage {join.stage}; the slot was granted stage {slot.stage}")
+    if join.slot != slot.index:
+        raise refused_join(f"the join names slot {join.slot}; this peer holds slot {slot.index}")
+    if not now < join.valid_until <= now + furthest:
+        raise refused_join(f"the join's deadline must lie within the next {furthest:.0f} s (now {now:.0f}, the join "
+                           f"says {join.valid_until})")

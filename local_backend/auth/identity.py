@@ -2,31 +2,39 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from http import HTTPStatus
 
 from local_backend.auth.failures import AuthFailure
 from local_backend.auth.protocol import token_sha256
 
+MAX_REFUSED = 65_536  # refused token hashes remembered (the oldest forgotten first)
+
 
 class HubIdentity:
     """Who owns a Hugging Face token, asked of the Hub's ``/api/whoami-v2`` through huggingface_hub.
 
     Answers are cached per token hash for ``ttl`` seconds: the Hub rate-limits whoami, and slot renewals
-    would otherwise call it every few minutes per peer.
+    would otherwise call it every few minutes per peer. Refusals are cached as well (for ``ttl``, at most
+    ``MAX_REFUSED`` of them), and the Hub is asked about at most ``lookups`` unseen tokens per ``window``
+    seconds: a flood of made-up tokens is answered from here, and the Hub sees a bounded number of calls.
     """
 
-    def __init__(self, endpoint: str | None = None, *, ttl: float = 300.0,
+    def __init__(self, endpoint: str | None = None, *, ttl: float = 300.0, lookups: int = 30, window: float = 60.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         from huggingface_hub import HfApi
 
         self.api = HfApi(endpoint=endpoint)
         self.endpoint = self.api.endpoint
-        self.ttl = ttl
+        self.ttl, self.lookups, self.window = ttl, lookups, window
         self.clock = clock
         self._cache: dict[str, tuple[float, str]] = {}
+        self._refused: OrderedDict[str, float] = OrderedDict()  # token hash -> when the Hub refused it
+        self._asked: deque[float] = deque()  # when the Hub was last asked, at most ``lookups`` times
         self._lock = threading.Lock()
 
     def __call__(self, token: str) -> str:
@@ -35,16 +43,26 @@ class HubIdentity:
 
         key = token_sha256(token)
         with self._lock:
+            now = self.clock()
             cached = self._cache.get(key)
-            if cached is not None and self.clock() - cached[0] < self.ttl:
+            if cached is not None and now - cached[0] < self.ttl:
                 return cached[1]
+            if now - self._refused.get(key, -math.inf) < self.ttl:
+                raise self._invalid()
+            while self._asked and now - self._asked[0] >= self.window:
+                self._asked.popleft()
+            if len(self._asked) >= self.lookups:
+                raise AuthFailure(HTTPStatus.SERVICE_UNAVAILABLE, "identity_busy",
+                                  f"more than {self.lookups} new tokens were checked in the last {self.window:.0f} s; "
+                                  "try again in a minute")
+            self._asked.append(now)
         try:
             answer = self.api.whoami(token=token)
         except HfHubHTTPError as exc:
             status = exc.response.status_code if exc.response is not None else None
             if status in (401, 403):
-                raise AuthFailure(HTTPStatus.UNAUTHORIZED, "invalid_token",
-                                  f"the Hugging Face Hub at {self.endpoint} does not recognise this token") from None
+                self._remember_refusal(key)
+                raise self._invalid() from None
             raise AuthFailure(HTTPStatus.BAD_GATEWAY, "identity_unavailable",
                               f"the Hugging Face Hub at {self.endpoint} answered {status}; try again later") from None
         except Exception as exc:  # transport errors differ across huggingface_hub versions (requests, httpx)
@@ -59,3 +77,14 @@ class HubIdentity:
             self._cache = {k: v for k, v in self._cache.items() if now - v[0] < self.ttl}
             self._cache[key] = (now, name)
         return name
+
+    def _invalid(self) -> AuthFailure:
+        return AuthFailure(HTTPStatus.UNAUTHORIZED, "invalid_token",
+                           f"the Hugging Face Hub at {self.endpoint} does not recognise this token")
+
+    def _remember_refusal(self, key: str) -> None:
+        with self._lock:
+            self._refused[key] = self.clock()
+            self._refused.move_to_end(key)
+            while len(self._refused) > MAX_REFUSED:
+                self._refused.popitem(last=False)

@@ -12,6 +12,14 @@ the head when it asks and there is room, and a peer may report itself synced onl
 peer that reports is refused, so none can skip the queue), or stops integrating after ``integration_seconds``
 so a joiner that crashed does not hold the queue.
 
+Ending (the cap the coordinator enforces): a slot that ends (its holder leaves, its lease lapses) is not free
+yet. The coordinator keeps one live key per slot (the join carries the slot) and admits no countersigned join
+past its deadline (at most ``COUNTERSIGN_SECONDS`` ahead), so the service waits until every join it countersigned
+for the slot is past its deadline, then has the coordinator withdraw the slot's key (``release_slot``, sent by
+``release.Releaser`` until the coordinator confirms) and only then frees the slot. Until then the slot still
+counts toward its contributor's cap and the swarm's capacity, so a contributor's keys in the coordinator never
+outnumber its cap, whatever the order of grants, leaves and lapses.
+
 Each request is one transaction of the slot store: its nonce is spent, old slots expire and the change is
 applied together, and the answer leaves only once it commits.
 """
@@ -33,16 +41,32 @@ from solders.pubkey import Pubkey
 from coordinator_program.onchain.program_id import PROGRAM_ID
 from coordinator_program.spec import limits
 from coordinator_program.spec.instructions import JoinRun
-from local_backend.auth.countersign import join_to_countersign, message_bytes, refused_join
+from local_backend.auth.countersign import check_join, join_to_countersign, message_bytes
+from local_backend.auth.ending import SlotEnding
 from local_backend.auth.failures import AuthFailure, bad_request
 from local_backend.auth.protocol import MAX_CLOCK_SKEW, ROLES, canonical, token_sha256
 from local_backend.auth.requests import SignedRequest, check_signed
-from local_backend.auth.slots import NONCE_CAPACITY, Slot, SlotStore
+from local_backend.auth.slots import (
+    NONCES_PER_ADDRESS,
+    NONCES_PER_TOKEN,
+    Slot,
+    SlotStore,
+    admitted,
+    drop_misfits,
+    free_index,
+    held_by,
+    integrating,
+    least_occupied_stage,
+    waiting,
+)
 from local_backend.store import StoreError
 
 log = logging.getLogger("psyswarm.auth")
 
 GRANTS_KEPT = 1024  # keys the contributor map remembers (the newest granted); a ledger holds 256
+COUNTERSIGN_SECONDS = 120.0  # the furthest deadline a countersigned join may carry
+CLOCK_MARGIN = MAX_CLOCK_SKEW  # how far the coordinator's clock may lag this service's
+
 
 
 def _token_mismatch() -> AuthFailure:
@@ -51,7 +75,7 @@ def _token_mismatch() -> AuthFailure:
 
 
 @dataclass
-class AuthService:
+class AuthService(SlotEnding):
     """Slot, stage and queue bookkeeping for one run; thread-safe. ``identify`` maps a token to a user name;
     ``db`` is the SQLite file that keeps the slots (``":memory:"`` keeps nothing across restarts)."""
 
@@ -67,23 +91,28 @@ class AuthService:
     integration_seconds: float = 900.0
     checkpoint: dict[str, str] | None = None
     clock: Callable[[], float] = time.time
-    nonce_capacity: int = NONCE_CAPACITY
+    nonces_per_token: int = NONCES_PER_TOKEN
+    nonces_per_address: int = NONCES_PER_ADDRESS
     grants_kept: int = GRANTS_KEPT  # never fewer than ``capacity``: every live slot stays mapped
     program_id: Pubkey = PROGRAM_ID  # the coordinator program whose joins it countersigns on Solana
+    tells_coordinator: bool = True  # False (tests of this service alone): an ended slot frees once its joins expire
+    clock_margin: float = CLOCK_MARGIN  # how far the coordinator's clock may lag this one
+    publish_contributors: bool = False  # whether anyone may read which Hub user holds which key
 
     def __post_init__(self) -> None:
-        if (self.num_stages < 2 or self.capacity < 1 or self.lease_seconds <= 0 or self.max_integrating < 0
-                or self.max_slots_per_token < 1 or self.nonce_capacity < 1):
-            raise ValueError("need num_stages >= 2, capacity >= 1, max_slots_per_token >= 1, lease_seconds > 0, "
-                             "max_integrating >= 0, nonce_capacity >= 1")
-        self._store = SlotStore(self.db, self.run_id, self.nonce_capacity)
+        if (self.num_stages < 2 or not 1 <= self.capacity < limits.NO_SLOT or self.lease_seconds <= 0
+                or self.max_integrating < 0 or self.max_slots_per_token < 1 or min(self.nonces_per_token,
+                                                                                    self.nonces_per_address) < 1):
+            raise ValueError(f"need num_stages >= 2, 1 <= capacity < {limits.NO_SLOT}, max_slots_per_token >= 1, "
+                             "lease_seconds > 0, max_integrating >= 0, nonces_per_token >= 1, nonces_per_address >= 1")
+        self._store = SlotStore(self.db, self.run_id)
         self._lock = threading.Lock()
         self._slots = self._store.slots()
-        self._drop_misfits()
+        drop_misfits(self._store, self._slots, self.num_stages, self.capacity)
 
     # --- requests ---
 
-    def join(self, token: str, request: Any) -> dict[str, Any]:
+    def join(self, token: str, request: Any, address: str = "") -> dict[str, Any]:
         """Grant (or renew) the requesting peer's slot; the signed grant is the answer."""
         signed = check_signed(request, "join", self.run_id, self.clock())
         role = signed.fields["role"]
@@ -93,7 +122,7 @@ class AuthService:
             raise AuthFailure(HTTPStatus.UNAUTHORIZED, "token_mismatch",
                               "the request is signed for another Hugging Face token than the one it was sent with")
         contributor = self.identify(token)  # outside the lock: it may call the Hub
-        grant = self._apply(signed, lambda now: self._grant(signed, contributor, now))
+        grant = self._apply(signed, lambda now: self._grant(signed, contributor, now), address=address, holder=False)
         signature = bytes(self.keypair.sign_message(canonical(grant))).hex()
         return {"grant": grant, "signature": signature, "service": bytes(self.keypair.pubkey()).hex()}
 
@@ -110,7 +139,12 @@ class AuthService:
 
     def leave(self, request: Any) -> dict[str, Any]:
         signed = check_signed(request, "leave", self.run_id, self.clock())
-        return self._apply(signed, lambda now: self._release(signed))
+        try:
+            return self._apply(signed, lambda now: self._release(signed, now))
+        except AuthFailure as refusal:
+            if refusal.code != "no_slot":
+                raise
+            return {"ok": True}  # nothing to leave: answered, and nothing spent
 
     def countersign(self, request: Any) -> dict[str, str]:
         """The join authority's signature over ``message``, a join of the requesting peer's own key into this
@@ -118,14 +152,14 @@ class AuthService:
         signed = check_signed(request, "countersign", self.run_id, self.clock())
         message = message_bytes(signed.fields["message"])
         joiner, join = join_to_countersign(message, self.keypair.pubkey(), self.program_id, self.run_id)
-        self._apply(signed, lambda now: self._check_join(self._own(signed), joiner, join))
+        self._apply(signed, lambda now: self._check_join(self._own(signed), joiner, join, now))
         return {"signature": bytes(self.keypair.sign_message(message)).hex()}
 
     def occupancy(self) -> dict[str, Any]:
         """Live slots per stage and contributors (the dashboard's view); needs no authentication."""
         with self._lock:
             now = self.clock()
-            slots = [s for s in self._slots.values() if s.expires > now]
+            slots = [s for s in self._slots.values() if s.ended is None and s.expires > now]
         return {
             "run_id": self.run_id, "capacity": self.capacity, "slots": len(slots),
             "contributors": len({s.contributor for s in slots}),
@@ -137,7 +171,12 @@ class AuthService:
         """Which contributor each key granted a slot belongs to, by base58 public key: what lets a leaderboard sum
         one contributor's processes into one score. A key that left stays mapped (its points outlive its slot),
         for the ``grants_kept`` keys granted or renewed last. Only keys and Hub user names leave, never a token or
-        its hash. Another run's id gets an empty map (this service knows one run)."""
+        its hash. Another run's id gets an empty map (this service knows one run). The map is the operator's to
+        publish (``publish_contributors``): it ties keys to people, so it is refused unless published."""
+        if not self.publish_contributors:
+            raise AuthFailure(HTTPStatus.FORBIDDEN, "contributors_private",
+                              "this run's contributor map is private (its operator may publish it with "
+                              "`psyswarm auth-service --publish-contributors`)")
         if run_id != self.run_id:
             return {}
         with self._lock:
@@ -149,23 +188,31 @@ class AuthService:
 
     # --- one request, one transaction ---
 
-    def _apply(self, signed: SignedRequest, change: Callable[[float], dict[str, Any]]) -> dict[str, Any]:
-        """Spend the request's nonce, expire old slots and apply ``change``, all in one transaction; answer
-        only once it commits. A refused request still spends its nonce, so it cannot be replayed later, when
-        the refusal may no longer hold."""
+    def _apply(self, signed: SignedRequest, change: Callable[[float], dict[str, Any]], *, address: str = "",
+               holder: bool = True) -> dict[str, Any]:
+        """Expire old slots, spend the request's nonce and apply ``change``, all in one transaction; answer only
+        once it commits.
+
+        A request that can change nothing spends nothing: with ``holder``, one from a peer holding no live slot
+        under its token, or signed before its slot was granted (so no later slot of the peer is open to it). A
+        join (``holder`` False) may make a slot, so it spends, within its token's quota and, unless it renews
+        a slot the peer holds, its address's; a request past a quota is refused and spends nothing. Otherwise a
+        refused request still spends its nonce: it cannot be replayed later, when the refusal may no longer hold.
+        """
         refusal: AuthFailure | None = None
+        answer: dict[str, Any] = {}
         with self._lock:
             try:
                 with self._store.transaction():
                     now = self.clock()
-                    self._spend_nonce(signed, now)
                     self._expire(now)
                     try:
+                        self._check_fresh(signed, now, address, holder)
+                        self._store.spend_nonce(signed.peer, signed.nonce, signed.time, signed.token_sha256,
+                                                address, forget_before=now - MAX_CLOCK_SKEW)
                         answer = change(now)
                     except AuthFailure as failure:
                         refusal = failure
-            except AuthFailure:
-                raise  # a replay: nothing was changed
             except StoreError as exc:
                 self._reload_slots()
                 log.error("the auth service's database failed: %s", exc)
@@ -178,24 +225,32 @@ class AuthService:
             raise refusal
         return answer
 
-    def _reload_slots(self) -> None:
-        """Back to the slots last committed, after a change that was not."""
-        self._slots = self._store.slots()
-
-    def _spend_nonce(self, signed: SignedRequest, now: float) -> None:
-        if signed.time <= self._store.nonce_floor:
-            raise AuthFailure(HTTPStatus.BAD_REQUEST, "stale_request",
-                              "the request is older than the nonces the service still remembers; send a fresh one")
+    def _check_fresh(self, signed: SignedRequest, now: float, address: str, holder: bool) -> None:
+        """Refuse, before its nonce is spent, a replay, a slot holder's request that can change nothing, and a
+        request past its token's or address's quota."""
         if self._store.nonce_spent(signed.peer, signed.nonce):
             raise AuthFailure(HTTPStatus.CONFLICT, "replayed_request",
                               "this request's nonce was already used: a request is accepted once")
-        self._store.spend_nonce(signed.peer, signed.nonce, signed.time, forget_before=now - MAX_CLOCK_SKEW)
+        slot = self._slots.get(signed.peer)
+        if holder:
+            self._own(signed)
+        elif slot is not None and slot.ended is None and slot.token_sha256 == signed.token_sha256:
+            address = ""  # a renewal: charged to the slot's token alone
+        by_token, by_address = self._store.nonces_of(signed.token_sha256, address, now - 2 * MAX_CLOCK_SKEW)
+        if by_token >= self.nonces_per_token or (address and by_address >= self.nonces_per_address):
+            raise AuthFailure(HTTPStatus.TOO_MANY_REQUESTS, "too_many_requests",
+                              f"more than {self.nonces_per_token} requests of this token (or "
+                              f"{self.nonces_per_address} of this address) in {2 * MAX_CLOCK_SKEW:.0f} s; slow down")
 
     # --- the changes (under the lock, inside the transaction; each checks before it changes anything) ---
 
     def _grant(self, signed: SignedRequest, contributor: str, now: float) -> dict[str, Any]:
         role = signed.fields["role"]
         slot = self._slots.get(signed.peer)
+        if slot is not None and slot.ended is not None:
+            raise AuthFailure(HTTPStatus.CONFLICT, "slot_ending",
+                              f"this peer key's slot {slot.index} ended and the coordinator is being told; join "
+                              "again in a minute or two (or with a fresh keypair, if its contributor has room)")
         if slot is not None and (slot.contributor, slot.role, slot.token_sha256) != (
                 contributor, role, signed.token_sha256):
             raise AuthFailure(HTTPStatus.CONFLICT, "peer_taken",
@@ -210,23 +265,25 @@ class AuthService:
             "run_id": self.run_id, "contributor": contributor, "peer": slot.peer, "role": role,
             "slot": slot.index, "capacity": self.capacity, "stage": slot.stage,
             "num_stages": self.num_stages, "expires": slot.expires,
-            "peers_of_contributor": self._slots_of(contributor), "checkpoint": self.checkpoint,
+            "peers_of_contributor": held_by(self._slots.values(), contributor), "checkpoint": self.checkpoint,
         }
 
     def _new_slot(self, signed: SignedRequest, contributor: str, role: str, now: float) -> Slot:
-        held = self._slots_of(contributor)
+        held = held_by(self._slots.values(), contributor)
         if held >= self.max_slots_per_token:
             raise AuthFailure(HTTPStatus.FORBIDDEN, "contributor_full",
                               f"{contributor} already holds {held} slots in run {self.run_id}, the most one "
                               f"contributor may hold (max {self.max_slots_per_token} per token); every process "
-                              "under a token counts toward it: stop one or wait for its lease to end")
+                              "under a token counts toward it, and a slot that ended counts until the coordinator "
+                              "has let its key go: stop one, or wait a minute or two after one left")
         if len(self._slots) >= self.capacity:
             raise AuthFailure(HTTPStatus.SERVICE_UNAVAILABLE, "swarm_full",
                               f"the swarm of run {self.run_id} is full: all {self.capacity} contributor "
                               "slots are taken; try again later")
         slot = Slot(peer=signed.peer, token_sha256=signed.token_sha256, contributor=contributor, role=role,
-                    stage=self._least_occupied_stage() if role == "worker" else -1,
-                    index=self._free_index(), expires=now, queued_at=now)
+                    stage=least_occupied_stage(self._slots.values(), self.num_stages) if role == "worker" else -1,
+                    index=free_index(self._slots.values(), self.capacity), expires=now, queued_at=now,
+                    since=signed.time)
         self._slots[slot.peer] = slot
         log.info("granted slot %d to %s (%s, peer %s…), stage %d", slot.index, contributor, role,
                  slot.peer[:8], slot.stage)
@@ -235,10 +292,13 @@ class AuthService:
     def _own(self, signed: SignedRequest) -> Slot:
         """The requesting peer's slot, asked for under the token it was granted to."""
         slot = self._slots.get(signed.peer)
-        if slot is None:
+        if slot is None or slot.ended is not None:
             raise AuthFailure(HTTPStatus.NOT_FOUND, "no_slot", "this peer holds no slot (expired?): join again")
         if slot.token_sha256 != signed.token_sha256:
             raise _token_mismatch()
+        if signed.time < slot.since:
+            raise AuthFailure(HTTPStatus.BAD_REQUEST, "stale_request",
+                              "the request was signed before this peer's slot was granted; send a fresh one")
         return slot
 
     def _renew(self, slot: Slot, now: float) -> Slot:
@@ -247,18 +307,18 @@ class AuthService:
         return slot
 
     def _place(self, slot: Slot, now: float) -> dict[str, Any]:
-        if self._admitted(slot):
+        if admitted(slot, self.max_integrating):
             return self._queue_answer(0, True)
-        ahead = self._waiting().index(slot)
-        if ahead == 0 and self._integrating() < self.max_integrating:
+        ahead = waiting(self._slots.values(), self.max_integrating).index(slot)
+        if ahead == 0 and integrating(self._slots.values()) < self.max_integrating:
             slot.integrating_since = now
             self._store.put(slot)
             return self._queue_answer(0, True)
         return self._queue_answer(ahead + 1, False)
 
     def _mark_synced(self, slot: Slot, now: float) -> dict[str, Any]:
-        if not self._admitted(slot):
-            position = self._waiting().index(slot) + 1
+        if not admitted(slot, self.max_integrating):
+            position = waiting(self._slots.values(), self.max_integrating).index(slot) + 1
             raise AuthFailure(HTTPStatus.CONFLICT, "not_admitted",
                               f"this peer is still waiting in the join queue (position {position}); it may report "
                               "its sync only once the queue has admitted it")
@@ -266,80 +326,22 @@ class AuthService:
         self._renew(slot, now)
         return {"ok": True}
 
-    def _check_join(self, slot: Slot, joiner: bytes, join: JoinRun) -> dict[str, Any]:
-        """A join may be countersigned for the key, run, role and stage its slot was granted, and only those."""
-        if joiner.hex() != slot.peer:
-            raise refused_join(f"the join is for key {joiner.hex()[:8]}…, but this slot belongs to {slot.peer[:8]}…: "
-                               "a slot admits only the key it was granted to")
-        if join.run_id != self.run_id:
-            raise refused_join(f"the join is for run {join.run_id!r}; this service admits to run {self.run_id!r}")
-        if join.role.name.lower() != slot.role:
-            raise refused_join(f"the join is as a {join.role.name.lower()}; the slot was granted for a {slot.role}")
-        stage = slot.stage if slot.role == "worker" else limits.NO_STAGE
-        if join.stage != stage:
-            raise refused_join(f"the join asks for stage {join.stage}; the slot was granted stage {slot.stage}")
+    def _check_join(self, slot: Slot, joiner: bytes, join: JoinRun, now: float) -> dict[str, Any]:
+        """A join this slot may have countersigned (``countersign.check_join``); the slot notes its deadline, as it
+        may not be freed before it."""
+        check_join(slot, joiner, join, self.run_id, now, COUNTERSIGN_SECONDS)
+        slot.countersigned_until = max(slot.countersigned_until, float(join.valid_until))
+        self._store.put(slot)
         log.info("countersigned the join of slot %d (%s, peer %s…)", slot.index, slot.role, slot.peer[:8])
         return {}
 
-    def _release(self, signed: SignedRequest) -> dict[str, Any]:
-        slot = self._slots.get(signed.peer)
-        if slot is not None:
-            if slot.token_sha256 != signed.token_sha256:
-                raise _token_mismatch()
-            del self._slots[signed.peer]
-            self._store.drop(signed.peer)
-            log.info("slot %d of %s left", slot.index, slot.contributor)
+    def _release(self, signed: SignedRequest, now: float) -> dict[str, Any]:
+        """The peer leaves its slot (``_apply`` checked that it holds one): it ends (``_end``)."""
+        self._end(self._own(signed), now, "left")
         return {"ok": True}
-
-    def _expire(self, now: float) -> None:
-        for peer, slot in list(self._slots.items()):
-            if slot.expires <= now:
-                del self._slots[peer]
-                self._store.drop(peer)
-                log.info("slot %d of %s expired", slot.index, slot.contributor)
-            elif slot.integrating_since is not None and now - slot.integrating_since > self.integration_seconds:
-                slot.integrating_since, slot.synced = None, True  # gave it its time; stop holding the queue
-                self._store.put(slot)
 
     # --- reading the slots ---
 
-    def _admitted(self, slot: Slot) -> bool:
-        return self.max_integrating == 0 or slot.synced or slot.integrating_since is not None
-
-    def _waiting(self) -> list[Slot]:
-        """The join queue, in join order."""
-        return sorted((s for s in self._slots.values() if not self._admitted(s)), key=lambda s: (s.queued_at, s.index))
-
-    def _integrating(self) -> int:
-        return sum(s.integrating_since is not None for s in self._slots.values())
-
-    def _slots_of(self, contributor: str) -> int:
-        return sum(s.contributor == contributor for s in self._slots.values())
-
-    def _least_occupied_stage(self) -> int:
-        counts = [0] * self.num_stages
-        for slot in self._slots.values():
-            if slot.stage >= 0:
-                counts[slot.stage] += 1
-        return counts.index(min(counts))
-
-    def _free_index(self) -> int:
-        taken = {s.index for s in self._slots.values()}
-        return next(i for i in range(self.capacity) if i not in taken)
-
     def _queue_answer(self, position: int, admitted: bool) -> dict[str, Any]:
-        return {"position": position, "admitted": admitted, "integrating": self._integrating(),
+        return {"position": position, "admitted": admitted, "integrating": integrating(self._slots.values()),
                 "max_integrating": self.max_integrating}
-
-    def _drop_misfits(self) -> None:
-        """Slots kept from a run served with more stages or slots than now no longer exist."""
-        misfits = [s for s in self._slots.values() if s.stage >= self.num_stages or s.index >= self.capacity]
-        if not misfits:
-            return
-        with self._store.transaction():
-            for slot in misfits:
-                self._store.drop(slot.peer)
-                del self._slots[slot.peer]
-        log.warning("dropped %d kept slot(s) beyond %d stages or %d slots", len(misfits), self.num_stages,
-                    self.capacity)
-

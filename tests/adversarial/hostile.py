@@ -137,8 +137,9 @@ def hijack(role, victims: list[str]) -> None:
 
     from hivemind.utils import get_dht_time
 
-    from client.pipeline.discovery import default_index, stage_key, worker_uid
+    from client.pipeline.discovery import stage_key
     from client.sealed import store_sealed
+    from client.stages import default_index, worker_uid
 
     worker, context = role.worker, role.context
     expires = get_dht_time() + 60

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Callable
 
 import pytest
@@ -24,6 +25,7 @@ from typer.testing import CliRunner
 
 from client.backends.solana import SolanaBackend
 from client.cli import app
+from client.commands.auth import coordinator_release
 from client.join.auth import AuthError, AuthSession
 from coordinator_program.onchain.instance import INSTANCE_SIZE, instance_address
 from coordinator_program.onchain.program_id import PROGRAM_ID
@@ -60,17 +62,24 @@ def test_a_join_on_a_permissioned_run_needs_the_auth_services_countersignature(l
                 attempt = SolanaBackend(localnet.url, mallory, run_id, authorizer=cosigner)
                 await attempt.connect()
                 with pytest.raises(errors.NotAuthorized):
-                    await attempt.join(Role.Worker, 0)
+                    await attempt.join(Role.Worker, 0, 0)
                 await attempt.close()
             relayed = SolanaBackend(localnet.url, mallory, run_id, authorizer=session)  # Alice's slot, Mallory's key
             await relayed.connect()
             with pytest.raises(AuthError, match="a slot admits only the key it was granted to"):
-                await relayed.join(Role.Worker, session.grant.stage)
+                await relayed.join(Role.Worker, session.grant.stage, session.grant.slot)
             assert relayed.state.pending == []
             honest = SolanaBackend(localnet.url, alice, run_id, authorizer=session)
             await honest.connect()
-            await honest.join(Role.Worker, session.grant.stage)
+            await honest.join(Role.Worker, session.grant.stage, session.grant.slot)
             assert [p.id for p in honest.state.pending] == [bytes(alice.pubkey())]
+            # Her slot ends: the service's release path (a transaction the join authority signs and pays for)
+            # withdraws her key from the program, and confirms a key already gone as well.
+            await localnet.fund(service.service.keypair)
+            release = coordinator_release(None, localnet.url, run_id, None, service.service.keypair)
+            for _ in range(2):
+                await asyncio.to_thread(release, bytes(alice.pubkey()))
+                await honest.wait_for(lambda state: not state.pending, timeout=30)
             await asyncio.gather(relayed.close(), honest.close())
 
         asyncio.run(main())
@@ -86,6 +95,11 @@ def with_meta(ix: SolanaInstruction, index: int, **changes: object) -> SolanaIns
     return SolanaInstruction(ix.program_id, ix.data, metas)
 
 
+def soon() -> int:
+    """A deadline the service countersigns."""
+    return int(time.time()) + 30
+
+
 class Joins:
     """Join transactions of Alice (worker, stage 0) and variations an attacker would like co-signed."""
 
@@ -96,7 +110,7 @@ class Joins:
     def join(self, joiner: Keypair | None = None, ix: JoinRun | None = None) -> SolanaInstruction:
         backend = SolanaBackend("http://127.0.0.1:1", joiner or self.alice, self.run_id, authorizer=self.session)
         backend.coordinator_address = Pubkey.create_with_seed(Pubkey.new_unique(), self.run_id, PROGRAM_ID)
-        return backend.instruction(ix or JoinRun(self.run_id, Role.Worker, 0))
+        return backend.instruction(ix or JoinRun(self.run_id, Role.Worker, 0, 0, soon()))
 
     def message(self, instructions: list[SolanaInstruction], payer: Keypair | None = None) -> bytes:
         return bytes(Message.new_with_blockhash(instructions, (payer or self.alice).pubkey(), Hash.default()))
@@ -113,10 +127,14 @@ ATTACKS: dict[str, tuple[Callable[[Joins, Keypair], bytes], str]] = {
         j.join(), 2, pubkey=instance_address(PROGRAM_ID, "other-run")[0])]), "the instance run"),
     "another-program": (lambda j, mallory: j.message([SolanaInstruction(
         Pubkey.new_unique(), j.join().data, j.join().accounts)]), "not for the coordinator program"),
-    "another-run": (lambda j, mallory: j.message([j.join(ix=JoinRun("other-run", Role.Worker, 0))]),
+    "another-run": (lambda j, mallory: j.message([j.join(ix=JoinRun("other-run", Role.Worker, 0, 0, soon()))]),
                     "this service admits to run"),
-    "another-stage": (lambda j, mallory: j.message([j.join(ix=JoinRun(j.run_id, Role.Worker, 1))]),
+    "another-stage": (lambda j, mallory: j.message([j.join(ix=JoinRun(j.run_id, Role.Worker, 1, 0, soon()))]),
                       "the slot was granted stage 0"),
+    "another-slot": (lambda j, mallory: j.message([j.join(ix=JoinRun(j.run_id, Role.Worker, 0, 3, soon()))]),
+                     "this peer holds slot 0"),
+    "no-deadline": (lambda j, mallory: j.message([j.join(ix=JoinRun(j.run_id, Role.Worker, 0, 0))]),
+                    "deadline must lie within"),
 }
 
 

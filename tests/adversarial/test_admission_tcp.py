@@ -6,6 +6,7 @@ key, run, role and stage. The Hugging Face Hub is the stand-in (tests.fake_hub).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from solders.signature import Signature
 from client.backends.base import BackendError
 from client.backends.tcp import TcpBackend
 from client.join.auth import AuthError, AuthSession
-from coordinator_program.spec import errors
+from coordinator_program.spec import errors, limits
 from coordinator_program.spec.config import parse_run_spec
 from coordinator_program.spec.instructions import Instruction, JoinRun, Tick
 from coordinator_program.spec.state import Role
@@ -102,14 +103,14 @@ def test_a_join_needs_the_auth_services_countersignature(fake_hub, tmp_path: Pat
             for keypair, cosigner in attempts:
                 backend = await connected(address, keypair, cosigner)
                 with pytest.raises(errors.NotAuthorized):
-                    await backend.join(Role.Worker, 0)
+                    await backend.join(Role.Worker, 0, 0)
                 await backend.close()
             forged = await connected(address, Keypair(), Forger(authority_of(service)))
             with pytest.raises(BackendError, match="co-signature does not match"):
-                await forged.join(Role.Worker, 0)
+                await forged.join(Role.Worker, 0, 0)
             assert pending(server) == []
             honest = await connected(address, alice.client.keypair, alice)
-            await honest.join(Role.Worker, alice.grant.stage)
+            await honest.join(Role.Worker, alice.grant.stage, alice.grant.slot)
             assert pending(server) == [honest.identity]
             await asyncio.gather(forged.close(), honest.close())
 
@@ -124,28 +125,36 @@ def test_a_slot_holder_cannot_get_another_key_admitted(fake_hub, tmp_path: Path)
             mallory = Keypair()
             asked = await connected(address, mallory, Relay(alice, rename=False))
             with pytest.raises(AuthError, match="a slot admits only the key it was granted to"):
-                await asked.join(Role.Worker, alice.grant.stage)
+                await asked.join(Role.Worker, alice.grant.stage, alice.grant.slot)
             renamed = await connected(address, mallory, Relay(alice, rename=True))  # the service signs this one
             with pytest.raises(BackendError, match="given for another key than this connection's"):
-                await renamed.join(Role.Worker, alice.grant.stage)
+                await renamed.join(Role.Worker, alice.grant.stage, alice.grant.slot)
             assert pending(server) == []
             honest = await connected(address, alice.client.keypair, alice)  # Alice's own join is unharmed
-            await honest.join(Role.Worker, alice.grant.stage)
+            await honest.join(Role.Worker, alice.grant.stage, alice.grant.slot)
             assert pending(server) == [honest.identity]
             await asyncio.gather(asked.close(), renamed.close(), honest.close())
 
         with_run(tmp_path, authority_of(service), body)
 
 
+JoinOf = Callable[[int], Instruction]
+"""An instruction to have countersigned, given a deadline the service would countersign."""
+
+
 @pytest.mark.parametrize("ix, refusal", [
-    (JoinRun("run-2", Role.Worker, 0), "this service admits to run 'run-1'"),
-    (JoinRun(RUN, Role.Trainer), "the slot was granted for a worker"),
-    (JoinRun(RUN, Role.Worker, 2), "the slot was granted stage 0"),
-    (JoinRun(RUN, Role.Worker), "the slot was granted stage 0"),  # a worker's stage is the one its slot got
-    (Tick(), "countersigns join_run only"),
-], ids=["another-run", "another-role", "another-stage", "any-stage", "not-a-join"])
-def test_a_countersignature_for_another_run_role_or_stage_is_refused(fake_hub, ix: Instruction,
-                                                                    refusal: str) -> None:
+    (lambda soon: JoinRun("run-2", Role.Worker, 0, 0, soon), "this service admits to run 'run-1'"),
+    (lambda soon: JoinRun(RUN, Role.Trainer, limits.NO_STAGE, 0, soon), "the slot was granted for a worker"),
+    (lambda soon: JoinRun(RUN, Role.Worker, 2, 0, soon), "the slot was granted stage 0"),
+    (lambda soon: JoinRun(RUN, Role.Worker, limits.NO_STAGE, 0, soon), "the slot was granted stage 0"),
+    (lambda soon: JoinRun(RUN, Role.Worker, 0, 1, soon), "this peer holds slot 0"),  # a slot another key holds
+    (lambda soon: JoinRun(RUN, Role.Worker, 0, 0), "deadline must lie within the next 120 s"),  # never expires
+    (lambda soon: JoinRun(RUN, Role.Worker, 0, 0, soon + 3600), "deadline must lie within the next 120 s"),
+    (lambda soon: Tick(), "countersigns join_run only"),
+], ids=["another-run", "another-role", "another-stage", "any-stage", "another-slot", "no-deadline",
+        "far-deadline", "not-a-join"])
+def test_a_countersignature_for_another_run_role_stage_or_slot_is_refused(fake_hub, ix: JoinOf,
+                                                                         refusal: str) -> None:
     with serving(fake_hub) as service:
         alice = session(service, "tok-alice")
         assert alice.grant.stage == 0
@@ -154,10 +163,11 @@ def test_a_countersignature_for_another_run_role_or_stage_is_refused(fake_hub, i
         def authorization(instruction: Instruction) -> bytes:
             return p.join_authorization(me, p.request_message(bytes(32), 1, instruction.encode()))
 
-        good = authorization(JoinRun(RUN, Role.Worker, 0))
+        soon = int(time.time()) + 30
+        good = authorization(JoinRun(RUN, Role.Worker, 0, 0, soon))
         assert alice.sign_message(good).verify(alice.pubkey(), good)  # the grant's own join is countersigned
         with pytest.raises(AuthError, match=refusal) as refused:
-            alice.sign_message(authorization(ix))
+            alice.sign_message(authorization(ix(soon)))
         assert refused.value.code == "not_countersigned"
         with pytest.raises(AuthError, match="neither a TCP join authorization nor a Solana"):
             alice.sign_message(b"sign this for me")
@@ -166,8 +176,8 @@ def test_a_countersignature_for_another_run_role_or_stage_is_refused(fake_hub, i
 def test_no_countersignature_without_a_live_slot(fake_hub) -> None:
     with serving(fake_hub) as service:
         alice = session(service, "tok-alice")
-        join = p.join_authorization(bytes(alice.client.keypair.pubkey()),
-                                    p.request_message(bytes(32), 1, JoinRun(RUN, Role.Worker, 0).encode()))
+        ix = JoinRun(RUN, Role.Worker, 0, 0, int(time.time()) + 30)
+        join = p.join_authorization(bytes(alice.client.keypair.pubkey()), p.request_message(bytes(32), 1, ix.encode()))
         alice.client.leave()
         with pytest.raises(AuthError, match="holds no slot") as refused:
             alice.sign_message(join)

@@ -51,7 +51,8 @@ def test_one_token_cannot_take_every_slot(fake_hub) -> None:
 def start_service(hub_url: str, db: Path) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
         [sys.executable, "-m", "client.cli", "auth-service", "--run-id", RUN, "--stages", "3", "--capacity", "4",
-         "--hf-endpoint", hub_url, "--db", str(db)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+         "--hf-endpoint", hub_url, "--db", str(db), "--server", "127.0.0.1:9"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "HF_TOKEN": ""})
     line = process.stdout.readline()  # type: ignore[union-attr]
     if " listening on " not in line:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 
 import hivemind
@@ -13,18 +14,12 @@ import pytest
 from hivemind.utils import get_dht_time
 from solders.keypair import Keypair
 
-from client.pipeline.discovery import (
-    STATE_UP,
-    Announcer,
-    WorkerDirectory,
-    WorkerRecord,
-    default_index,
-    stage_key,
-    worker_uid,
-)
+from client.commands.status import loss_line
+from client.pipeline.discovery import STATE_UP, Announcer, WorkerDirectory, WorkerRecord, stage_key
 from client.sealed import owner_of, store_sealed
+from client.stages import default_index, worker_uid
 from client.witness.judge import judge_round
-from client.witness.records import Board, Commitment, Report
+from client.witness.records import Board, Commitment, RecordError, Report, last_loss
 from tests.pipeline.conftest import TINY, wait_until
 from tests.witness.rounds import commitment, honest_round, run_with_keys, shares, workers_by_stage
 
@@ -43,7 +38,7 @@ def published_round(dht: hivemind.DHT, run_id: str):
     """An honest round, every record published by its author."""
     state, keys = run_with_keys(run_id=run_id)
     commitments, reports = honest_round(state, keys)
-    board = Board(dht, run_id)
+    board = Board(dht, state)
     for records in (commitments, reports):
         for author, record in records.items():
             assert board.publish(record, keys[bytes.fromhex(author)])
@@ -61,7 +56,7 @@ def test_junk_under_a_trainers_subkey_does_not_hide_its_commitment(dht, new_dht,
     key = board.key(Commitment, 0, 0)
     attacker.store(key, junk, get_dht_time() + A_DAY, subkey=victim)
     assert attacker.get(key, latest=True).value[victim].value == junk, "the attacker's own node keeps the junk"
-    for reader in (board, Board(new_dht(), run_id)):
+    for reader in (board, Board(new_dht(), state)):
         assert reader.fetch(Commitment, 0, 0) == commitments
     evidence = judged(state, board)
     assert evidence.complete and bytes.fromhex(victim) in evidence.participants
@@ -108,7 +103,7 @@ def test_a_record_replayed_into_another_run_is_refused(dht, attacker, run_id) ->
     than the trainer's own record of run B."""
     state, keys = run_with_keys(run_id=run_id)
     trainer = shares(state)[0]
-    here, there = Board(dht, run_id), Board(dht, f"{run_id}-b")
+    here, there = Board(dht, state), Board(dht, run_with_keys(run_id=f"{run_id}-b")[0])
     own = honest_round(state, keys)[0][trainer.client.hex()]
     assert there.publish(commitment(state, keys, trainer, list(own.receipts), run_id=there.run_id),
                          keys[trainer.client])
@@ -183,3 +178,30 @@ def test_a_hand_picked_uid_two_identities_announce_is_listed_for_neither(dht, ru
     finally:
         first.stop()
         second.stop()
+
+
+def test_only_the_runs_members_show_a_loss_and_no_loss_breaks_the_sum(dht, run_id) -> None:
+    """Issue 21, attack 4: a key that is not a client signs commitments (one with loss 1.7e308, one a plausible
+    forgery) for the round; ``status`` read them and printed ``last loss: inf``. Only members' records count, and
+    no admitted loss can make the mean non-finite."""
+    state, keys, board, commitments, _ = published_round(dht, run_id)
+    stranger, share = Keypair(), shares(state)[0]
+    for loss in (1.7e308, 0.001):
+        forged = Commitment.create(stranger, run_id=state.run_id, epoch=0, round=0, start=share.start,
+                                   end=share.end, loss=loss, tokens=share.size * state.model.seq_len, receipts=())
+        with pytest.raises(RecordError) if loss > 1e6 else nullcontext():
+            forged.admit(owner_of(stranger), state.run_id, 0, 0)
+        key = board.key(Commitment, 0, 0)
+        assert store_sealed(dht, stranger, key, forged.to_value(), get_dht_time() + 60)
+    assert owner_of(stranger) in {k for k in dht.get(board.key(Commitment, 0, 0), latest=True).value}
+    assert last_loss(board, state) == (0, 0, 4.2)  # the honest trainers' loss alone
+    assert loss_line(board, state) == "last loss: 4.2000 (epoch 0, round 1)"
+
+
+def test_a_later_run_of_the_same_id_reads_none_of_an_earlier_runs_records(dht, run_id) -> None:
+    """Issue 21, attack 8: a new run with the id of an earlier one showed the old run's loss in ``status``. Records
+    live under the run's instance (its id, main authority and creation time)."""
+    earlier, _, _, _, _ = published_round(dht, run_id)
+    later = replace(earlier, created_at=earlier.created_at + 3600)
+    assert Board(dht, later).fetch(Commitment, 0, 0) == {} and last_loss(Board(dht, later), later) is None
+    assert last_loss(Board(dht, earlier), earlier) == (0, 0, 4.2)

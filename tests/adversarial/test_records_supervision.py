@@ -93,7 +93,7 @@ def witnessing_worker(run_id: str, dht):
     assert me is not None, "the run's config elects no worker to witness"
     stage = state.clients[state.client_index(me)].stage
     commitments, reports = honest_round(state, keys)
-    board = Board(dht, run_id)
+    board = Board(dht, state)
     for author, record in [*commitments.items(), *reports.items()]:
         if author != me.hex():
             assert board.publish(record, keys[bytes.fromhex(author)])

@@ -85,7 +85,7 @@ def auth_service(hub: FakeHub, tmp_path: Path) -> Iterator[tuple[str, list[Calla
     """The auth service, against the stand-in Hub; a fresh client asks for the occupancy and joins."""
     hub.users.update(TOKENS)
     args = ["auth-service", "--run-id", RUN, "--stages", "3", "--capacity", "4", "--hf-endpoint", hub.url, "--db",
-            str(tmp_path / "auth.sqlite")]
+            str(tmp_path / "auth.sqlite"), "--server", "127.0.0.1:9"]  # no slot ends here: no coordinator is asked
     with started(args, r" listening on (http://\S+) ") as url:
         yield url, [lambda url: fetch(f"{url}/api/occupancy"), join]
 

@@ -84,7 +84,7 @@ def sync_playwright():
 def auth_service(hub) -> AbstractContextManager[AuthHTTPServer]:
     """The run's real auth service, knowing this test's contributors."""
     hub.users.update(CONTRIBUTORS)
-    return serving(hub, run_id=RUN, capacity=8, max_integrating=0)
+    return serving(hub, run_id=RUN, capacity=8, max_integrating=0, publish_contributors=True)
 
 
 def start_process(args: list[str], log: Path) -> subprocess.Popen:

@@ -9,6 +9,8 @@ import urllib.request
 
 from solders.keypair import Keypair
 
+from client.join.auth import AuthError
+from local_backend.auth.identity import HubIdentity
 from tests.join.test_auth import RUN, TOKENS, client, serving
 
 
@@ -21,7 +23,7 @@ def get(url: str) -> tuple[int, dict]:
 
 
 def test_every_key_under_one_token_maps_to_its_contributor_and_no_token_leaves(fake_hub) -> None:
-    with serving(fake_hub, capacity=5, max_integrating=0) as server:
+    with serving(fake_hub, capacity=5, max_integrating=0, publish_contributors=True) as server:
         alice = [Keypair() for _ in range(3)]
         for key in alice:
             client(server, key).join("tok-alice")
@@ -36,7 +38,7 @@ def test_every_key_under_one_token_maps_to_its_contributor_and_no_token_leaves(f
 
 
 def test_a_key_that_left_stays_mapped_and_another_run_gets_nothing(fake_hub) -> None:
-    with serving(fake_hub) as server:
+    with serving(fake_hub, publish_contributors=True) as server:
         leaving = client(server)
         leaving.join("tok-alice")
         leaving.leave()  # its points outlive its slot: they still count for alice
@@ -51,7 +53,8 @@ def test_the_map_keeps_only_the_keys_granted_last_and_survives_a_restart(fake_hu
             me = client(server, key)
             me.join("tok-bob")
             me.leave()
-    with serving(fake_hub, db=tmp_path / "auth.sqlite", capacity=2, grants_kept=2) as server:
+    with serving(fake_hub, db=tmp_path / "auth.sqlite", capacity=2, grants_kept=2,
+                 publish_contributors=True) as server:
         assert get(f"{server.url}/api/contributors?run_id={RUN}") == (
             200, {str(keys[2].pubkey()): "bob", str(keys[3].pubkey()): "bob"})
 
@@ -62,3 +65,30 @@ def test_a_query_without_exactly_one_run_id_is_a_bad_request(fake_hub) -> None:
             status, answer = get(f"{server.url}/api/contributors{query}")
             assert (status, answer["error"]) == (400, "bad_request"), query
             assert "run_id" in answer["message"]
+
+
+def test_the_map_is_private_unless_its_operator_publishes_it(fake_hub) -> None:
+    """Issue 21, attack 7: the map tied every key to a Hub user name for anyone who asked."""
+    with serving(fake_hub) as server:
+        client(server).join("tok-alice")
+        status, answer = get(f"{server.url}/api/contributors?run_id={RUN}")
+        assert (status, answer["error"]) == (403, "contributors_private") and "alice" not in json.dumps(answer)
+        assert "--publish-contributors" in answer["message"]
+
+
+def test_made_up_tokens_cost_the_hub_a_bounded_number_of_calls(fake_hub) -> None:
+    """Issue 21, attack 7: every join with a random token cost one Hub whoami call. Refusals are cached and unseen
+    tokens are looked up at most ``lookups`` times a window; a known contributor is still served from the cache."""
+    with serving(fake_hub, identify=HubIdentity(fake_hub.url, lookups=5)) as server:
+        alice = client(server)
+        alice.join("tok-alice")
+        calls = fake_hub.whoami_calls
+        codes = []
+        for token in [f"made-up-{i}" for i in range(40)] + ["made-up-0"] * 10:
+            try:
+                client(server).join(token)
+            except AuthError as refusal:
+                codes.append(refusal.code)
+        assert fake_hub.whoami_calls - calls <= 4  # the window's 5 lookups, one spent on alice
+        assert set(codes) == {"invalid_token", "identity_busy"} and len(codes) == 50
+        assert alice.join("tok-alice").contributor == "alice"

@@ -120,10 +120,11 @@ class CommittedLosses:
         from client.pipeline.discovery import start_dht
 
         self.dht = start_dht([swarm.peer])
-        self.board = Board(self.dht, swarm.run_id())
+        self.board: Board | None = None  # named for the run's instance, which the first state gives
         self.rounds: dict[tuple[int, int], dict[str, float]] = {}
 
     def __call__(self, state: CoordinatorState) -> None:
+        self.board = self.board or Board(self.dht, state)
         key = (state.epoch, state.round.height)
         if state.phase in (Phase.RoundWitness, Phase.Cooldown) and key not in self.rounds:
             found = self.board.fetch(Commitment, *key)

@@ -38,7 +38,8 @@ def serving(hub: FakeHub, *, limits: WebLimits = WebLimits(), **settings: Any) -
     """A real auth service on loopback (3 stages, 3 slots, a join queue of 1 unless ``settings`` say else)."""
     hub.users.update(TOKENS)
     service = AuthService(**{"run_id": RUN, "num_stages": 3, "capacity": 3, "identify": HubIdentity(hub.url),
-                             "max_slots_per_token": 4, "db": ":memory:", "max_integrating": 1, **settings})
+                             "max_slots_per_token": 4, "db": ":memory:", "max_integrating": 1,
+                             "tells_coordinator": False, **settings})
     server = AuthHTTPServer(service, limits=limits).start()
     try:
         yield server
@@ -102,7 +103,8 @@ def test_a_full_swarm_rejects_the_join(service: AuthHTTPServer) -> None:
 def test_a_slot_frees_itself_when_its_lease_ends() -> None:
     now = [time.time()]
     service = AuthService(run_id=RUN, num_stages=2, capacity=1, identify=lambda token: "alice",
-                          max_slots_per_token=4, db=":memory:", lease_seconds=60, clock=lambda: now[0])
+                          max_slots_per_token=4, db=":memory:", lease_seconds=60, clock=lambda: now[0],
+                          tells_coordinator=False)
 
     def request() -> dict:
         return AuthClient("http://unused", Keypair(), RUN, token="tok")._signed("join", role="worker")
@@ -221,7 +223,7 @@ def test_the_auth_service_command_serves_joins(fake_hub, tmp_path) -> None:
     assert "--max-slots-per-token" in usage and "[default: 4; x>=1]" in usage, usage
     process = subprocess.Popen(
         [sys.executable, "-m", "client.cli", "auth-service", "--run-id", RUN, "--stages", "4", "--capacity", "2",
-         "--hf-endpoint", fake_hub.url, "--db", str(tmp_path / "auth.sqlite")],
+         "--hf-endpoint", fake_hub.url, "--db", str(tmp_path / "auth.sqlite"), "--server", "127.0.0.1:9"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()  # type: ignore[union-attr]

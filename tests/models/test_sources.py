@@ -102,6 +102,19 @@ def test_a_config_whose_digest_differs_from_the_runs_is_refused(hub_model, tmp_p
     assert downloaded_shards(tmp_path) == set()
 
 
+def test_a_tokenizer_changed_after_the_run_pinned_it_is_refused(hub_model, tmp_path) -> None:
+    """Issue 21, attack 6: workers, trainers and ``export --server`` built the model checking config.json only, so
+    a source whose tokenizer.json changed after the run pinned it went through."""
+    hub, config, _ = hub_model
+    pinned = hashlib.sha256(TOKENIZER_JSON).digest()
+    state = run_state(REPO, config_digest(config), tokenizer=Tokenizer.Model, tokenizer_sha256=pinned)
+    assert model_spec_for(state, endpoint=hub.url, cache_dir=tmp_path / "first").config_sha256 == config_digest(config)
+    hub.publish(REPO, "tokenizer.json", TOKENIZER_JSON.replace(b'"a": 0', b'"b": 0'))
+    with pytest.raises(ModelSourceError, match="tokenizer.json has sha256 .* refusing to use another tokenizer"):
+        model_spec_for(state, endpoint=hub.url, cache_dir=tmp_path / "second")
+    assert downloaded_shards(tmp_path / "second") == set()
+
+
 def test_a_source_of_another_architecture_is_refused(hub_model, tmp_path) -> None:
     hub, config, _ = hub_model
     state = run_state(REPO, config_digest(config))

@@ -7,16 +7,9 @@ from dataclasses import asdict, replace
 from hivemind.utils import get_dht_time
 from solders.keypair import Keypair
 
-from client.pipeline.discovery import (
-    HAND_PICKED_INDICES,
-    STATE_UP,
-    WorkerDirectory,
-    WorkerRecord,
-    default_index,
-    stage_key,
-    worker_uid,
-)
+from client.pipeline.discovery import STATE_UP, WorkerDirectory, WorkerRecord, stage_key
 from client.sealed import owner_of, store_sealed
+from client.stages import HAND_PICKED_INDICES, default_index, worker_uid
 
 from .conftest import TINY, wait_until
 

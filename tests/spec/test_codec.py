@@ -34,6 +34,7 @@ from coordinator_program.spec.instructions import (
     InitCoordinator,
     Instruction,
     JoinRun,
+    ReleaseSlot,
     SetPaused,
     Tick,
     Update,
@@ -138,8 +139,9 @@ def test_anchorpy_decodes_the_instance_account() -> None:
 
 
 def test_account_with_1024_clients_fits_120000_bytes() -> None:
-    """Issue 22's bound: 1,024 clients, 1,024 pending joiners and a ledger of 1,024 contributors, and no witness
-    filter kept (health checks read per-client counts), fit 120,000 bytes (Psyche's 64-client account is 119,160)."""
+    """Issue 22's bound: 1,024 clients, 1,024 pending joiners (each entry with the join authority's slot, which
+    lets the coordinator hold a contributor to its cap) and a ledger of 1,024 contributors, and no witness filter
+    kept (health checks read per-client counts), fit 120,000 bytes (Psyche's 64-client account is 119,160)."""
     assert limits.MAX_CLIENTS == 1024
     assert ACCOUNT_LAYOUT.offsets()["ledger"][1] == 40 * limits.MAX_CLIENTS
     assert ACCOUNT_SIZE <= 120_000
@@ -155,6 +157,8 @@ SAMPLES: list[Instruction] = [
                                       powersgd_rank=4, wire_codec=WireCodec.Int8Block), Checkpoint()),
     SetPaused(True),
     JoinRun("run-1", Role.Worker, 2),
+    JoinRun("run-1", Role.Trainer, limits.NO_STAGE, 17, 1_700_000_000),
+    ReleaseSlot(b"\x05" * 32),
     Tick(),
     Witness(7, b"\x01" * 16, b"\x02" * 16),
     WarmupWitness(b"\x03" * 16, b""),

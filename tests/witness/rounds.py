@@ -8,6 +8,7 @@ import json
 
 from solders.keypair import Keypair
 
+from client.stages import own_uid
 from client.witness.records import Commitment, Report
 from coordinator_program.spec import limits, rules
 from coordinator_program.spec.selection import Assignment
@@ -38,7 +39,8 @@ def run_with_keys(workers: int = 3, trainers: int = 2, run_id: str = RUN_ID) -> 
 
 
 def uid_of(worker: bytes, stage: int) -> str:
-    return f"{STAGES[stage]}.0.{int.from_bytes(worker[:2], 'big')}"
+    """The uid a worker's key derives: the only one its reports count under."""
+    return own_uid(STAGES[stage], worker)
 
 
 def receipt(trainer: bytes, stage: str, uid: str, start: int, end: int, microbatch: str = "") -> dict:

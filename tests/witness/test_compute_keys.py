@@ -55,10 +55,11 @@ def test_a_phase1_worker_earns_presence_only_through_the_coordinator() -> None:
         assert earned[trainer] == (1, samples)
 
 
-def test_a_worker_copying_anothers_report_earns_no_compute_for_it() -> None:
+def test_a_worker_copying_anothers_report_denies_it_nothing() -> None:
     """Reports are public: a same-stage worker files the routed worker's report (its uid, its receipt hashes)
-    under its own key. The trainers' commitments still count, but a receipt two workers claim under one uid
-    earns neither of them compute."""
+    under its own key, to share (and so zero) the victim's compute. A report counts only under the uid its
+    author's key derives, so the copy counts for nobody and the victim is credited (issue 21, attack 3a; the
+    old judge credited neither)."""
     state, keys = run_with_keys(workers=4, trainers=2)
     commitments, reports = honest_round(state, keys)
     copier = phase1_worker(state)
@@ -70,5 +71,5 @@ def test_a_worker_copying_anothers_report_earns_no_compute_for_it() -> None:
     assert stolen.uid == uid_of(victim, stolen.stage)
     evidence = judge_round(state, commitments, reports)
     assert evidence.complete, "the trainers' work is still counted"
-    assert copier not in evidence.computed and victim not in evidence.computed
-    assert copier in evidence.participants and {s.client for s in shares(state)} <= evidence.computed
+    assert victim in evidence.computed and copier not in evidence.computed
+    assert copier not in evidence.participants and {s.client for s in shares(state)} <= evidence.computed

@@ -36,6 +36,7 @@ typedef enum {
   PSY_OP_CHECKPOINT,
   PSY_OP_WITHDRAW,
   PSY_OP_CLOSE_RUN,
+  PSY_OP_RELEASE_SLOT,
 } psy_op_kind_t;
 
 /* The part and the two filters of a witness or warmup witness instruction (pointers into the instruction data). */
@@ -55,7 +56,7 @@ typedef struct {
   psy_account_t *accounts;   /* the instruction's accounts in order (close_run moves their lamports) */
   const uint8_t *signer;     /* key of the acting account */
   const uint8_t *authorizer; /* join_run's co-signer */
-  int64_t now;               /* Clock.unix_timestamp, for the operations that tick */
+  int64_t now;               /* Clock.unix_timestamp, for join_run and the operations that tick */
 } psy_op_t;
 
 /* Validates the data of every instruction but init_coordinator (init.c checks its own) and sets
@@ -94,8 +95,9 @@ static const psy_list_t PSY_CLIENTS = {PSY_ACCOUNT_NUM_CLIENTS_OFFSET, PSY_ACCOU
 static const psy_list_t PSY_PENDING = {PSY_ACCOUNT_NUM_PENDING_OFFSET, PSY_ACCOUNT_PENDING_OFFSET, PSY_PENDING_SIZE};
 
 _Static_assert(PSY_CLIENT_ID_OFFSET == 0 && PSY_PENDING_ID_OFFSET == 0, "both lists start entries with the id");
-_Static_assert(PSY_CLIENT_ROLE_OFFSET == PSY_PENDING_ROLE_OFFSET && PSY_CLIENT_STAGE_OFFSET == PSY_PENDING_STAGE_OFFSET,
-               "both lists keep role and stage at the same place");
+_Static_assert(PSY_CLIENT_ROLE_OFFSET == PSY_PENDING_ROLE_OFFSET && PSY_CLIENT_STAGE_OFFSET == PSY_PENDING_STAGE_OFFSET &&
+                   PSY_CLIENT_SLOT_OFFSET == PSY_PENDING_SLOT_OFFSET,
+               "both lists keep role, stage and slot at the same place");
 
 static inline uint64_t psy_list_count(const uint8_t *s, const psy_list_t *list) {
   return psy_load_u16(s + list->count_offset);
@@ -183,6 +185,7 @@ uint64_t psy_update(const psy_op_t *op);
 uint64_t psy_set_paused(const psy_op_t *op);
 uint64_t psy_join(const psy_op_t *op);
 uint64_t psy_withdraw(const psy_op_t *op);
+uint64_t psy_release_slot(const psy_op_t *op);
 uint64_t psy_checkpoint(const psy_op_t *op);
 /* rules.close_run, then the close itself: both accounts' lamports go to the authority and they cease to exist. */
 uint64_t psy_close_run(const psy_op_t *op);

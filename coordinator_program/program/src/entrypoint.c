@@ -31,6 +31,8 @@ static uint64_t apply(const psy_op_t *op) {
       return psy_checkpoint(op);
     case PSY_OP_CLOSE_RUN:
       return psy_close_run(op);
+    case PSY_OP_RELEASE_SLOT:
+      return psy_release_slot(op);
     default:
       return psy_withdraw(op);
   }
@@ -52,7 +54,7 @@ uint64_t entrypoint(const uint8_t *input) {
     return err;
   }
   bool ticks = ticks_after(op.kind, PSY_ACCOUNT_PHASE_GET(op.state));
-  if (ticks || op.kind == PSY_OP_TICK) { /* time comes from the Clock sysvar, never the caller */
+  if (ticks || op.kind == PSY_OP_TICK || op.kind == PSY_OP_JOIN_RUN) { /* from the Clock sysvar, never the caller */
     psy_clock_t clock;
     sol_get_clock_sysvar(&clock);
     op.now = clock.unix_timestamp;

@@ -1,5 +1,5 @@
 /* rules.c: the administrative and membership operations of rules.py (update, set_paused, close_run, join,
- * withdraw, checkpoint), each checking in the specification's order before it writes anything. */
+ * withdraw, release_slot, checkpoint), each checking in the specification's order before it writes anything. */
 #include "coordinator.h"
 
 static uint64_t phase_of(const uint8_t *s) { return PSY_ACCOUNT_PHASE_GET(s); }
@@ -94,6 +94,24 @@ uint64_t psy_close_run(const psy_op_t *op) {
   return PSY_SUCCESS;
 }
 
+/* rules.slot_holder: whether a joiner, or a healthy client, holds `slot`. */
+static bool slot_held(uint8_t *s, uint16_t slot) {
+  uint64_t pending = psy_list_count(s, &PSY_PENDING);
+  for (uint64_t i = 0; i < pending; i++) {
+    if (PSY_PENDING_SLOT_GET(psy_list_entry(s, &PSY_PENDING, i)) == slot) {
+      return true;
+    }
+  }
+  uint64_t clients = psy_list_count(s, &PSY_CLIENTS);
+  for (uint64_t i = 0; i < clients; i++) {
+    const uint8_t *client = psy_list_entry(s, &PSY_CLIENTS, i);
+    if (PSY_CLIENT_SLOT_GET(client) == slot && PSY_CLIENT_HEALTH_GET(client) == PSY_HEALTH_HEALTHY) {
+      return true;
+    }
+  }
+  return false;
+}
+
 uint64_t psy_join(const psy_op_t *op) {
   uint8_t *s = op->state;
   if (psy_memcmp(op->data + PSY_IX_JOIN_RUN_RUN_ID_OFFSET, s + PSY_ACCOUNT_RUN_ID_OFFSET, PSY_RUN_ID_BYTES) != 0) {
@@ -109,14 +127,21 @@ uint64_t psy_join(const psy_op_t *op) {
   if (!psy_key_is_zero(join_authority) && !psy_key_eq(op->authorizer, join_authority)) {
     return PSY_ERR_NOT_AUTHORIZED;
   }
+  if (op->now > (int64_t)psy_load_u64(op->data + PSY_IX_JOIN_RUN_VALID_UNTIL_OFFSET)) {
+    return PSY_ERR_JOIN_EXPIRED;
+  }
   uint8_t role = op->data[PSY_IX_JOIN_RUN_ROLE_OFFSET];
   uint8_t stage = op->data[PSY_IX_JOIN_RUN_STAGE_OFFSET];
+  uint16_t slot = psy_load_u16(op->data + PSY_IX_JOIN_RUN_SLOT_OFFSET);
   if (role == PSY_ROLE_WORKER ? stage != PSY_NO_STAGE && stage >= PSY_ACCOUNT_CONFIG_NUM_STAGES_GET(s)
                               : stage != PSY_NO_STAGE) {
     return PSY_ERR_INVALID_JOIN;
   }
   if (psy_list_find(s, &PSY_CLIENTS, op->signer) >= 0 || psy_list_find(s, &PSY_PENDING, op->signer) >= 0) {
     return PSY_ERR_ALREADY_JOINED;
+  }
+  if (slot != PSY_NO_SLOT && slot_held(s, slot)) {
+    return PSY_ERR_SLOT_TAKEN;
   }
   uint64_t pending = psy_list_count(s, &PSY_PENDING);
   if (psy_list_count(s, &PSY_CLIENTS) + pending >= PSY_ACCOUNT_CONFIG_MAX_CLIENTS_GET(s)) {
@@ -126,20 +151,21 @@ uint64_t psy_join(const psy_op_t *op) {
   sol_memcpy_(entry, op->signer, PSY_PUBKEY_BYTES);
   PSY_PENDING_ROLE_SET(entry, role);
   PSY_PENDING_STAGE_SET(entry, stage);
+  PSY_PENDING_SLOT_SET(entry, slot);
   psy_store_u16(s + PSY_ACCOUNT_NUM_PENDING_OFFSET, (uint16_t)(pending + 1));
   psy_bump_nonce(s);
   return PSY_SUCCESS;
 }
 
-uint64_t psy_withdraw(const psy_op_t *op) {
-  uint8_t *s = op->state;
-  int64_t index = psy_list_find(s, &PSY_PENDING, op->signer);
-  if (index >= 0) { /* a joiner leaves at once */
+/* rules._withdraw: `key` leaves, a joiner at once, a client when the round ends. */
+static uint64_t withdraw_key(uint8_t *s, const uint8_t *key) {
+  int64_t index = psy_list_find(s, &PSY_PENDING, key);
+  if (index >= 0) {
     psy_list_remove(s, &PSY_PENDING, (uint64_t)index);
     psy_bump_nonce(s);
     return PSY_SUCCESS;
   }
-  index = psy_list_find(s, &PSY_CLIENTS, op->signer);
+  index = psy_list_find(s, &PSY_CLIENTS, key);
   if (index < 0) {
     return PSY_ERR_NOT_JOINED;
   }
@@ -147,9 +173,19 @@ uint64_t psy_withdraw(const psy_op_t *op) {
   if (PSY_CLIENT_HEALTH_GET(client) == PSY_HEALTH_WITHDRAWN) {
     return PSY_ERR_NOT_HEALTHY;
   }
-  PSY_CLIENT_HEALTH_SET(client, PSY_HEALTH_WITHDRAWN); /* a client leaves when the round ends */
+  PSY_CLIENT_HEALTH_SET(client, PSY_HEALTH_WITHDRAWN);
   psy_bump_nonce(s);
   return PSY_SUCCESS;
+}
+
+uint64_t psy_withdraw(const psy_op_t *op) { return withdraw_key(op->state, op->signer); }
+
+uint64_t psy_release_slot(const psy_op_t *op) {
+  const uint8_t *join_authority = op->state + PSY_ACCOUNT_JOIN_AUTHORITY_OFFSET;
+  if (psy_key_is_zero(join_authority) || !psy_key_eq(op->signer, join_authority)) {
+    return PSY_ERR_NOT_AUTHORIZED;
+  }
+  return withdraw_key(op->state, op->data + PSY_IX_RELEASE_SLOT_KEY_OFFSET);
 }
 
 uint64_t psy_healthy_client(uint8_t *s, const uint8_t *signer, uint64_t *index) {
