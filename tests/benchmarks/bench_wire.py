@@ -12,7 +12,8 @@ model (d_model 128) as separate processes in a run of that codec, announced on a
   and 50 ms round trip) against tokens/s on loopback: the best of ``--rounds`` measurements, interleaved
   across codecs and between loopback and link, all codecs' workers running at once, so that every figure
   sees the same background load; and how many microbatches each trainer kept in flight, which it chooses from
-  its own calls unless ``--inflight`` fixes it.
+  its own calls unless ``--inflight`` fixes it; and, as the baseline, tokens/s through the link with
+  ``--baseline-inflight`` (4) fixed, as the trainer ran before it chose.
 
 A measurement is one optimizer step, as a round is: the workers step every ``--batch-size`` samples and the
 trainer trains one batch per call. A step's microbatches cannot overlap the next step's (their backward needs the
@@ -63,6 +64,7 @@ class Figures:
     shaped: float  # tokens/s
     busiest_link_bytes_per_token: float
     inflight: tuple[int, int] = (0, 0)  # microbatches in flight at the end: loopback, link
+    fixed: float = 0.0  # tokens/s through the link with --baseline-inflight fixed
 
 
 def stop_workers(processes: list) -> None:
@@ -91,9 +93,13 @@ class CodecRun:
                    "max_attempts": 32}
         self.loopback = PipelineTrainer(config, dataset, self.directory, **options)  # type: ignore[arg-type]
         self.shaped = PipelineTrainer(config, dataset, self.shaped_directory, **options)  # type: ignore[arg-type]
+        # The baseline, in the same run: a fixed number in flight through links of its own.
+        self.fixed_directory = RelayedDirectory(self.directory, link)
+        self.fixed = PipelineTrainer(config, dataset, self.fixed_directory,  # type: ignore[arg-type]
+                                     **{**options, "max_inflight": args.baseline_inflight})
         self.tokens_per_batch = args.batch_size * config.seq_len
         self.next_batch = 0
-        self.rates: dict[PipelineTrainer, list[float]] = {self.loopback: [], self.shaped: []}
+        self.rates: dict[PipelineTrainer, list[float]] = {self.loopback: [], self.shaped: [], self.fixed: []}
         self.figures = Figures(codec, 0.0, 0.0, 0.0, 0.0, 0.0)
 
     def train_for_loss(self) -> None:
@@ -108,6 +114,7 @@ class CodecRun:
         )
         self.figures.loss = sum(losses[-self.args.tail :]) / len(losses[-self.args.tail :])
         self._batches(self.shaped, 1)  # a warm-up batch opens the relays' connections and measures the link
+        self._batches(self.fixed, 1)
 
     def time_once(self) -> None:
         """One timed measurement on loopback, then one through the link."""
@@ -120,6 +127,7 @@ class CodecRun:
         shaped_tokens = (1 + len(self.rates[self.shaped]) * self.args.timed_batches) * self.tokens_per_batch
         self.figures.busiest_link_bytes_per_token = self.shaped_directory.busiest_link_bytes() / shaped_tokens
         self.figures.loopback, self.figures.shaped = max(self.rates[self.loopback]), max(self.rates[self.shaped])
+        self.figures.fixed = max(self.rates[self.fixed])
         microbatch = self.args.microbatch_size
         self.figures.inflight = (self.loopback.inflight(microbatch), self.shaped.inflight(microbatch))
         return self.figures
@@ -127,7 +135,9 @@ class CodecRun:
     def close(self) -> None:
         self.loopback.close()
         self.shaped.close()
+        self.fixed.close()
         self.shaped_directory.close()
+        self.fixed_directory.close()
         stop_workers(self.workers)
 
     def _batches(self, trainer: PipelineTrainer, count: int):
@@ -147,6 +157,8 @@ def main() -> None:
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--inflight", type=int, default=None,
                         help="microbatches in flight (default: each trainer chooses from what its calls measured)")
+    parser.add_argument("--baseline-inflight", type=int, default=4,
+                        help="microbatches in flight of the baseline through the link, fixed")
     parser.add_argument("--bandwidth", type=float, default=100e6, help="link bits per second, each way")
     parser.add_argument("--rtt", type=float, default=0.05, help="link round-trip time in seconds")
     args = parser.parse_args()
@@ -181,17 +193,18 @@ def main() -> None:
     reference = next((f for f in figures if f.codec == "float32"), figures[0])
     print()
     print(f"{'codec':9s} {'B/token':>8s} {'x fp32':>7s} {'loss':>7s} {'vs fp32':>8s} {'loopback':>9s} "
-          f"{'link':>7s} {'link/loop':>9s} {'in flight':>9s} {'link-bound':>11s}")
+          f"{'link':>7s} {'link/loop':>9s} {'in flight':>9s} {'fixed':>7s} {'fixed/loop':>10s} {'link-bound':>11s}")
     for f in figures:
         bound = link.bandwidth / 8 / f.busiest_link_bytes_per_token
         print(
             f"{f.codec:9s} {f.bytes_per_token:8.0f} {f.bytes_per_token / reference.bytes_per_token:7.3f} "
             f"{f.loss:7.4f} {100 * (f.loss / reference.loss - 1):+7.2f}% {f.loopback:9.0f} {f.shaped:7.0f} "
-            f"{f.shaped / f.loopback:8.2f}x {f.inflight[0]:>4d}/{f.inflight[1]:<4d} {bound:11.0f}"
+            f"{f.shaped / f.loopback:8.2f}x {f.inflight[0]:>4d}/{f.inflight[1]:<4d} {f.fixed:7.0f} "
+            f"{f.fixed / f.loopback:9.2f}x {bound:11.0f}"
         )
     print(f"(tokens/s; link: every worker behind {link}; in flight: microbatches, loopback/link, as the trainers "
-          "last chose; link-bound: the link's bandwidth over the bytes per token that the busiest direction of any "
-          "worker's link carried)")
+          f"last chose; fixed: through the link with {args.baseline_inflight} in flight, the baseline; link-bound: "
+          "the link's bandwidth over the bytes per token that the busiest direction of any worker's link carried)")
 
 
 if __name__ == "__main__":
