@@ -11,6 +11,12 @@ still keeps every stage's input until the microbatch is done, so if that worker 
 between the two passes, the backward falls back to any other replica of the stage, running the Forward
 there first: one retry with a slightly inconsistent gradient, not a lost microbatch.
 
+Microbatches overlap: each runs its chain of calls on a thread of its own, and as many run at once as keep the
+busiest stage busy, which behind internet round trips is many more than the number of stages (``inflight``: the
+pipeline's bandwidth-delay product, from the trainer's own measurements, or ``max_inflight`` if given). Which
+samples a step accumulates does not depend on it: the workers sum the same microbatches' gradients, in another
+order.
+
 Every request is signed with the trainer's keypair over the run, the stage, the kind, the microbatch, its
 sample range and the digests of the tensors sent (``admission.RequestHeader``); a worker's receipt names the
 trainer by its public key. A microbatch is a consecutive range of sample indices, so its receipts can name
@@ -30,7 +36,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 
 import grpc
@@ -42,6 +47,7 @@ from client.pipeline.admission import RequestHeader, encode_request, now_ms
 from client.pipeline.compute import Receipt, input_digest
 from client.pipeline.data import microbatches
 from client.pipeline.discovery import WorkerRecord
+from client.pipeline.inflight import InflightMeter, memory_cap, windowed_map
 from client.pipeline.messages import (
     MessageError,
     WireTensor,
@@ -117,17 +123,18 @@ class PipelineTrainer:
         max_attempts: int = 8,
         ban_seconds: float = DEFAULT_BAN_SECONDS,
         stall_timeout: float | None = None,
-        max_inflight: int = 1,
+        max_inflight: int | None = None,
         refresh_period: float = 2.0,
         stall_log_period: float = 10.0,
     ) -> None:
         """``keypair`` signs every request (a fresh identity if omitted, which only workers serving any signed
         trainer accept) for the run ``run_id``, its activations in the run's ``wire_codec``. ``stall_timeout=None``
-        waits for a missing stage forever; ``max_inflight`` microbatches run at once, keeping several stages busy
-        (pipeline parallelism)."""
+        waits for a missing stage forever. ``max_inflight`` microbatches run at once, keeping several stages busy
+        (pipeline parallelism); ``None`` chooses the number from what the trainer's own calls measured, the
+        pipeline's bandwidth-delay product (``inflight``), within a memory budget."""
         if dataset.seq_len != config.seq_len:
             raise ValueError(f"dataset seq_len {dataset.seq_len} differs from the model's {config.seq_len}")
-        if max_inflight < 1 or max_attempts < 1:
+        if (max_inflight is not None and max_inflight < 1) or max_attempts < 1:
             raise ValueError("max_inflight and max_attempts must be at least 1")
         self.config = config
         self.dataset = dataset
@@ -141,6 +148,7 @@ class PipelineTrainer:
         self.max_attempts = max_attempts
         self.max_inflight = max_inflight
         self.stages = stage_names(config.num_stages)
+        self.meter = InflightMeter(self.stages)
         self.finder = StageFinder(directory, self.stages, ban_seconds=ban_seconds, stall_timeout=stall_timeout,
                                   refresh_period=refresh_period, stall_log_period=stall_log_period)
         self.routers = self.finder.routers
@@ -171,19 +179,30 @@ class PipelineTrainer:
                 raise ValueError(f"microbatch {chunk} is not a consecutive range of sample indices")
         result = TrainResult()
         started = time.perf_counter()
-        with ThreadPoolExecutor(self.max_inflight, thread_name_prefix="microbatch") as pool:
-            pending = [pool.submit(self._microbatch, chunk) for chunk in chunks]
-            try:
-                for future in pending:
-                    result.microbatches.append(future.result())
-                    if on_microbatch is not None:
-                        on_microbatch(result.microbatches[-1])
-            except BaseException:
-                for future in pending:
-                    future.cancel()
-                raise
+        threads = self.max_inflight or memory_cap(self.config.num_stages, microbatch_size * self.config.seq_len,
+                                                  self.config.d_model)
+
+        def deliver(micro: MicrobatchResult) -> None:
+            result.microbatches.append(micro)
+            if on_microbatch is not None:
+                on_microbatch(micro)
+
+        windowed_map(self._microbatch, chunks, lambda: self.inflight(microbatch_size), threads=threads,
+                     on_result=deliver)
         result.seconds = time.perf_counter() - started
         return result
+
+    def inflight(self, microbatch_size: int) -> int:
+        """Microbatches of ``microbatch_size`` samples to keep in flight now: ``max_inflight`` if set, else the
+        measured choice (``inflight.InflightMeter``) within the memory budget for the stages' inputs."""
+        if self.max_inflight is not None:
+            return self.max_inflight
+        limit = memory_cap(self.config.num_stages, microbatch_size * self.config.seq_len, self.config.d_model)
+        return min(limit, self.meter.choose(self._replicas))
+
+    def _replicas(self, stage: str) -> int:
+        known, banned = self.routers[stage].counts()
+        return max(1, known - banned)
 
     def close(self) -> None:
         with self._lock:
@@ -320,7 +339,9 @@ class PipelineTrainer:
         )
         meta, out = decode_message(response, max_elements=batch * length * self.config.d_model)
         self._check_response(header, record, tensors, meta, out)
-        router.report(record.uid, cost, sent, router.clock())
+        answered = router.clock()
+        router.report(record.uid, cost, sent, answered)
+        self.meter.record(stage, backward, record.uid, sent, answered)
         with self._lock:
             self.bytes_sent += len(request)
             self.bytes_received += len(response)
