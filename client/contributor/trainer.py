@@ -22,7 +22,7 @@ from client.join.sync import SyncPhase
 from client.pipeline.discovery import WorkerDirectory, WorkerRecord
 from client.stages import stage_name
 from client.witness.records import Commitment, Presence
-from coordinator_program.spec import rules
+from coordinator_program.spec import derived
 from coordinator_program.spec.state import CoordinatorState, Phase, Role
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ class TrainerRole:
         context = self.context
         key = RoundKey.of(state)
         context.tasks.spawn(self._publish_presence(state))
-        share = next((a for a in rules.data_assignment(state) if a.client == context.me), None)
+        share = next((a for a in derived.data_assignment(state) if a.client == context.me), None)
         if share is None or share.size == 0:
             return
         while self.trainer is None:

@@ -17,7 +17,7 @@ from client.contributor.context import ClientContext
 from client.contributor.rounds import RoundKey
 from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
 from client.witness.records import Commitment, Presence, Ready, Report
-from coordinator_program.spec import rules
+from coordinator_program.spec import derived
 from coordinator_program.spec.errors import CoordinatorError, WrongPhase
 from coordinator_program.spec.state import CoordinatorState, Phase
 
@@ -50,7 +50,7 @@ class Witnessing:
         warmup = state.phase == Phase.Warmup
         key = Proof(RoundKey.of(state), warmup)
         board = self.context.board
-        if key in self.proved or self.context.me not in rules.witnesses(state):
+        if key in self.proved or self.context.me not in derived.witnesses(state):
             return
         assert board is not None
         if warmup:
@@ -86,7 +86,7 @@ class Witnessing:
     async def health_check(self, state: CoordinatorState) -> None:
         """RoundTrain, once a round if elected: report the clients the previous round's witnesses did not see."""
         key = RoundKey.of(state)
-        if key in self.health_checked or self.context.me not in rules.witnesses(state):
+        if key in self.health_checked or self.context.me not in derived.witnesses(state):
             return
         self.health_checked.add(key)
         for target in unhealthy_clients(state):

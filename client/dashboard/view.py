@@ -14,7 +14,7 @@ from solders.pubkey import Pubkey
 from client.dashboard.history import MAX_LOSS_POINTS, RoundResult
 from client.stages import stage_names
 from client.swarm.status import ROUND_PHASES, checkpoint_text, last_epoch, phase_limit, syncing_counts
-from coordinator_program.spec import limits, rules
+from coordinator_program.spec import derived, limits
 from coordinator_program.spec.state import CoordinatorState, Phase, Role
 
 
@@ -45,7 +45,7 @@ def progress(state: CoordinatorState, now: float) -> dict[str, Any]:
 def occupancy(state: CoordinatorState, announced: Mapping[str, Sequence[Any]] | None) -> dict[str, Any]:
     """Per stage: the coordinator's members and, from the DHT's worker records (``announced``: stage name →
     records with a ``sync_phase``; None without a DHT), how many are active and how many are in each sync phase."""
-    members = rules.stage_workers(state.clients, state.config.num_stages)
+    members = derived.stage_workers(state.clients, state.config.num_stages)
     stages = []
     for name, count in zip(stage_names(state.config.num_stages), members, strict=True):
         row: dict[str, Any] = {"name": name, "members": count, "active": None, "sync1": None, "sync2": None}
@@ -64,8 +64,8 @@ def witnesses(state: CoordinatorState) -> dict[str, Any]:
     if not state.clients or state.phase not in (Phase.Warmup, Phase.RoundTrain, Phase.RoundWitness):
         return {"elected": [], "received": 0, "quorum": None}
     elected = [{"key": key_text(w), "proved": bool(state.round.witnessed >> i & 1)}
-               for i, w in enumerate(rules.witnesses(state))]
-    return {"elected": elected, "received": state.round.witness_count, "quorum": rules.quorum(state)}
+               for i, w in enumerate(derived.witnesses(state))]
+    return {"elected": elected, "received": state.round.witness_count, "quorum": derived.quorum(state)}
 
 
 def checkpoint(state: CoordinatorState) -> dict[str, Any]:

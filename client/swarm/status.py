@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from client.stages import checkpoint_location, stage_name
-from coordinator_program.spec import rules
+from coordinator_program.spec import derived
 from coordinator_program.spec.config import CheckpointKind
 from coordinator_program.spec.state import CoordinatorState, Health, Phase, Role
 
@@ -39,7 +39,7 @@ def phase_line(state: CoordinatorState, now: float) -> str:
 
 
 def stage_counts(state: CoordinatorState) -> str:
-    counts = rules.stage_workers(state.clients, state.config.num_stages)
+    counts = derived.stage_workers(state.clients, state.config.num_stages)
     trainers = sum(1 for c in state.clients if c.role == Role.Trainer)
     stages = " ".join(f"{stage_name(i, state.config.num_stages)}={n}" for i, n in enumerate(counts))
     return f"{stages} trainers={trainers}"
@@ -80,10 +80,10 @@ def describe(state: CoordinatorState, now: float) -> str:
         lines.append("leaving at round end: " + ", ".join(f"{short(c.id)} ({c.health.name})" for c in unhealthy))
     if state.clients and state.phase in (Phase.Warmup, Phase.RoundTrain, Phase.RoundWitness):
         marks = []
-        for position, witness in enumerate(rules.witnesses(state)):
+        for position, witness in enumerate(derived.witnesses(state)):
             done = "+" if state.round.witnessed >> position & 1 else "."
             marks.append(f"{short(witness)}{done}")
-        lines.append(f"witnesses (quorum {rules.quorum(state)}): {' '.join(marks)}")
+        lines.append(f"witnesses (quorum {derived.quorum(state)}): {' '.join(marks)}")
     lines.append(f"checkpoint: {checkpoint_text(state)}")
     return "\n".join(lines)
 

@@ -37,7 +37,7 @@ from types import MappingProxyType
 
 from client.stages import own_uid, stage_names
 from client.witness.records import ClaimedReceipt, Commitment, Presence, Ready, RecordError, Report, SignedRecord
-from coordinator_program.spec import rules
+from coordinator_program.spec import derived, rules
 from coordinator_program.spec.bloom import proof_parts
 from coordinator_program.spec.selection import Assignment
 from coordinator_program.spec.state import CoordinatorState, Health, Role
@@ -91,7 +91,7 @@ def judge_round(state: CoordinatorState, commitments: Mapping[str, Commitment], 
     evidence = Evidence()
     issued = present_workers(state, reports, evidence)
     present_trainers(state, presences, evidence)
-    for share in rules.data_assignment(state):
+    for share in derived.data_assignment(state):
         if share.size == 0:
             continue
         try:

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from solders.keypair import Keypair
 
 from client.identity import verify
-from coordinator_program.spec import rules
+from coordinator_program.spec import derived
 from coordinator_program.spec.config import valid_run_id
 from coordinator_program.spec.state import CoordinatorState
 
@@ -246,13 +246,13 @@ def receipt_hash(receipt_bytes: bytes) -> str:
 class Board:
     """Stores and reads one run's round records in the DHT, one sealed subkey per author.
 
-    Its keys are named for the run's instance (``rules.run_instance``), not its id alone, so a later run with the
+    Its keys are named for the run's instance (``derived.run_instance``), not its id alone, so a later run with the
     same id never reads an earlier one's records; ``fetch`` given the run's ``members`` keeps only their records,
     so no stranger on the DHT shows a loss or tokens in its place.
     """
 
     def __init__(self, dht, state: CoordinatorState) -> None:
-        self.dht, self.run_id, self.instance = dht, state.run_id, rules.run_instance(state)
+        self.dht, self.run_id, self.instance = dht, state.run_id, derived.run_instance(state)
 
     def key(self, kind: type[SignedRecord], epoch: int, round_: int | None = None) -> str:
         """The DHT key of a run's records of ``kind`` for an epoch (and round)."""

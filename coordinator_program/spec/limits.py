@@ -17,7 +17,7 @@ MAX_PARTS = MAX_CLIENTS // PART_CLIENTS
 assert MAX_PARTS <= 32 and MAX_CLIENTS % PART_CLIENTS == 0
 
 CREDIT_CLIENTS = 128
-"""Clients one tick credits at the end of a round: a round of more takes several ticks (``rules.credit_chunk``)."""
+"""Clients one tick credits at the end of a round: a round of more takes several ticks (``points.credit_chunk``)."""
 
 CREDIT_EVICTIONS = 4
 """New ledger entries one crediting tick places in a full ledger before it stops: each scans the whole ledger for

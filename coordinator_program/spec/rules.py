@@ -28,9 +28,6 @@ the round's end credits a chunk of clients a tick: no instruction's cost grows w
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable
-
 from coordinator_program.spec import limits
 from coordinator_program.spec.bloom import compute_key, contains_raw, part_count, part_range, participant_key
 from coordinator_program.spec.config import (
@@ -43,6 +40,7 @@ from coordinator_program.spec.config import (
     validate_config,
     validate_model,
 )
+from coordinator_program.spec.derived import assign_stages, pipeline_complete, quorum, quorum_reached
 from coordinator_program.spec.errors import (
     AlreadyJoined,
     AlreadyMarked,
@@ -72,12 +70,11 @@ from coordinator_program.spec.errors import (
     WrongPhase,
     WrongRunId,
 )
-from coordinator_program.spec.selection import Assignment, assign_data, effective_quorum, elect_witnesses, next_seed
+from coordinator_program.spec.points import credit_chunk
+from coordinator_program.spec.selection import elect_witnesses, next_seed
 from coordinator_program.spec.state import (
-    Client,
     CoordinatorState,
     Health,
-    LedgerEntry,
     Pending,
     Phase,
     Role,
@@ -88,72 +85,6 @@ from coordinator_program.spec.state import (
 
 NO_AUTHORITY = bytes(32)
 """A join authority of all zeros makes a run permissionless."""
-
-
-# --- derived facts every client computes the same way -------------------------------------------------
-
-def run_instance(state: CoordinatorState) -> str:
-    """The name of this run, apart from any other run of the same id: ``<run_id>.<16 hex digits>`` of
-    sha256(run id ‖ main authority ‖ creation time). Everything a run's clients share off the coordinator (DHT
-    records, averaging groups, state sharing) lives under it, so a later run with the same id never reads an
-    earlier run's."""
-    digest = hashlib.sha256(state.run_id.encode() + state.main_authority + state.created_at.to_bytes(8, "little",
-                                                                                                     signed=True))
-    return f"{state.run_id}.{digest.hexdigest()[:16]}"
-
-
-def witnesses(state: CoordinatorState) -> list[bytes]:
-    """Identities of the current round's witnesses, in election order."""
-    indices = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
-    return [state.clients[i].id for i in indices]
-
-
-def quorum(state: CoordinatorState) -> int:
-    """Proofs the current round needs (the configured quorum, capped by how many could be elected)."""
-    return effective_quorum(state.config.witness_quorum, min(state.config.witness_nodes, len(state.clients)))
-
-
-def quorum_reached(state: CoordinatorState) -> bool:
-    """Whether the current round holds a quorum of proofs: what ends Warmup or RoundTrain early, and what a
-    round needs for the epoch to go on. Honest witnesses prove during RoundTrain only once they judge every
-    batch in, so a quorum of early proofs is a majority of the witnesses saying the round is complete."""
-    return state.round.witness_count >= quorum(state)
-
-
-def data_assignment(state: CoordinatorState) -> list[Assignment]:
-    """The current round's split of the global batch among its trainers."""
-    trainers = [c.id for c in state.clients if c.role == Role.Trainer]
-    return assign_data(state.round.seed, trainers, state.round.data_index, state.config.global_batch_size)
-
-
-def stage_workers(clients: Iterable[Client | Pending], num_stages: int) -> list[int]:
-    """How many workers each stage has (entries without a stage yet are not counted)."""
-    counts = [0] * num_stages
-    for c in clients:
-        if c.role == Role.Worker and c.stage < num_stages:
-            counts[c.stage] += 1
-    return counts
-
-
-def pipeline_complete(clients: list[Client], config: Config) -> bool:
-    """Training needs enough clients, a worker in every stage and at least one trainer."""
-    return (len(clients) >= config.min_clients
-            and min(stage_workers(clients, config.num_stages)) >= 1
-            and any(c.role == Role.Trainer for c in clients))
-
-
-def assign_stages(pending: list[Pending], num_stages: int) -> list[Client]:
-    """Admit joiners in order: workers that asked for a stage keep it; the others go, one by one, to the
-    least occupied stage (lowest index on ties), counting the stages that were asked for first."""
-    counts = stage_workers(pending, num_stages)
-    admitted = []
-    for joiner in pending:
-        stage = joiner.stage
-        if joiner.role == Role.Worker and stage == limits.NO_STAGE:
-            stage = counts.index(min(counts))
-            counts[stage] += 1
-        admitted.append(Client(joiner.id, joiner.role, stage, Health.Healthy, joiner.slot))
-    return admitted
 
 
 # --- construction and administration ------------------------------------------------------------------
@@ -441,100 +372,6 @@ def checkpoint(state: CoordinatorState, signer: bytes, kind: CheckpointKind, rep
         done = 1 << client.stage
     state.checkpoint = Checkpoint(kind, done, repo, revision)
     state.nonce += 1
-
-
-# --- points ---------------------------------------------------------------------------------------------
-
-POINTS_MAX = 2**32 - 1
-"""Points are u32 on chain: they stop growing there rather than wrap."""
-
-
-def present_by_quorum(state: CoordinatorState, index: int) -> bool:
-    """Presence: a quorum of the round's proofs hold the client's participant key, so no minority of witnesses
-    can award it (or withhold it from a client the honest majority saw)."""
-    return state.presence_votes[index] >= quorum(state)
-
-
-def computed_by_quorum(state: CoordinatorState, index: int) -> bool:
-    """Counted work: a quorum of the round's proofs hold the client's compute key."""
-    return state.compute_votes[index] >= quorum(state)
-
-
-def trainer_samples(state: CoordinatorState) -> dict[bytes, int]:
-    """What a trainer's counted work is worth: the samples the round's seed assigned it."""
-    return {share.client: share.size for share in data_assignment(state)}
-
-
-def worker_samples(state: CoordinatorState, counted: list[bool]) -> list[int]:
-    """What each counted worker's work is worth: its stage ran the whole global batch, shared equally among the
-    stage's counted workers, the remainder going to the first of them in client order (0 for everyone else)."""
-    batch = state.config.global_batch_size
-    sharers = stage_workers((c for c, ok in zip(state.clients, counted, strict=True) if ok), state.config.num_stages)
-    samples = [0] * len(state.clients)
-    first_seen: set[int] = set()
-    for i, client in enumerate(state.clients):
-        if client.role != Role.Worker or not counted[i]:
-            continue
-        samples[i] = batch // sharers[client.stage]
-        if client.stage not in first_seen:
-            first_seen.add(client.stage)
-            samples[i] += batch % sharers[client.stage]
-    return samples
-
-
-def round_points(state: CoordinatorState) -> list[tuple[int, int]]:
-    """(presence, compute) each client of the ending round earns, in client order."""
-    counted = [computed_by_quorum(state, i) for i in range(len(state.clients))]
-    workers = worker_samples(state, counted)
-    trainers = trainer_samples(state)
-    points = []
-    for i, client in enumerate(state.clients):
-        presence = 1 if present_by_quorum(state, i) else 0
-        if not counted[i]:
-            compute = 0
-        elif client.role == Role.Worker:
-            compute = workers[i]
-        else:
-            compute = trainers.get(client.id, 0)
-        points.append((presence, compute))
-    return points
-
-
-def fewest_points(ledger: list[LedgerEntry]) -> int:
-    """Index of the entry a new earner replaces in a full ledger: the fewest total points, the first on ties."""
-    return min(range(len(ledger)), key=lambda i: (ledger[i].total, i))
-
-
-def award(ledger: list[LedgerEntry], client_id: bytes, presence: int, compute: int) -> bool:
-    """Add points to ``client_id``'s entry, making one if it has none: the ledger stays sorted by id, and a new
-    earner in a full ledger takes the place of the entry with the fewest points. Whether it evicted one."""
-    position = next((i for i, entry in enumerate(ledger) if entry.id >= client_id), len(ledger))
-    if position < len(ledger) and ledger[position].id == client_id:
-        entry = ledger[position]
-        entry.presence = min(POINTS_MAX, entry.presence + presence)
-        entry.compute = min(POINTS_MAX, entry.compute + compute)
-        return False
-    evicts = len(ledger) == limits.MAX_CLIENTS
-    if evicts:
-        evicted = fewest_points(ledger)
-        del ledger[evicted]
-        position -= 1 if evicted < position else 0
-    ledger.insert(position, LedgerEntry(client_id, presence, compute))
-    return evicts
-
-
-def credit_chunk(state: CoordinatorState) -> None:
-    """At a round's end, credit the next clients from ``Round.credited`` on: at most ``limits.CREDIT_CLIENTS``,
-    stopping once ``limits.CREDIT_EVICTIONS`` new entries have each displaced one from a full ledger (a tick's cost)."""
-    points = round_points(state)
-    end = min(len(state.clients), state.round.credited + limits.CREDIT_CLIENTS)
-    i, evictions = state.round.credited, 0
-    while i < end and evictions < limits.CREDIT_EVICTIONS:
-        presence, compute = points[i]
-        if presence or compute:
-            evictions += award(state.ledger, state.clients[i].id, presence, compute)
-        i += 1
-    state.round.credited = i
 
 
 # --- the tick -----------------------------------------------------------------------------------------

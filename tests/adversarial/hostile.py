@@ -56,7 +56,7 @@ def hostile_trainer() -> None:
     from client.contributor.trainer import TrainerRole
     from client.pipeline.trainer import PipelineTrainer
     from client.witness.records import Commitment
-    from coordinator_program.spec import rules
+    from coordinator_program.spec import derived
     from coordinator_program.spec.state import Role
 
     call = PipelineTrainer._call
@@ -72,7 +72,7 @@ def hostile_trainer() -> None:
     async def claim_others_work(self, state) -> None:
         await train(self, state)  # every poisoned Backward is refused: no commitment of its own
         context = self.context
-        share = next((a for a in rules.data_assignment(state) if a.client == context.me and a.size), None)
+        share = next((a for a in derived.data_assignment(state) if a.client == context.me and a.size), None)
         if share is None or context.board is None:
             return
         key = context.board.key(Commitment, state.epoch, state.round.height)

@@ -21,7 +21,7 @@ from pathlib import Path
 from solders.keypair import Keypair
 
 from client.backends.tcp import TcpBackend
-from coordinator_program.spec import errors, rules
+from coordinator_program.spec import derived, errors, rules
 from coordinator_program.spec.bloom import build_filter, participant_key
 from coordinator_program.spec.config import load_run_spec, parse_run_spec
 from coordinator_program.spec.instructions import JoinRun, Tick
@@ -151,7 +151,7 @@ def test_server_does_not_admit_a_queued_client_whose_connection_is_gone(tmp_path
         state = server.state
         everyone = build_filter(state.config, [participant_key(c.id) for c in state.clients])
         victim = clients[0]  # a trainer: the pipeline stays complete without it
-        elected = [c for c in clients if c.identity in rules.witnesses(state) and c is not victim]
+        elected = [c for c in clients if c.identity in derived.witnesses(state) and c is not victim]
         for witness in elected[:SPEC.config.witness_quorum]:  # three are elected: two stay alive
             await witness.witness(state.round.height, everyone, everyone)
         await until(server, lambda s: s.phase == Phase.RoundWitness)

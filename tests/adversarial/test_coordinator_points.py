@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from coordinator_program.spec import rules
+from coordinator_program.spec import derived
 from coordinator_program.spec.instructions import Tick
 from tests.program.coordinator_chain import training_swarm
 from tests.spec.scenario import MODEL, SMALL
@@ -22,7 +22,7 @@ def test_one_witness_of_three_awards_nothing_on_chain() -> None:
     """Quorum 2 of 3, on the program and the specification: the one witness naming a client the other two left
     out (present and working) gives it no points, and its proof leaving an honest client out takes none away."""
     swarm, authority = training_swarm(CONFIG, MODEL, workers=4, trainers=3)
-    liar, *honest = rules.witnesses(swarm.state)
+    liar, *honest = derived.witnesses(swarm.state)
     favourite = next(c for c in swarm.clients() if c not in (liar, *honest))
     victim = next(c for c in swarm.clients() if c not in (liar, favourite))
     others = [c for c in swarm.clients() if c != favourite]
@@ -35,7 +35,7 @@ def test_one_witness_of_three_awards_nothing_on_chain() -> None:
     before = dataclasses.replace(swarm.state.points(victim))  # a copy: the ledger's entries change in place
     assert before.presence == 1 and before.compute > 0
 
-    liar, *honest = rules.witnesses(swarm.state)
+    liar, *honest = derived.witnesses(swarm.state)
     without_victim = [c for c in swarm.clients() if c != victim]
     assert swarm.prove(without_victim, [liar], without_victim) == [None]
     assert swarm.prove(swarm.clients(), honest, swarm.clients()) == [None, None]

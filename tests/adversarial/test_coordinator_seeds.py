@@ -17,7 +17,7 @@ from solders.message import Message
 from solders.transaction import VersionedTransaction
 from solders.transaction_metadata import SimulatedTransactionInfo
 
-from coordinator_program.spec import rules
+from coordinator_program.spec import derived
 from coordinator_program.spec.config import Checkpoint, load_run_spec
 from coordinator_program.spec.instructions import JoinRun, SetPaused, Tick, Update
 from coordinator_program.spec.state import Phase, Role, decode_state
@@ -44,7 +44,7 @@ def elections_on_offer(swarm: Swarm, ticker: Keypair) -> set[tuple[int, tuple[by
         data = next(bytes(account.data) for address, account in result.post_accounts()
                     if address == replay.run.coordinator)
         after = decode_state(data)
-        offered.add((after.round.seed, tuple(rules.witnesses(after))))
+        offered.add((after.round.seed, tuple(derived.witnesses(after))))
     chain.slot = slot
     chain.set_clock(now)
     return offered
@@ -70,4 +70,4 @@ def test_no_moment_or_slot_of_the_tick_changes_who_is_elected() -> None:
         offered = elections_on_offer(swarm, ticker)
         assert len(offered) == 1, f"a ticker could choose among {len(offered)} elections"
         assert swarm.replay.apply(Tick(), ticker) is None and swarm.state.phase == expected
-        assert offered == {(swarm.state.round.seed, tuple(rules.witnesses(swarm.state)))}
+        assert offered == {(swarm.state.round.seed, tuple(derived.witnesses(swarm.state)))}

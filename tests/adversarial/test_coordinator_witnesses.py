@@ -19,7 +19,7 @@ import pytest
 from solders.keypair import Keypair
 
 from client.witness.judge import unhealthy_clients
-from coordinator_program.spec import errors, rules
+from coordinator_program.spec import derived, errors
 from coordinator_program.spec.config import Checkpoint, load_run_spec, validate_config
 from coordinator_program.spec.instructions import HealthCheck, Tick, Update
 from coordinator_program.spec.state import Health, Phase
@@ -52,7 +52,7 @@ LIES = ["empty", "names only itself"]
 def test_one_witness_proof_does_not_end_the_round(lie: str) -> None:
     """The liar first sends its filter one byte short (refused, changing nothing), then whole."""
     swarm, authority = training_swarm(CONFIG, EXAMPLE.model)
-    liar = rules.witnesses(swarm.state)[0]
+    liar = derived.witnesses(swarm.state)[0]
     bloom = swarm.filter_of([] if lie == "empty" else [liar])
     assert swarm.replay.apply(swarm.proof(bloom[:-1]), swarm.of(liar)) == errors.BadFilter.code
     assert swarm.replay.apply(swarm.proof(bloom), swarm.of(liar)) is None
@@ -68,7 +68,7 @@ def test_one_witness_cannot_get_honest_clients_removed(lie: str) -> None:
     """The attacker's false filter and one honest proof make the quorum (the third witness is silent); in
     round 1 it health-checks every client its filter left out, and every check is refused."""
     swarm, authority = training_swarm(THREE_WITNESSES, EXAMPLE.model)
-    liar, honest, _silent = rules.witnesses(swarm.state)
+    liar, honest, _silent = derived.witnesses(swarm.state)
     assert swarm.prove([] if lie == "empty" else [liar], [liar]) == [None]
     assert swarm.prove(swarm.clients(), [honest]) == [None]
     assert swarm.state.phase == Phase.RoundWitness  # a quorum of proofs, one of them honest
@@ -90,7 +90,7 @@ def test_one_witness_cannot_shield_a_client_a_quorum_left_out() -> None:
     it, and the health check (which ``unhealthy_clients`` finds, as the program judges) removes it. The old
     rule removed it too; this guards against a fix that would remove no one."""
     swarm, authority = training_swarm(THREE_WITNESSES, EXAMPLE.model, workers=4)
-    elected = rules.witnesses(swarm.state)
+    elected = derived.witnesses(swarm.state)
     silent = next(c for c in swarm.clients() if c not in elected)
     liar, *honest = elected
     assert swarm.prove(swarm.clients(), [liar]) == [None]

@@ -23,7 +23,7 @@ from client.contributor.runner import Contributor
 from client.contributor.worker import OpenRound, WorkerRole
 from client.sealed import store_sealed
 from client.witness.records import RECORD_TTL, Board, Commitment, Report
-from coordinator_program.spec import rules
+from coordinator_program.spec import derived, rules
 from coordinator_program.spec.instructions import Instruction, Witness, apply
 from coordinator_program.spec.state import CoordinatorState, Phase, Role
 from tests.witness.rounds import (
@@ -89,7 +89,7 @@ def witnessing_worker(run_id: str, dht):
     """A run in RoundTrain, every record but the contributor's own report published, and the contributor: a
     worker elected to witness the round."""
     state, keys = run_with_keys(run_id=run_id)
-    me = next((w for w in rules.witnesses(state) if state.clients[state.client_index(w)].role == Role.Worker), None)
+    me = next((w for w in derived.witnesses(state) if state.clients[state.client_index(w)].role == Role.Worker), None)
     assert me is not None, "the run's config elects no worker to witness"
     stage = state.clients[state.client_index(me)].stage
     commitments, reports = honest_round(state, keys)

@@ -30,7 +30,7 @@ from solders.keypair import Keypair
 from client.witness.judge import judge_round
 from client.witness.records import Commitment, Report
 from coordinator_program.facts import config_facts
-from coordinator_program.spec import limits, rules
+from coordinator_program.spec import derived, limits, rules
 from coordinator_program.spec.bloom import build_filter, contains_raw, participant_key
 from coordinator_program.spec.config import Config, bloom_params, filter_capacity, predicted_false_positive_rate
 from coordinator_program.spec.state import ACCOUNT_SIZE, CoordinatorState, Phase, Role
@@ -94,7 +94,7 @@ def judged_round(workers_per_stage: int, trainers: int) -> tuple[CoordinatorStat
     uid = {w: f"{STAGES[s]}.0.{i}" for s, ws in enumerate(by_stage) for i, w in enumerate(ws)}
     issued: dict[bytes, list[str]] = {w: [] for ws in by_stage for w in ws}
     commitments = {}
-    for t, share in enumerate(s for s in rules.data_assignment(state) if s.size):
+    for t, share in enumerate(s for s in derived.data_assignment(state) if s.size):
         receipts = []
         for start in range(share.start, share.end, MICROBATCH):
             for s, stage_workers in enumerate(by_stage):

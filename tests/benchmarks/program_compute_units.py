@@ -22,7 +22,7 @@ from collections import defaultdict
 from solders.keypair import Keypair
 
 from coordinator_program.onchain.instance import INSTANCE_SIZE
-from coordinator_program.spec import limits, rules
+from coordinator_program.spec import derived, limits, rules
 from coordinator_program.spec.bloom import proof_parts
 from coordinator_program.spec.config import Checkpoint, CheckpointKind, Config, Model, bloom_params, filter_capacity
 from coordinator_program.spec.instructions import (
@@ -88,7 +88,7 @@ class Bench:
         height = self.state.round.height
         ixs = [WarmupWitness(p, b, i) if warmup else Witness(height, p, b, i) for i, (p, b) in enumerate(parts)]
         healthy = {c.id for c in self.state.clients if c.health == Health.Healthy}
-        for witness in [w for w in rules.witnesses(self.state) if w in healthy][:witnesses]:
+        for witness in [w for w in derived.witnesses(self.state) if w in healthy][:witnesses]:
             for ix in ixs:
                 self.call(label, ix, self.of(witness))
 
@@ -116,7 +116,7 @@ class Bench:
             return
         self.call("tick: WaitingForMembers → Warmup (admits all)", Tick(), authority, advance=1)
         self.prove("warmup_witness (a part; the quorum's last ticks)", [c.id for c in self.state.clients])
-        lazy = [c.id for c in self.state.clients if c.id not in rules.witnesses(self.state)][:2]
+        lazy = [c.id for c in self.state.clients if c.id not in derived.witnesses(self.state)][:2]
         self.prove("witness (a part; the quorum's last ticks)", [c.id for c in self.state.clients if c.id not in lazy])
         strangers = [LedgerEntry(b"\xfe" + i.to_bytes(2, "big") + bytes(29), 10**6, 0)
                      for i in range(limits.MAX_CLIENTS)]

@@ -14,7 +14,7 @@ import random
 import time
 
 from coordinator_program.facts import config_facts
-from coordinator_program.spec import limits, rules
+from coordinator_program.spec import derived, limits, rules
 from coordinator_program.spec.bloom import build_filter, compute_key, contains_raw, participant_key, proof_parts
 from coordinator_program.spec.config import (
     DEFAULT_BLOOM_ERROR_RATE,
@@ -87,7 +87,7 @@ def main() -> None:
     state = full_run(config)
     everyone = [c.id for c in state.clients]
     parts = proof_parts(config, everyone, everyone, everyone, {})
-    witnesses = rules.witnesses(state)
+    witnesses = derived.witnesses(state)
 
     def witness_round() -> None:
         for w in witnesses:
@@ -101,7 +101,7 @@ def main() -> None:
     start = time.perf_counter()
     for _ in range(rounds):
         witness_round()
-        witnesses[:] = rules.witnesses(state)
+        witnesses[:] = derived.witnesses(state)
     elapsed = (time.perf_counter() - start) / rounds
     tick_time = per_call(lambda: _noop_tick(state), 200)
     print(f"spec at {limits.MAX_CLIENTS} clients: a full round (32 proofs of {len(parts)} parts, 9 ticks, points "

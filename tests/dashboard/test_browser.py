@@ -31,7 +31,7 @@ from solders.keypair import Keypair
 from client.backends.tcp import TcpBackend
 from client.join.auth import AuthClient
 from client.swarm.launcher import free_port
-from coordinator_program.spec import rules
+from coordinator_program.spec import derived
 from coordinator_program.spec.bloom import build_filter, compute_key, participant_key
 from coordinator_program.spec.errors import CoordinatorError
 from coordinator_program.spec.state import Phase, Role
@@ -128,7 +128,7 @@ class Contributors:
         proved: set[tuple[int, int]] = set()
         async for state in client.updates():
             round_ = (state.epoch, state.round.height)
-            if state.phase != Phase.RoundTrain or round_ in proved or client.identity not in rules.witnesses(state):
+            if state.phase != Phase.RoundTrain or round_ in proved or client.identity not in derived.witnesses(state):
                 continue
             proved.add(round_)
             keys = [k for who in everyone for k in (participant_key(who), compute_key(who))]

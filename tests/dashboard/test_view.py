@@ -16,7 +16,7 @@ from client.dashboard.view import (
     witnesses,
 )
 from client.pipeline.discovery import WorkerRecord
-from coordinator_program.spec import limits, rules
+from coordinator_program.spec import derived, limits, rules
 from coordinator_program.spec.bloom import build_filter
 from coordinator_program.spec.config import Checkpoint, CheckpointKind
 from coordinator_program.spec.state import LedgerEntry
@@ -58,10 +58,10 @@ def test_occupancy_splits_each_stage_by_the_sync_phase_its_workers_announce() ->
 
 def test_witnesses_show_who_proved_the_round() -> None:
     state, _ = training_state()
-    elected = rules.witnesses(state)
+    elected = derived.witnesses(state)
     shown = witnesses(state)
     assert [w["key"] for w in shown["elected"]] == [key_text(w) for w in elected]
-    assert (shown["received"], shown["quorum"]) == (0, rules.quorum(state))
+    assert (shown["received"], shown["quorum"]) == (0, derived.quorum(state))
     rules.witness(state, elected[1], state.round.height, full_filter(state), build_filter(state.config, []))
     shown = witnesses(state)
     assert [w["proved"] for w in shown["elected"]] == [False, True, False] and shown["received"] == 1

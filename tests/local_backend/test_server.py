@@ -12,7 +12,7 @@ from solders.keypair import Keypair
 
 from client.backends.base import BackendError
 from client.backends.tcp import TcpBackend
-from coordinator_program.spec import errors, rules
+from coordinator_program.spec import derived, errors, rules
 from coordinator_program.spec.bloom import build_filter, participant_key
 from coordinator_program.spec.config import RunSpec, parse_run_spec
 from coordinator_program.spec.instructions import JoinRun, Tick
@@ -111,7 +111,7 @@ def test_witness_from_a_client_that_was_not_elected(tmp_path: Path) -> None:
     async def body(server: CoordinatorServer, address: str) -> None:
         clients = await pipeline(address)
         state = await clients[0].wait_for(lambda s: s.phase == Phase.RoundTrain, 10)
-        elected = set(rules.witnesses(state))
+        elected = set(derived.witnesses(state))
         outsider = next(c for c in clients if c.identity not in elected)
         bloom = build_filter(state.config, [participant_key(c.identity) for c in clients])
         before = server.account

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from solders.keypair import Keypair
 
-from coordinator_program.spec import limits, rules
+from coordinator_program.spec import derived, limits, rules
 from coordinator_program.spec.config import RunSpec
 from coordinator_program.spec.instructions import Tick
 from coordinator_program.spec.state import Phase, decode_state, encode_state
@@ -22,7 +22,7 @@ def test_the_server_ends_a_round_of_three_crediting_chunks_in_one_tick(tmp_path:
     state, now = training(300)
     everyone = [c.id for c in state.clients]
     parts = parts_of(state, everyone, everyone)
-    for w in rules.witnesses(state):
+    for w in derived.witnesses(state):
         send(state, w, parts)
     rules.tick(state, now, 1)
     assert state.phase == Phase.RoundWitness

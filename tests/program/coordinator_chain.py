@@ -34,7 +34,7 @@ from solders.transaction_status import InstructionErrorCustom, TransactionErrorI
 
 from coordinator_program.onchain.instance import CoordinatorInstance, encode_instance, instance_address
 from coordinator_program.program.build import DEFAULT_OUTPUT
-from coordinator_program.spec import rules
+from coordinator_program.spec import derived, rules
 from coordinator_program.spec.bloom import build_filter, compute_key, participant_key, proof_parts
 from coordinator_program.spec.config import Checkpoint, Config, Model
 from coordinator_program.spec.errors import CoordinatorError
@@ -311,7 +311,7 @@ class Swarm:
         """``witnesses`` (by default every elected witness) each send a whole proof, part by part, naming
         ``participants`` (and the compute keys of ``worked``); returns each one's first error, or None."""
         ixs = self.proof_parts(participants, worked)
-        chosen = rules.witnesses(self.state) if witnesses is None else witnesses
+        chosen = derived.witnesses(self.state) if witnesses is None else witnesses
         outcomes = []
         for witness in chosen:
             codes = [self.replay.apply(ix, self.of(witness)) for ix in ixs]

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from solders.keypair import Keypair
 
-from coordinator_program.spec import errors, limits, rules
+from coordinator_program.spec import derived, errors, limits
 from coordinator_program.spec.config import Checkpoint, CheckpointKind, Config, Model, bloom_params, filter_capacity
 from coordinator_program.spec.instructions import (
     CheckpointReport,
@@ -151,16 +151,16 @@ def test_permissioned_run_through_every_instruction() -> None:
     # Warmup: two of three proofs reach the quorum and start round 0 at once.
     assert apply(Tick(), authority, advance=1) is None and swarm.state.phase == Phase.Warmup
     assert [c.stage for c in swarm.state.clients][:4] == [2, 0, 1, 0]
-    outsider = next(c for c in swarm.clients() if c not in rules.witnesses(swarm.state))
+    outsider = next(c for c in swarm.clients() if c not in derived.witnesses(swarm.state))
     assert apply(WarmupWitness(b"", b""), swarm.of(outsider)) == errors.NotAWitness.code
     assert apply(Witness(0, b"", b""), swarm.of(outsider)) == errors.WrongPhase.code
     assert swarm.prove(swarm.clients())[:2] == [None, None]
     assert swarm.state.phase == Phase.RoundTrain
 
     # Round 0 leaves one client out of every filter; round 1 judges it by them.
-    lazy = next(c.id for c in swarm.state.clients if c.id not in rules.witnesses(swarm.state)
+    lazy = next(c.id for c in swarm.state.clients if c.id not in derived.witnesses(swarm.state)
                 and (c.role == Role.Trainer or c.stage == 0))  # its stage keeps a worker when it leaves
-    witness = rules.witnesses(swarm.state)[0]
+    witness = derived.witnesses(swarm.state)[0]
     size = swarm.state.config.bloom_bytes
     assert apply(Witness(1, bytes(size), bytes(size)), swarm.of(witness)) == errors.StaleRound.code
     assert apply(Witness(0, bytes(size - 1), bytes(size)), swarm.of(witness)) == errors.BadFilter.code
@@ -182,7 +182,7 @@ def test_permissioned_run_through_every_instruction() -> None:
         errors.WrongPhase.code
 
     # Round 1 times out with one proof of the two it needs: the epoch ends, and the lazy client leaves with it.
-    lone = next(w for w in rules.witnesses(swarm.state) if w != lazy)
+    lone = next(w for w in derived.witnesses(swarm.state) if w != lazy)
     assert swarm.prove(swarm.clients(), [lone]) == [None]
     assert apply(Tick(), authority, advance=config.max_round_train_time - 1) == errors.NothingToTick.code
     assert apply(Tick(), authority, advance=1) is None and swarm.state.phase == Phase.RoundWitness
@@ -335,7 +335,7 @@ def test_full_run(clients: int) -> None:
 
     assert swarm.prove(swarm.clients()).count(None) == config.witness_quorum
     assert swarm.state.phase == Phase.RoundTrain
-    lazy = [c for c in swarm.clients() if c not in rules.witnesses(swarm.state)][:3]
+    lazy = [c for c in swarm.clients() if c not in derived.witnesses(swarm.state)][:3]
     assert swarm.prove([c for c in swarm.clients() if c not in lazy]).count(None) == config.witness_nodes
     assert swarm.state.phase == Phase.RoundWitness  # the quorum ended training early
     end_round(swarm, authority, config)

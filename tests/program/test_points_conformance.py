@@ -13,7 +13,7 @@ import pytest
 from coordinator_chain import ProgramChain, Replay, Swarm, training_swarm
 from solders.keypair import Keypair
 
-from coordinator_program.spec import errors, limits, rules
+from coordinator_program.spec import derived, errors, limits
 from coordinator_program.spec.config import Checkpoint, GradAveraging, Model, Schedule, Tokenizer, WireCodec
 from coordinator_program.spec.instructions import Tick, Update
 from coordinator_program.spec.state import LedgerEntry, Phase, Role
@@ -55,7 +55,7 @@ def test_points_over_rounds_and_epochs_match_the_specification(full: bool) -> No
 
     run_round(swarm, authority, everyone, everyone)  # everyone present and counted
     run_round(swarm, authority, everyone, everyone[::2])  # half counted: shares split differently
-    liar, *honest = rules.witnesses(swarm.state)
+    liar, *honest = derived.witnesses(swarm.state)
     run_round(swarm, authority, everyone[1:], everyone[1:], honest)  # the first client left out by all but one
     assert swarm.state.phase == Phase.Cooldown and swarm.state.epoch == 0
     earned = {e.id: (e.presence, e.compute) for e in swarm.state.ledger}

@@ -10,7 +10,7 @@ import dataclasses
 from coordinator_chain import Swarm, training_swarm
 from solders.keypair import Keypair
 
-from coordinator_program.spec import errors, limits, rules
+from coordinator_program.spec import derived, errors, limits
 from coordinator_program.spec.config import bloom_params, filter_capacity
 from coordinator_program.spec.instructions import Tick
 from coordinator_program.spec.state import Phase
@@ -31,7 +31,7 @@ def test_partial_and_repeated_parts_never_count_on_chain() -> None:
     swarm, authority = swarm_of_two_parts()
     apply = swarm.replay.apply
     first, second = swarm.proof_parts(swarm.clients())
-    witnesses = rules.witnesses(swarm.state)
+    witnesses = derived.witnesses(swarm.state)
     for w in witnesses[:CONFIG.witness_quorum]:  # a quorum, each one part short
         assert apply(first, swarm.of(w)) is None
     assert swarm.state.phase == Phase.RoundTrain and swarm.state.round.witness_count == 0
@@ -47,7 +47,7 @@ def test_partial_and_repeated_parts_never_count_on_chain() -> None:
 def test_a_round_of_two_chunks_ends_in_two_ticks_and_refuses_late_proofs_between() -> None:
     swarm, authority = swarm_of_two_parts()
     apply = swarm.replay.apply
-    witnesses = rules.witnesses(swarm.state)
+    witnesses = derived.witnesses(swarm.state)
     assert swarm.prove(swarm.clients(), witnesses[:CONFIG.witness_quorum]) == [None] * CONFIG.witness_quorum
     assert swarm.state.phase == Phase.RoundWitness  # the quorum's last part ticked
     assert apply(Tick(), authority, advance=CONFIG.round_witness_time) is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from coordinator_program.spec import limits, rules
+from coordinator_program.spec import derived, limits, rules
 from coordinator_program.spec.bloom import build_filter, participant_key
 from coordinator_program.spec.config import Checkpoint, Config, Model
 from coordinator_program.spec.state import CoordinatorState, Health, Phase, Role
@@ -54,7 +54,7 @@ def witness_all(state: CoordinatorState, members: list[bytes] | None = None) -> 
     """Every healthy elected witness of the round sends a proof naming ``members`` (default: everyone)."""
     participants = full_filter(state, members)
     batches = build_filter(state.config, [])
-    for w in rules.witnesses(state):
+    for w in derived.witnesses(state):
         if state.clients[state.client_index(w)].health != Health.Healthy:
             continue
         if state.phase == Phase.Warmup:

@@ -3,7 +3,7 @@ as the rules say, kept across epochs, and a full ledger making room for a new ea
 
 from __future__ import annotations
 
-from coordinator_program.spec import limits, rules
+from coordinator_program.spec import derived, limits, points, rules
 from coordinator_program.spec.bloom import build_filter, compute_key, participant_key
 from coordinator_program.spec.state import CoordinatorState, LedgerEntry, Phase, Role
 from tests.spec.scenario import RUN_ID, SMALL, ident, join_pipeline, new_run, replace, start_training
@@ -15,7 +15,7 @@ def prove(state: CoordinatorState, present: list[bytes], worked: list[bytes],
           witnesses: list[bytes] | None = EVERYONE) -> None:
     """``witnesses`` (every elected one by default) prove ``present`` present and ``worked`` working."""
     bloom = build_filter(state.config, [participant_key(i) for i in present] + [compute_key(i) for i in worked])
-    for w in rules.witnesses(state) if witnesses is None else witnesses:
+    for w in derived.witnesses(state) if witnesses is None else witnesses:
         rules.witness(state, w, state.round.height, bloom, build_filter(state.config, []))
 
 
@@ -29,7 +29,7 @@ def end_round(state: CoordinatorState, now: int) -> int:
     return now
 
 
-def points(state: CoordinatorState) -> dict[bytes, tuple[int, int]]:
+def ledger_points(state: CoordinatorState) -> dict[bytes, tuple[int, int]]:
     return {e.id: (e.presence, e.compute) for e in state.ledger}
 
 
@@ -42,7 +42,7 @@ def training(workers: int = 3, trainers: int = 1, config=SMALL) -> tuple[Coordin
 def test_a_counted_round_pays_presence_and_the_samples_each_client_worked() -> None:
     state, now = training(workers=4, trainers=2)
     ids = [c.id for c in state.clients]
-    assigned = {a.client: a.size for a in rules.data_assignment(state)}
+    assigned = {a.client: a.size for a in derived.data_assignment(state)}
     prove(state, ids, ids)
     end_round(state, now)
     by_stage = {c.id: c.stage for c in state.clients if c.role == Role.Worker}
@@ -50,7 +50,7 @@ def test_a_counted_round_pays_presence_and_the_samples_each_client_worked() -> N
     assert len(sharing) == 2, "stage 0 has two workers"
     for client in ids:
         expected = assigned[client] if client in assigned else (5 if client in sharing else 10)
-        assert points(state)[client] == (1, expected)
+        assert ledger_points(state)[client] == (1, expected)
     assert sum(assigned.values()) == SMALL.global_batch_size
 
 
@@ -59,7 +59,7 @@ def test_presence_without_counted_work_earns_presence_only() -> None:
     ids = [c.id for c in state.clients]
     prove(state, ids, [])
     end_round(state, now)
-    assert points(state) == {i: (1, 0) for i in ids}
+    assert ledger_points(state) == {i: (1, 0) for i in ids}
 
 
 def test_a_stage_shares_its_batch_among_its_counted_workers_remainder_to_the_first() -> None:
@@ -72,20 +72,20 @@ def test_a_stage_shares_its_batch_among_its_counted_workers_remainder_to_the_fir
     ids = [c.id for c in state.clients]
     prove(state, ids, ids)
     end_round(state, now)
-    assert [points(state)[i][1] for i in stage0] == [4, 3, 3]  # 10 samples: 10 // 3 each, the remainder first
+    assert [ledger_points(state)[i][1] for i in stage0] == [4, 3, 3]  # 10 samples: 10 // 3 each, the remainder first
 
     # Only two of them counted next round: 5 each; the uncounted one earns presence only.
     ids = [c.id for c in state.clients]
     prove(state, ids, [i for i in ids if i != stage0[0]])
     end_round(state, now + 100)
-    assert [points(state)[i] for i in stage0] == [(2, 4), (2, 8), (2, 8)]
+    assert [ledger_points(state)[i] for i in stage0] == [(2, 4), (2, 8), (2, 8)]
 
 
 def test_one_witness_of_three_can_neither_award_nor_withhold_points() -> None:
     """Quorum 2 of 3: a lying witness that names a client the other two left out gives it nothing, and one that
     leaves an honest client out takes nothing from it."""
     state, now = training(workers=3, trainers=2)
-    liar, *honest = rules.witnesses(state)
+    liar, *honest = derived.witnesses(state)
     victim = next(c.id for c in state.clients if c.id != liar)
     favourite = next(c.id for c in state.clients if c.id not in (liar, victim))
     ids = [c.id for c in state.clients]
@@ -95,16 +95,16 @@ def test_one_witness_of_three_can_neither_award_nor_withhold_points() -> None:
     prove(state, others, others, honest[1:])
     assert state.presence_votes[state.client_index(favourite)] == 1
     end_round(state, now)
-    assert favourite not in points(state)
+    assert favourite not in ledger_points(state)
 
-    liar, *honest = rules.witnesses(state)
+    liar, *honest = derived.witnesses(state)
     without_victim = [c.id for c in state.clients if c.id != victim]
     everyone = [c.id for c in state.clients]
     prove(state, without_victim, without_victim, [liar])
     prove(state, everyone, everyone, honest)
-    before = points(state)[victim]
+    before = ledger_points(state)[victim]
     end_round(state, now + 100)
-    gained = points(state)[victim][0] - before[0], points(state)[victim][1] - before[1]
+    gained = ledger_points(state)[victim][0] - before[0], ledger_points(state)[victim][1] - before[1]
     assert gained[0] == 1 and gained[1] > 0
 
 
@@ -114,7 +114,7 @@ def test_warmup_proofs_and_unproven_rounds_earn_nothing() -> None:
     rules.tick(state, 0, 11)
     ids = [c.id for c in state.clients]
     bloom = build_filter(state.config, [participant_key(i) for i in ids] + [compute_key(i) for i in ids])
-    for w in rules.witnesses(state):
+    for w in derived.witnesses(state):
         rules.warmup_witness(state, w, bloom, build_filter(state.config, []))
     rules.tick(state, 0, 12)  # the quorum of warmup proofs starts round 0
     assert state.phase == Phase.RoundTrain and not any(state.presence_votes)
@@ -130,15 +130,15 @@ def test_points_survive_the_epoch_and_keep_adding_up() -> None:
         prove(state, ids, ids)
         now = end_round(state, now)
     assert state.phase == Phase.Cooldown and state.epoch == 0
-    after_epoch_0 = points(state)
+    after_epoch_0 = ledger_points(state)
     now += config.cooldown_time
     rules.tick(state, now, 4)
-    assert state.phase == Phase.WaitingForMembers and points(state) == after_epoch_0
+    assert state.phase == Phase.WaitingForMembers and ledger_points(state) == after_epoch_0
     now = start_training(state, now)
     ids = [c.id for c in state.clients]
     prove(state, ids, ids)
     end_round(state, now)
-    assert all(points(state)[i][0] == 3 for i in ids)
+    assert all(ledger_points(state)[i][0] == 3 for i in ids)
 
 
 def full_ledger() -> list[LedgerEntry]:
@@ -152,19 +152,19 @@ def full_ledger() -> list[LedgerEntry]:
 def test_a_new_earner_in_a_full_ledger_replaces_the_fewest_points_first_on_ties() -> None:
     ledger = full_ledger()
     fewest = [e.id for e in ledger if e.presence == 2]
-    rules.award(ledger, b"\x01" * 32, 3, 0)  # sorts first; of the two 2-point entries the first goes
+    points.award(ledger, b"\x01" * 32, 3, 0)  # sorts first; of the two 2-point entries the first goes
     assert len(ledger) == limits.MAX_CLIENTS and ledger[0].id == b"\x01" * 32
     assert fewest[0] not in [e.id for e in ledger] and fewest[1] in [e.id for e in ledger]
-    rules.award(ledger, b"\xff" * 32, 0, 7)  # sorts last; the other 2-point entry goes
+    points.award(ledger, b"\xff" * 32, 0, 7)  # sorts last; the other 2-point entry goes
     assert ledger[-1] == LedgerEntry(b"\xff" * 32, 0, 7) and fewest[1] not in [e.id for e in ledger]
-    rules.award(ledger, b"\x50" * 32, 1, 0)  # now the 3-point newcomer has the fewest
+    points.award(ledger, b"\x50" * 32, 1, 0)  # now the 3-point newcomer has the fewest
     assert ledger[0].id == b"\x50" * 32 and b"\x01" * 32 not in [e.id for e in ledger]
     assert [e.id for e in ledger] == sorted(e.id for e in ledger)
-    rules.award(ledger, b"\x50" * 32, 1, 1)  # an existing earner just adds up
+    points.award(ledger, b"\x50" * 32, 1, 1)  # an existing earner just adds up
     assert ledger[0] == LedgerEntry(b"\x50" * 32, 2, 1) and len(ledger) == limits.MAX_CLIENTS
 
 
 def test_points_stop_at_the_u32_limit() -> None:
-    ledger = [LedgerEntry(b"\x01" * 32, rules.POINTS_MAX, rules.POINTS_MAX - 3)]
-    rules.award(ledger, b"\x01" * 32, 1, 10)
-    assert ledger == [LedgerEntry(b"\x01" * 32, rules.POINTS_MAX, rules.POINTS_MAX)]
+    ledger = [LedgerEntry(b"\x01" * 32, points.POINTS_MAX, points.POINTS_MAX - 3)]
+    points.award(ledger, b"\x01" * 32, 1, 10)
+    assert ledger == [LedgerEntry(b"\x01" * 32, points.POINTS_MAX, points.POINTS_MAX)]

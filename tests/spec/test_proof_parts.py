@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator_program.spec import errors, limits, rules
+from coordinator_program.spec import derived, errors, limits, points, rules
 from coordinator_program.spec.bloom import build_filter, compute_key, part_count, participant_key, proof_parts
 from coordinator_program.spec.config import bloom_params, filter_capacity
 from coordinator_program.spec.state import CoordinatorState, LedgerEntry, Phase
@@ -53,8 +53,8 @@ def test_a_partial_proof_never_counts_as_a_whole_one() -> None:
     state, _ = training()
     assert part_count(len(state.clients)) == 3
     parts = parts_of(state, ids(state))
-    witnesses = rules.witnesses(state)
-    for w in witnesses[:rules.quorum(state)]:  # a quorum of witnesses, each one part short
+    witnesses = derived.witnesses(state)
+    for w in witnesses[:derived.quorum(state)]:  # a quorum of witnesses, each one part short
         send(state, w, parts, range(2))
     assert state.round.witness_count == 0 and state.phase == Phase.RoundTrain
     with pytest.raises(errors.NothingToTick):
@@ -66,7 +66,7 @@ def test_a_partial_proof_never_counts_as_a_whole_one() -> None:
 def test_a_part_is_taken_once_and_only_if_it_exists() -> None:
     state, _ = training()
     parts = parts_of(state, ids(state))
-    w = rules.witnesses(state)[0]
+    w = derived.witnesses(state)[0]
     send(state, w, parts, range(1))
     nonce = state.nonce
     with pytest.raises(errors.DuplicateWitness, match="part 0"):
@@ -85,7 +85,7 @@ def test_a_parts_votes_go_to_its_own_clients_only() -> None:
     # One filter naming every client, sent as part 1: only part 1's clients may gain votes from it.
     everything = build_filter(state.config, [participant_key(i) for i in everyone[:128]]
                               + [compute_key(i) for i in everyone[128:256]])
-    rules.witness(state, rules.witnesses(state)[0], 0, everything, build_filter(state.config, []), 1)
+    rules.witness(state, derived.witnesses(state)[0], 0, everything, build_filter(state.config, []), 1)
     assert not any(state.presence_votes), "part 0's clients are in the filter, but it was sent as part 1"
     assert [i for i, v in enumerate(state.compute_votes) if v] == list(range(128, 256))
 
@@ -94,7 +94,7 @@ def test_health_reads_the_previous_rounds_counts_per_part() -> None:
     state, now = training()
     everyone = ids(state)
     victim, bystander = everyone[200], everyone[10]
-    witnesses = rules.witnesses(state)
+    witnesses = derived.witnesses(state)
     honest = parts_of(state, [i for i in everyone if i != victim])
     for w in witnesses[:3]:
         send(state, w, honest)
@@ -106,7 +106,7 @@ def test_health_reads_the_previous_rounds_counts_per_part() -> None:
     after = ids(state)
     assert state.left_out[after.index(victim)] == 3 and state.left_out[after.index(bystander)] == 0
     assert rules.missed_by_quorum(state, victim) and not rules.missed_by_quorum(state, bystander)
-    checker = rules.witnesses(state)[0]
+    checker = derived.witnesses(state)[0]
     with pytest.raises(errors.ClientHealthy):
         rules.health_check(state, checker, bystander)
     rules.health_check(state, checker, victim)
@@ -116,33 +116,33 @@ def test_a_minority_leaving_a_client_out_of_its_part_cannot_get_it_removed() -> 
     state, now = training()
     everyone = ids(state)
     target = everyone[5]
-    witnesses = rules.witnesses(state)
+    witnesses = derived.witnesses(state)
     with_target, without = parts_of(state, everyone), parts_of(state, [i for i in everyone if i != target])
     for w in witnesses[:2]:  # a minority of 5 lie
         send(state, w, without)
     for w in witnesses[2:]:
         send(state, w, with_target)
     end_round(state, now)
-    assert state.left_out[ids(state).index(target)] == 2 < rules.quorum(state)
+    assert state.left_out[ids(state).index(target)] == 2 < derived.quorum(state)
     with pytest.raises(errors.ClientHealthy):
-        rules.health_check(state, rules.witnesses(state)[0], target)
+        rules.health_check(state, derived.witnesses(state)[0], target)
 
 
 def test_the_round_end_credits_a_chunk_a_tick_and_takes_no_proof_meanwhile() -> None:
     state, now = training()
     everyone = ids(state)
     parts = parts_of(state, everyone, everyone)
-    for w in rules.witnesses(state):
+    for w in derived.witnesses(state):
         send(state, w, parts)
     rules.tick(state, now, 1)
     assert state.phase == Phase.RoundWitness
-    expected = rules.round_points(state)
+    expected = points.round_points(state)
     now += state.config.round_witness_time
     rules.tick(state, now, 1)
     assert state.phase == Phase.RoundWitness and state.round.credited == limits.CREDIT_CLIENTS
     assert len(state.ledger) == limits.CREDIT_CLIENTS
     with pytest.raises(errors.WrongPhase, match="closing"):
-        rules.witness(state, rules.witnesses(state)[0], 0, *parts[0], 0)
+        rules.witness(state, derived.witnesses(state)[0], 0, *parts[0], 0)
     rules.tick(state, now, 1)
     assert state.round.credited == 2 * limits.CREDIT_CLIENTS
     rules.tick(state, now, 1)
@@ -157,7 +157,7 @@ def test_a_crediting_tick_stops_after_a_bounded_number_of_evictions() -> None:
     everyone = ids(state)
     state.ledger = [LedgerEntry(b"\xf0" + i.to_bytes(2, "big") + bytes(29), 9, 0) for i in range(limits.MAX_CLIENTS)]
     parts = parts_of(state, everyone)
-    for w in rules.witnesses(state):
+    for w in derived.witnesses(state):
         send(state, w, parts)
     rules.tick(state, now, 1)
     now += state.config.round_witness_time

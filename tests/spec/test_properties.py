@@ -9,7 +9,7 @@ from hypothesis import HealthCheck as HypothesisHealthCheck
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator_program.spec import errors, limits, rules
+from coordinator_program.spec import derived, errors, limits, rules
 from coordinator_program.spec.bloom import build_filter, compute_key, participant_key
 from coordinator_program.spec.config import Checkpoint, CheckpointKind
 from coordinator_program.spec.instructions import (
@@ -75,7 +75,7 @@ def _prover(state: CoordinatorState, index: int) -> bytes:
     """The index-th of: the elected witnesses yet to prove, then the clients, then other identities. Most
     proofs drawn are thus taken, so that rounds reach their quorum on filters that leave clients out, and
     health checks find clients to remove."""
-    elected = rules.witnesses(state) if state.clients else []
+    elected = derived.witnesses(state) if state.clients else []
     waiting = [w for position, w in enumerate(elected) if not state.round.witnessed >> position & 1]
     candidates = waiting + [c.id for c in state.clients]
     return candidates[index] if index < len(candidates) else IDS[index % len(IDS)]
@@ -128,7 +128,7 @@ def check_invariants(state: CoordinatorState, before: tuple[int, int, int]) -> N
     assert state.nonce > nonce, "an accepted operation bumps the nonce"
     assert state.step <= config.total_steps
     if state.phase in RUN_PHASES:
-        assert rules.pipeline_complete(state.clients, config), "a run phase without a complete pipeline"
+        assert derived.pipeline_complete(state.clients, config), "a run phase without a complete pipeline"
         assert state.round.witness_count <= min(config.witness_nodes, len(ids))
     assert all(c.stage < config.num_stages for c in state.clients if c.role == Role.Worker)
     ledger = [entry.id for entry in state.ledger]
@@ -152,7 +152,7 @@ def test_random_sequences_keep_invariants(prejoin: bool, steps: list[tuple]) -> 
         assert decode_instruction(ix.encode()) == ix
         snapshot = pickle.dumps(state)  # cheaper than encoding the 115 KB account at every step
         before = (state.step, state.epoch, state.nonce)
-        elected = rules.witnesses(state) if state.clients else []
+        elected = derived.witnesses(state) if state.clients else []
         try:
             apply(state, ix, signer, now, entropy=now * 7919 + 1)
         except errors.CoordinatorError:

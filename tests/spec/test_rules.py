@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from coordinator_program.spec import errors, limits, rules
+from coordinator_program.spec import derived, errors, limits, rules
 from coordinator_program.spec.bloom import build_filter
 from coordinator_program.spec.config import Checkpoint, CheckpointKind, Config
 from coordinator_program.spec.instructions import CloseRun, InitCoordinator, apply
@@ -162,10 +162,10 @@ def test_warmup_witness_rejections() -> None:
     ids = join_pipeline(state)
     rules.tick(state, 10, 1)
     f = full_filter(state)
-    outsider = next(i for i in ids if i not in rules.witnesses(state))
+    outsider = next(i for i in ids if i not in derived.witnesses(state))
     assert_rejected(state, errors.NotAWitness, lambda: rules.warmup_witness(state, outsider, f, f))
     assert_rejected(state, errors.NotAClient, lambda: rules.warmup_witness(state, ident(99), f, f))
-    w, other = rules.witnesses(state)[:2]
+    w, other = derived.witnesses(state)[:2]
     assert_rejected(state, errors.BadFilter, lambda: rules.warmup_witness(state, w, f + b"\0", f))
     rules.warmup_witness(state, w, f, f)
     assert_rejected(state, errors.DuplicateWitness, lambda: rules.warmup_witness(state, w, f, f))
@@ -213,7 +213,7 @@ def test_opportunistic_witnessing_ends_training_early() -> None:
     state = new_run()
     join_pipeline(state)
     now = start_training(state)
-    ws = rules.witnesses(state)
+    ws = derived.witnesses(state)
     f = full_filter(state)
     rules.witness(state, ws[0], 0, f, f)
     assert_rejected(state, errors.NothingToTick, lambda: rules.tick(state, now + 1, 3))
@@ -227,7 +227,7 @@ def test_witness_rejections() -> None:
     ids = join_pipeline(state)
     now = start_training(state)
     f = full_filter(state)
-    ws = rules.witnesses(state)
+    ws = derived.witnesses(state)
     outsider = next(i for i in ids if i not in ws)
     assert_rejected(state, errors.NotAClient, lambda: rules.witness(state, ident(99), 0, f, f))
     assert_rejected(state, errors.NotAWitness, lambda: rules.witness(state, outsider, 0, f, f))
@@ -276,7 +276,7 @@ def test_missing_quorum_ends_epoch() -> None:
     ids = join_pipeline(state)
     now = start_training(state)
     f = full_filter(state)
-    rules.witness(state, rules.witnesses(state)[0], 0, f, f)  # one proof of the two the round needs
+    rules.witness(state, derived.witnesses(state)[0], 0, f, f)  # one proof of the two the round needs
     rules.tick(state, now + SMALL.max_round_train_time, 3)
     rules.tick(state, now + SMALL.max_round_train_time + SMALL.round_witness_time, 4)
     assert state.phase == Phase.Cooldown and state.step == 1
@@ -488,8 +488,8 @@ def test_bloom_sizes_follow_the_config() -> None:
 
 def test_a_run_instance_names_one_creation_of_a_run_id() -> None:
     first = rules.init_coordinator(RUN_ID, AUTHORITY, bytes(32), now=1_700_000_000)
-    assert rules.run_instance(first) == rules.run_instance(copy.deepcopy(first))
-    assert rules.run_instance(first).startswith(RUN_ID + ".")
+    assert derived.run_instance(first) == derived.run_instance(copy.deepcopy(first))
+    assert derived.run_instance(first).startswith(RUN_ID + ".")
     later = rules.init_coordinator(RUN_ID, AUTHORITY, bytes(32), now=1_700_000_001)
     other_creator = rules.init_coordinator(RUN_ID, bytes([9]) * 32, bytes(32), now=1_700_000_000)
-    assert len({rules.run_instance(s) for s in (first, later, other_creator)}) == 3
+    assert len({derived.run_instance(s) for s in (first, later, other_creator)}) == 3

@@ -10,7 +10,7 @@ from solders.keypair import Keypair
 
 from client.stages import own_uid
 from client.witness.records import Commitment, Report
-from coordinator_program.spec import limits, rules
+from coordinator_program.spec import derived, limits, rules
 from coordinator_program.spec.selection import Assignment
 from coordinator_program.spec.state import CoordinatorState, Phase, Role
 from tests.spec.scenario import RUN_ID, SMALL, new_run
@@ -98,7 +98,7 @@ def reports_of(state: CoordinatorState, keys: dict[bytes, Keypair], receipts: li
 
 def shares(state: CoordinatorState) -> list[Assignment]:
     """The round's trainers with data, and their sample ranges."""
-    return [s for s in rules.data_assignment(state) if s.size]
+    return [s for s in derived.data_assignment(state) if s.size]
 
 
 def honest_round(state: CoordinatorState, keys: dict[bytes, Keypair]):

@@ -5,7 +5,7 @@ only, and a worker copying another's public report earns no compute for it."""
 from __future__ import annotations
 
 from client.witness.judge import judge_round
-from coordinator_program.spec import rules
+from coordinator_program.spec import derived, rules
 from coordinator_program.spec.bloom import compute_key, contains_raw, participant_key
 from coordinator_program.spec.state import CoordinatorState, Role
 from tests.spec.scenario import SMALL
@@ -42,7 +42,7 @@ def test_a_phase1_worker_earns_presence_only_through_the_coordinator() -> None:
     commitments, reports = honest_round(state, keys)
     idle = phase1_worker(state)
     assigned = {s.client: s.size for s in shares(state)}
-    for witness in rules.witnesses(state):
+    for witness in derived.witnesses(state):
         [(participants, batches)] = judge_round(state, commitments, reports).filters(state)
         rules.witness(state, witness, state.round.height, participants, batches)
     rules.tick(state, state.phase_start, 1)  # the quorum ended training early

@@ -1,0 +1,80 @@
+"""Facts every client and backend derives from the coordinator's state the same way: the run's instance name,
+the round's witnesses and quorum, its data assignment, and how the pipeline's stages are filled.
+
+Pure functions of the state, shared by the rules (``rules``), the points (``points``) and the clients that read
+the state, so that all of them agree on who is elected, what counts as a quorum and which trainer trains what.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+from coordinator_program.spec import limits
+from coordinator_program.spec.config import Config
+from coordinator_program.spec.selection import Assignment, assign_data, effective_quorum, elect_witnesses
+from coordinator_program.spec.state import Client, CoordinatorState, Health, Pending, Role
+
+
+def run_instance(state: CoordinatorState) -> str:
+    """The name of this run, apart from any other run of the same id: ``<run_id>.<16 hex digits>`` of
+    sha256(run id ‖ main authority ‖ creation time). Everything a run's clients share off the coordinator (DHT
+    records, averaging groups, state sharing) lives under it, so a later run with the same id never reads an
+    earlier run's."""
+    digest = hashlib.sha256(state.run_id.encode() + state.main_authority + state.created_at.to_bytes(8, "little",
+                                                                                                     signed=True))
+    return f"{state.run_id}.{digest.hexdigest()[:16]}"
+
+
+def witnesses(state: CoordinatorState) -> list[bytes]:
+    """Identities of the current round's witnesses, in election order."""
+    indices = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
+    return [state.clients[i].id for i in indices]
+
+
+def quorum(state: CoordinatorState) -> int:
+    """Proofs the current round needs (the configured quorum, capped by how many could be elected)."""
+    return effective_quorum(state.config.witness_quorum, min(state.config.witness_nodes, len(state.clients)))
+
+
+def quorum_reached(state: CoordinatorState) -> bool:
+    """Whether the current round holds a quorum of proofs: what ends Warmup or RoundTrain early, and what a
+    round needs for the epoch to go on. Honest witnesses prove during RoundTrain only once they judge every
+    batch in, so a quorum of early proofs is a majority of the witnesses saying the round is complete."""
+    return state.round.witness_count >= quorum(state)
+
+
+def data_assignment(state: CoordinatorState) -> list[Assignment]:
+    """The current round's split of the global batch among its trainers."""
+    trainers = [c.id for c in state.clients if c.role == Role.Trainer]
+    return assign_data(state.round.seed, trainers, state.round.data_index, state.config.global_batch_size)
+
+
+def stage_workers(clients: Iterable[Client | Pending], num_stages: int) -> list[int]:
+    """How many workers each stage has (entries without a stage yet are not counted)."""
+    counts = [0] * num_stages
+    for c in clients:
+        if c.role == Role.Worker and c.stage < num_stages:
+            counts[c.stage] += 1
+    return counts
+
+
+def pipeline_complete(clients: list[Client], config: Config) -> bool:
+    """Training needs enough clients, a worker in every stage and at least one trainer."""
+    return (len(clients) >= config.min_clients
+            and min(stage_workers(clients, config.num_stages)) >= 1
+            and any(c.role == Role.Trainer for c in clients))
+
+
+def assign_stages(pending: list[Pending], num_stages: int) -> list[Client]:
+    """Admit joiners in order: workers that asked for a stage keep it; the others go, one by one, to the
+    least occupied stage (lowest index on ties), counting the stages that were asked for first."""
+    counts = stage_workers(pending, num_stages)
+    admitted = []
+    for joiner in pending:
+        stage = joiner.stage
+        if joiner.role == Role.Worker and stage == limits.NO_STAGE:
+            stage = counts.index(min(counts))
+            counts[stage] += 1
+        admitted.append(Client(joiner.id, joiner.role, stage, Health.Healthy, joiner.slot))
+    return admitted
