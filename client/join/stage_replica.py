@@ -33,7 +33,14 @@ from solders.keypair import Keypair
 from client.averaging.gradients import GradAveraging, GradientAverager, GradientSettings
 from client.averaging.membership import Roster
 from client.averaging.sparta import AveragingResult, AveragingStatus, SpartaAverager, SpartaSettings, averaging_index
-from client.join.checkpoints import OptimizerState, named_optimizer_state, save_snapshot, save_stage, snapshot_dirs
+from client.join.checkpoints import (
+    FileLimits,
+    OptimizerState,
+    named_optimizer_state,
+    save_snapshot,
+    save_stage,
+    snapshot_dirs,
+)
 from client.join.state_download import (
     JoinWindow,
     StageState,
@@ -168,23 +175,25 @@ class StageReplica:
     def _find_state(self, state: CoordinatorState, stage_index: int, sources: StateSources,
                     swarm_step: Callable[[], int | None]) -> StageState | None:
         checkpoint = state.checkpoint
+        limits = FileLimits.of(self.worker.compute.module)
         attempts: list[tuple[str, Callable[[], StageState | None]]] = []
         if sources.snapshot is not None:
             repo, revision = sources.snapshot
             attempts.append((f"the auth service's snapshot {repo}@{revision}", lambda: download_from_hub(
-                repo, self.stage, revision=revision, endpoint=sources.hf_endpoint, token=sources.hf_token)))
+                repo, self.stage, limits=limits, revision=revision, endpoint=sources.hf_endpoint,
+                token=sources.hf_token)))
         held = bool(checkpoint.stages_done >> stage_index & 1) and checkpoint.repo != ""
         if checkpoint.kind == CheckpointKind.Hub and held:
             attempts.append((f"the run's checkpoint {checkpoint.repo}@{checkpoint.revision}", lambda: download_from_hub(
-                checkpoint.repo, self.stage, revision=checkpoint.revision or None, endpoint=sources.hf_endpoint,
-                token=sources.hf_token)))
+                checkpoint.repo, self.stage, limits=limits, revision=checkpoint.revision or None,
+                endpoint=sources.hf_endpoint, token=sources.hf_token)))
         local = (f"the local checkpoint {checkpoint.repo}/{checkpoint.revision}",
-                 lambda: load_local(Path(checkpoint.repo) / checkpoint.revision, self.stage))
+                 lambda: load_local(Path(checkpoint.repo) / checkpoint.revision, self.stage, limits))
         if checkpoint.kind == CheckpointKind.Local and held:
             attempts.append(local)
         if sources.snapshots is not None and state.step > 0:  # at step 0 the seed is the state; any snapshot is older
             root = sources.snapshots
-            attempts.append((f"the snapshots in {root}", lambda: self._newest_snapshot(root, state.step)))
+            attempts.append((f"the snapshots in {root}", lambda: self._newest_snapshot(root, state.step, limits)))
         if state.step > 0 and self.peers():  # at step 0 every peer holds the seed's model: nothing to fetch
             attempts.append(("same-stage peers", lambda: self._from_peers(state, swarm_step)))
         if checkpoint.kind == CheckpointKind.P2P and checkpoint.repo:  # the last saved copy, if it is on this disk
@@ -199,14 +208,14 @@ class StageReplica:
                 return found
         return None
 
-    def _newest_snapshot(self, root: Path, swarm_step: int) -> StageState | None:
+    def _newest_snapshot(self, root: Path, swarm_step: int, limits: FileLimits) -> StageState | None:
         """The newest readable snapshot of this stage no newer than the swarm (one newer is left by an earlier run
         under the same id)."""
         for step, directory in snapshot_dirs(root, self.stage):
             if step > swarm_step:
                 continue
             try:
-                return load_local(directory, self.stage)
+                return load_local(directory, self.stage, limits)
             except StateDownloadError as exc:
                 log.warning("stage %s: skipping the snapshot of step %d: %s", self.stage, step, exc)
         return None

@@ -83,20 +83,27 @@ class _NegativeWeight(_OtherRound):
 
 @pytest.mark.parametrize("malformed", [_OtherRound, _NegativeWeight])
 def test_a_malformed_groupmate_is_dropped_and_nobody_honest_is_withdrawn(make_averager, malformed) -> None:
-    """Three rounds in a row (``max_failures`` of the default settings): the honest two average every time,
-    without the malformed member (refused by an honest leader, or dropped from the group it leads), and never
-    count a failure."""
+    """Three rounds in a row (``max_failures`` of the default settings): the malformed member never enters an
+    honest average — an honest leader refuses it, and a group it leads drops it — and no honest worker ever
+    counts a failure. (When it leads a group that only one honest worker joined, that worker finds no
+    admitted groupmate and skips the round; the other finds no group: neither is anyone's fault.)"""
     honest = [tensors(1), tensors(2)]
     averagers = [make_averager(p) for p in honest]
     averagers.append(make_averager(tensors(3), cls=malformed))
+    together = 0
     for index in range(3):
-        expected = mean([flat(p) for p in honest])
+        before = [flat(p) for p in honest]
         results = average_together(averagers, index, [1.0, 1.0, 1.0])
         for result in results[:2]:
-            assert (result.status, result.group_size, result.refused <= 1) == (AveragingStatus.AVERAGED, 2, True)
             assert (result.consecutive_failures, result.remove) == (0, False)
-        for named in honest:
-            torch.testing.assert_close(flat(named), expected, rtol=0, atol=1e-5)
+            assert result.refused <= 1 and result.group_size <= 2
+        if all(r.status == AveragingStatus.AVERAGED for r in results[:2]):
+            together += 1
+            for named in honest:
+                torch.testing.assert_close(flat(named), mean(before), rtol=0, atol=1e-5)
+        else:
+            assert all(torch.equal(flat(p), b) for p, b in zip(honest, before, strict=True))
+    assert together >= 1
 
 
 def test_a_member_s_overwrite_stays_within_the_documented_bound(make_averager) -> None:
