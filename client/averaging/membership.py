@@ -29,6 +29,9 @@ from solders.keypair import Keypair
 from client.identity import verify
 
 _DOMAIN = "psyswarm.averaging"
+STATE_SHARING = -1
+"""The round a donor's declaration names: it serves its state between averaging rounds, and a joiner admits a
+donor under the same rules as a groupmate (roster, epoch, seal over its peer id)."""
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ peers it meets under one DHT prefix. ``StageAverager`` adds, inside that process
 - robust reduction (``client.averaging.robust``): each part is reduced by one CenteredClip step from the
   coordinate median rather than by the mean, so one admitted liar moves the result by a bounded amount;
 - state transfer to joiners with a byte counter the host reads for a progress bar, and checks on what
-  arrives: a donor is an untrusted peer, so tensors of the wrong number, shape or dtype, non-finite values, or
-  metadata of another run, stage or model are refused and the next donor is tried.
+  arrives: a donor must be on the stage's roster and seal its declaration for its peer id (a stranger is
+  refused at its metadata), and is untrusted even so: tensors of the wrong number, shape or dtype,
+  non-finite values, or metadata of another run, stage or model are refused and the next donor is tried.
 
 The donor side is hivemind's own state sharing (``allow_state_sharing``, declared under
 ``<prefix>.all_averagers``); what a donor serves comes from ``state_provider``, called in the host process.
@@ -42,7 +43,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from client.averaging.membership import Declared, Membership, Roster, check, seal
+from client.averaging.membership import STATE_SHARING, Declared, Membership, Roster, check, seal
 from client.averaging.robust import RobustRunner
 from client.helper_processes import forking_helpers
 
@@ -167,16 +168,19 @@ class StageAverager(DecentralizedAverager):
         if self._state_provider is None:
             return {}, [], None  # empty metadata: the joiner moves on to another donor
         state = self._state_provider()
-        return state.metadata, state.tensors, None
+        roster = self._membership.roster()
+        donor = seal(self._membership, self.prefix, self.peer_id.to_bytes(), roster.epoch,
+                     {"round": STATE_SHARING, "weight": 0.0})
+        return {**state.metadata, "donor": donor}, state.tensors, None
 
     def fetch_state(self, expect: StateExpectation, *, timeout: float, chunk_timeout: float) -> MPFuture:
         """Start downloading a same-stage peer's state; the future holds ``(metadata, tensors, refusals)``,
         ``metadata`` None when no donor served an acceptable state."""
         self._received.value = 0
         future: MPFuture = MPFuture()
-        self._outer_pipe.send(
-            ("_fetch_state", [], dict(future=future, expect=expect, timeout=timeout, chunk_timeout=chunk_timeout))
-        )
+        self._outer_pipe.send(("_fetch_state", [], dict(future=future, expect=expect, timeout=timeout,
+                                                        chunk_timeout=chunk_timeout,
+                                                        roster=self._membership.roster())))
         return future
 
     # ----- averager process -----
@@ -267,11 +271,11 @@ class StageAverager(DecentralizedAverager):
         return self.serializer.loads(user_bytes)
 
     async def _fetch_state(self, future: MPFuture, expect: StateExpectation, timeout: float,
-                           chunk_timeout: float) -> None:
+                           chunk_timeout: float, roster: Roster) -> None:
         refusals: list[str] = []
         try:
-            metadata, tensors = await asyncio.wait_for(self._fetch_from_donors(expect, chunk_timeout, refusals),
-                                                       timeout)
+            metadata, tensors = await asyncio.wait_for(
+                self._fetch_from_donors(expect, chunk_timeout, roster, refusals), timeout)
             future.set_result((metadata, tensors, refusals))
         except TimeoutError:
             refusals.append(f"no same-stage peer served an acceptable state within {timeout:.0f} s"
@@ -281,7 +285,7 @@ class StageAverager(DecentralizedAverager):
             refusals.append(f"state download failed: {exc!r}")
             future.set_result((None, [], refusals))
 
-    async def _fetch_from_donors(self, expect: StateExpectation, chunk_timeout: float,
+    async def _fetch_from_donors(self, expect: StateExpectation, chunk_timeout: float, roster: Roster,
                                  refusals: list[str]) -> tuple[dict[str, Any] | None, list[torch.Tensor]]:
         """Try donors, freshest first, until one serves an acceptable state; look again while none is listed
         (a donor that just turned sharing on is declared in the DHT a moment later). Ends by the caller's
@@ -295,7 +299,7 @@ class StageAverager(DecentralizedAverager):
                 try:
                     stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
                     stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-                    metadata, tensors = await self._receive(stream, expect, chunk_timeout)
+                    metadata, tensors = await self._receive(stream, expect, chunk_timeout, peer, roster)
                 except _BrokenOff as exc:  # the transport ended the stream early: the donor may still be fine
                     broken_off[peer] = broken_off.get(peer, 0) + 1
                     if broken_off[peer] >= _DONOR_ATTEMPTS:
@@ -326,8 +330,10 @@ class StageAverager(DecentralizedAverager):
         donors.pop(self.peer_id, None)
         return donors
 
-    async def _receive(self, stream: Any, expect: StateExpectation,
-                       chunk_timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    async def _receive(self, stream: Any, expect: StateExpectation, chunk_timeout: float, donor: PeerID,
+                       roster: Roster) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The donor's state, refused (ValueError) at its metadata unless the donor is a roster member who sealed
+        its declaration for the peer id this stream comes from, then tensor by tensor as it arrives."""
         metadata: dict[str, Any] | None = None
         tensors: list[torch.Tensor] = []
         parts: list[Any] = []
@@ -338,6 +344,9 @@ class StageAverager(DecentralizedAverager):
                     raise ValueError("it sent metadata twice")
                 metadata = self.serializer.loads(message.metadata)
                 expect.check_metadata(metadata)
+                admitted = check(metadata.get("donor"), self.prefix, donor.to_bytes(), roster, STATE_SHARING)
+                if isinstance(admitted, str):
+                    raise ValueError(f"it is not a worker of this stage: {admitted}")
             if metadata is None:
                 raise ValueError("it sent tensors before metadata")
             part = message.tensor_part

@@ -4,13 +4,16 @@ state sharing), checked before use, and never while an averaging round updates t
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
 import pytest
 import safetensors.torch
 import torch
+from solders.keypair import Keypair
 
+from client.averaging.membership import Roster
 from client.averaging.sparta import AveragingStatus, SpartaAverager
 from client.join.checkpoints import FileLimits
 from client.join.state_download import (
@@ -169,6 +172,32 @@ def test_a_donor_s_claimed_step_is_not_believed_so_its_state_goes_through_the_sy
                                 progress=False)
     assert state.step is None
     assert SyncPolicy(max_allowed_stale=5, phase1_steps=4, phase2_steps=2).is_stale(state.step, swarm_step=10)
+
+
+def test_a_stranger_cannot_seed_a_joiner(make_averager, run_id: str, caplog) -> None:
+    """A peer off the stage's roster (its own roster lists it) serves -3.0 everywhere with the highest priority,
+    so it is tried first: the joiner refuses it at its metadata and downloads the member's state."""
+    member = Peer(make_averager, run_id, seed=1, step=10)
+    members = make_averager.members  # type: ignore[attr-defined]
+    key = Keypair()
+    stranger_worker = StageWorker(TINY, "body1", run_id=run_id)
+    with torch.no_grad():
+        for param in stranger_worker.compute.module.parameters():
+            param.fill_(-3.0)
+    stranger = make_averager(list(stranger_worker.compute.module.named_parameters()), keypair=key, enrol=False,
+                             roster=lambda: Roster(0, frozenset(members) | {bytes(key.pubkey())}),
+                             lock=stranger_worker.compute.lock, partitions=2, seed=TINY.seed,
+                             state_provider=worker_state_provider(stranger_worker, lambda: 10**15))
+    joiner = Peer(make_averager, run_id, seed=None)
+    for averager, priority in ((member.averager, 10.0), (stranger, float(10**15))):
+        averager.sharing = True
+        averager.set_sharing_priority(priority)
+    with caplog.at_level(logging.WARNING, logger="psyswarm.state"):
+        state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id),
+                                    timeout=DONOR_WAIT, progress=False)
+    assert same(state.tensors, member.state())
+    assert any("not a worker of this stage: its key is not on the stage's roster" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_no_donor_is_a_clear_error(make_averager, run_id: str) -> None:
