@@ -8,10 +8,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from client.averaging.gradients import GradAveraging, GradientSettings
 from client.averaging.sparta import AveragingResult, SpartaAverager, SpartaSettings
 
 FAST = SpartaSettings(min_matchmaking_time=1.0, request_timeout=0.5, matchmaking_timeout=4.0,
                       allreduce_timeout=8.0, chunk_timeout=1.5)
+GRADIENTS = GradientSettings(GradAveraging.FULL, timeouts=FAST)
 
 
 def average_together(averagers: Sequence[SpartaAverager], index: int, weights: Sequence[float],

@@ -10,10 +10,13 @@ from contextlib import ExitStack
 import hivemind
 import pytest
 import torch
+from solders.keypair import Keypair
 
+from client.averaging.gradients import GradientAverager, GradientSettings
+from client.averaging.membership import Membership, Roster
 from client.averaging.sparta import SpartaAverager
 from client.pipeline.discovery import start_dht
-from tests.averagers import FAST
+from tests.averagers import FAST, GRADIENTS
 from tests.fake_hub import FakeHub
 
 
@@ -60,12 +63,49 @@ def own_dht() -> Iterator[Callable[[], hivemind.DHT]]:
 
 @pytest.fixture
 def make_averager(own_dht, run_id: str) -> Iterator[Callable[..., SpartaAverager]]:
-    """``make_averager(named_parameters, **options)``: a SpartaAverager on a fresh DHT node of this test's run."""
+    """``make_averager(named_parameters, **options)``: a SpartaAverager on a fresh DHT node of this test's run,
+    with a key of its own put on the test's roster (``make_averager.members``), which every averager made
+    here reads unless ``roster`` says otherwise; ``enrol=False`` leaves the key off it (a stranger); ``cls``
+    a subclass (an attacker)."""
     defaults = {"stage": "body1", "partitions": 1, "seed": 0, "settings": FAST}
+    members: set[bytes] = set()
+
+    def test_roster() -> Roster:
+        return Roster(0, frozenset(members))
+
     with ExitStack() as started:
-        def make(named_parameters: Sequence[tuple[str, torch.Tensor]], **options: object) -> SpartaAverager:
-            averager = SpartaAverager(named_parameters, own_dht(), run_id=run_id,
+        def make(named_parameters: Sequence[tuple[str, torch.Tensor]], *, keypair: Keypair | None = None,
+                 roster: Callable[[], Roster] = test_roster, enrol: bool = True,
+                 cls: type[SpartaAverager] = SpartaAverager, **options: object) -> SpartaAverager:
+            keypair = keypair or Keypair()
+            if enrol:
+                members.add(bytes(keypair.pubkey()))
+            averager = cls(named_parameters, own_dht(), run_id=run_id,
+                                      membership=Membership(keypair, roster),
                                       **{**defaults, **options})  # type: ignore[arg-type]
+            started.callback(averager.shutdown)
+            return averager
+
+        make.members = members  # type: ignore[attr-defined]
+        yield make
+
+
+@pytest.fixture
+def make_grad_averager(own_dht, run_id: str) -> Iterator[Callable[..., GradientAverager]]:
+    """``make_grad_averager(pairs, settings)``: a GradientAverager (full mode by default) on a fresh DHT node,
+    with a key of its own on the test's roster (``enrol=False``: a stranger, whose own roster lists it)."""
+    members: set[bytes] = set()
+    with ExitStack() as started:
+        def make(pairs: list[tuple[str, torch.Tensor]], settings: GradientSettings | None = None,
+                 cls: type[GradientAverager] = GradientAverager, stage: str = "body1",
+                 enrol: bool = True) -> GradientAverager:
+            keypair = Keypair()
+            if enrol:
+                members.add(bytes(keypair.pubkey()))
+            roster = (lambda: Roster(0, frozenset(members))) if enrol else (
+                lambda: Roster(0, frozenset({*members, bytes(keypair.pubkey())})))
+            averager = cls(pairs, own_dht(), run_id=run_id, stage=stage, seed=7, settings=settings or GRADIENTS,
+                           membership=Membership(keypair, roster))
             started.callback(averager.shutdown)
             return averager
 

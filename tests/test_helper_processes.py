@@ -46,12 +46,14 @@ def test_the_host_still_receives_stop_signals() -> None:
 
 HOST = """
 import sys, time, torch
+from solders.keypair import Keypair
+from client.averaging.membership import Membership, Roster
 from client.averaging.sparta import SpartaAverager
 from client.pipeline.discovery import start_dht
 from tests.averagers import FAST
 
 averager = SpartaAverager([("w", torch.zeros(4))], start_dht(), run_id="pdeath", stage="head", partitions=1,
-                          seed=0, settings=FAST)
+                          seed=0, settings=FAST, membership=Membership(Keypair(), lambda: Roster(0, frozenset())))
 print("ready", flush=True)
 time.sleep(600)
 """

@@ -70,6 +70,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter, enter_asynchronously
 from hivemind.utils.math import orthogonalize_
 
+from client.averaging.membership import Membership, Roster
 from client.averaging.rounds import GRACE, Wedged, holding, run_round
 from client.averaging.sparta import AveragingStatus, SpartaSettings, averager_prefix
 from client.averaging.stage_averager import StageAverager
@@ -168,8 +169,8 @@ class _GroupLimits:
 class _GradientRounds(StageAverager):
     """hivemind's averaging process for gradients: the contribution checks, and PowerSGD's two phases.
 
-    ``GradientProcess`` orders a round's methods: this class's limits → StageAverager's round/weight group
-    check → ``_aggregate_phases`` (PowerSGD's two phases, or hivemind's single all-reduce in full mode).
+    ``GradientProcess`` orders a round's methods: StageAverager's membership check → this class's limits (on
+    the admitted peers) → ``_aggregate_phases`` (PowerSGD's two phases, or hivemind's single all-reduce in full mode).
     """
 
     def __init__(self, grads: Sequence[torch.Tensor], dht: Any, *, names: Sequence[str],
@@ -186,9 +187,9 @@ class _GradientRounds(StageAverager):
         self._refused_results = False  # a reducer's average was refused in this round (process side)
         super().__init__(grads, dht, **kwargs)
 
-    def prepare_round(self, averaging_index: int) -> None:
-        super().prepare_round(averaging_index)
+    def prepare_round(self, averaging_index: int, declaration: dict[str, Any]) -> dict[str, Any]:
         self._outcome.value = 0
+        return super().prepare_round(averaging_index, declaration)
 
     @property
     def powersgd(self) -> bool:
@@ -204,13 +205,13 @@ class _GradientRounds(StageAverager):
 
     # ----- contribution checks -----
 
-    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+    async def _aggregate_admitted(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         self._refused_results = False
         limits = self._group_limits(group_info)
         ids = [group_info.group_id, *(group_info.group_id + phase.name.encode() for phase in AllReducePhases)]
         self._limits.update(dict.fromkeys(ids, limits))
         try:
-            return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            return await super()._aggregate_admitted(group_info, min_vector_size, **kwargs)
         finally:
             for group_id in ids:
                 self._limits.pop(group_id, None)
@@ -369,14 +370,15 @@ class _GradientRounds(StageAverager):
 
 
 class _Phases(DecentralizedAverager):
-    """Puts ``_GradientRounds._aggregate_phases`` where StageAverager's ``super()._aggregate_with_group`` goes."""
+    """Puts ``_GradientRounds._aggregate_phases`` where StageAverager's ``super()._aggregate_with_group`` goes
+    (its ``_aggregate_admitted``)."""
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         return await self._aggregate_phases(group_info, min_vector_size, **kwargs)  # type: ignore[attr-defined]
 
 
 class GradientProcess(_GradientRounds, _Phases):
-    """The process class actually started (method order: checks, group check, phases, hivemind)."""
+    """The process class actually started (method order: membership, limits, phases, hivemind)."""
 
 
 @dataclass(frozen=True)
@@ -386,7 +388,8 @@ class GradientResult:
     reason: str
     weight: float
     samples: int  # samples the gradient now stands for: the group's when averaged, this worker's otherwise
-    group_size: int  # peers in the group (0 when none formed)
+    group_size: int  # admitted peers in the group, this one included (0 when none formed)
+    refused: int  # groupmates dropped because their declaration did not pass
     complete: bool  # every peer's parts arrived (PowerSGD: its error feedback moved; otherwise it was restored)
     seconds: float
     consecutive_failures: int
@@ -401,7 +404,7 @@ class GradientAverager:
     process_class: type[GradientProcess] = GradientProcess
 
     def __init__(self, named_parameters: Sequence[tuple[str, torch.Tensor]], dht: hivemind.DHT, *, run_id: str,
-                 stage: str, seed: int, settings: GradientSettings) -> None:
+                 stage: str, seed: int, settings: GradientSettings, membership: Membership) -> None:
         if not named_parameters:
             raise ValueError("a stage with no parameters has nothing to average")
         self.settings = settings
@@ -421,17 +424,19 @@ class GradientAverager:
         self._process = self.process_class(
             self._buffers, dht, names=self.names, shapes=self.shapes, rank=rank, seed=seed, errors=self.errors,
             backup=self.backup, qs=qs, factor=settings.factor, max_weight=settings.max_weight,
-            prefix=averager_prefix(run_id, stage, "grad"), min_group_size=t.min_group_size,
+            membership=membership, prefix=averager_prefix(run_id, stage, "grad"), min_group_size=t.min_group_size,
             target_group_size=t.target_group_size, min_matchmaking_time=t.min_matchmaking_time,
             request_timeout=t.request_timeout, allreduce_timeout=t.allreduce_timeout,
             next_chunk_timeout=t.chunk_timeout, allow_state_sharing=False)
 
     @classmethod
-    def for_worker(cls, worker: StageWorker, dht: hivemind.DHT, *, seed: int,
-                   settings: GradientSettings) -> GradientAverager:
-        """The averager of a ``StageWorker``'s gradients, in its run's namespace."""
+    def for_worker(cls, worker: StageWorker, dht: hivemind.DHT, *, seed: int, settings: GradientSettings,
+                   roster: Callable[[], Roster]) -> GradientAverager:
+        """The averager of a ``StageWorker``'s gradients, in its run's namespace, averaging with the workers
+        ``roster`` lists under the worker's key."""
         named = [(n, p) for n, p in worker.compute.module.named_parameters() if p.requires_grad]
-        return cls(named, dht, run_id=worker.run_id, stage=worker.stage, seed=seed, settings=settings)
+        return cls(named, dht, run_id=worker.run_id, stage=worker.stage, seed=seed, settings=settings,
+                   membership=Membership(worker.keypair, roster))
 
 
     # ----- the round -----
@@ -456,7 +461,8 @@ class GradientAverager:
             outcome = GradientResult(
                 round=index, status=status, reason=reason, weight=weight,
                 samples=int(total) if status == AveragingStatus.AVERAGED else samples,
-                group_size=group, complete=complete, seconds=time.monotonic() - started,
+                group_size=group, refused=self._process.last_refused, complete=complete,
+                seconds=time.monotonic() - started,
                 consecutive_failures=self.consecutive_failures)
             log.log(logging.WARNING if status == AveragingStatus.FAILED else logging.INFO,
                     "%s gradient round %d: %s%s, group of %d, %.1f s", self.stage, index, status.value,
@@ -481,8 +487,10 @@ class GradientAverager:
         finally:
             self._control = None
         group, complete = self._process.last_group_size, self._process.outcome == _COMPLETE
-        if failure is not None:  # no group formed blames nobody in particular (see sparta.py)
-            return result(AveragingStatus.FAILED, failure, group, counts=group > 0)
+        if failure is not None:  # only this peer's own faults count (see sparta.py)
+            return result(AveragingStatus.FAILED, failure, group, counts=not self._process.is_alive())
+        if not gathered:
+            return result(AveragingStatus.SKIPPED, "no groupmate was admitted", group)
         total = sum(float(g.get("weight", 0.0)) for g in gathered.values())
         if total == 0:
             return result(AveragingStatus.SKIPPED, "every weight in the group is 0", group)

@@ -42,12 +42,13 @@ def run_round(averager: StageAverager, pipe: threading.Lock, index: int, gather:
               on_control: Callable[[Any], None] = lambda _: None) -> tuple[dict[Any, dict[str, Any]], str | None]:
     """Run one step of ``averager`` declaring ``gather`` (which must hold ``round`` and ``weight``), with no retry.
 
-    Returns (gathered round data by peer, failure reason or None). ``pipe`` serialises the host's use of
+    Returns (gathered round data by admitted peer, failure reason or None): empty when no groupmate was
+    admitted (``averager.last_refused`` says how many were dropped). ``pipe`` serialises the host's use of
     hivemind's control pipe; ``on_control`` receives the step's control (its ``stage`` tells monitoring where
     the round is).
     """
     with pipe:
-        averager.prepare_round(index)
+        gather = averager.prepare_round(index, gather)
         control = averager.step(gather=gather, weight=float(weight), timeout=matchmaking_timeout,
                                 allow_retries=False, wait=False)
     on_control(control)

@@ -16,13 +16,17 @@ change rather than overwriting keeps any optimizer step taken while the network 
 changes are applied: where a group ended up with no weight for some elements (a weighted peer failed
 mid-round and the rest weigh 0) those elements keep their local value instead of becoming NaN.
 
-Faults. hivemind bans a sender that stalls or dies, keeps each failed reducer's shard at its local value,
-and finishes the round with what it has; a round that raises still applies whatever parts completed. There
-is no retry: the next round starts afresh. ``average`` counts consecutive failures of this peer's own
-rounds (its averaging process dead or wedged, its all-reduce raising) so the caller can withdraw a worker
-that keeps failing (``AveragingResult.remove``). A round where no group formed at all is reported but not
-counted: it blames nobody in particular — in a two-worker stage both workers see it when either one is
-broken — and withdrawing on it could empty a stage, the one failure the swarm cannot survive.
+Faults. A groupmate whose declaration does not pass (a stranger, another round, a malformed or negative
+weight) is dropped before the all-reduce and the others average among themselves (``stage_averager``).
+hivemind bans a sender that stalls or dies, keeps each failed reducer's shard at its local value, and
+finishes the round with what it has; a round that raises still applies whatever parts completed. There is
+no retry: the next round starts afresh. ``average`` counts consecutive failures that are this peer's own —
+its averaging process dead or wedged — so the caller can withdraw a worker that keeps failing
+(``AveragingResult.remove``). Anything a groupmate can cause (no group formed, a groupmate dropped, an
+all-reduce that raised because a peer broke off or lied) is reported but never counted: in a two-worker
+stage both workers see such a failure when either one is broken, and a liar must not be able to get the
+honest withdrawn — that could empty a stage, the one failure the swarm cannot survive. A worker that
+averages with nobody for long is the coordinator's health checks' business, not the averager's.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from client.averaging.membership import Membership, Roster
 from client.averaging.rounds import GRACE, Wedged, holding, run_round
 from client.averaging.stage_averager import SharedState, StageAverager, StateExpectation
 
@@ -121,7 +126,8 @@ class AveragingResult:
     status: AveragingStatus
     reason: str
     weight: float
-    group_size: int  # peers in the group (0 when none formed)
+    group_size: int  # admitted peers in the group, this one included (0 when none formed)
+    refused: int  # groupmates dropped because their declaration did not pass (strangers, other rounds…)
     total_weight: float  # summed weight of the group (NaN when unknown)
     elements: int  # parameter elements in the partition
     payload_bytes: int  # bytes of this peer's padded slice, the size of what it exchanges
@@ -191,12 +197,14 @@ class SpartaAverager:
         stage: str,
         partitions: int,
         seed: int,
+        membership: Membership,
         lock: AbstractContextManager[Any] | None = None,
         settings: SpartaSettings | None = None,
         state_provider: Callable[[], SharedState] | None = None,
     ) -> None:
-        """``lock`` guards the live parameters (a worker's ``compute.lock``); ``state_provider`` is what this
-        peer serves to joiners once ``sharing`` is on."""
+        """``membership`` is this peer's key and the stage's roster (who may average with it); ``lock`` guards
+        the live parameters (a worker's ``compute.lock``); ``state_provider`` is what this peer serves to
+        joiners once ``sharing`` is on."""
         self.settings = settings or SpartaSettings()
         self.parameters = [p for _, p in named_parameters]
         if not self.parameters:
@@ -217,6 +225,7 @@ class SpartaAverager:
             self._buffers,
             dht,
             prefix=self.prefix,
+            membership=membership,
             state_provider=self._serve(state_provider) if state_provider is not None else None,
             min_group_size=s.min_group_size,
             target_group_size=s.target_group_size,
@@ -229,12 +238,13 @@ class SpartaAverager:
 
     @classmethod
     def for_worker(cls, worker: StageWorker, dht: hivemind.DHT, *, partitions: int, seed: int,
-                   settings: SpartaSettings | None = None,
+                   roster: Callable[[], Roster], settings: SpartaSettings | None = None,
                    state_provider: Callable[[], SharedState] | None = None) -> SpartaAverager:
-        """The averager of a ``StageWorker``'s parameters, under its lock, in its run's namespace."""
+        """The averager of a ``StageWorker``'s parameters, under its lock, in its run's namespace, averaging
+        with the workers ``roster`` lists under the worker's key."""
         return cls(list(worker.compute.module.named_parameters()), dht, run_id=worker.run_id, stage=worker.stage,
-                   partitions=partitions, seed=seed, lock=worker.compute.lock, settings=settings,
-                   state_provider=state_provider)
+                   partitions=partitions, seed=seed, membership=Membership(worker.keypair, roster),
+                   lock=worker.compute.lock, settings=settings, state_provider=state_provider)
 
     # ----- the round -----
 
@@ -261,7 +271,8 @@ class SpartaAverager:
                 self.consecutive_failures = 0
             outcome = AveragingResult(
                 averaging_index=averaging_index, partition=partition, status=status, reason=reason, weight=weight,
-                group_size=group, total_weight=total, elements=sum(len(i) for i in indices),
+                group_size=group, refused=self._averager.last_refused, total_weight=total,
+                elements=sum(len(i) for i in indices),
                 payload_bytes=sum(b.numel() * b.element_size() for b in self._buffers), delta_norm=delta,
                 seconds=time.monotonic() - started, consecutive_failures=self.consecutive_failures,
                 remove=self.consecutive_failures >= self.settings.max_failures)
@@ -294,8 +305,10 @@ class SpartaAverager:
                 self._round_cv.notify_all()
         group = self._averager.last_group_size
         if failure is not None:
-            own = group > 0 or wedged or not self._averager.is_alive()
+            own = wedged or not self._averager.is_alive()
             return result(AveragingStatus.FAILED, failure, group, delta=delta, counts=own)
+        if not gathered:
+            return result(AveragingStatus.SKIPPED, "no groupmate was admitted", group)
         total = sum(float(g.get("weight", 0.0)) for g in gathered.values())
         if total == 0:
             return result(AveragingStatus.SKIPPED, "every weight in the group is 0", group, total, delta)

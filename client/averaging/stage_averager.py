@@ -3,13 +3,18 @@
 ``DecentralizedAverager`` runs in its own process and averages a fixed list of shared-memory tensors with the
 peers it meets under one DHT prefix. ``StageAverager`` adds, inside that process:
 
-- a group check before any tensor moves: every peer of the group declares (through hivemind's all-gather)
-  the averaging round it is in and its weight. Peers that disagree on the round would average different
-  SPARTA slices element by element, so the round fails for all of them instead; a group whose weights are all
-  0 skips the all-reduce, since hivemind's reducer divides by the summed weight and would produce NaN;
+- membership before any tensor moves (``client.averaging.membership``): every peer of the group declares
+  (through hivemind's all-gather) the round it is in and its weight, sealed with its key. A leader refuses a
+  follower whose declaration does not pass, and every groupmate admits to the all-reduce only the peers whose
+  declarations pass (roster, epoch, round, seal, one seat per key): the rest are dropped, not the round. A
+  peer in another round would average other SPARTA slices element by element, so it is dropped like a
+  stranger; a group whose admitted weights are all 0 skips the all-reduce (hivemind's reducer would give NaN);
+- robust reduction (``client.averaging.robust``): each part is reduced by one CenteredClip step from the
+  coordinate median rather than by the mean, so one admitted liar moves the result by a bounded amount;
 - state transfer to joiners with a byte counter the host reads for a progress bar, and checks on what
-  arrives: a donor is an untrusted peer, so tensors of the wrong number, shape or dtype, non-finite values, or
-  metadata of another run, stage or model are refused and the next donor is tried.
+  arrives: a donor must be on the stage's roster and seal its declaration for its peer id (a stranger is
+  refused at its metadata), and is untrusted even so: tensors of the wrong number, shape or dtype,
+  non-finite values, or metadata of another run, stage or model are refused and the next donor is tried.
 
 The donor side is hivemind's own state sharing (``allow_state_sharing``, declared under
 ``<prefix>.all_averagers``); what a donor serves comes from ``state_provider``, called in the host process.
@@ -22,6 +27,7 @@ import ctypes
 import math
 import multiprocessing as mp
 import random
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,15 +35,16 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import deserialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture, get_logger
-from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils import MPFuture, get_dht_time, get_logger
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from client.averaging.membership import STATE_SHARING, Declared, Membership, Roster, check, seal
+from client.averaging.robust import RobustRunner
 from client.helper_processes import forking_helpers
 
 logger = get_logger(__name__)
@@ -109,12 +116,16 @@ class StageAverager(DecentralizedAverager):
         averaged_tensors: Sequence[torch.Tensor],
         dht: Any,
         *,
+        membership: Membership,
         state_provider: Callable[[], SharedState] | None = None,
         **kwargs: Any,
     ) -> None:
         # Shared with the averager's process, so they must exist before it forks.
         self._round = mp.Value(ctypes.c_int64, -1, lock=False)
         self._group_size = mp.Value(ctypes.c_int32, 0, lock=False)
+        self._refused = mp.Value(ctypes.c_int32, 0, lock=False)
+        self._membership = membership
+        self._roster = Roster(-1, frozenset())  # the averaging process's copy, sent with each round
         self._received = mp.Value(ctypes.c_int64, 0, lock=False)
         self._state_provider = state_provider
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
@@ -127,16 +138,25 @@ class StageAverager(DecentralizedAverager):
 
     # ----- host side -----
 
-    def prepare_round(self, averaging_index: int) -> None:
-        """Declare the round the next ``step`` belongs to; groups only form among peers of the same round."""
+    def prepare_round(self, averaging_index: int, declaration: dict[str, Any]) -> dict[str, Any]:
+        """Declare the round the next ``step`` belongs to (groups only form among peers of the same round) and
+        hand the averaging process the current roster; returns ``declaration`` sealed, to gather."""
+        roster = self._membership.roster()
+        self._outer_pipe.send(("_set_roster", [roster], {}))
         self._round.value = averaging_index
-        self._group_size.value = 0
+        self._group_size.value = self._refused.value = 0
         self.set_group_bits(format(averaging_index % 256, "08b"))
+        return seal(self._membership, self.prefix, self.peer_id.to_bytes(), roster.epoch, declaration)
 
     @property
     def last_group_size(self) -> int:
-        """Peers in the group of the last step (0: no group formed)."""
+        """Admitted peers in the group of the last step, this one included (0: no group formed)."""
         return int(self._group_size.value)
+
+    @property
+    def last_refused(self) -> int:
+        """Groupmates of the last step dropped because their declaration did not pass."""
+        return int(self._refused.value)
 
     @property
     def bytes_received(self) -> int:
@@ -148,36 +168,96 @@ class StageAverager(DecentralizedAverager):
         if self._state_provider is None:
             return {}, [], None  # empty metadata: the joiner moves on to another donor
         state = self._state_provider()
-        return state.metadata, state.tensors, None
+        roster = self._membership.roster()
+        donor = seal(self._membership, self.prefix, self.peer_id.to_bytes(), roster.epoch,
+                     {"round": STATE_SHARING, "weight": 0.0})
+        return {**state.metadata, "donor": donor}, state.tensors, None
 
     def fetch_state(self, expect: StateExpectation, *, timeout: float, chunk_timeout: float) -> MPFuture:
         """Start downloading a same-stage peer's state; the future holds ``(metadata, tensors, refusals)``,
         ``metadata`` None when no donor served an acceptable state."""
         self._received.value = 0
         future: MPFuture = MPFuture()
-        self._outer_pipe.send(
-            ("_fetch_state", [], dict(future=future, expect=expect, timeout=timeout, chunk_timeout=chunk_timeout))
-        )
+        self._outer_pipe.send(("_fetch_state", [], dict(future=future, expect=expect, timeout=timeout,
+                                                        chunk_timeout=chunk_timeout,
+                                                        roster=self._membership.roster())))
         return future
 
     # ----- averager process -----
 
-    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
-        self._group_size.value = group_info.group_size
+    async def _set_roster(self, roster: Roster) -> None:
+        self._roster = roster
+
+    def _check(self, blob: bytes, peer: PeerID) -> Declared | str:
+        """A groupmate's gathered declaration if it may take part in this round, else why not."""
         try:
-            declared = [self._declaration(blob) for blob in group_info.gathered]
-            rounds = {round_ for round_, _ in declared}
-            if rounds != {self._round.value}:
-                raise AllreduceException(f"peers of the group are in different averaging rounds: {sorted(rounds)}")
-        except AllreduceException:
+            user = self._user_data(blob)
+        except Exception as exc:  # a groupmate's bytes: any malformation costs it its place, nothing more
+            return f"malformed round data ({type(exc).__name__})"
+        return check(user, self.prefix, peer.to_bytes(), self._roster, int(self._round.value))
+
+    def _admit(self, group_info: GroupInfo) -> tuple[GroupInfo, dict[PeerID, Declared]]:
+        """The group restricted to the peers whose declarations pass, in the leader's order; a key declared by
+        two peers seats neither. Every honest groupmate computes the same from the same gathered list."""
+        checked = {peer: self._check(blob, peer) for peer, blob in zip(group_info.peer_ids, group_info.gathered,
+                                                                          strict=True)}
+        seats: dict[bytes, int] = {}
+        for found in checked.values():
+            if isinstance(found, Declared):
+                seats[found.member] = seats.get(found.member, 0) + 1
+        admitted: dict[PeerID, Declared] = {}
+        for peer, found in checked.items():
+            if isinstance(found, Declared) and seats[found.member] > 1:
+                found = "its key is declared by another peer of the group too"
+            if isinstance(found, str):
+                logger.warning(f"averaging round {self._round.value}: dropped groupmate {peer}: {found}")
+            else:
+                admitted[peer] = found
+        kept = [i for i, peer in enumerate(group_info.peer_ids) if peer in admitted]
+        group = GroupInfo(group_info.group_id, tuple(group_info.peer_ids[i] for i in kept),
+                          tuple(group_info.gathered[i] for i in kept))
+        return group, admitted
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        group, admitted = self._admit(group_info)
+        self._refused.value = group_info.group_size - group.group_size
+        self._group_size.value = group.group_size
+        if self.peer_id not in admitted or group.group_size < 2:
             self._close_group(group_info)
-            raise
-        if not any(weight > 0 for _, weight in declared):
+            return {}
+        if not any(declared.weight > 0 for declared in admitted.values()):
             logger.info(f"averaging round {self._round.value}: every weight in the group is 0, skipped")
             self._close_group(group_info)
-            return {peer: {"round": r, "weight": w}
-                    for peer, (r, w) in zip(group_info.peer_ids, declared, strict=True)}
+            return {peer: declared.body for peer, declared in admitted.items()}
+        return await self._aggregate_admitted(group, min_vector_size, **kwargs)
+
+    async def _aggregate_admitted(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        """The all-reduce among the admitted peers (hivemind's, or a subclass's phases)."""
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
+                             context: P2PContext) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's leader, refusing a follower whose declaration does not pass before it joins the group.
+        (hivemind finds streaming handlers by ``typing.AsyncIterator`` annotations.)"""
+        found = self._check(request.gather, context.remote_id)
+        if isinstance(found, str):
+            logger.info(f"refused {context.remote_id} a place in an averaging group: {found}")
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                      group_id: bytes | None = None, **kwargs: Any) -> None:
+        """hivemind's in-place all-reduce with ``RobustRunner``: each part reduced by CenteredClip."""
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = RobustRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+                              group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+        self._running_groups[group_id].set_result(runner)
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update, alpha=self._averaging_alpha)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
 
     def _close_group(self, group_info: GroupInfo) -> None:
         """Mark a group that will run no all-reduce as finished, so a groupmate's stray request is turned away."""
@@ -190,23 +270,12 @@ class StageAverager(DecentralizedAverager):
         _, _, user_bytes = self.serializer.loads(blob)
         return self.serializer.loads(user_bytes)
 
-    def _declaration(self, blob: bytes) -> tuple[int, float]:
-        """(round, weight) a groupmate declared in its gathered data; anything else fails the round."""
-        try:
-            user = self._user_data(blob)
-            round_, weight = user["round"], user["weight"]
-        except Exception as exc:  # a groupmate's bytes: any malformation must fail the round, not the process
-            raise AllreduceException(f"a groupmate sent malformed round data: {exc!r}") from None
-        if not isinstance(round_, int) or not isinstance(weight, int | float) or not 0 <= weight < math.inf:
-            raise AllreduceException(f"a groupmate declared round {round_!r} with weight {weight!r}")
-        return round_, float(weight)
-
     async def _fetch_state(self, future: MPFuture, expect: StateExpectation, timeout: float,
-                           chunk_timeout: float) -> None:
+                           chunk_timeout: float, roster: Roster) -> None:
         refusals: list[str] = []
         try:
-            metadata, tensors = await asyncio.wait_for(self._fetch_from_donors(expect, chunk_timeout, refusals),
-                                                       timeout)
+            metadata, tensors = await asyncio.wait_for(
+                self._fetch_from_donors(expect, chunk_timeout, roster, refusals), timeout)
             future.set_result((metadata, tensors, refusals))
         except TimeoutError:
             refusals.append(f"no same-stage peer served an acceptable state within {timeout:.0f} s"
@@ -216,7 +285,7 @@ class StageAverager(DecentralizedAverager):
             refusals.append(f"state download failed: {exc!r}")
             future.set_result((None, [], refusals))
 
-    async def _fetch_from_donors(self, expect: StateExpectation, chunk_timeout: float,
+    async def _fetch_from_donors(self, expect: StateExpectation, chunk_timeout: float, roster: Roster,
                                  refusals: list[str]) -> tuple[dict[str, Any] | None, list[torch.Tensor]]:
         """Try donors, freshest first, until one serves an acceptable state; look again while none is listed
         (a donor that just turned sharing on is declared in the DHT a moment later). Ends by the caller's
@@ -230,7 +299,7 @@ class StageAverager(DecentralizedAverager):
                 try:
                     stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
                     stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-                    metadata, tensors = await self._receive(stream, expect, chunk_timeout)
+                    metadata, tensors = await self._receive(stream, expect, chunk_timeout, peer, roster)
                 except _BrokenOff as exc:  # the transport ended the stream early: the donor may still be fine
                     broken_off[peer] = broken_off.get(peer, 0) + 1
                     if broken_off[peer] >= _DONOR_ATTEMPTS:
@@ -261,8 +330,10 @@ class StageAverager(DecentralizedAverager):
         donors.pop(self.peer_id, None)
         return donors
 
-    async def _receive(self, stream: Any, expect: StateExpectation,
-                       chunk_timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    async def _receive(self, stream: Any, expect: StateExpectation, chunk_timeout: float, donor: PeerID,
+                       roster: Roster) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The donor's state, refused (ValueError) at its metadata unless the donor is a roster member who sealed
+        its declaration for the peer id this stream comes from, then tensor by tensor as it arrives."""
         metadata: dict[str, Any] | None = None
         tensors: list[torch.Tensor] = []
         parts: list[Any] = []
@@ -273,6 +344,9 @@ class StageAverager(DecentralizedAverager):
                     raise ValueError("it sent metadata twice")
                 metadata = self.serializer.loads(message.metadata)
                 expect.check_metadata(metadata)
+                admitted = check(metadata.get("donor"), self.prefix, donor.to_bytes(), roster, STATE_SHARING)
+                if isinstance(admitted, str):
+                    raise ValueError(f"it is not a worker of this stage: {admitted}")
             if metadata is None:
                 raise ValueError("it sent tensors before metadata")
             part = message.tensor_part

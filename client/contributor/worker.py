@@ -25,7 +25,7 @@ from client.contributor.rounds import RoundKey
 from client.contributor.run_model import building_the_model, model_config
 from client.contributor.tasks import poll
 from client.join.checkpoints import revision_for, snapshot_root, upload_stage
-from client.join.stage_replica import StageReplica, StateSources
+from client.join.stage_replica import StageReplica, StateSources, stage_roster
 from client.join.sync import SyncPhase
 from client.pipeline.worker import StageWorker
 from client.stages import checkpoint_location, stage_name
@@ -151,6 +151,7 @@ class WorkerRole:
             replica = StageReplica.create(state, name, config, dht=context.dht, keypair=context.keypair,
                                           host=options.host, device=options.device,
                                           trainer_allowed=self._is_epoch_trainer,
+                                          roster=lambda: stage_roster(self.context.state, stage),
                                           say=lambda line: print(line, flush=True))
         replica.worker.port = options.port  # not serving yet: it binds the port when it starts
         self.stepped = self.snapshotted = None

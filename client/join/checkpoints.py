@@ -29,7 +29,9 @@ import logging
 import os
 import re
 import threading
+import zipfile
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -128,12 +130,62 @@ def upload_stage(files: list[Path], repo: str, revision: str, *, token: str | No
 
 # ----- reading: everything here may come from a stranger --------------------------------------------------
 
+_HEADER_SLACK = 2**16  # bytes a file may hold beyond its tensors' for headers, names and the pickle itself
+_ENTRY_SLACK = 2**10  # and per tensor (a safetensors header entry, a torch archive's record and its padding)
 
-def read_weights(path: Path, where: str) -> dict[str, torch.Tensor]:
-    """The tensors of a ``.safetensors`` file, on the CPU (a parser that only reads tensors: no code runs)."""
+
+@dataclass(frozen=True)
+class FileLimits:
+    """The most bytes a stage's files can hold, from the stage itself: a file is checked against them before
+    anything in it is decompressed or materialised (a small file must not unpack into gigabytes)."""
+
+    weights: int
+    optimizer: int
+
+    @classmethod
+    def of(cls, module: nn.Module) -> FileLimits:
+        """``module``'s state in fp32 (as saved), and AdamW's two moments and step per parameter."""
+        tensors = module.state_dict()
+        weights = sum(4 * t.numel() + _ENTRY_SLACK for t in tensors.values()) + _HEADER_SLACK
+        params = list(module.parameters())
+        optimizer = sum(8 * p.numel() + 4 + 3 * _ENTRY_SLACK for p in params) + _HEADER_SLACK
+        return cls(weights, optimizer)
+
+
+def _check_size(path: Path, limit: int, where: str) -> None:
+    size = path.stat().st_size
+    if size > limit:
+        raise CheckpointError(f"{where} is {size} bytes, more than this stage's state can hold ({limit})")
+
+
+def _check_archive(path: Path, limit: int, where: str) -> None:
+    """Refuse a torch archive that is too large, compressed (``torch.save`` stores its records uncompressed;
+    a compressed one inflates inside ``torch.load`` before anything can be checked) or not a zip at all
+    (the legacy format has no sizes to check)."""
+    _check_size(path, limit, where)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise CheckpointError(f"{where} is not a torch archive: {exc}") from None
+    if any(record.compress_type != zipfile.ZIP_STORED for record in records):
+        raise CheckpointError(f"{where} holds compressed records; torch.save writes none")
+    unpacked = sum(record.file_size for record in records)
+    if unpacked > limit:
+        raise CheckpointError(f"{where} unpacks to {unpacked} bytes, more than this stage's state can hold "
+                              f"({limit})")
+
+
+def read_weights(path: Path, where: str, limit: int) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` file of at most ``limit`` bytes, on the CPU (a parser that only reads
+    tensors: no code runs)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    try:
+        _check_size(path, limit, where)
+    except OSError as exc:
+        raise CheckpointError(f"{where} is not readable: {exc}") from None
     try:
         return load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
@@ -156,11 +208,15 @@ def check_weights(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, to
             raise CheckpointError(f"{where}: {name} holds non-finite values")
 
 
-def read_optimizer_state(path: Path, where: str) -> object:
-    """An ``.optim.pt`` file's content, unpickled with ``weights_only=True`` (tensors and containers only);
-    ``check_optimizer_state`` says whether it fits."""
+def read_optimizer_state(path: Path, where: str, limit: int) -> object:
+    """An ``.optim.pt`` file's content, unpickled with ``weights_only=True`` (tensors and containers only) once
+    its archive is known to unpack to at most ``limit`` bytes; ``check_optimizer_state`` says whether it fits."""
     import torch
 
+    try:
+        _check_archive(path, limit, where)
+    except OSError as exc:
+        raise CheckpointError(f"{where} is not readable: {exc}") from None
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # torch raises many types for a corrupt or hostile file; all mean "unusable"

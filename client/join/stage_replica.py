@@ -31,8 +31,16 @@ import torch
 from solders.keypair import Keypair
 
 from client.averaging.gradients import GradAveraging, GradientAverager, GradientSettings
+from client.averaging.membership import Roster
 from client.averaging.sparta import AveragingResult, AveragingStatus, SpartaAverager, SpartaSettings, averaging_index
-from client.join.checkpoints import OptimizerState, named_optimizer_state, save_snapshot, save_stage, snapshot_dirs
+from client.join.checkpoints import (
+    FileLimits,
+    OptimizerState,
+    named_optimizer_state,
+    save_snapshot,
+    save_stage,
+    snapshot_dirs,
+)
 from client.join.state_download import (
     JoinWindow,
     StageState,
@@ -52,7 +60,7 @@ from client.pipeline.wire import codec_name
 from client.pipeline.worker import StageWorker, StepStats
 from coordinator_program.spec.config import CheckpointKind
 from coordinator_program.spec.schedule import learning_rate
-from coordinator_program.spec.state import CoordinatorState
+from coordinator_program.spec.state import CoordinatorState, Health, Role
 
 log = logging.getLogger("psyswarm.replica")
 
@@ -66,7 +74,15 @@ def sparta_settings(round_witness_time: int) -> SpartaSettings:
     return SpartaSettings(min_matchmaking_time=wait, request_timeout=wait / 2, matchmaking_timeout=wait + 4.0)
 
 
-def gradient_averager(state: CoordinatorState, worker: StageWorker, dht) -> GradientAverager | None:
+def stage_roster(state: CoordinatorState, stage: int) -> Roster:
+    """The workers the coordinator lists for ``stage`` (its index) in the current epoch, healthy: the only peers
+    this stage's averaging admits. One the health check marks leaves the roster at once."""
+    return Roster(state.epoch, frozenset(c.id for c in state.clients
+                                         if c.role == Role.Worker and c.stage == stage and c.health == Health.Healthy))
+
+
+def gradient_averager(state: CoordinatorState, worker: StageWorker, dht,
+                      roster: Callable[[], Roster]) -> GradientAverager | None:
     """The worker's per-step gradient averager if the run averages gradients (``grad_averaging``), else None.
     It shares SPARTA's timeouts, and no peer may claim more samples than a round's global batch."""
     mode = GradAveraging(state.model.grad_averaging.name.lower())
@@ -75,7 +91,7 @@ def gradient_averager(state: CoordinatorState, worker: StageWorker, dht) -> Grad
     rank = state.model.powersgd_rank if mode == GradAveraging.POWERSGD else 0
     settings = GradientSettings(mode, rank=rank, timeouts=sparta_settings(state.config.round_witness_time),
                                 max_weight=float(state.config.global_batch_size))
-    return GradientAverager.for_worker(worker, dht, seed=state.model.init_seed, settings=settings)
+    return GradientAverager.for_worker(worker, dht, seed=state.model.init_seed, settings=settings, roster=roster)
 
 
 @dataclass(frozen=True)
@@ -108,12 +124,13 @@ class StageReplica:
 
     @classmethod
     def create(cls, state: CoordinatorState, stage: str, config: ModelSpec, *, dht, keypair: Keypair, host: str,
-               trainer_allowed: Callable[[bytes], bool], say: Callable[[str], None] = print,
-               device: str = "cpu") -> StageReplica:
+               trainer_allowed: Callable[[bytes], bool], roster: Callable[[], Roster],
+               say: Callable[[str], None] = print, device: str = "cpu") -> StageReplica:
         """Build the worker of ``stage`` of the run's model ``config`` (not serving yet) and its averager: the
         averager forks hivemind's process, which is safest before the worker's gRPC server starts its threads. The
-        worker serves the trainers for which ``trainer_allowed`` (a public key) is true; ``ModelSourceError`` when
-        its stage cannot be built as the run names it."""
+        worker serves the trainers for which ``trainer_allowed`` (a public key) is true and averages with the
+        workers ``roster`` lists (``stage_roster`` of the coordinator's current state); ``ModelSourceError``
+        when its stage cannot be built as the run names it."""
         worker = StageWorker(config, stage, keypair=keypair, dht=dht, run_id=state.run_id, host=host,
                              trainer_allowed=trainer_allowed, device=device,
                              wire_codec=codec_name(state.model.wire_codec),
@@ -121,11 +138,11 @@ class StageReplica:
         replica: StageReplica  # bound below; the provider only runs once sharing is on, long after
         averager = SpartaAverager.for_worker(
             worker, dht, partitions=state.model.sparta_partitions, seed=state.model.init_seed,
-            settings=sparta_settings(state.config.round_witness_time),
+            roster=roster, settings=sparta_settings(state.config.round_witness_time),
             state_provider=worker_state_provider(worker, lambda: replica.local_step or 0))
         replica = cls(worker, averager, SyncTracker(SyncPolicy.from_model(state.model), say=say),
                       WorkerDirectory(dht, state.run_id, config.fingerprint()), every=state.model.sparta_every,
-                      gradients=gradient_averager(state, worker, dht),
+                      gradients=gradient_averager(state, worker, dht, roster),
                       learning_rate=functools.partial(learning_rate, state.model, state.config.total_steps))
         return replica
 
@@ -158,23 +175,25 @@ class StageReplica:
     def _find_state(self, state: CoordinatorState, stage_index: int, sources: StateSources,
                     swarm_step: Callable[[], int | None]) -> StageState | None:
         checkpoint = state.checkpoint
+        limits = FileLimits.of(self.worker.compute.module)
         attempts: list[tuple[str, Callable[[], StageState | None]]] = []
         if sources.snapshot is not None:
             repo, revision = sources.snapshot
             attempts.append((f"the auth service's snapshot {repo}@{revision}", lambda: download_from_hub(
-                repo, self.stage, revision=revision, endpoint=sources.hf_endpoint, token=sources.hf_token)))
+                repo, self.stage, limits=limits, revision=revision, endpoint=sources.hf_endpoint,
+                token=sources.hf_token)))
         held = bool(checkpoint.stages_done >> stage_index & 1) and checkpoint.repo != ""
         if checkpoint.kind == CheckpointKind.Hub and held:
             attempts.append((f"the run's checkpoint {checkpoint.repo}@{checkpoint.revision}", lambda: download_from_hub(
-                checkpoint.repo, self.stage, revision=checkpoint.revision or None, endpoint=sources.hf_endpoint,
-                token=sources.hf_token)))
+                checkpoint.repo, self.stage, limits=limits, revision=checkpoint.revision or None,
+                endpoint=sources.hf_endpoint, token=sources.hf_token)))
         local = (f"the local checkpoint {checkpoint.repo}/{checkpoint.revision}",
-                 lambda: load_local(Path(checkpoint.repo) / checkpoint.revision, self.stage))
+                 lambda: load_local(Path(checkpoint.repo) / checkpoint.revision, self.stage, limits))
         if checkpoint.kind == CheckpointKind.Local and held:
             attempts.append(local)
         if sources.snapshots is not None and state.step > 0:  # at step 0 the seed is the state; any snapshot is older
             root = sources.snapshots
-            attempts.append((f"the snapshots in {root}", lambda: self._newest_snapshot(root, state.step)))
+            attempts.append((f"the snapshots in {root}", lambda: self._newest_snapshot(root, state.step, limits)))
         if state.step > 0 and self.peers():  # at step 0 every peer holds the seed's model: nothing to fetch
             attempts.append(("same-stage peers", lambda: self._from_peers(state, swarm_step)))
         if checkpoint.kind == CheckpointKind.P2P and checkpoint.repo:  # the last saved copy, if it is on this disk
@@ -189,14 +208,14 @@ class StageReplica:
                 return found
         return None
 
-    def _newest_snapshot(self, root: Path, swarm_step: int) -> StageState | None:
+    def _newest_snapshot(self, root: Path, swarm_step: int, limits: FileLimits) -> StageState | None:
         """The newest readable snapshot of this stage no newer than the swarm (one newer is left by an earlier run
         under the same id)."""
         for step, directory in snapshot_dirs(root, self.stage):
             if step > swarm_step:
                 continue
             try:
-                return load_local(directory, self.stage)
+                return load_local(directory, self.stage, limits)
             except StateDownloadError as exc:
                 log.warning("stage %s: skipping the snapshot of step %d: %s", self.stage, step, exc)
         return None

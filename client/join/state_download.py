@@ -31,6 +31,7 @@ from torch import nn
 from client.averaging.stage_averager import SharedState, StateExpectation
 from client.join.checkpoints import (
     CheckpointError,
+    FileLimits,
     check_optimizer_state,
     check_weights,
     load_optimizer_state,
@@ -107,9 +108,11 @@ class JoinWindow:
 # ----- Hub ---------------------------------------------------------------------------------------------
 
 
-def download_from_hub(repo_id: str, stage: str, *, revision: str | None = None, endpoint: str | None = None,
-                      token: str | None = None, cache_dir: Path | None = None) -> StageState:
-    """Download ``<stage>.safetensors`` (and ``<stage>.json``, ``<stage>.optim.pt`` if present) from a Hub repo."""
+def download_from_hub(repo_id: str, stage: str, *, limits: FileLimits, revision: str | None = None,
+                      endpoint: str | None = None, token: str | None = None,
+                      cache_dir: Path | None = None) -> StageState:
+    """Download ``<stage>.safetensors`` (and ``<stage>.json``, ``<stage>.optim.pt`` if present) from a Hub repo;
+    each file is checked against the stage's ``limits`` before it is read."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 
@@ -130,17 +133,19 @@ def download_from_hub(repo_id: str, stage: str, *, revision: str | None = None, 
         log.warning("ignoring %s of %s: %s", meta_file, repo_id, exc)
     optimizer: object = None
     try:
-        optimizer = _read_optimizer(Path(hf_hub_download(filename=optim_file, **common)), f"{repo_id}/{optim_file}")
+        optimizer = _read_optimizer(Path(hf_hub_download(filename=optim_file, **common)), f"{repo_id}/{optim_file}",
+                                    limits.optimizer)
     except EntryNotFoundError:
         log.info("%s has no %s: the optimizer's moments start afresh", repo_id, optim_file)
     except (HfHubHTTPError, OSError) as exc:
         log.warning("ignoring %s of %s: %s", optim_file, repo_id, exc)
-    return StageState(tensors=_load_tensors(Path(path), where), step=_step_of(meta, f"{repo_id}/{meta_file}"),
-                      source=f"hub:{where}", optimizer=optimizer)
+    return StageState(tensors=_load_tensors(Path(path), where, limits.weights),
+                      step=_step_of(meta, f"{repo_id}/{meta_file}"), source=f"hub:{where}", optimizer=optimizer)
 
 
-def load_local(directory: Path, stage: str) -> StageState | None:
-    """A stage's files (``checkpoints.stage_files``) from a local checkpoint directory, if its weights are there."""
+def load_local(directory: Path, stage: str, limits: FileLimits) -> StageState | None:
+    """A stage's files (``checkpoints.stage_files``) from a local checkpoint directory, if its weights are there,
+    each checked against the stage's ``limits`` before it is read."""
     state_file, optim_file, meta_file = (directory / name for name in stage_files(stage))
     if not state_file.exists():
         return None
@@ -149,22 +154,23 @@ def load_local(directory: Path, stage: str) -> StageState | None:
         meta = json.loads(meta_file.read_text())
     except (OSError, ValueError) as exc:
         log.info("no readable step in %s (%s): the node will sync", meta_file, exc)
-    optimizer = _read_optimizer(optim_file, str(optim_file)) if optim_file.exists() else None
-    return StageState(tensors=_load_tensors(state_file, str(state_file)), step=_step_of(meta, str(meta_file)),
-                      source=f"local:{state_file}", optimizer=optimizer)
+    optimizer = _read_optimizer(optim_file, str(optim_file), limits.optimizer) if optim_file.exists() else None
+    return StageState(tensors=_load_tensors(state_file, str(state_file), limits.weights),
+                      step=_step_of(meta, str(meta_file)), source=f"local:{state_file}", optimizer=optimizer)
 
 
-def _load_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
+def _load_tensors(path: Path, where: str, limit: int) -> dict[str, torch.Tensor]:
     try:
-        return read_weights(path, where)
+        return read_weights(path, where, limit)
     except CheckpointError as exc:
         raise StateDownloadError(str(exc)) from None
 
 
-def _read_optimizer(path: Path, where: str) -> object:
-    """An optimizer state file's content, or None if unreadable: the weights are still worth loading."""
+def _read_optimizer(path: Path, where: str, limit: int) -> object:
+    """An optimizer state file's content, or None if unreadable or too large: the weights are still worth
+    loading."""
     try:
-        return read_optimizer_state(path, where)
+        return read_optimizer_state(path, where, limit)
     except CheckpointError as exc:
         log.warning("%s; the optimizer's moments start afresh", exc)
         return None
@@ -224,9 +230,10 @@ def download_from_peers(averager: SpartaAverager, module: nn.Module, identity: d
         log.warning("state download: %s", refusal)
     if metadata is None:
         raise StateDownloadError("no same-stage peer served a usable state: " + "; ".join(refusals))
-    step = metadata.get("step")
-    return StageState(tensors=dict(zip(expect.names, tensors, strict=True)),
-                      step=step if isinstance(step, int) and step >= 0 else None, source="peers")
+    # The donor's step is its own claim, and a donor claiming a later one than it holds would spare its poison
+    # the sync phases (and have the joiner advertise that step in turn): a state from peers counts as stale,
+    # and the joiner's sync phases replace it partition by partition with the stage's robust average.
+    return StageState(tensors=dict(zip(expect.names, tensors, strict=True)), step=None, source="peers")
 
 
 # ----- loading -----------------------------------------------------------------------------------------

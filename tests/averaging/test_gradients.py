@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -51,18 +50,6 @@ def grads(pairs: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
 def weighted(values: Sequence[list[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
     total = sum(weights)
     return [sum(w * v[i] for v, w in zip(values, weights, strict=True)) / total for i in range(len(values[0]))]
-
-
-@pytest.fixture
-def make_grad_averager(own_dht, run_id: str) -> Iterator[Callable[..., GradientAverager]]:
-    with ExitStack() as started:
-        def make(pairs: list[tuple[str, torch.Tensor]], settings: GradientSettings = FULL,
-                 cls: type[GradientAverager] = GradientAverager, stage: str = "body1") -> GradientAverager:
-            averager = cls(pairs, own_dht(), run_id=run_id, stage=stage, seed=7, settings=settings)
-            started.callback(averager.shutdown)
-            return averager
-
-        yield make
 
 
 def together(averagers: Sequence[GradientAverager], values: Sequence[list[torch.Tensor]], index: int,

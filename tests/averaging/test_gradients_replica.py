@@ -13,6 +13,7 @@ import torch
 from solders.keypair import Keypair
 
 from client.averaging.gradients import GradAveraging
+from client.averaging.membership import Roster
 from client.contributor.run_model import model_config
 from client.join.stage_replica import StageReplica
 from client.join.sync import SyncPhase
@@ -32,10 +33,14 @@ def run_state(run_id: str, **model: object) -> CoordinatorState:
 @pytest.fixture
 def make_replica(own_dht) -> Iterator[Callable[[CoordinatorState], StageReplica]]:
     made: list[StageReplica] = []
+    members: set[bytes] = set()  # the stage's roster: every replica made here
 
     def make(state: CoordinatorState) -> StageReplica:
-        replica = StageReplica.create(state, "body1", model_config(state), dht=own_dht(), keypair=Keypair(),
-                                      host="127.0.0.1", trainer_allowed=lambda pubkey: False, say=lambda line: None)
+        keypair = Keypair()
+        members.add(bytes(keypair.pubkey()))
+        replica = StageReplica.create(state, "body1", model_config(state), dht=own_dht(), keypair=keypair,
+                                      host="127.0.0.1", trainer_allowed=lambda pubkey: False,
+                                      roster=lambda: Roster(0, frozenset(members)), say=lambda line: None)
         made.append(replica)
         return replica
 

@@ -23,6 +23,7 @@ without any averaging, to show what SPARTA buys.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import statistics
 import threading
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from client.averaging.gradients import GradientAverager, GradientSettings
+from client.averaging.membership import Roster
 from client.averaging.sparta import (
     AveragingResult,
     AveragingStatus,
@@ -111,16 +113,20 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
                                dht=dhts[j * args.workers_per_stage + i], max_batch_size=args.microbatch_size)
                    for i in range(args.workers_per_stage)] for j, s in enumerate(names)}
     averagers = {}
+    rosters = {s: Roster(0, frozenset(w.pubkey for w in replicas)) for s, replicas in workers.items()}
     if every:  # before the workers serve: each averager forks hivemind's process
         averagers = {w.uid: SpartaAverager.for_worker(w, w.dht, partitions=partitions, seed=config.seed,
+                                                      roster=functools.partial(lambda s: rosters[s], s),
                                                       settings=SETTINGS)
-                     for replicas in workers.values() for w in replicas}
+                     for s, replicas in workers.items() for w in replicas}
     grad_averagers: list[GradientAverager] = []
     current = {"round": 0}
     if gradients is not None:
         for replicas in workers.values():
             for w in replicas:
-                grad_averagers.append(GradientAverager.for_worker(w, w.dht, seed=config.seed, settings=gradients))
+                grad_averagers.append(GradientAverager.for_worker(
+                    w, w.dht, seed=config.seed, settings=gradients,
+                    roster=functools.partial(lambda s: rosters[s], w.stage)))
                 w.compute.optimizer.gradient_exchange = grad_averagers[-1].exchange(lambda: current["round"],
                                                                                     float)
     directory = WorkerDirectory(bootstrap, run_id, config.fingerprint())

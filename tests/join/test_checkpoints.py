@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
+import subprocess
+import sys
 import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,10 @@ from huggingface_hub import hf_hub_download
 
 from client.join.checkpoints import (
     SNAPSHOTS_KEPT,
+    CheckpointError,
+    FileLimits,
     named_optimizer_state,
+    read_optimizer_state,
     revision_for,
     save_snapshot,
     save_stage,
@@ -52,7 +59,7 @@ class Stage:
                           named_optimizer_state(self.module, self.optimizer.optimizer))
 
     def load(self, directory: Path) -> None:
-        found = load_local(directory, "body1")
+        found = load_local(directory, "body1", FileLimits.of(self.module))
         assert found is not None
         load_stage_state(self.module, found, threading.Lock(), self.optimizer.optimizer)
 
@@ -100,7 +107,7 @@ def test_a_pickle_posing_as_weights_is_refused_without_running_it(tmp_path: Path
     weights, *_ = stage_files("body1")
     (tmp_path / weights).write_bytes(pickle.dumps(Payload(marker)))
     with pytest.raises(StateDownloadError, match=r"body1\.safetensors is not a readable safetensors file"):
-        load_local(tmp_path, "body1")
+        load_local(tmp_path, "body1", FileLimits.of(build_stage(TINY, "body1")))
     assert not marker.exists()
 
 
@@ -163,8 +170,9 @@ def test_upload_puts_each_stage_on_the_epoch_branch(tmp_path: Path) -> None:
                                    cache_dir=tmp_path / "cache", token="t")
             assert torch.equal(safetensors.torch.load_file(path)["w"], torch.full((2,), float(len(stage))))
         assert json.loads(hub.files[("org/model", "epoch-3", "tail.json")]) == {"step": 8}
-        state = download_from_hub("org/model", "tail", revision="epoch-3", endpoint=hub.url, token="t",
-                                  cache_dir=tmp_path / "cache")
+        limits = FileLimits(weights=2**16, optimizer=2**16)  # the two-element stage's files are far smaller
+        state = download_from_hub("org/model", "tail", limits=limits, revision="epoch-3", endpoint=hub.url,
+                                  token="t", cache_dir=tmp_path / "cache")
         assert state.step == 8 and torch.equal(state.optimizer["w"]["exp_avg"], torch.ones(2))
     finally:
         hub.shutdown()
@@ -184,3 +192,52 @@ def test_snapshots_keep_each_stages_newest_and_leave_other_stages_alone(tmp_path
     (root / "step-9").mkdir()
     (root / "notes").mkdir()
     assert [step for step, _ in snapshot_dirs(root, "body1")] == [6, 4], "only step-N directories holding the stage"
+
+
+BOMB_ELEMENTS = 24 * 2**20  # a 96 MiB moment, DEFLATEd into about 100 KB: less than the stage's bound
+
+LOAD_AND_MEASURE = """
+import json, resource, sys
+from pathlib import Path
+from client.join.checkpoints import FileLimits
+from client.join.state_download import load_local
+from client.pipeline.model import ModelConfig, build_stage
+
+module = build_stage(ModelConfig(n_layers=3, d_model=16, n_heads=2, seq_len=8, num_stages=3, seed=3), "body1")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+state = load_local(Path(sys.argv[1]), "body1", FileLimits.of(module))
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"grew_mib": grew / 1024, "optimizer": state.optimizer is not None, "weights": len(state.tensors)}))
+"""
+
+
+def deflated(source: Path, target: Path) -> None:
+    """``source``'s torch archive with every record DEFLATE-compressed, streamed record by record."""
+    with zipfile.ZipFile(source) as plain, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as packed:
+        for record in plain.infolist():
+            with plain.open(record) as src, packed.open(record.filename, "w", force_zip64=True) as dst:
+                shutil.copyfileobj(src, dst, 2**20)
+
+
+def test_a_compressed_optimizer_file_is_refused_before_it_inflates(tmp_path: Path) -> None:
+    """A peer or a repository hands the joiner an ``optim.pt`` of ~100 KB whose DEFLATEd record holds a 96 MiB
+    moment: the joiner refuses it from the archive's directory, before ``torch.load`` inflates anything, and
+    still loads the weights (measured as the peak memory of a fresh process that loads the stage)."""
+    trained = Stage()
+    trained.train_step(0)
+    trained.save(tmp_path, step=1)
+    optim_file = tmp_path / stage_files("body1")[1]
+    name = next(iter(torch.load(optim_file, weights_only=True)))
+    plain = tmp_path / "plain.pt"
+    torch.save({name: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(BOMB_ELEMENTS),
+                       "exp_avg_sq": torch.zeros(1)}}, plain)
+    deflated(plain, optim_file)
+    plain.unlink()
+    assert optim_file.stat().st_size < FileLimits.of(trained.module).optimizer  # small enough to pass by size
+    measured = subprocess.run([sys.executable, "-c", LOAD_AND_MEASURE, str(tmp_path)], capture_output=True,
+                              text=True, timeout=120, check=True)
+    outcome = json.loads(measured.stdout.strip().splitlines()[-1])
+    assert outcome["weights"] > 0 and not outcome["optimizer"]
+    assert outcome["grew_mib"] < 32, outcome  # the bomb would take 96 MiB
+    with pytest.raises(CheckpointError, match="compressed records"):
+        read_optimizer_state(optim_file, "optim.pt", FileLimits.of(trained.module).optimizer)

@@ -12,6 +12,7 @@ from functools import partial
 
 import torch
 
+from client.averaging.membership import Roster
 from client.averaging.sparta import AveragingStatus, SpartaAverager
 from client.data import open_byte_dataset
 from client.join.sync import ACTIVE_LINE, PHASE1_LINE, PHASE2_LINE, SyncPhase, SyncPolicy, SyncTracker
@@ -56,7 +57,9 @@ def test_a_stale_joiner_syncs_through_both_phases(own_dht, run_id: str) -> None:
         for p in joiner.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
     # Averagers are created before the workers serve (they fork hivemind's process).
-    averagers = {name: SpartaAverager.for_worker(workers[name], dht, partitions=2, seed=TINY.seed, settings=FAST)
+    roster = Roster(0, frozenset({joiner.pubkey, active.pubkey}))
+    averagers = {name: SpartaAverager.for_worker(workers[name], dht, partitions=2, seed=TINY.seed,
+                                                 roster=lambda: roster, settings=FAST)
                  for name, dht in (("A", dht_a), ("J", dht_j))}
     lines: list[str] = []
     sync = SyncTracker(SyncPolicy(max_allowed_stale=2, phase1_steps=2, phase2_steps=2), say=lines.append)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from solders.keypair import Keypair
 
+from client.averaging.membership import Roster
 from client.contributor.run_model import model_config
 from client.join.checkpoints import save_snapshot, save_stage, snapshot_root
 from client.join.stage_replica import StageReplica, StateSources
@@ -39,10 +40,14 @@ def run_state(run_id: str, step: int, checkpoint: Checkpoint | None = None) -> C
 @pytest.fixture
 def make_replica(own_dht) -> Iterator[Callable[..., StageReplica]]:
     made: list[StageReplica] = []
+    members: set[bytes] = set()  # the stage's roster: every replica made here
 
     def make(state: CoordinatorState, stage: str = "body1") -> StageReplica:
-        replica = StageReplica.create(state, stage, model_config(state), dht=own_dht(), keypair=Keypair(),
-                                      host="127.0.0.1", trainer_allowed=lambda pubkey: False, say=lines.append)
+        keypair = Keypair()
+        members.add(bytes(keypair.pubkey()))
+        replica = StageReplica.create(state, stage, model_config(state), dht=own_dht(), keypair=keypair,
+                                      host="127.0.0.1", trainer_allowed=lambda pubkey: False,
+                                      roster=lambda: Roster(0, frozenset(members)), say=lines.append)
         made.append(replica)
         return replica
 

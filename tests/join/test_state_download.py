@@ -4,14 +4,18 @@ state sharing), checked before use, and never while an averaging round updates t
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
 import pytest
 import safetensors.torch
 import torch
+from solders.keypair import Keypair
 
+from client.averaging.membership import Roster
 from client.averaging.sparta import AveragingStatus, SpartaAverager
+from client.join.checkpoints import FileLimits
 from client.join.state_download import (
     JoinWindow,
     StageState,
@@ -42,6 +46,10 @@ def perturbed_state(seed: int) -> dict[str, torch.Tensor]:
     return {k: v + torch.randn(v.shape, generator=generator) for k, v in module.state_dict().items()}
 
 
+def limits(stage: str) -> FileLimits:
+    return FileLimits.of(build_stage(TINY, stage))
+
+
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -53,7 +61,8 @@ def test_a_hub_checkpoint_is_downloaded_and_loaded(fake_hub, tmp_path) -> None:
     snapshot = perturbed_state(1)
     fake_hub.publish("swarm/run-1", "body1.safetensors", saved(snapshot), revision="epoch-3")
     fake_hub.publish("swarm/run-1", "body1.json", json.dumps({"step": 40}).encode(), revision="epoch-3")
-    state = download_from_hub("swarm/run-1", "body1", revision="epoch-3", endpoint=fake_hub.url, cache_dir=tmp_path)
+    state = download_from_hub("swarm/run-1", "body1", limits=limits("body1"), revision="epoch-3",
+                              endpoint=fake_hub.url, cache_dir=tmp_path)
     assert state.step == 40 and state.source == "hub:swarm/run-1@epoch-3/body1.safetensors"
     module = build_stage(TINY, "body1")
     load_stage_state(module, state, threading.Lock())
@@ -64,17 +73,17 @@ def test_a_hub_checkpoint_is_downloaded_and_loaded(fake_hub, tmp_path) -> None:
 
 def test_a_snapshot_without_its_step_counts_as_stale(fake_hub, tmp_path) -> None:
     fake_hub.publish("swarm/run-1", "head.safetensors", saved(build_stage(TINY, "head").state_dict()))
-    state = download_from_hub("swarm/run-1", "head", endpoint=fake_hub.url, cache_dir=tmp_path)
+    state = download_from_hub("swarm/run-1", "head", limits=limits("head"), endpoint=fake_hub.url, cache_dir=tmp_path)
     assert state.step is None
     assert SyncPolicy(5, 400, 100).is_stale(state.step, swarm_step=0)
 
 
 def test_hub_failures_are_clear_and_change_nothing(fake_hub, tmp_path) -> None:
     with pytest.raises(StateDownloadError, match=r"could not download swarm/run-1@main/tail\.safetensors"):
-        download_from_hub("swarm/run-1", "tail", endpoint=fake_hub.url, cache_dir=tmp_path)
+        download_from_hub("swarm/run-1", "tail", limits=limits("tail"), endpoint=fake_hub.url, cache_dir=tmp_path)
     fake_hub.publish("swarm/run-1", "tail.safetensors", b"not a safetensors file")
     with pytest.raises(StateDownloadError, match="not a readable safetensors file"):
-        download_from_hub("swarm/run-1", "tail", endpoint=fake_hub.url, cache_dir=tmp_path)
+        download_from_hub("swarm/run-1", "tail", limits=limits("tail"), endpoint=fake_hub.url, cache_dir=tmp_path)
 
     module = build_stage(TINY, "body1")
     before = {k: v.clone() for k, v in module.state_dict().items()}
@@ -120,7 +129,7 @@ def test_state_comes_from_a_sharing_peer_with_a_full_progress_count(make_average
     assert not silent.averager.sharing
     state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id), timeout=DONOR_WAIT,
                                 progress=False)
-    assert (state.step, state.source) == (57, "peers")
+    assert (state.step, state.source) == (None, "peers")  # the donor's step is only its claim (see below)
     assert same(state.tensors, donor.state())
     expected_bytes = sum(t.numel() * t.element_size() for t in donor.state().values())
     assert joiner.averager.bytes_received == expected_bytes
@@ -138,13 +147,57 @@ def test_a_donor_of_another_model_is_refused_and_the_next_is_used(make_averager,
         peer.averager.set_sharing_priority(peer.step)
     state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id), timeout=DONOR_WAIT,
                                 progress=False)
-    assert state.step == 10 and same(state.tensors, good.state())
+    assert state.step is None and same(state.tensors, good.state())
 
     good.averager.sharing = False
     time.sleep(0.5)  # the averager withdraws its declaration from the DHT in the background
     with pytest.raises(StateDownloadError, match="this node needs"):  # it waits its whole timeout: only the liar
         download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id), timeout=10,
                             progress=False)
+
+
+def test_a_donor_s_claimed_step_is_not_believed_so_its_state_goes_through_the_sync_phases(
+        make_averager, run_id: str) -> None:
+    """A hostile donor serves -3.0 everywhere and claims step 10^15 with that priority: downloaded first. The
+    old joiner took the step, skipped the sync phases and advertised it in turn; now a state from peers has no
+    step, so it counts as stale and the sync phases replace it with the stage's average."""
+    hostile = Peer(make_averager, run_id, seed=None, step=10**15)
+    with torch.no_grad():
+        for param in hostile.worker.compute.module.parameters():
+            param.fill_(-3.0)
+    hostile.averager.sharing = True
+    hostile.averager.set_sharing_priority(float(10**15))
+    joiner = Peer(make_averager, run_id, seed=None)
+    state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id), timeout=DONOR_WAIT,
+                                progress=False)
+    assert state.step is None
+    assert SyncPolicy(max_allowed_stale=5, phase1_steps=4, phase2_steps=2).is_stale(state.step, swarm_step=10)
+
+
+def test_a_stranger_cannot_seed_a_joiner(make_averager, run_id: str, caplog) -> None:
+    """A peer off the stage's roster (its own roster lists it) serves -3.0 everywhere with the highest priority,
+    so it is tried first: the joiner refuses it at its metadata and downloads the member's state."""
+    member = Peer(make_averager, run_id, seed=1, step=10)
+    members = make_averager.members  # type: ignore[attr-defined]
+    key = Keypair()
+    stranger_worker = StageWorker(TINY, "body1", run_id=run_id)
+    with torch.no_grad():
+        for param in stranger_worker.compute.module.parameters():
+            param.fill_(-3.0)
+    stranger = make_averager(list(stranger_worker.compute.module.named_parameters()), keypair=key, enrol=False,
+                             roster=lambda: Roster(0, frozenset(members) | {bytes(key.pubkey())}),
+                             lock=stranger_worker.compute.lock, partitions=2, seed=TINY.seed,
+                             state_provider=worker_state_provider(stranger_worker, lambda: 10**15))
+    joiner = Peer(make_averager, run_id, seed=None)
+    for averager, priority in ((member.averager, 10.0), (stranger, float(10**15))):
+        averager.sharing = True
+        averager.set_sharing_priority(priority)
+    with caplog.at_level(logging.WARNING, logger="psyswarm.state"):
+        state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id),
+                                    timeout=DONOR_WAIT, progress=False)
+    assert same(state.tensors, member.state())
+    assert any("not a worker of this stage: its key is not on the stage's roster" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_no_donor_is_a_clear_error(make_averager, run_id: str) -> None:

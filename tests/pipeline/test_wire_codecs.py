@@ -196,6 +196,7 @@ def test_a_request_in_another_codec_is_refused_before_it_runs(start) -> None:
 
 def test_the_runs_codec_reaches_a_contributors_worker(new_dht, run_id: str) -> None:
     """``wire_codec = "int8"`` in the run's state.toml: the worker a contributor starts for it serves int8 only."""
+    from client.averaging.membership import Roster
     from client.contributor.run_model import model_config
     from client.join.stage_replica import StageReplica
 
@@ -204,7 +205,8 @@ def test_the_runs_codec_reaches_a_contributors_worker(new_dht, run_id: str) -> N
     state = CoordinatorState(run_id=run_id, main_authority=bytes(32), join_authority=bytes(32), phase=Phase.Warmup,
                              step=0, config=spec.config, model=spec.model, checkpoint=spec.checkpoint)
     replica = StageReplica.create(state, "body1", model_config(state), dht=new_dht(), keypair=Keypair(),
-                                  host="127.0.0.1", trainer_allowed=lambda pubkey: True, say=lambda line: None)
+                                  host="127.0.0.1", trainer_allowed=lambda pubkey: True,
+                                  roster=lambda: Roster(0, frozenset()), say=lambda line: None)
     try:
         assert replica.worker.compute.wire_codec == "int8"
     finally:

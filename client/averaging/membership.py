@@ -1,0 +1,105 @@
+"""Who may average in a stage: the coordinator's roster, and declarations sealed by each member's key.
+
+hivemind's averaging admits any peer that finds the group key in the DHT, and anyone who knows the run id can
+compute it. So every peer that averages a stage's parameters or gradients declares, in hivemind's all-gather,
+what it brings to the round (round, weight, norm…) together with its ed25519 public key and a signature over:
+the averager's prefix (run, stage and kind of round), the epoch, its libp2p peer id and the declaration. A
+groupmate is admitted to a round only if
+
+- its key is on the roster: the workers the coordinator lists for the stage in the current epoch, healthy;
+- the signature holds for the peer id it joined under (libp2p authenticates peer ids, so a stranger cannot
+  reuse a member's declaration: it would have to send its parts as the member);
+- it declares this round and epoch, and no other groupmate declares the same key (one seat per member).
+
+Every groupmate sees the same gathered declarations (the leader hands the same list to all), so the honest ones
+admit the same peers and run the all-reduce among them alone; a leader also refuses a follower whose
+declaration does not pass before the group forms.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from solders.keypair import Keypair
+
+from client.identity import verify
+
+_DOMAIN = "psyswarm.averaging"
+STATE_SHARING = -1
+"""The round a donor's declaration names: it serves its state between averaging rounds, and a joiner admits a
+donor under the same rules as a groupmate (roster, epoch, seal over its peer id)."""
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The ed25519 public keys allowed to average a stage in ``epoch`` (the coordinator's list)."""
+
+    epoch: int
+    members: frozenset[bytes]
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A peer's own seat: the key it signs declarations with, and where it reads the current roster."""
+
+    keypair: Keypair
+    roster: Callable[[], Roster]
+
+    @property
+    def key(self) -> bytes:
+        return bytes(self.keypair.pubkey())
+
+
+def _message(prefix: str, epoch: int, peer_id: bytes, body: dict[str, Any]) -> bytes:
+    return json.dumps([_DOMAIN, prefix, int(epoch), peer_id.hex(), body], sort_keys=True, separators=(",", ":"),
+                      allow_nan=False).encode()
+
+
+def seal(membership: Membership, prefix: str, peer_id: bytes, epoch: int, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` (what the peer declares: round, weight…) with its key, epoch and signature added."""
+    signature = membership.keypair.sign_message(_message(prefix, epoch, peer_id, body))
+    return {**body, "epoch": int(epoch), "member": membership.key.hex(), "seal": bytes(signature).hex()}
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A groupmate's admitted declaration: its key and what it declared (round, weight and the rest)."""
+
+    member: bytes
+    body: dict[str, Any]
+
+    @property
+    def weight(self) -> float:
+        return float(self.body["weight"])
+
+
+def check(declaration: object, prefix: str, peer_id: bytes, roster: Roster, round_: int) -> Declared | str:
+    """The declaration if ``peer_id`` may take part in round ``round_`` with it, else why not."""
+    if not isinstance(declaration, dict):
+        return "its declaration is not a dict"
+    body = {k: v for k, v in declaration.items() if k not in ("epoch", "member", "seal")}
+    member, signature, epoch = declaration.get("member"), declaration.get("seal"), declaration.get("epoch")
+    if not (isinstance(member, str) and isinstance(signature, str) and isinstance(epoch, int)):
+        return "its declaration is not sealed"
+    try:
+        key, sig = bytes.fromhex(member), bytes.fromhex(signature)
+    except ValueError:
+        return "its key or seal is not hex"
+    if key not in roster.members:
+        return "its key is not on the stage's roster"
+    if epoch != roster.epoch or body.get("round") != round_:
+        return f"it declares epoch {epoch} round {body.get('round')!r}, not epoch {roster.epoch} round {round_}"
+    weight = body.get("weight")
+    if not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 <= weight < math.inf:
+        return f"it declares weight {weight!r}"
+    try:
+        message = _message(prefix, epoch, peer_id, body)
+    except (TypeError, ValueError):
+        return "its declaration is not plain data"
+    if not verify(key, message, sig):
+        return "its seal does not hold for its peer id"
+    return Declared(key, body)

@@ -1,0 +1,173 @@
+"""Attacks on a stage's averaging, performed against real hivemind averagers over loopback (issue 20).
+
+- a stranger (not on the stage's roster, with a key and a roster of its own that lists it) joins the SPARTA
+  group with a chosen value and a weight of 1e30: it is refused and the honest members average among
+  themselves;
+- a member declares another round, or a weight of -1: it is dropped from the round, the others average, and
+  nobody is counted a failure (on the old code the whole group failed and honest workers were withdrawn);
+- a member overwrites with a chosen value and a weight of 1e30: the robust reduction keeps the honest result
+  within the bound ``client.averaging.robust`` documents;
+- a member that claims the round's whole batch sends -60x the honest gradient (its norm declared truthfully):
+  the applied gradient still points with the honest mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from typing import Any
+
+import pytest
+import torch
+from solders.keypair import Keypair
+
+from client.averaging.gradients import GradAveraging, GradientAverager, GradientSettings
+from client.averaging.membership import Roster
+from client.averaging.robust import KAPPA
+from client.averaging.rounds import run_round
+from client.averaging.sparta import AveragingStatus, SpartaAverager
+from tests.averagers import FAST, average_together
+
+TRIO = dataclasses.replace(FAST, min_group_size=3)  # the round waits for every peer the test starts
+
+
+def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [("layers.0.fc.weight", torch.randn(16, 8, generator=generator)),
+            ("layers.0.fc.bias", torch.randn(16, generator=generator))]
+
+
+def flat(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).clone() for _, t in named])
+
+
+def mean(vectors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(vectors).mean(0)
+
+
+def test_a_stranger_cannot_join_a_stage_s_averaging_or_move_it(make_averager) -> None:
+    honest = [tensors(i) for i in range(3)]
+    poison = [(name, torch.full_like(t, 7.0)) for name, t in tensors(9)]
+    averagers = [make_averager(p, settings=TRIO) for p in honest]
+    members = make_averager.members  # type: ignore[attr-defined]
+    key = Keypair()  # the stranger believes it belongs: its own roster lists it
+    stranger = make_averager(poison, keypair=key, enrol=False, settings=TRIO,
+                             roster=lambda: Roster(0, frozenset(members) | {bytes(key.pubkey())}))
+    for index in (0, 1):
+        expected = mean([flat(p) for p in honest])
+        results = average_together([*averagers, stranger], index, [1.0, 1.0, 1.0, 1e30])
+        assert [(r.status, r.group_size) for r in results[:3]] == [(AveragingStatus.AVERAGED, 3)] * 3
+        for named in honest:
+            torch.testing.assert_close(flat(named), expected, rtol=0, atol=1e-5)
+            assert not bool((flat(named) - 7.0).abs().lt(1e-3).any())
+        assert all(r.consecutive_failures == 0 for r in results[:3])
+
+
+class _OtherRound(SpartaAverager):
+    """A member that declares the round after the one it averages in."""
+
+    def _step(self, averaging_index: int, weight: float) -> tuple[dict[Any, dict[str, Any]], str | None]:
+        s = self.settings
+        return run_round(self._averager, self._pipe, averaging_index, self.declaration(averaging_index, weight),
+                         weight, matchmaking_timeout=s.matchmaking_timeout, allreduce_timeout=s.allreduce_timeout)
+
+    def declaration(self, averaging_index: int, weight: float) -> dict[str, Any]:
+        return {"round": averaging_index + 1, "weight": weight}
+
+
+class _NegativeWeight(_OtherRound):
+    def declaration(self, averaging_index: int, weight: float) -> dict[str, Any]:
+        return {"round": averaging_index, "weight": -1.0}
+
+
+@pytest.mark.parametrize("malformed", [_OtherRound, _NegativeWeight])
+def test_a_malformed_groupmate_is_dropped_and_nobody_honest_is_withdrawn(make_averager, malformed) -> None:
+    """Three rounds in a row (``max_failures`` of the default settings): the malformed member never enters an
+    honest average — an honest leader refuses it, and a group it leads drops it — and no honest worker ever
+    counts a failure. (When it leads a group that only one honest worker joined, that worker finds no
+    admitted groupmate and skips the round; the other finds no group: neither is anyone's fault.)"""
+    honest = [tensors(1), tensors(2)]
+    averagers = [make_averager(p) for p in honest]
+    averagers.append(make_averager(tensors(3), cls=malformed))
+    together = 0
+    for index in range(3):
+        before = [flat(p) for p in honest]
+        results = average_together(averagers, index, [1.0, 1.0, 1.0])
+        for result in results[:2]:
+            assert (result.consecutive_failures, result.remove) == (0, False)
+            assert result.refused <= 1 and result.group_size <= 2
+        if all(r.status == AveragingStatus.AVERAGED for r in results[:2]):
+            together += 1
+            for named in honest:
+                torch.testing.assert_close(flat(named), mean(before), rtol=0, atol=1e-5)
+        else:
+            assert all(torch.equal(flat(p), b) for p, b in zip(honest, before, strict=True))
+    assert together >= 1
+
+
+def test_a_member_s_overwrite_stays_within_the_documented_bound(make_averager) -> None:
+    """A member sends 7.0 everywhere with a weight of 1e30. The mean would hand every honest worker 7.0; the
+    robust reduction keeps each honest result r within κ·(the honest parts' distances from the coordinate
+    median m) of m, with every weight capped at the middle one."""
+    honest = [tensors(1), tensors(2)]
+    poison = [(name, torch.full_like(t, 7.0)) for name, t in tensors(3)]
+    averagers = [make_averager(p, settings=TRIO) for p in [*honest, poison]]
+    inputs = [flat(p) for p in [*honest, poison]]
+    centre = torch.stack(inputs).median(0).values
+    bound = KAPPA * math.sqrt(sum(float((x - centre).square().sum()) for x in inputs[:2]))
+    results = average_together(averagers, 0, [1.0, 1.0, 1e30])
+    honest_mean = mean(inputs[:2])
+    for named, result in zip(honest, results[:2], strict=True):
+        assert result.status == AveragingStatus.AVERAGED
+        now = flat(named)
+        assert float((now - centre).norm()) <= bound * (1 + 1e-5)
+        # far nearer the honest mean than the attacker's value, which the old mean gave
+        assert float((now - honest_mean).norm()) < 0.25 * float((inputs[2] - honest_mean).norm())
+
+
+class _Reverser(GradientAverager):
+    """A member that trained nothing, claims the round's whole batch and sends -60x the honest mean gradient,
+    declaring that contribution's norm truthfully."""
+
+    honest_mean: list[torch.Tensor] = []
+
+    def _load(self, grads, index, weight):  # type: ignore[no-untyped-def]
+        return super()._load([-60.0 * g for g in self.honest_mean], index, weight)
+
+
+def gradient_pairs(seed: int, shared: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """A worker's gradient: the stage's common direction plus this worker's minibatch noise."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(name, s + 0.5 * torch.randn(s.shape, generator=generator))
+            for name, s in zip(("layers.0.fc.weight", "layers.0.fc.bias"), shared, strict=True)]
+
+
+@pytest.mark.parametrize("mode", ["full", "powersgd"])
+def test_a_member_cannot_reverse_the_stage_s_gradient(make_grad_averager, mode) -> None:
+    generator = torch.Generator().manual_seed(0)
+    shared = [torch.randn(24, 32, generator=generator), torch.randn(24, generator=generator)]
+    settings = GradientSettings(GradAveraging.FULL if mode == "full" else GradAveraging.POWERSGD,
+                                rank=0 if mode == "full" else 4, timeouts=TRIO, max_weight=16.0)
+    honest = [gradient_pairs(1, shared), gradient_pairs(2, shared)]
+    honest_mean = [(a + b) / 2 for (_, a), (_, b) in zip(*honest, strict=True)]
+    attacker = type("GradientAverager", (_Reverser,), {"honest_mean": honest_mean})
+    averagers = [make_grad_averager(p, settings) for p in honest]
+    averagers.append(make_grad_averager(gradient_pairs(3, shared), settings, cls=attacker))
+    values = [[t.clone() for _, t in p] for p in [*honest, gradient_pairs(3, shared)]]
+    results: list[Any] = [None] * 3
+
+    def run(i: int, weight: float) -> None:
+        results[i] = averagers[i].average(values[i], int(weight), 0, weight)
+
+    threads = [threading.Thread(target=run, args=(i, w)) for i, w in enumerate((4.0, 4.0, 16.0))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    target = torch.cat([t.flatten() for t in honest_mean])
+    for value, result in zip(values[:2], results[:2], strict=True):
+        assert result is not None and result.status == AveragingStatus.AVERAGED
+        applied = torch.cat([t.flatten() for t in value])
+        cosine = float(torch.nn.functional.cosine_similarity(applied, target, dim=0))
+        assert cosine > 0.5, cosine
