@@ -44,10 +44,12 @@ def membership(state: CoordinatorState, me: bytes) -> str | None:
     return "joining" if position is None else f"queued {position + 1}/{len(state.pending)}"
 
 
-def points_text(state: CoordinatorState, me: bytes) -> str:
-    """This identity's points in the coordinator's ledger: the total, and presence + compute."""
+def points_text(state: CoordinatorState, me: bytes, *, parts: bool = True) -> str:
+    """This identity's points in the coordinator's ledger: the total, and (with ``parts``) presence + compute."""
     entry = state.points(me)
-    return "0 points" if entry is None else f"{entry.total} points ({entry.presence}+{entry.compute})"
+    if entry is None:
+        return "0 points"
+    return f"{entry.total} points ({entry.presence}+{entry.compute})" if parts else f"{entry.total} points"
 
 
 def epoch_text(state: CoordinatorState) -> str:
@@ -57,9 +59,10 @@ def epoch_text(state: CoordinatorState) -> str:
     return f"epoch {last_epoch(state)}"
 
 
-def live_text(status: ContributorStatus) -> str:
-    """The live line, short enough for 80 columns: phase, epoch and round; this client's membership, stage and sync
-    phase; microbatches this round; points."""
+def live_text(status: ContributorStatus, width: int | None = None) -> str:
+    """The live line: phase, epoch and round; this client's membership, stage and sync phase; microbatches this
+    round; points. Given the terminal's ``width``, the least needed details go first (the points' split, then
+    the microbatches, then the separators' spaces) until it fits; rich cuts what still does not."""
     state = status.state
     waiting = membership(state, status.me)
     parts = [state.phase.name, epoch_text(state), *([waiting] if waiting else [])]
@@ -71,9 +74,18 @@ def live_text(status: ContributorStatus) -> str:
         parts.append(SYNC_NAMES.get(int(phase), "?") if phase is not None else "idle")
     else:
         parts.append("trainer")
-    parts.append(f"{status.batches} batches")
-    parts.append(points_text(state, status.me))
-    return " | ".join(parts)
+    batches = f"{status.batches} batches"
+    shorter = [
+        (" | ", [*parts, batches, points_text(state, status.me)]),
+        (" | ", [*parts, batches, points_text(state, status.me, parts=False)]),
+        (" | ", [*parts, points_text(state, status.me, parts=False)]),
+        ("|", [*parts, points_text(state, status.me, parts=False)]),
+    ]
+    for separator, fields in shorter:
+        line = separator.join(fields)
+        if width is None or len(line) <= width:
+            return line
+    return line
 
 
 class ConsoleHandler(logging.Handler):
@@ -112,7 +124,7 @@ def live_line(status: Callable[[], ContributorStatus], console: Console | None) 
 
     def render() -> Text:
         try:
-            return Text(live_text(status()), no_wrap=True, overflow="ellipsis", style="bold")
+            return Text(live_text(status(), console.width), no_wrap=True, overflow="ellipsis", style="bold")
         except Exception as exc:  # noqa: BLE001 - a state being replaced mid-read: show why, try again next refresh
             return Text(f"(no status: {exc})")
 

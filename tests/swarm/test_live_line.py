@@ -55,6 +55,27 @@ def test_points_come_from_the_coordinator_ledger() -> None:
     assert points_text(state, me) == "51 points (3+48)"
 
 
+def test_a_long_line_drops_its_least_needed_details_to_fit_the_terminal() -> None:
+    """A worker deep in a long run, queued, with many points: 80 columns keep the phase, round, queue place, stage,
+    sync phase and points' total, dropping the points' split and the batches; a wide terminal shows everything."""
+    from client.contributor.status import ContributorStatus
+    from client.join.sync import SyncPhase
+    from coordinator_program.spec.state import Phase
+    from tests.swarm.test_status_text import demo_state
+
+    state = demo_state()
+    me = bytes([7] * 32)
+    state.phase, state.epoch = Phase.RoundWitness, 12
+    state.ledger = [LedgerEntry(me, 123_456, 7_654_321)]
+    status = ContributorStatus(state, me, Role.Worker, 1, SyncPhase(2), 1234)
+    wide = live_text(status, 200)
+    assert "1234 batches" in wide and "(123456+7654321)" in wide and len(wide) > 80
+    narrow = live_text(status, 80)
+    assert len(narrow) <= 80 and "batches" not in narrow and "(123456" not in narrow
+    assert narrow.startswith("RoundWitness | epoch 12 round") and narrow.endswith("7777777 points")
+    assert live_text(status) == wide  # no width: no terminal to fit
+
+
 def test_on_a_terminal_the_log_scrolls_above_the_live_line(tmp_path: Path) -> None:
     screen = io.StringIO()
     console = Console(file=screen, force_terminal=True, width=200)
