@@ -137,12 +137,12 @@ static inline uint64_t psy_part_count(uint64_t clients) {
 
 /* Bits set in a round's witness mask (Round.witness_count). */
 uint64_t psy_witness_count(const uint8_t *round);
-/* rules.quorum: the configured quorum, capped by how many witnesses the clients allow. */
+/* derived.quorum: the configured quorum, capped by how many witnesses the clients allow. */
 uint64_t psy_quorum(const uint8_t *s);
 /* The round seed's data index: step × global_batch_size. */
 uint64_t psy_data_index(const uint8_t *s);
 
-/* Who a list of clients (or admitted joiners) holds: what rules.pipeline_complete looks at. */
+/* Who a list of clients (or admitted joiners) holds: what derived.pipeline_complete looks at. */
 typedef struct {
   uint16_t workers[PSY_MAX_STAGES]; /* workers per stage, for stages < num_stages */
   uint64_t members;
@@ -200,7 +200,7 @@ uint64_t psy_tick(uint8_t *s, int64_t now);
 
 /* rules.tally_part: the votes of one proof part's participant filter, for the clients the part covers. */
 void psy_tally_part(uint8_t *s, uint64_t part, const uint8_t *participant_bloom);
-/* rules.credit_chunk: the next clients of the ending round earn their points, from the round's credited count on. */
+/* points.credit_chunk: the next clients of the ending round earn their points, from the round's credited count on. */
 void psy_credit_chunk(uint8_t *s);
 /* rules._close_round_votes: the ending round's votes become the left_out counts of the clients that stay. */
 void psy_close_round_votes(uint8_t *s);

@@ -1,4 +1,4 @@
-/* state.c: the coordinator account's lists and derived facts (rules.quorum, rules.pipeline_complete),
+/* state.c: the coordinator account's lists and derived facts (derived.quorum, derived.pipeline_complete),
  * read and written in place in the account data. */
 #include "coordinator.h"
 

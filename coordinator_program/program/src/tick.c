@@ -55,7 +55,7 @@ static uint64_t tick_paused(uint8_t *s, int64_t now) {
   return PSY_SUCCESS;
 }
 
-/* The least occupied stage, lowest index on ties (rules.assign_stages). */
+/* The least occupied stage, lowest index on ties (derived.assign_stages). */
 static uint8_t least_occupied(const psy_census_t *census, uint64_t num_stages) {
   uint64_t best = 0;
   for (uint64_t stage = 1; stage < num_stages; stage++) {
