@@ -63,11 +63,12 @@ def local_dataset_problem(location: str) -> str | None:
 
 
 def check_dataset_or_exit(model, *, offline: bool = False, here: bool = True) -> None:
-    """Refuse a local dataset that does not exist (``here``: this machine is one the run trains on; else it is
-    only reported, as on a coordinator whose trainers hold the data), and a token dataset made with another
+    """Refuse a local dataset that does not exist, or a remote one its host says does not exist (``here``: this
+    machine is one the run trains on; else it is only reported, as on a coordinator whose trainers hold the data
+    or the token to a private one), and a token dataset made with another
     tokenizer than the model's; one this machine cannot reach (offline) is reported and left to the trainers, which
     check it again before they train."""
-    from client.data import DatasetError, DatasetUnreachable, check_dataset_tokenizer
+    from client.data import DatasetError, DatasetMissing, DatasetUnreachable, check_dataset_tokenizer
     from client.data.locations import is_remote, is_token_location
 
     problem = local_dataset_problem(model.dataset)
@@ -91,6 +92,12 @@ def check_dataset_or_exit(model, *, offline: bool = False, here: bool = True) ->
         check_dataset_tokenizer(model.dataset, model.tokenizer_sha256)
     except DatasetUnreachable as exc:
         typer.secho(f"dataset tokenizer not checked: {exc}", fg=typer.colors.YELLOW, err=True)
+    except DatasetMissing as exc:
+        if here:
+            typer.secho(f"invalid config: dataset: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(1) from None
+        typer.secho(f"dataset: {exc}; every trainer must be able to read it, or it fails at warmup",
+                    fg=typer.colors.YELLOW, err=True)
     except DatasetError as exc:
         typer.secho(f"invalid config: dataset: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None

@@ -11,7 +11,7 @@ May import: nothing outside this package.
 
 from client.data.corpus import STDLIB_SOURCE, ByteDataset, files_corpus, open_byte_dataset, stdlib_corpus
 from client.data.locations import check_dataset_tokenizer, is_token_location, open_dataset, read_location_sidecar
-from client.data.sidecar import DatasetError, DatasetUnreachable, TokenizerMismatch
+from client.data.sidecar import DatasetError, DatasetMissing, DatasetUnreachable, TokenizerMismatch
 from client.data.tokenizer import BYTES_TOKENIZER, load_tokenizer, tokenizer_sha256
 from client.data.tokens import TokenDataset
 from client.data.windows import SampleDataset, WindowedDataset
@@ -22,6 +22,7 @@ __all__ = [
     "ByteDataset",
     "check_dataset_tokenizer",
     "DatasetError",
+    "DatasetMissing",
     "DatasetUnreachable",
     "SampleDataset",
     "TokenDataset",

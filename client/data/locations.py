@@ -28,6 +28,7 @@ from client.data.sidecar import (
     MAX_SIDECAR_BYTES,
     SIDECAR_NAME,
     DatasetError,
+    DatasetMissing,
     DatasetUnreachable,
     Sidecar,
     TokenFile,
@@ -71,6 +72,8 @@ def _progress(show: bool):
 
 
 def _http_error(url: str, exc: Exception) -> DatasetError:
+    if getattr(exc, "code", None) in (404, 410):
+        return DatasetMissing(f"{url} does not exist (HTTP {exc.code})")  # type: ignore[attr-defined]
     reason = getattr(exc, "reason", None) or exc
     return DatasetUnreachable(f"cannot download {url}: {reason}")
 
@@ -181,14 +184,17 @@ def _hub_file(location: str, filename: str, *, endpoint: str | None, token: str 
               cache_dir: Path | None) -> Path:
     from httpx import HTTPError
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
     repo, revision, subdir = parse_hf_location(location)
     try:
         return Path(hf_hub_download(repo, f"{subdir}/{filename}" if subdir else filename, repo_type="dataset",
                                     revision=revision, endpoint=endpoint, token=token,
                                     cache_dir=str(cache_dir) if cache_dir else None))
-    except (OSError, ValueError, EntryNotFoundError, HTTPError) as exc:
+    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
+        raise DatasetMissing(f"{location} has no {filename} on the Hub: no such dataset, revision or file (a "
+                             "private dataset needs HF_TOKEN)") from None
+    except (OSError, ValueError, HTTPError) as exc:
         raise DatasetUnreachable(f"cannot download {filename} from {location}: "
                                  f"{str(exc).splitlines()[0][:200]}") from None
 

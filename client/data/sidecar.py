@@ -48,6 +48,11 @@ class DatasetUnreachable(DatasetError):
     """A remote dataset this machine cannot fetch now (offline, server down): perhaps not the dataset's fault."""
 
 
+class DatasetMissing(DatasetError):
+    """A remote dataset whose host answers that it does not exist (or that this machine may not see it): unlike
+    an unreachable one, waiting will not help."""
+
+
 class TokenizerMismatch(DatasetError):
     """Data tokenized with another tokenizer than the model's: the run's description is wrong, not this machine."""
 

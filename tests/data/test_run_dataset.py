@@ -93,3 +93,24 @@ def test_a_local_dataset_that_cannot_be_read_is_refused_by_validate_config_and_n
     with pytest.raises(typer.Exit):
         check_dataset_or_exit(spec.model)
     check_dataset_or_exit(spec.model, here=False)  # serve's check: named, not refused
+
+
+def test_a_hub_dataset_that_does_not_exist_is_refused_by_validate_config_and_named_by_serve(tmp_path: Path,
+                                                                                           fake_hub) -> None:
+    """Before: a missing Hub dataset was 'not checked' like an unreachable one, `config OK`, and the run found out at
+    warmup. The Hub's own answer (no such repo, revision or file) refuses it; a host that does not answer is still
+    only noted (the test above)."""
+    import subprocess
+    import sys
+
+    from client.data import DatasetMissing, check_dataset_tokenizer
+
+    with pytest.raises(DatasetMissing, match="hf:nobody/nothing has no"):
+        check_dataset_tokenizer("hf:nobody/nothing", bytes(32), hf_endpoint=fake_hub.url)
+    config = _config_with_dataset(tmp_path, "hf:nobody/nothing")
+    env = {**__import__("os").environ, "HF_ENDPOINT": fake_hub.url, "HF_HUB_OFFLINE": "0"}
+    result = subprocess.run([sys.executable, "-m", "client.cli", "validate-config", str(config)], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "config OK" not in result.stdout, result.stdout + result.stderr
+    assert "invalid config: dataset: hf:nobody/nothing has no" in result.stderr
+    assert "Traceback" not in result.stderr
