@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.data import DatasetError, DatasetUnreachable, TokenizerMismatch, open_dataset
+from client.data import DatasetError, DatasetMissing, DatasetUnreachable, TokenizerMismatch, open_dataset
 from client.data.locations import parse_hf_location
 from client.data.sidecar import SIDECAR_NAME
 from tests.data.conftest import TOKENIZER_DIGEST, FileServer
@@ -103,7 +103,7 @@ def test_hub_dataset_is_the_local_one(tmp_path: Path, token_dir: Path, fake_hub:
     local = open_dataset(str(token_dir), SEQ)
     assert remote.fingerprint == local.fingerprint
     assert torch.equal(remote.batch(INDICES), local.batch(INDICES))
-    with pytest.raises(DatasetUnreachable, match="cannot download dataset.json from hf:org/corpus@v2/tok"):
+    with pytest.raises(DatasetMissing, match="hf:org/corpus@v2/tok has no dataset.json on the Hub"):
         open_dataset("hf:org/corpus@v2/tok", SEQ, hf_endpoint=fake_hub.url, cache_dir=tmp_path / "hub")
 
 
