@@ -450,11 +450,7 @@ def _start_round(state: CoordinatorState, now: int, entropy: int, height: int) -
 
 
 def _tick_train(state: CoordinatorState, now: int, entropy: int) -> bool:
-    """The round's training ends on a quorum of proofs, at its time limit, or as soon as its healthy clients no
-    longer form a pipeline (a stage's last worker withdrew): nothing more can be trained, so nobody waits."""
-    healthy = [c for c in state.clients if c.health == Health.Healthy]
-    if (quorum_reached(state) or now >= state.phase_start + state.config.max_round_train_time
-            or not pipeline_complete(healthy, state.config)):
+    if quorum_reached(state) or now >= state.phase_start + state.config.max_round_train_time:
         _enter(state, Phase.RoundWitness, now)
         return True
     return False
