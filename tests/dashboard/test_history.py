@@ -34,21 +34,22 @@ def at(state, epoch: int, round_: int, phase: Phase):
 
 
 def test_a_dashboard_started_mid_run_reads_every_earlier_round(dht, new_dht, run_id) -> None:
-    writer = Board(dht, run_id)
+    state = at(new_run(dataclasses.replace(SMALL, rounds_per_epoch=4)), 2, 0, Phase.RoundTrain)
+    state.run_id = run_id  # the boards key records by the run's instance, which names it
+    writer = Board(dht, state)
     for epoch, rounds in ((0, 3), (1, 2)):  # epoch 1 ended early, after 2 of its rounds
         for round_ in range(rounds):
             commit(writer, run_id, epoch, round_)
     commit(writer, run_id, 2, 0)
 
     fetched: list[tuple[int, int]] = []
-    reader = Board(new_dht(), run_id)
+    reader = Board(new_dht(), state)
 
     def fetch(epoch: int, round_: int):
         fetched.append((epoch, round_))
         return list(reader.fetch(Commitment, epoch, round_).values())
 
     history, timeline = History(fetch), Timeline()
-    state = at(new_run(dataclasses.replace(SMALL, rounds_per_epoch=4)), 2, 0, Phase.RoundTrain)
     for result in history.read(state):
         timeline.record(result)
     assert [(p["epoch"], p["round"]) for p in timeline.losses()] == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (2, 1)]

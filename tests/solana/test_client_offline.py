@@ -20,6 +20,7 @@ from coordinator_program.spec.instructions import (
     InitCoordinator,
     Instruction,
     JoinRun,
+    ReleaseSlot,
     SetPaused,
     Update,
     WarmupWitness,
@@ -63,7 +64,7 @@ WITH_ARGUMENTS: list[Instruction] = [
     Update(Config(), Model(), Checkpoint(CheckpointKind.Hub, 5, "org/model", "main")),
     SetPaused(True), JoinRun("run-1", Role.Trainer), JoinRun("run-1", Role.Worker, 2),
     Witness(7, b"\x01" * 11, b"\x02" * 3), WarmupWitness(b"", b"\x03"), HealthCheck(bytes(range(1, 33))),
-    CheckpointReport(CheckpointKind.Local, "/ckpt/run-1", "epoch-3"),
+    CheckpointReport(CheckpointKind.Local, "/ckpt/run-1", "epoch-3"), ReleaseSlot(bytes(range(2, 34))),
 ]
 EVERY_INSTRUCTION = WITH_ARGUMENTS + [cls() for cls in INSTRUCTIONS if not dataclasses.fields(cls)]
 
