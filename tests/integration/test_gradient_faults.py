@@ -26,9 +26,11 @@ from typing import Any
 
 import pytest
 import torch
+from solders.keypair import Keypair
 from torch import nn
 
 from client.averaging.gradients import GradAveraging, GradientAverager, GradientProcess, GradientSettings
+from client.averaging.membership import Membership, Roster
 from client.averaging.sparta import AveragingStatus, SpartaSettings
 
 ROUNDS = 6
@@ -53,6 +55,11 @@ class _Stalling(GradientProcess):
 _Stalling.__name__ = GradientProcess.__name__  # hivemind names its RPC handlers after the class
 
 
+def worker_key(index: int) -> Keypair:
+    """Each worker's key, known to all three: they are the stage's roster."""
+    return Keypair.from_seed(bytes([index + 1]) * 32)
+
+
 def digest(tensors: list[torch.Tensor]) -> str:
     return hashlib.sha256(b"".join(t.numpy().tobytes() for t in tensors)).hexdigest()
 
@@ -73,7 +80,9 @@ def worker(index: int, peers: list[str], run_id: str, stalled_file: str | None) 
     if stalled_file is not None:
         cls = type("Victim", (GradientAverager,), {"process_class": type(
             "GradientProcess", (_Stalling,), {"stalled_file": stalled_file})})
-    averager = cls(list(model.named_parameters()), dht, run_id=run_id, stage="body1", seed=0, settings=SETTINGS)
+    roster = Roster(0, frozenset(bytes(worker_key(i).pubkey()) for i in range(3)))
+    averager = cls(list(model.named_parameters()), dht, run_id=run_id, stage="body1", seed=0, settings=SETTINGS,
+                   membership=Membership(worker_key(index), lambda: roster))
     results: list[Any] = []
 
     def exchange(grads: list[torch.Tensor], samples: int) -> int:
