@@ -69,6 +69,8 @@ def test_one_hostile_trainer_and_one_hostile_worker_cannot_stop_the_run(tmp_path
             missing = [name for name, id_ in honest.items() if state.client_index(id_) is None]
             assert not missing, f"honest clients removed in round {state.epoch}.{state.round.height}: {missing}"
         for epoch in {s.epoch for s in rounds}:
+            if len({s.round.height for s in rounds if s.epoch == epoch}) < 2:
+                continue  # a health check judges the previous round's proofs: an epoch of one round catches nobody
             assert any(caught(s, ids["trainer1"]) for s in rounds if s.epoch == epoch), \
                 f"the copier was not caught in epoch {epoch}"
         losses = committed.curve(ids["trainer0"])
