@@ -1,5 +1,5 @@
-/* points.c: the votes and the points ledger of rules.py (tally_part, round_points, award, credit_chunk,
- * _close_round_votes).
+/* points.c: the votes of rules.py (tally_part, _close_round_votes) and the points ledger of points.py
+ * (round_points, award, credit_chunk).
  *
  * Each proof part adds its votes as it arrives: for every client the part covers, whether the part's participant
  * filter holds the client's participant key and its compute key. The ticks that end the round then only compare the
@@ -36,7 +36,7 @@ static uint64_t total_points(const uint8_t *entry) {
 
 static uint64_t saturated(uint64_t points) { return points < POINTS_MAX ? points : POINTS_MAX; }
 
-/* rules.fewest_points: the fewest total points, the first on ties. */
+/* points.fewest_points: the fewest total points, the first on ties. */
 static uint64_t fewest_points(uint8_t *s, uint64_t n) {
   uint64_t best = 0;
   for (uint64_t i = 1; i < n; i++) {
@@ -61,7 +61,7 @@ static uint64_t lower_bound(uint8_t *s, uint64_t n, const uint8_t *id) {
   return lo;
 }
 
-/* rules.award: whether it evicted an entry from a full ledger. */
+/* points.award: whether it evicted an entry from a full ledger. */
 static bool award(uint8_t *s, const uint8_t *id, uint64_t presence, uint64_t compute) {
   uint64_t n = PSY_ACCOUNT_NUM_LEDGER_GET(s);
   uint64_t position = lower_bound(s, n, id);
@@ -89,7 +89,7 @@ static bool award(uint8_t *s, const uint8_t *id, uint64_t presence, uint64_t com
   return evicts;
 }
 
-/* rules.trainer_samples: the samples of the round's data assignment each trainer (in client order) took:
+/* points.trainer_samples: the samples of the round's data assignment each trainer (in client order) took:
  * global_batch_size / trainers each, one more for the first global_batch_size % trainers in the seed's order. */
 static void trainer_samples(uint8_t *s, uint64_t trainers, uint32_t *samples) {
   uint64_t batch = PSY_ACCOUNT_CONFIG_GLOBAL_BATCH_SIZE_GET(s);
@@ -113,7 +113,7 @@ void psy_credit_chunk(uint8_t *s) {
   uint64_t start = PSY_ROUND_CREDITED_GET(round);
   uint64_t quorum = psy_quorum(s);
   uint64_t batch = PSY_ACCOUNT_CONFIG_GLOBAL_BATCH_SIZE_GET(s);
-  /* rules.worker_samples: each stage's batch is shared among its counted workers, the remainder going to the
+  /* points.worker_samples: each stage's batch is shared among its counted workers, the remainder going to the
    * first of them in client order; and each trainer's place among the trainers, for its share of the data. */
   uint16_t sharers[PSY_MAX_STAGES] = {0};
   uint16_t first[PSY_MAX_STAGES];

@@ -157,7 +157,7 @@ uint64_t psy_join(const psy_op_t *op) {
   return PSY_SUCCESS;
 }
 
-/* rules._withdraw: `key` leaves, a joiner at once, a client when the round ends. */
+/* rules.withdraw: `key` leaves, a joiner at once, a client when the round ends. */
 static uint64_t withdraw_key(uint8_t *s, const uint8_t *key) {
   int64_t index = psy_list_find(s, &PSY_PENDING, key);
   if (index >= 0) {
