@@ -36,9 +36,6 @@ MAX_BLOOM_BYTES = 480
 """Room for one filter of a proof part. Two filters of this size plus a transaction's fixed parts fit the
 1,232-byte Solana transaction limit, which is what bounds it."""
 
-ROUND_SLOTS = 2
-"""Rounds kept in the account: the current one and the previous one, which health checks refer to."""
-
 REPO_BYTES = 96
 """A Hugging Face repo id (``org/name``) or a local checkpoint directory."""
 

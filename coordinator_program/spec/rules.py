@@ -11,8 +11,8 @@ The order of the checks is part of the specification: the C program performs the
 that both reject the same operation with the same error.
 
 Phase changes happen only in ``tick``; operations record facts (a join, a witness proof, a health check)
-that the next tick acts on. The on-chain program ticks right after a witness, warmup witness, health check
-or checkpoint, as ``apply_then_tick`` does.
+that the next tick acts on. The on-chain program ticks right after a witness (but for a part taken in RoundWitness),
+warmup witness, health check or checkpoint, as ``instructions.apply_then_tick`` does.
 
 Witnesses are trusted only as a majority: a quorum is a strict majority of a round's witnesses
 (``validate_config``), a round ends early only on a quorum of proofs, and a client is unhealthy only when a
@@ -21,7 +21,7 @@ all, can thus neither end a round nor get a client removed. A round nobody prove
 
 Points follow the same majority: at the end of each round a client earns presence when a quorum of the round's
 proofs hold its participant key, and compute (the samples it worked) when a quorum hold its compute key. They go
-into a ledger that outlives epochs (``credit_chunk``).
+into a ledger that outlives epochs (``points``).
 A proof comes in parts of ``limits.PART_CLIENTS`` clients, each tallied as it arrives and the whole counted once;
 the round's end credits a chunk of clients a tick: no instruction's cost grows with the clients times the witnesses.
 """
@@ -202,21 +202,9 @@ def slot_holder(state: CoordinatorState, slot: int) -> bytes | None:
     return None
 
 
-def withdraw(state: CoordinatorState, signer: bytes) -> None:
-    """Leave the run: a pending joiner leaves at once, a client at the end of the current round."""
-    _withdraw(state, signer)
-
-
-def release_slot(state: CoordinatorState, signer: bytes, key: bytes) -> None:
-    """The join authority ends the slot ``key`` holds: it withdraws as if it had asked (a joiner at once, a
-    client at the round's end). The authority sends this for every slot that ends (its holder left, its lease
-    lapsed), so a contributor that gives a slot up cannot keep the key it admitted."""
-    if state.join_authority == NO_AUTHORITY or signer != state.join_authority:
-        raise NotAuthorized("only the run's join authority may end a slot")
-    _withdraw(state, key)
-
-
-def _withdraw(state: CoordinatorState, key: bytes) -> None:
+def withdraw(state: CoordinatorState, key: bytes) -> None:
+    """``key`` leaves the run: a pending joiner at once, a client at the end of the current round. Sent by the key
+    itself, or by the join authority ending its slot (``release_slot``)."""
     index = state.pending_index(key)
     if index is not None:
         del state.pending[index]
@@ -229,6 +217,15 @@ def _withdraw(state: CoordinatorState, key: bytes) -> None:
         raise NotHealthy("this client has already withdrawn")
     state.clients[index].health = Health.Withdrawn
     state.nonce += 1
+
+
+def release_slot(state: CoordinatorState, signer: bytes, key: bytes) -> None:
+    """The join authority ends the slot ``key`` holds: it withdraws as if it had asked (a joiner at once, a
+    client at the round's end). The authority sends this for every slot that ends (its holder left, its lease
+    lapsed), so a contributor that gives a slot up cannot keep the key it admitted."""
+    if state.join_authority == NO_AUTHORITY or signer != state.join_authority:
+        raise NotAuthorized("only the run's join authority may end a slot")
+    withdraw(state, key)
 
 
 def _healthy_client(state: CoordinatorState, signer: bytes) -> int:
@@ -411,9 +408,7 @@ def _tick_waiting(state: CoordinatorState, now: int, entropy: int) -> bool:
         return False
     seed = next_seed(state.round.seed, entropy)
     state.clients, state.pending, state.left_out = admitted, [], no_votes()
-    state.current_round = 0
-    state.rounds = [Round(0, seed, state.step * state.config.global_batch_size)] + [
-        Round() for _ in range(limits.ROUND_SLOTS - 1)]
+    state.round = Round(0, seed, state.step * state.config.global_batch_size)
     _enter(state, Phase.Warmup, now)
     return True
 
@@ -444,8 +439,7 @@ def _tick_warmup(state: CoordinatorState, now: int, entropy: int) -> bool:
 
 def _start_round(state: CoordinatorState, now: int, entropy: int, height: int) -> None:
     seed = next_seed(state.round.seed, entropy)
-    state.current_round = height % limits.ROUND_SLOTS
-    state.rounds[state.current_round] = Round(height, seed, state.step * state.config.global_batch_size)
+    state.round = Round(height, seed, state.step * state.config.global_batch_size)
     _enter(state, Phase.RoundTrain, now)
 
 

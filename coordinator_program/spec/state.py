@@ -164,8 +164,7 @@ class CoordinatorState:
     phase_start: int = 0
     epoch: int = 0
     step: int = 0
-    current_round: int = 0
-    rounds: list[Round] = dataclasses.field(default_factory=lambda: [Round() for _ in range(limits.ROUND_SLOTS)])
+    round: Round = dataclasses.field(default_factory=Round)
     checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
     config: Config = dataclasses.field(default_factory=lambda: CONFIG_LAYOUT.zero())
     model: Model = dataclasses.field(default_factory=lambda: MODEL_LAYOUT.zero())
@@ -175,14 +174,6 @@ class CoordinatorState:
     compute_votes: list[int] = dataclasses.field(default_factory=no_votes)
     left_out: list[int] = dataclasses.field(default_factory=no_votes)
     ledger: list[LedgerEntry] = dataclasses.field(default_factory=list)
-
-    @property
-    def round(self) -> Round:
-        return self.rounds[self.current_round]
-
-    @property
-    def previous_round(self) -> Round:
-        return self.rounds[1 - self.current_round]
 
     def client_index(self, client_id: bytes) -> int | None:
         for i, client in enumerate(self.clients):
@@ -216,8 +207,7 @@ ACCOUNT_LAYOUT = Struct(CoordinatorState, [
     F("phase_start", I64),
     F("epoch", U32),
     F("step", U32),
-    F("current_round", U8),
-    F("rounds", Array(ROUND_LAYOUT, limits.ROUND_SLOTS)),
+    F("round", ROUND_LAYOUT, doc="the current round, or the epoch's warmup"),
     F("checkpoint", CHECKPOINT_LAYOUT),
     F("config", CONFIG_LAYOUT),
     F("model", MODEL_LAYOUT),
@@ -248,7 +238,4 @@ def decode_state(data: bytes) -> CoordinatorState:
     """Parse account bytes; anything but a well-formed coordinator account raises ``LayoutError``."""
     if data[:8] != ACCOUNT_DISCRIMINATOR:
         raise LayoutError("not a coordinator account (wrong discriminator)")
-    state = ACCOUNT_LAYOUT.unpack(data[8:])
-    if state.current_round >= limits.ROUND_SLOTS:
-        raise LayoutError(f"current_round {state.current_round} is out of range")
-    return state
+    return ACCOUNT_LAYOUT.unpack(data[8:])

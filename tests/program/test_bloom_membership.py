@@ -45,7 +45,7 @@ def training_state(config: Config, witness: bytes, others: list[bytes]) -> rules
     clients = [Client(o, Role.Worker, 0) for o in others]
     clients.insert(elect_witnesses(SEED, len(others) + 1, 1)[0], Client(witness, Role.Trainer, limits.NO_STAGE))
     state.clients = clients
-    state.rounds[0] = Round(height=0, seed=SEED)
+    state.round = Round(height=0, seed=SEED)
     return state
 
 

@@ -114,23 +114,13 @@ void psy_list_set_count(uint8_t *s, const psy_list_t *list, uint64_t count);
 /* Deletes entry i, shifting the later ones down. */
 void psy_list_remove(uint8_t *s, const psy_list_t *list, uint64_t i);
 
-static inline uint8_t *psy_round(uint8_t *s, uint64_t slot) {
-  return s + PSY_ACCOUNT_ROUNDS_OFFSET + slot * PSY_ROUND_SIZE;
-}
-
-static inline uint8_t *psy_current_round(uint8_t *s) {
-  return psy_round(s, PSY_ACCOUNT_CURRENT_ROUND_GET(s));
-}
-
-static inline uint8_t *psy_previous_round(uint8_t *s) {
-  return psy_round(s, 1 - PSY_ACCOUNT_CURRENT_ROUND_GET(s));
-}
+static inline uint8_t *psy_current_round(uint8_t *s) { return s + PSY_ACCOUNT_ROUND_OFFSET; }
 
 static inline void psy_bump_nonce(uint8_t *s) {
   PSY_ACCOUNT_NONCE_SET(s, PSY_ACCOUNT_NONCE_GET(s) + 1);
 }
 
-/* rules.part_count: parts of a proof for a round of `clients` clients. */
+/* bloom.part_count: parts of a proof for a round of `clients` clients. */
 static inline uint64_t psy_part_count(uint64_t clients) {
   return clients == 0 ? 1 : (clients + PSY_PART_CLIENTS - 1) / PSY_PART_CLIENTS;
 }

@@ -23,7 +23,7 @@ static void enter(uint8_t *s, uint64_t phase, int64_t now) {
   PSY_ACCOUNT_PHASE_START_SET(s, now);
 }
 
-/* rules.quorum_reached: the current round holds a quorum of proofs. */
+/* derived.quorum_reached: the current round holds a quorum of proofs. */
 static bool reached_quorum(uint8_t *s) {
   return psy_witness_count(psy_current_round(s)) >= psy_quorum(s);
 }
@@ -34,12 +34,10 @@ static bool clients_complete(uint8_t *s) {
   return psy_pipeline_complete(s, &census);
 }
 
-/* rules._start_round: a fresh round in slot height % ROUND_SLOTS, its seed chained from the current one. */
+/* rules._start_round: a fresh round of `height`, its seed chained from the current one's. */
 static void start_round(uint8_t *s, int64_t now, uint64_t height) {
-  uint64_t seed = psy_next_seed(PSY_ROUND_SEED_GET(psy_current_round(s)));
-  uint64_t slot = height % PSY_ROUND_SLOTS;
-  uint8_t *round = psy_round(s, slot);
-  PSY_ACCOUNT_CURRENT_ROUND_SET(s, slot);
+  uint8_t *round = psy_current_round(s);
+  uint64_t seed = psy_next_seed(PSY_ROUND_SEED_GET(round));
   sol_memset_(round, 0, PSY_ROUND_SIZE);
   PSY_ROUND_HEIGHT_SET(round, height);
   PSY_ROUND_SEED_SET(round, seed);
@@ -100,11 +98,10 @@ static uint64_t tick_waiting(uint8_t *s, int64_t now) {
   psy_list_set_count(s, &PSY_CLIENTS, joiners);
   psy_list_set_count(s, &PSY_PENDING, 0);
   sol_memset_(s + PSY_ACCOUNT_LEFT_OUT_OFFSET, 0, PSY_ACCOUNT_LEFT_OUT_SIZE);
-  /* The epoch's warmup is round 0 in slot 0, its seed chained from the last round's; slot 1 starts empty. */
-  uint64_t seed = psy_next_seed(PSY_ROUND_SEED_GET(psy_current_round(s)));
-  sol_memset_(s + PSY_ACCOUNT_ROUNDS_OFFSET, 0, PSY_ACCOUNT_ROUNDS_SIZE);
-  PSY_ACCOUNT_CURRENT_ROUND_SET(s, 0);
-  uint8_t *warmup = psy_round(s, 0);
+  /* The epoch's warmup is round 0, its seed chained from the last round's. */
+  uint8_t *warmup = psy_current_round(s);
+  uint64_t seed = psy_next_seed(PSY_ROUND_SEED_GET(warmup));
+  sol_memset_(warmup, 0, PSY_ROUND_SIZE);
   PSY_ROUND_SEED_SET(warmup, seed);
   PSY_ROUND_DATA_INDEX_SET(warmup, psy_data_index(s));
   enter(s, PSY_PHASE_WARMUP, now);
