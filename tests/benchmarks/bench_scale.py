@@ -31,7 +31,7 @@ from client.witness.judge import judge_round
 from client.witness.records import Commitment, Report
 from coordinator_program.facts import config_facts
 from coordinator_program.spec import derived, limits, rules
-from coordinator_program.spec.bloom import build_filter, contains_raw, participant_key
+from coordinator_program.spec.bloom import build_filter, contains_raw, part_count, participant_key
 from coordinator_program.spec.config import Config, bloom_params, filter_capacity, predicted_false_positive_rate
 from coordinator_program.spec.state import ACCOUNT_SIZE, CoordinatorState, Phase, Role
 from tests.benchmarks import bench_broadcast, program_compute_units
@@ -62,7 +62,7 @@ def program_figures() -> None:
 def proof_and_account_figures() -> None:
     for clients in SIZES:
         facts = config_facts(program_compute_units.config_for(clients))
-        parts = -(-clients // limits.PART_CLIENTS)
+        parts = part_count(clients)
         print(f"witness proof at {clients:,} clients: {parts} transaction(s) of {facts.witness_transaction_bytes} "
               f"bytes ({parts * facts.witness_transaction_bytes:,} bytes; limit {limits.SOLANA_TX_LIMIT} each)")
     rent = ProgramChain().svm.minimum_balance_for_rent_exemption(ACCOUNT_SIZE)

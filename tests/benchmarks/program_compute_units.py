@@ -3,7 +3,8 @@
 Run from the repository root: ``python -m tests.benchmarks.program_compute_units``. It drives the committed
 program in LiteSVM through the conformance harness (so every measured call is also checked against the
 specification) and prints, for each instruction, the units of its costliest path at each run size: the
-last join (scanning every member), a witness proof part (it tallies its 128 clients' participant and compute keys;
+last join of a permissioned run (scanning every member for its key and for the slot its countersignature names),
+a witness proof part (it tallies its 128 clients' participant and compute keys;
 the quorum's last part ticks), a health check (it reads one count), each tick that ends a round (crediting 128
 clients' points a tick; one run crediting into a ledger full of strangers, each of a tick's 4 new entries
 displacing one), the tick that admits every joiner, the checkpoint that ends cooldown and requeues every client.
@@ -59,8 +60,10 @@ class Bench:
     def __init__(self, clients: int, table: dict[str, dict[int, int]]) -> None:
         self.clients, self.table = clients, table
         self.authority = Keypair()
+        self.gate = Keypair()  # the join authority: each join names a slot, and the slot check scans every member
         chain = ProgramChain()
-        self.replay = Replay(chain, self.authority, f"bench-{clients}")
+        chain.fund(self.gate)
+        self.replay = Replay(chain, self.authority, f"bench-{clients}", join_authority=key(self.gate))
         self.record("init_coordinator")
         self.members: dict[bytes, Keypair] = {}
 
@@ -69,7 +72,7 @@ class Bench:
         row[self.clients] = max(row.get(self.clients, 0), self.replay.units)
 
     def call(self, label: str | None, ix: Instruction, signer: Keypair, advance: int = 0) -> int | None:
-        code = self.replay.apply(ix, signer, advance=advance)
+        code = self.replay.apply(ix, signer, self.gate if isinstance(ix, JoinRun) else None, advance=advance)
         if code is None and label is not None:
             self.record(label)
         return code
@@ -92,6 +95,11 @@ class Bench:
             for ix in ixs:
                 self.call(label, ix, self.of(witness))
 
+    def join(self, slot: int) -> JoinRun:
+        """A join countersigned for ``slot``, valid for a minute (a trainer every eighth slot)."""
+        role = Role.Trainer if slot % 8 == 7 else Role.Worker
+        return JoinRun(self.state.run_id, role, limits.NO_STAGE, slot, self.replay.now + 60)
+
     def end_round(self, label: str) -> None:
         """Tick through the end of a round: a tick for every 128 clients credited (more for a full ledger)."""
         config = self.state.config
@@ -107,11 +115,10 @@ class Bench:
         keypairs = [Keypair.from_seed(hashlib.sha256(b"bench %d" % i).digest()) for i in range(self.clients)]
         self.replay.chain.fund(*keypairs)
         self.members = {key(kp): kp for kp in keypairs}
-        for i, kp in enumerate(keypairs):
-            self.call("join_run (the last joiner)", JoinRun(self.state.run_id, Role.Trainer if i % 8 == 7
-                                                             else Role.Worker), kp)
+        for slot, kp in enumerate(keypairs):
+            self.call("join_run (the last joiner, naming its slot)", self.join(slot), kp)
         self.call("withdraw (the first joiner)", Withdraw(), keypairs[0])
-        self.call(None, JoinRun(self.state.run_id, Role.Worker), keypairs[0])
+        self.call(None, self.join(0), keypairs[0])
         if self.clients < config.min_clients:
             return
         self.call("tick: WaitingForMembers → Warmup (admits all)", Tick(), authority, advance=1)
