@@ -108,26 +108,36 @@ def auth_service(
 
 
 def coordinator_release(server: str | None, url: str | None, run_id: str, program_id: str | None, signer):
-    """The join authority's ``release_slot`` to the coordinator ``--server`` or ``--url`` names, one connection
-    each (slots end a few times a minute at most); it returns once the coordinator confirms the key is gone."""
+    """The join authority's ``release_slot`` to the coordinator ``--server`` or ``--url`` names, for every key of a
+    pass over one connection (a connection downloads the run's state, so not one per key); it returns the keys the
+    coordinator confirmed gone, and raises if the coordinator cannot be reached or serves another run."""
     from client.backends.base import BackendError
-    from coordinator_program.spec.errors import NotHealthy, NotJoined
+    from coordinator_program.spec.errors import CoordinatorError, NotHealthy, NotJoined
     from coordinator_program.spec.instructions import ReleaseSlot
 
-    async def release(key: bytes) -> None:
+    async def release(keys: list[bytes]) -> set[bytes]:
         backend = open_backend(server, url, run_id, program_id, signer)
         await backend.connect()
+        confirmed: set[bytes] = set()
         try:
             if backend.state.run_id != run_id:
                 raise BackendError(f"the coordinator at {server or url} serves run {backend.state.run_id!r}, "
                                    f"not {run_id!r}")
-            await backend.submit(ReleaseSlot(key))
-        except (NotJoined, NotHealthy):
-            pass  # the key is gone already, or leaving: what the release is for
+            for key in keys:
+                try:
+                    await backend.submit(ReleaseSlot(key))
+                except (NotJoined, NotHealthy):
+                    pass  # the key is gone already, or leaving: what the release is for
+                except CoordinatorError as exc:  # refused: its slot stays ended, and the next pass asks again
+                    logging.getLogger("psyswarm.auth").warning("the coordinator refused to release key %s…: %s",
+                                                               key.hex()[:8], exc)
+                    continue
+                confirmed.add(key)
         finally:
             await backend.close()
+        return confirmed
 
-    return lambda key: asyncio.run(release(key))
+    return lambda keys: asyncio.run(release(keys))
 
 
 def register(app: typer.Typer) -> None:

@@ -46,6 +46,9 @@ MAX_NUMBER = 2**63 - 1
 MAX_LOSS = 1e6
 """A mean cross-entropy above this is no model's (float32 probabilities bound it near 104); the bound keeps every
 sum a reader makes of losses finite."""
+MIN_SECONDS = 1e-6
+"""The shortest training time a commitment may claim, other than 0 (not measured): no share trains in less, and
+the floor keeps every rate a reader makes of tokens over seconds finite (2**63 tokens over it are 9.2e24/s)."""
 
 _HEX = re.compile(r"[0-9a-f]*")
 
@@ -200,8 +203,8 @@ class Commitment(SignedRecord):
         _require(isinstance(self.loss, int | float) and not isinstance(self.loss, bool) and math.isfinite(self.loss)
                  and 0 <= self.loss <= MAX_LOSS, f"commitment.loss must be a number in [0, {MAX_LOSS:g}]")
         _require(isinstance(self.seconds, int | float) and not isinstance(self.seconds, bool)
-                 and math.isfinite(self.seconds) and self.seconds >= 0,
-                 "commitment.seconds must be a finite, non-negative number")
+                 and math.isfinite(self.seconds) and (self.seconds == 0 or self.seconds >= MIN_SECONDS),
+                 f"commitment.seconds must be 0 (not measured) or a finite number of at least {MIN_SECONDS:g}")
         self.claims()
 
     def claims(self) -> tuple[ClaimedReceipt, ...]:

@@ -13,6 +13,7 @@ from local_backend.auth.failures import AuthFailure
 from local_backend.auth.protocol import token_sha256
 
 MAX_REFUSED = 65_536  # refused token hashes remembered (the oldest forgotten first)
+MAX_KNOWN = 65_536  # token hashes the Hub accepted, remembered (the longest unconfirmed forgotten first)
 
 
 class HubIdentity:
@@ -21,7 +22,10 @@ class HubIdentity:
     Answers are cached per token hash for ``ttl`` seconds: the Hub rate-limits whoami, and slot renewals
     would otherwise call it every few minutes per peer. Refusals are cached as well (for ``ttl``, at most
     ``MAX_REFUSED`` of them), and the Hub is asked about at most ``lookups`` unseen tokens per ``window``
-    seconds: a flood of made-up tokens is answered from here, and the Hub sees a bounded number of calls.
+    seconds: a flood of made-up tokens is answered from here, and the Hub sees a bounded number of calls. A
+    token the Hub accepted before is re-checked once its answer is ``ttl`` old outside that bound (at most once
+    per ``ttl`` each, and only tokens the Hub accepted become known), so a flood that spends the bound never
+    keeps a contributor already in the run from renewing its slot; one the Hub now refuses is forgotten.
     """
 
     def __init__(self, endpoint: str | None = None, *, ttl: float = 300.0, lookups: int = 30, window: float = 60.0,
@@ -32,7 +36,7 @@ class HubIdentity:
         self.endpoint = self.api.endpoint
         self.ttl, self.lookups, self.window = ttl, lookups, window
         self.clock = clock
-        self._cache: dict[str, tuple[float, str]] = {}
+        self._cache: OrderedDict[str, tuple[float, str]] = OrderedDict()  # token hash -> (confirmed when, user)
         self._refused: OrderedDict[str, float] = OrderedDict()  # token hash -> when the Hub refused it
         self._asked: deque[float] = deque()  # when the Hub was last asked, at most ``lookups`` times
         self._lock = threading.Lock()
@@ -49,13 +53,8 @@ class HubIdentity:
                 return cached[1]
             if now - self._refused.get(key, -math.inf) < self.ttl:
                 raise self._invalid()
-            while self._asked and now - self._asked[0] >= self.window:
-                self._asked.popleft()
-            if len(self._asked) >= self.lookups:
-                raise AuthFailure(HTTPStatus.SERVICE_UNAVAILABLE, "identity_busy",
-                                  f"more than {self.lookups} new tokens were checked in the last {self.window:.0f} s; "
-                                  "try again in a minute")
-            self._asked.append(now)
+            if cached is None:
+                self._spend_lookup(now)
         try:
             answer = self.api.whoami(token=token)
         except HfHubHTTPError as exc:
@@ -73,10 +72,21 @@ class HubIdentity:
             raise AuthFailure(HTTPStatus.BAD_GATEWAY, "identity_unavailable",
                               f"the Hugging Face Hub at {self.endpoint} returned no user name for the token")
         with self._lock:
-            now = self.clock()
-            self._cache = {k: v for k, v in self._cache.items() if now - v[0] < self.ttl}
-            self._cache[key] = (now, name)
+            self._cache[key] = (self.clock(), name)
+            self._cache.move_to_end(key)
+            while len(self._cache) > MAX_KNOWN:
+                self._cache.popitem(last=False)
         return name
+
+    def _spend_lookup(self, now: float) -> None:
+        """Count a lookup of an unseen token against the window's ``lookups`` (the lock held)."""
+        while self._asked and now - self._asked[0] >= self.window:
+            self._asked.popleft()
+        if len(self._asked) >= self.lookups:
+            raise AuthFailure(HTTPStatus.SERVICE_UNAVAILABLE, "identity_busy",
+                              f"more than {self.lookups} new tokens were checked in the last {self.window:.0f} s; "
+                              "try again in a minute")
+        self._asked.append(now)
 
     def _invalid(self) -> AuthFailure:
         return AuthFailure(HTTPStatus.UNAUTHORIZED, "invalid_token",
@@ -84,6 +94,7 @@ class HubIdentity:
 
     def _remember_refusal(self, key: str) -> None:
         with self._lock:
+            self._cache.pop(key, None)
             self._refused[key] = self.clock()
             self._refused.move_to_end(key)
             while len(self._refused) > MAX_REFUSED:

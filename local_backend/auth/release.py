@@ -13,26 +13,26 @@ from local_backend.auth.rules import AuthService
 
 log = logging.getLogger("psyswarm.auth")
 
-Release = Callable[[bytes], None]
-"""Has the coordinator withdraw a key (the join authority's ``release_slot``): returns once the coordinator
-confirms the key holds no live slot (withdrawn now, or gone already), raises anything otherwise."""
+Release = Callable[[list[bytes]], set[bytes]]
+"""Has the coordinator withdraw keys (the join authority's ``release_slot``), all of them over one connection:
+returns the keys the coordinator confirmed hold no live slot (withdrawn now, or gone already); raises anything
+when it could not be asked at all."""
 
 PERIOD = 5.0  # seconds between passes over the ended slots
 
 
 def release_ended(service: AuthService, release: Release) -> int:
-    """Have the coordinator withdraw the key of every ended slot that is due, and free each slot it confirms; the
-    others stay ended, to be tried on the next pass. How many were freed."""
-    freed = 0
-    for slot in service.due_releases():
-        try:
-            release(bytes.fromhex(slot.peer))  # no lock held: it waits on the coordinator
-        except Exception as exc:
-            log.warning("the coordinator has not confirmed the end of slot %d (peer %s…): %s; trying again",
-                        slot.index, slot.peer[:8], exc)
-            continue
-        freed += service.released(slot)
-    return freed
+    """Have the coordinator withdraw the keys of the ended slots that are due, in one ``release``, and free each
+    slot whose key it confirms; the others stay ended, to be tried on the next pass. How many were freed."""
+    due = service.due_releases()
+    if not due:
+        return 0
+    try:
+        confirmed = release([bytes.fromhex(slot.peer) for slot in due])  # no lock held: it waits on the coordinator
+    except Exception as exc:
+        log.warning("could not tell the coordinator that %d slot(s) ended: %s; trying again", len(due), exc)
+        return 0
+    return sum(service.released(slot) for slot in due if bytes.fromhex(slot.peer) in confirmed)
 
 
 class Releaser:

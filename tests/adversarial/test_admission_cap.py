@@ -224,3 +224,43 @@ def test_one_token_never_has_more_keys_in_the_run_than_its_cap(fake_hub, tmp_pat
                 await server.stop()
 
         asyncio.run(main())
+
+
+def test_slots_that_ended_together_are_released_over_one_connection(fake_hub, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass of the releaser opened a connection per ended slot, each downloading the run's whole state (at 1,024
+    clients, on every pass while the coordinator refused): the keys of one pass share one connection now, and every
+    one of them leaves the coordinator and frees its slot."""
+    clock = Clock()
+    monkeypatch.setattr(auth_client, "time", clock)
+    with serving(fake_hub, capacity=6, max_slots_per_token=4, lease_seconds=LEASE, clock=clock, clock_margin=2.0,
+                 tells_coordinator=True) as service:
+
+        async def main() -> None:
+            server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(), clock,
+                                       join_authority=authority_of(service))
+            address = f"127.0.0.1:{await server.start(port=0)}"
+            alice = Contributor(service, address, clock, random.Random(0))
+            try:
+                for _ in range(3):
+                    await alice.grant()
+                assert live_keys(server.state) & alice.keys() == alice.keys() and len(alice.keys()) == 3
+                connected: list[bytes] = []
+                connect = TcpBackend.connect
+
+                async def counted(backend: TcpBackend, *args, **kwargs) -> None:
+                    connected.append(backend.identity)
+                    await connect(backend, *args, **kwargs)
+
+                monkeypatch.setattr(TcpBackend, "connect", counted)
+                clock.advance(LEASE + 15)  # every lease lapses, and every countersigned deadline passes
+                release = coordinator_release(address, None, RUN, None, service.service.keypair)
+                assert await asyncio.to_thread(release_ended, service.service, release) == 3
+                assert connected == [bytes(service.service.keypair.pubkey())]
+                assert live_keys(server.state) & alice.keys() == set()
+                assert await asyncio.to_thread(release_ended, service.service, release) == 0 and len(connected) == 1
+            finally:
+                await alice.close()
+                await server.stop()
+
+        asyncio.run(main())

@@ -78,7 +78,7 @@ def test_a_join_on_a_permissioned_run_needs_the_auth_services_countersignature(l
             await localnet.fund(service.service.keypair)
             release = coordinator_release(None, localnet.url, run_id, None, service.service.keypair)
             for _ in range(2):
-                await asyncio.to_thread(release, bytes(alice.pubkey()))
+                assert await asyncio.to_thread(release, [bytes(alice.pubkey())]) == {bytes(alice.pubkey())}
                 await honest.wait_for(lambda state: not state.pending, timeout=30)
             await asyncio.gather(relayed.close(), honest.close())
 

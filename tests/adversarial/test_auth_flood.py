@@ -17,10 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from typing import Any
 
+import pytest
 from solders.keypair import Keypair
 
-from client.join.auth import AuthClient
+from client.join.auth import AuthClient, AuthError
 from local_backend.auth.app import AuthHTTPServer
+from local_backend.auth.identity import HubIdentity
 from local_backend.auth.protocol import canonical, token_sha256
 from tests.join.test_auth import RUN, client, serving
 
@@ -111,3 +113,40 @@ def test_a_request_signed_before_a_slot_was_granted_does_not_act_on_it(fake_hub)
         status, answer = send(server, "POST", "/api/leave", captured)
         assert (status, answer["error"]) == (400, "stale_request")
         assert server.service.occupancy()["slots"] == 1
+
+
+def test_a_flood_of_made_up_tokens_never_stops_a_known_contributor_renewing(fake_hub) -> None:
+    """Mallory sends joins under made-up tokens, enough to spend the Hub lookups of every window. The old service
+    counted the re-check of a token it already knew (its cached answer ``ttl`` old, as it is at a renewal every few
+    minutes) against the same bound, so Alice's renewals were refused ``identity_busy`` for as long as the flood
+    lasted, until her lease lapsed. A known token is re-checked outside the bound, and still re-checked: once
+    the Hub refuses it, it is refused here too."""
+    hub_clock = [0.0]
+    identity = HubIdentity(fake_hub.url, ttl=300.0, lookups=5, clock=lambda: hub_clock[0])
+    with serving(fake_hub, identify=identity) as server:
+        alice = client(server)
+        alice.join("tok-alice")
+
+        def flood() -> set[str]:
+            codes = set()
+            for _ in range(10):
+                try:
+                    client(server).join(secrets.token_hex(8))
+                except AuthError as refusal:
+                    codes.add(refusal.code)
+            return codes
+
+        for _ in range(3):  # a window's flood, then past the cache's ttl with the next window's flood at once
+            hub_clock[0] += 301.0
+            assert flood() == {"invalid_token", "identity_busy"}
+            calls = fake_hub.whoami_calls
+            assert alice.join("tok-alice").contributor == "alice"
+            assert fake_hub.whoami_calls == calls + 1, "her token is re-checked with the Hub"
+        with pytest.raises(AuthError) as busy:  # an unseen token waits for the next window
+            client(server).join("tok-bob")
+        assert busy.value.code == "identity_busy"
+        del fake_hub.users["tok-alice"]  # she revokes her token
+        hub_clock[0] += 301.0
+        flood()
+        with pytest.raises(AuthError, match="does not recognise this token"):
+            alice.join("tok-alice")

@@ -4,6 +4,7 @@ them, and readers still get every honest record (and the witness still counts it
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -15,11 +16,13 @@ from hivemind.utils import get_dht_time
 from solders.keypair import Keypair
 
 from client.commands.status import loss_line
+from client.dashboard.history import History
+from client.dashboard.view import Timeline, snapshot
 from client.pipeline.discovery import STATE_UP, Announcer, WorkerDirectory, WorkerRecord, stage_key
 from client.sealed import owner_of, store_sealed
 from client.stages import default_index, worker_uid
 from client.witness.judge import judge_round
-from client.witness.records import Board, Commitment, RecordError, Report, last_loss
+from client.witness.records import RECORD_TTL, Board, Commitment, RecordError, Report, last_loss, members
 from tests.pipeline.conftest import TINY, wait_until
 from tests.witness.rounds import commitment, honest_round, run_with_keys, shares, workers_by_stage
 
@@ -205,3 +208,26 @@ def test_a_later_run_of_the_same_id_reads_none_of_an_earlier_runs_records(dht, r
     later = replace(earlier, created_at=earlier.created_at + 3600)
     assert Board(dht, later).fetch(Commitment, 0, 0) == {} and last_loss(Board(dht, later), later) is None
     assert last_loss(Board(dht, earlier), earlier) == (0, 0, 4.2)
+
+
+def test_a_members_commitment_that_claims_no_time_cannot_break_the_dashboard(dht, run_id) -> None:
+    """A trainer of the run re-signs its own commitment with ``seconds`` = 5e-324 (finite and positive) and stores it
+    over the honest one, sealed with its key. Every other trainer measured no time, so the round's throughput was
+    its tokens over that: infinity, which the dashboard's JSON view cannot encode (every refresh answered 500). A
+    time under ``MIN_SECONDS`` is refused with the record, so the round's rate is unknown, and the view encodes."""
+    state, keys, board, commitments, _ = published_round(dht, run_id)
+    liar = shares(state)[0]
+    lying = commitment(state, keys, liar, list(commitments[liar.client.hex()].receipts), seconds=5e-324)
+    with pytest.raises(RecordError, match="commitment.seconds"):
+        lying.admit(liar.client.hex(), state.run_id, 0, 0)
+    key = board.key(Commitment, 0, 0)
+    assert store_sealed(dht, keys[liar.client], key, lying.to_value(), get_dht_time() + RECORD_TTL)
+    assert dht.get(key, latest=True).value[liar.client.hex()].value["seconds"] == 5e-324
+    history = History(lambda epoch, round_: list(board.fetch(Commitment, epoch, round_, members(state)).values()))
+    timeline = Timeline()
+    for result in history.read(state):
+        timeline.record(result)
+    assert [(r["epoch"], r["round"]) for r in timeline.losses()] == [(0, 1)]
+    view = snapshot(state, time.time(), timeline=timeline)
+    assert view["tokens_per_s"] is None
+    json.dumps(view, allow_nan=False)  # what the dashboard's JSONResponse does with it
