@@ -86,6 +86,7 @@ class DhtReader:
         self.initial_peers, self.run_id = initial_peers, run_id
         self.board = None
         self.history = None
+        self.members: set[str] = set()
         self.looked_at = -1  # the state nonce of the last look for rounds' results
 
     def __call__(self, state):
@@ -94,7 +95,6 @@ class DhtReader:
         from client.dashboard.history import History
         from client.witness.records import Commitment, members
 
-        self.members = members(state)  # only the run's clients' commitments count, read afresh with each state
         if self.board is None:
             self.board = open_board(self.initial_peers, state)
             self.history = History(lambda epoch, round_: list(
@@ -103,6 +103,7 @@ class DhtReader:
         if state.nonce == self.looked_at:  # a round's commitments are read once per state, not once per refresh
             return DhtReading(announced)
         self.looked_at = state.nonce
+        self.members = members(state)  # only the run's clients' commitments count: computed once per state
         return DhtReading(announced, self.history.read(state))
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from client.contributor.context import ClientContext
 from client.contributor.rounds import RoundKey
 from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
-from client.witness.records import Commitment, Presence, Ready, Report
+from client.witness.records import Commitment, Presence, Ready, Report, members
 from coordinator_program.spec import derived
 from coordinator_program.spec.errors import CoordinatorError, WrongPhase
 from coordinator_program.spec.state import CoordinatorState, Phase
@@ -53,13 +53,15 @@ class Witnessing:
         if key in self.proved or self.context.me not in derived.witnesses(state):
             return
         assert board is not None
+        counted = members(state)  # a stranger's records are skipped before their signatures cost anything
         if warmup:
-            ready = await asyncio.to_thread(board.fetch, Ready, state.epoch)
+            ready = await asyncio.to_thread(board.fetch, Ready, state.epoch, None, counted)
             evidence = judge_warmup(state, ready)  # type: ignore[arg-type]
         else:
-            commitments = await asyncio.to_thread(board.fetch, Commitment, state.epoch, state.round.height)
-            reports = await asyncio.to_thread(board.fetch, Report, state.epoch, state.round.height)
-            presences = await asyncio.to_thread(board.fetch, Presence, state.epoch, state.round.height)
+            height = state.round.height
+            commitments = await asyncio.to_thread(board.fetch, Commitment, state.epoch, height, counted)
+            reports = await asyncio.to_thread(board.fetch, Report, state.epoch, height, counted)
+            presences = await asyncio.to_thread(board.fetch, Presence, state.epoch, height, counted)
             evidence = judge_round(state, commitments, reports, presences)  # type: ignore[arg-type]
         if not evidence.complete and state.phase != Phase.RoundWitness:
             return
