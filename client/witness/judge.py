@@ -68,8 +68,9 @@ class Evidence:
         self.why_missing[client] = why
 
 
-Issued = dict[str, dict[tuple[str, str], set[bytes]]]
-"""Receipt hash -> (worker uid, stage name) -> the present workers that reported it under that uid and stage."""
+Issued = dict[str, dict[tuple[str, str], bytes]]
+"""Receipt hash -> (worker uid, stage name) -> the present worker that reported it: a uid is derived from its
+worker's key (``own_uid``), so no other worker can report under it."""
 
 
 def admitted(kind: type[SignedRecord], records: Mapping[str, object], author: str, state: CoordinatorState,
@@ -132,8 +133,7 @@ def present_workers(state: CoordinatorState, reports: Mapping[str, Report], evid
             continue  # a report in another stage, or under a uid that is not the author's: not its own work
         evidence.participants.add(worker.id)
         for h in report.receipts:  # type: ignore[attr-defined]
-            by_uid = issued.setdefault(h, {})
-            by_uid.setdefault((report.uid, names[worker.stage]), set()).add(worker.id)  # type: ignore[attr-defined]
+            issued.setdefault(h, {})[(report.uid, names[worker.stage])] = worker.id  # type: ignore[attr-defined]
     return issued
 
 
@@ -150,8 +150,8 @@ def present_trainers(state: CoordinatorState, presences: Mapping[str, Presence],
 
 
 def credit(state: CoordinatorState, share: Assignment, commitment: Commitment, issued: Issued) -> set[bytes]:
-    """The workers whose receipts ``commitment`` verifies (``sole_reporters``); ``RecordError`` saying why it does
-    not earn ``share``'s credit."""
+    """The workers whose receipts ``commitment`` verifies; ``RecordError`` saying why it does not earn ``share``'s
+    credit."""
     if (commitment.start, commitment.end) != (share.start, share.end):
         raise RecordError(f"commits samples {commitment.start}-{commitment.end}, assigned {share.start}-{share.end}")
     if commitment.tokens != share.size * state.model.seq_len:
@@ -160,7 +160,7 @@ def credit(state: CoordinatorState, share: Assignment, commitment: Commitment, i
     receipts_name_their_trainer(claims, commitment.author)
     receipts_cover_the_range_once(claims, share, stage_names(state.config.num_stages))
     receipts_were_reported(claims, issued)
-    return sole_reporters(claims, issued)
+    return {issued[claim.hash()][(claim.worker_uid, claim.stage)] for claim in claims}
 
 
 def receipts_name_their_trainer(claims: tuple[ClaimedReceipt, ...], author: str) -> None:
@@ -179,16 +179,6 @@ def receipts_were_reported(claims: tuple[ClaimedReceipt, ...], issued: Issued) -
         if (claim.worker_uid, claim.stage) not in issued.get(claim.hash(), ()):
             raise Unconfirmed(f"its {claim.stage} receipt for {claim.microbatch_id!r} was not reported by "
                               f"{claim.worker_uid}")
-
-
-def sole_reporters(claims: tuple[ClaimedReceipt, ...], issued: Issued) -> set[bytes]:
-    """The workers that did a counted commitment's work: each receipt's one reporter under its uid and stage."""
-    workers: set[bytes] = set()
-    for claim in claims:
-        reporters = issued[claim.hash()][(claim.worker_uid, claim.stage)]
-        if len(reporters) == 1:
-            workers.update(reporters)
-    return workers
 
 
 def receipts_cover_the_range_once(claims: tuple[ClaimedReceipt, ...], share: Assignment, stages: list[str]) -> None:
