@@ -4,6 +4,7 @@ refuses data tokenized otherwise than the model, and ``validate-config`` refuses
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import numpy as np
@@ -108,7 +109,7 @@ def test_a_hub_dataset_that_does_not_exist_is_refused_by_validate_config_and_nam
     with pytest.raises(DatasetMissing, match="hf:nobody/nothing has no"):
         check_dataset_tokenizer("hf:nobody/nothing", bytes(32), hf_endpoint=fake_hub.url)
     config = _config_with_dataset(tmp_path, "hf:nobody/nothing")
-    env = {**__import__("os").environ, "HF_ENDPOINT": fake_hub.url, "HF_HUB_OFFLINE": "0"}
+    env = {**os.environ, "HF_ENDPOINT": fake_hub.url, "HF_HUB_OFFLINE": "0"}
     result = subprocess.run([sys.executable, "-m", "client.cli", "validate-config", str(config)], env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "config OK" not in result.stdout, result.stdout + result.stderr
