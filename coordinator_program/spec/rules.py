@@ -15,9 +15,10 @@ that the next tick acts on. The on-chain program ticks right after a witness (bu
 warmup witness, health check or checkpoint, as ``instructions.apply_then_tick`` does.
 
 Witnesses are trusted only as a majority: a quorum is a strict majority of a round's witnesses
-(``validate_config``), a round ends early only on a quorum of proofs, and a client is unhealthy only when a
-quorum of proofs leaves it out. A minority of witnesses, each sending an empty or false filter or none at
-all, can thus neither end a round nor get a client removed. A round nobody proved withdraws its clients.
+(``validate_config``), a round's training ends early only on a quorum of proofs (or when its healthy clients no
+longer form a pipeline: a stage's last worker left), and a client is unhealthy only when a quorum of proofs leaves
+it out. A minority of witnesses, each sending an empty or false filter or none at all, can thus neither end a
+round nor get a client removed. A round nobody proved withdraws its clients.
 
 Points follow the same majority: at the end of each round a client earns presence when a quorum of the round's
 proofs hold its participant key, and compute (the samples it worked) when a quorum hold its compute key. They go
@@ -444,7 +445,11 @@ def _start_round(state: CoordinatorState, now: int, entropy: int, height: int) -
 
 
 def _tick_train(state: CoordinatorState, now: int, entropy: int) -> bool:
-    if quorum_reached(state) or now >= state.phase_start + state.config.max_round_train_time:
+    """The round's training ends on a quorum of proofs, at its time limit, or as soon as its healthy clients no
+    longer form a pipeline (a stage's last worker withdrew): nothing more can be trained, so nobody waits."""
+    healthy = [c for c in state.clients if c.health == Health.Healthy]
+    if (quorum_reached(state) or now >= state.phase_start + state.config.max_round_train_time
+            or not pipeline_complete(healthy, state.config)):
         _enter(state, Phase.RoundWitness, now)
         return True
     return False

@@ -42,7 +42,7 @@ def tick_op() -> st.SearchStrategy[tuple]:
 
 def witness_op() -> st.SearchStrategy[tuple]:
     return st.tuples(st.just("witness"), st.integers(0, 12) | st.just(0),
-                     st.sampled_from(["all", "half", "none", "short"]), st.integers(-1, 1))
+                     st.sampled_from(["all", "half", "none", "short"]), st.just(0) | st.integers(-1, 1))
 
 
 def health_op() -> st.SearchStrategy[tuple]:

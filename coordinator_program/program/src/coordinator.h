@@ -132,7 +132,7 @@ uint64_t psy_quorum(const uint8_t *s);
 /* The round seed's data index: step × global_batch_size. */
 uint64_t psy_data_index(const uint8_t *s);
 
-/* Who a list of clients (or admitted joiners) holds: what derived.pipeline_complete looks at. */
+/* Who a list of clients (its healthy ones) or admitted joiners holds: what derived.pipeline_complete looks at. */
 typedef struct {
   uint16_t workers[PSY_MAX_STAGES]; /* workers per stage, for stages < num_stages */
   uint64_t members;

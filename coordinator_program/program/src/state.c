@@ -58,10 +58,15 @@ void psy_census(uint8_t *s, const psy_list_t *list, psy_census_t *out) {
   for (uint64_t stage = 0; stage < PSY_MAX_STAGES; stage++) {
     out->workers[stage] = 0;
   }
-  out->members = n;
+  bool clients = list->entries_offset == PSY_CLIENTS.entries_offset; /* joiners have no health */
+  out->members = 0;
   out->has_trainer = false;
   for (uint64_t i = 0; i < n; i++) {
     const uint8_t *entry = psy_list_entry(s, list, i);
+    if (clients && entry[PSY_CLIENT_HEALTH_OFFSET] != PSY_HEALTH_HEALTHY) {
+      continue; /* a withdrawn or unhealthy client leaves at the round's end: it holds nothing up */
+    }
+    out->members++;
     uint8_t stage = entry[PSY_CLIENT_STAGE_OFFSET];
     if (entry[PSY_CLIENT_ROLE_OFFSET] == PSY_ROLE_TRAINER) {
       out->has_trainer = true;

@@ -135,7 +135,8 @@ static uint64_t tick_warmup(uint8_t *s, int64_t now) {
 }
 
 static uint64_t tick_train(uint8_t *s, int64_t now) {
-  if (reached_quorum(s) || phase_time_reached(s, now, PSY_ACCOUNT_CONFIG_MAX_ROUND_TRAIN_TIME_GET(s))) {
+  if (reached_quorum(s) || phase_time_reached(s, now, PSY_ACCOUNT_CONFIG_MAX_ROUND_TRAIN_TIME_GET(s)) ||
+      !clients_complete(s)) {
     enter(s, PSY_PHASE_ROUND_WITNESS, now);
     return PSY_SUCCESS;
   }
