@@ -224,7 +224,7 @@ def test_opportunistic_witnessing_ends_training_early() -> None:
 
 def test_a_stage_s_last_worker_withdrawing_ends_training_at_once() -> None:
     """Nothing more can be trained once a stage has no healthy worker: the round goes to its witnesses at the next
-    tick rather than wait out max_round_train_time (it used to); a stage that keeps a worker trains on."""
+    tick rather than wait out max_round_train_time; a stage that keeps a worker trains on."""
     state = new_run(replace(SMALL, min_clients=4))
     join_pipeline(state, workers=4)  # stage 0 has two workers
     now = start_training(state)
