@@ -18,8 +18,9 @@ from tests.integration.test_swarm import fail_with_logs, launch, tiny, watch
 
 @pytest.mark.slow
 def test_a_sigtermed_worker_withdraws_at_once_and_its_restart_resumes_at_its_step(tmp_path: Path) -> None:
-    """Before: the worker stayed listed (Healthy) until the health checks dropped it, and its restart started the
-    stage from the seed (no snapshot is taken before step 10)."""
+    """Before: the worker stayed listed (Healthy) until the health checks dropped it, the round waited out its
+    max_round_train_time with the worker's stage empty, and its restart started the stage from the seed (no
+    snapshot is taken before step 10)."""
     swarm = launch(tmp_path, tiny(rounds=20, steps=20, train_time=15), ["head", "body1", "tail"])
     name = "worker1-body1"
     me = bytes(load_keypair(tmp_path / "keys" / f"{name}.json").pubkey())
@@ -37,6 +38,9 @@ def test_a_sigtermed_worker_withdraws_at_once_and_its_restart_resumes_at_its_ste
         assert time.monotonic() - signalled < 8, "the coordinator learned of the leave only from its health checks"
         index = seen[-1].client_index(me)
         assert index is None or seen[-1].clients[index].health == Health.Withdrawn
+        withdrawn_at = time.monotonic()  # body1 had no other worker: nothing more can be trained this round
+        asyncio.run(watch(swarm, lambda s: s.phase != Phase.RoundTrain, 20))
+        assert time.monotonic() - withdrawn_at < 5, "the round waited out max_round_train_time (15 s), its stage empty"
         assert proc.wait(10) == 0
         log = swarm.log_text(name)
         saved = re.search(r"stage body1 saved at step (\d+) under", log)
