@@ -5,6 +5,8 @@
   themselves;
 - a member declares another round, or a weight of -1: it is dropped from the round, the others average, and
   nobody is counted a failure (on the old code the whole group failed and honest workers were withdrawn);
+- a member gathers a hivemind header (bandwidth, mode) that hivemind cannot take: it is dropped, and no
+  honest round fails for it (on the old code every group it joined failed its all-reduce);
 - a member overwrites with a chosen value and a weight of 1e30: the robust reduction keeps the honest result
   within the bound ``client.averaging.robust`` documents;
 - a member that claims the round's whole batch sends -60x the honest gradient (its norm declared truthfully):
@@ -103,6 +105,36 @@ def test_a_malformed_groupmate_is_dropped_and_nobody_honest_is_withdrawn(make_av
                 torch.testing.assert_close(flat(named), mean(before), rtol=0, atol=1e-5)
         else:
             assert all(torch.equal(flat(p), b) for p, b in zip(honest, before, strict=True))
+    assert together >= 1
+
+
+class _Header:
+    """Stands for hivemind's ``AveragingMode`` in a liar's own process: what its gathered header declares."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+
+@pytest.mark.parametrize("field, value", [("mode", _Header(7)), ("bandwidth", "fast")])
+def test_a_member_s_malformed_hivemind_header_fails_no_honest_round(make_averager, field, value) -> None:
+    """A member seals a valid declaration but gathers a hivemind header (bandwidth, mode) that hivemind's load
+    balancing cannot take. On the old code every group it was admitted to failed its all-reduce for everyone
+    ("all-reduce failed"), round after round; now it is dropped like any malformed groupmate."""
+    honest = [tensors(1), tensors(2)]
+    averagers = [make_averager(p) for p in honest]
+    liar = make_averager(tensors(3))
+    setattr(liar.averager, field, value)  # host side: hivemind serialises the header there, at each step
+    together = 0
+    for index in range(3):
+        before = [flat(p) for p in honest]
+        results = average_together([*averagers, liar], index, [1.0, 1.0, 1.0])
+        for result in results[:2]:
+            assert "all-reduce failed" not in result.reason, result.reason
+            assert result.consecutive_failures == 0
+        if all(r.status == AveragingStatus.AVERAGED for r in results[:2]):
+            together += 1
+            for named in honest:
+                torch.testing.assert_close(flat(named), mean(before), rtol=0, atol=1e-5)
     assert together >= 1
 
 
