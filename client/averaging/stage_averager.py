@@ -7,9 +7,9 @@ peers it meets under one DHT prefix. ``StageAverager`` adds, inside that process
   (through hivemind's all-gather) the round it is in and its weight, sealed with its key. A leader refuses a
   follower whose declaration does not pass, and every groupmate admits to the all-reduce only the peers whose
   declarations pass (roster, epoch, round, seal, one seat per key, a bandwidth and mode hivemind can
-  take): the rest are dropped, not the round. A
-  peer in another round would average other SPARTA slices element by element, so it is dropped like a
-  stranger; a group whose admitted weights are all 0 skips the all-reduce (hivemind's reducer would give NaN);
+  take): the rest are dropped, not the round. A peer in another round would average other SPARTA slices
+  element by element, so it is dropped like a stranger; a group whose admitted weights are all 0 skips the
+  all-reduce (hivemind's reducer would give NaN);
 - robust reduction (``client.averaging.robust``): each part is reduced by one CenteredClip step from the
   coordinate median rather than by the mean, so one admitted liar moves the result by a bounded amount;
 - state transfer to joiners with a byte counter the host reads for a progress bar, and checks on what
