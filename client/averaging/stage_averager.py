@@ -231,10 +231,12 @@ class StageAverager(DecentralizedAverager):
             logger.info(f"averaging round {self._round.value}: every weight in the group is 0, skipped")
             self._close_group(group_info)
             return {peer: declared.body for peer, declared in admitted.items()}
-        return await self._aggregate_admitted(group, min_vector_size, **kwargs)
+        return await self._aggregate_admitted(group, admitted, min_vector_size, **kwargs)
 
-    async def _aggregate_admitted(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
-        """The all-reduce among the admitted peers (hivemind's, or a subclass's phases)."""
+    async def _aggregate_admitted(self, group_info: GroupInfo, admitted: dict[PeerID, Declared],
+                                  min_vector_size: int, **kwargs: Any) -> Any:
+        """The all-reduce among the admitted peers (hivemind's, or a subclass's phases); ``admitted`` holds
+        their checked declarations, for a subclass's limits."""
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
