@@ -10,7 +10,8 @@
 - a member overwrites with a chosen value and a weight of 1e30: the robust reduction keeps the honest result
   within the bound ``client.averaging.robust`` documents;
 - a member that claims the round's whole batch sends -60x the honest gradient (its norm declared truthfully):
-  the applied gradient still points with the honest mean.
+  the applied gradient still points with the honest mean; claiming more than the round's batch, it adds
+  nothing to it.
 """
 
 from __future__ import annotations
@@ -175,12 +176,12 @@ def gradient_pairs(seed: int, shared: list[torch.Tensor]) -> list[tuple[str, tor
             for name, s in zip(("layers.0.fc.weight", "layers.0.fc.bias"), shared, strict=True)]
 
 
-@pytest.mark.parametrize("mode", ["full", "powersgd"])
-def test_a_member_cannot_reverse_the_stage_s_gradient(make_grad_averager, mode) -> None:
+def reverser_round(make_grad_averager, settings: GradientSettings,
+                   liar_weight: float) -> tuple[list[list[torch.Tensor]], list[Any], torch.Tensor]:
+    """One gradient round of two honest workers (4 samples each) and a ``_Reverser`` claiming ``liar_weight``:
+    the honest workers' gradients after it, their results, and the honest mean (flat)."""
     generator = torch.Generator().manual_seed(0)
     shared = [torch.randn(24, 32, generator=generator), torch.randn(24, generator=generator)]
-    settings = GradientSettings(GradAveraging.FULL if mode == "full" else GradAveraging.POWERSGD,
-                                rank=0 if mode == "full" else 4, timeouts=TRIO, max_weight=16.0)
     honest = [gradient_pairs(1, shared), gradient_pairs(2, shared)]
     honest_mean = [(a + b) / 2 for (_, a), (_, b) in zip(*honest, strict=True)]
     attacker = type("GradientAverager", (_Reverser,), {"honest_mean": honest_mean})
@@ -192,14 +193,32 @@ def test_a_member_cannot_reverse_the_stage_s_gradient(make_grad_averager, mode) 
     def run(i: int, weight: float) -> None:
         results[i] = averagers[i].average(values[i], int(weight), 0, weight)
 
-    threads = [threading.Thread(target=run, args=(i, w)) for i, w in enumerate((4.0, 4.0, 16.0))]
+    threads = [threading.Thread(target=run, args=(i, w)) for i, w in enumerate((4.0, 4.0, liar_weight))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
-    target = torch.cat([t.flatten() for t in honest_mean])
-    for value, result in zip(values[:2], results[:2], strict=True):
+    return values[:2], results[:2], torch.cat([t.flatten() for t in honest_mean])
+
+
+@pytest.mark.parametrize("mode", ["full", "powersgd"])
+def test_a_member_cannot_reverse_the_stage_s_gradient(make_grad_averager, mode) -> None:
+    settings = GradientSettings(GradAveraging.FULL if mode == "full" else GradAveraging.POWERSGD,
+                                rank=0 if mode == "full" else 4, timeouts=TRIO, max_weight=16.0)
+    values, results, target = reverser_round(make_grad_averager, settings, 16.0)
+    for value, result in zip(values, results, strict=True):
         assert result is not None and result.status == AveragingStatus.AVERAGED
         applied = torch.cat([t.flatten() for t in value])
         cosine = float(torch.nn.functional.cosine_similarity(applied, target, dim=0))
         assert cosine > 0.5, cosine
+
+
+def test_a_member_claiming_more_than_the_round_s_batch_adds_nothing(make_grad_averager) -> None:
+    """The reverser claims 1e6 samples, over ``max_weight`` (the round's global batch): every reducer refuses
+    its parts, so the honest workers get exactly their own mean (without the bound, the robust reduction of
+    three parts: near the honest mean, not equal to it)."""
+    settings = GradientSettings(GradAveraging.FULL, timeouts=TRIO, max_weight=16.0)
+    values, results, target = reverser_round(make_grad_averager, settings, 1e6)
+    for value, result in zip(values, results, strict=True):
+        assert result is not None and result.status == AveragingStatus.AVERAGED and not result.complete
+        torch.testing.assert_close(torch.cat([t.flatten() for t in value]), target, rtol=0, atol=1e-5)
