@@ -3,6 +3,8 @@
 - a stranger (not on the stage's roster, with a key and a roster of its own that lists it) joins the SPARTA
   group with a chosen value and a weight of 1e30: it is refused and the honest members average among
   themselves;
+- a stranger replays a member's sealed declaration: refused (the seal covers the member's peer id), and the
+  member keeps its seat; a member running two peers under its one key is seated by neither;
 - a member declares another round, or a weight of -1: it is dropped from the round, the others average, and
   nobody is counted a failure (on the old code the whole group failed and honest workers were withdrawn);
 - a member gathers a hivemind header (bandwidth, mode) that hivemind cannot take: it is dropped, and no
@@ -26,7 +28,7 @@ import torch
 from solders.keypair import Keypair
 
 from client.averaging.gradients import GradAveraging, GradientAverager, GradientSettings
-from client.averaging.membership import Roster
+from client.averaging.membership import Membership, Roster, seal
 from client.averaging.robust import KAPPA
 from client.averaging.rounds import run_round
 from client.averaging.sparta import AveragingStatus, SpartaAverager
@@ -65,6 +67,53 @@ def test_a_stranger_cannot_join_a_stage_s_averaging_or_move_it(make_averager) ->
             torch.testing.assert_close(flat(named), expected, rtol=0, atol=1e-5)
             assert not bool((flat(named) - 7.0).abs().lt(1e-3).any())
         assert all(r.consecutive_failures == 0 for r in results[:3])
+
+
+def test_a_member_s_declaration_replayed_by_a_stranger_is_refused(make_averager) -> None:
+    """A stranger gathers a member's own sealed declaration (that member's round and weight, its seal over the
+    member's peer id) and sends 7.0 everywhere: the seal does not hold for the stranger's peer id, so it is
+    refused, and the member it copied keeps its seat (the key is not counted as declared twice)."""
+    honest = [tensors(i) for i in range(3)]
+    victim_key = Keypair()
+    averagers = [make_averager(honest[0], keypair=victim_key, settings=TRIO),
+                 *(make_averager(p, settings=TRIO) for p in honest[1:])]
+    members = make_averager.members  # type: ignore[attr-defined]
+    victim = averagers[0].averager
+    stranger = make_averager([(name, torch.full_like(t, 7.0)) for name, t in tensors(9)], enrol=False,
+                             settings=TRIO, roster=lambda: Roster(0, frozenset(members)))
+    declare = stranger.averager.prepare_round
+
+    def replay(index: int, declaration: dict[str, Any]) -> dict[str, Any]:
+        declare(index, declaration)  # hands its process the roster and the round, as an honest peer's does
+        return seal(Membership(victim_key, lambda: Roster(0, frozenset(members))), victim.prefix,
+                    victim.peer_id.to_bytes(), 0, {"round": index, "weight": 1.0})
+
+    stranger.averager.prepare_round = replay  # type: ignore[method-assign]
+    expected = mean([flat(p) for p in honest])
+    results = average_together([*averagers, stranger], 0, [1.0, 1.0, 1.0, 1.0])
+    assert [(r.status, r.group_size) for r in results[:3]] == [(AveragingStatus.AVERAGED, 3)] * 3
+    for named in honest:
+        torch.testing.assert_close(flat(named), expected, rtol=0, atol=1e-5)
+
+
+def test_a_member_running_two_peers_under_one_key_is_seated_by_neither(make_averager) -> None:
+    """A member runs two averagers with its one key, both sending 7.0, to double its say: a key declared by two
+    peers of a group seats neither, so whenever the honest workers average, they average only each other."""
+    honest = [tensors(1), tensors(2)]
+    averagers = [make_averager(p) for p in honest]
+    twin_key = Keypair()
+    twins = [make_averager([(name, torch.full_like(t, 7.0)) for name, t in tensors(3)], keypair=twin_key)
+             for _ in range(2)]
+    together = 0
+    for index in range(3):
+        before = [flat(p) for p in honest]
+        results = average_together([*averagers, *twins], index, [1.0] * 4)
+        assert all(r.group_size <= 2 and r.consecutive_failures == 0 for r in results[:2])
+        if all(r.status == AveragingStatus.AVERAGED for r in results[:2]):
+            together += 1
+            for named in honest:
+                torch.testing.assert_close(flat(named), mean(before), rtol=0, atol=1e-5)
+    assert together >= 1
 
 
 class _OtherRound(SpartaAverager):
