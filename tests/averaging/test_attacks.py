@@ -225,10 +225,11 @@ def gradient_pairs(seed: int, shared: list[torch.Tensor]) -> list[tuple[str, tor
             for name, s in zip(("layers.0.fc.weight", "layers.0.fc.bias"), shared, strict=True)]
 
 
-def reverser_round(make_grad_averager, settings: GradientSettings,
-                   liar_weight: float) -> tuple[list[list[torch.Tensor]], list[Any], torch.Tensor]:
-    """One gradient round of two honest workers (4 samples each) and a ``_Reverser`` claiming ``liar_weight``:
-    the honest workers' gradients after it, their results, and the honest mean (flat)."""
+def reverser_round(make_grad_averager, settings: GradientSettings, liar_weight: float, *,
+                   liar_reduces: bool = True) -> tuple[list[list[torch.Tensor]], list[Any], torch.Tensor]:
+    """One gradient round of two honest workers (4 samples each) and a ``_Reverser`` claiming ``liar_weight``
+    (declaring bandwidth 0 unless ``liar_reduces``, so that the honest workers reduce every part): the honest
+    workers' gradients after it, their results, and the honest mean (flat)."""
     generator = torch.Generator().manual_seed(0)
     shared = [torch.randn(24, 32, generator=generator), torch.randn(24, generator=generator)]
     honest = [gradient_pairs(1, shared), gradient_pairs(2, shared)]
@@ -236,6 +237,8 @@ def reverser_round(make_grad_averager, settings: GradientSettings,
     attacker = type("GradientAverager", (_Reverser,), {"honest_mean": honest_mean})
     averagers = [make_grad_averager(p, settings) for p in honest]
     averagers.append(make_grad_averager(gradient_pairs(3, shared), settings, cls=attacker))
+    if not liar_reduces:
+        averagers[2].process.bandwidth = 0.0  # hivemind gathers it with each step, from the host
     values = [[t.clone() for _, t in p] for p in [*honest, gradient_pairs(3, shared)]]
     results: list[Any] = [None] * 3
 
@@ -263,11 +266,12 @@ def test_a_member_cannot_reverse_the_stage_s_gradient(make_grad_averager, mode) 
 
 
 def test_a_member_claiming_more_than_the_round_s_batch_adds_nothing(make_grad_averager) -> None:
-    """The reverser claims 1e6 samples, over ``max_weight`` (the round's global batch): every reducer refuses
-    its parts, so the honest workers get exactly their own mean (without the bound, the robust reduction of
-    three parts: near the honest mean, not equal to it)."""
+    """The reverser claims 1e6 samples, over ``max_weight`` (the round's global batch): an honest reducer
+    refuses its parts, so with the honest workers reducing every part (the reverser declares bandwidth 0) they
+    get exactly their own mean (without the bound, the robust reduction of three parts: near the honest mean,
+    not equal to it). A part the liar reduces itself is the README's unverified-reducer limitation."""
     settings = GradientSettings(GradAveraging.FULL, timeouts=TRIO, max_weight=16.0)
-    values, results, target = reverser_round(make_grad_averager, settings, 1e6)
+    values, results, target = reverser_round(make_grad_averager, settings, 1e6, liar_reduces=False)
     for value, result in zip(values, results, strict=True):
         assert result is not None and result.status == AveragingStatus.AVERAGED and not result.complete
         torch.testing.assert_close(torch.cat([t.flatten() for t in value]), target, rtol=0, atol=1e-5)
