@@ -129,6 +129,19 @@ class Peer:
         return {k: v.clone() for k, v in self.worker.compute.module.state_dict().items()}
 
 
+def wait_until_listed(joiner: Peer, donors: int) -> None:
+    """Wait until the joiner's DHT node sees ``donors`` sharing peers, so that it tries them by priority (a donor
+    seen late would be tried after the others whatever its priority)."""
+    key = f"{joiner.averager.prefix}.all_averagers"
+    deadline = time.monotonic() + DONOR_WAIT
+    while time.monotonic() < deadline:
+        found = joiner.averager.averager.dht.get(key, latest=True)
+        if found is not None and isinstance(found.value, dict) and len(found.value) >= donors:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the joiner did not see {donors} donors in {DONOR_WAIT:.0f} s")
+
+
 def identity(run_id: str) -> dict[str, str]:
     return stage_identity(run_id, "body1", TINY.fingerprint())
 
@@ -205,6 +218,7 @@ def test_a_member_s_malformed_state_is_refused_and_the_next_donor_used(make_aver
     for peer in (good, hostile):
         peer.averager.sharing = True
         peer.averager.set_sharing_priority(peer.step)
+    wait_until_listed(joiner, 2)
     with caplog.at_level(logging.WARNING, logger="psyswarm.state"):
         state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id),
                                     timeout=DONOR_WAIT, progress=False)
@@ -230,6 +244,7 @@ def test_a_stranger_cannot_seed_a_joiner(make_averager, run_id: str, caplog) -> 
     for averager, priority in ((member.averager, 10.0), (stranger, float(10**15))):
         averager.sharing = True
         averager.set_sharing_priority(priority)
+    wait_until_listed(joiner, 2)
     with caplog.at_level(logging.WARNING, logger="psyswarm.state"):
         state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id),
                                     timeout=DONOR_WAIT, progress=False)
