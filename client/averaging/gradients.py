@@ -70,7 +70,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter, enter_asynchronously
 from hivemind.utils.math import orthogonalize_
 
-from client.averaging.membership import Membership, Roster
+from client.averaging.membership import Declared, Membership, Roster
 from client.averaging.rounds import GRACE, Wedged, holding, run_round
 from client.averaging.sparta import AveragingStatus, SpartaSettings, averager_prefix
 from client.averaging.stage_averager import StageAverager
@@ -205,28 +205,27 @@ class _GradientRounds(StageAverager):
 
     # ----- contribution checks -----
 
-    async def _aggregate_admitted(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+    async def _aggregate_admitted(self, group_info: GroupInfo, admitted: dict[PeerID, Declared],
+                                  min_vector_size: int, **kwargs: Any) -> Any:
         self._refused_results = False
-        limits = self._group_limits(group_info)
+        limits = self._group_limits(admitted)
         ids = [group_info.group_id, *(group_info.group_id + phase.name.encode() for phase in AllReducePhases)]
         self._limits.update(dict.fromkeys(ids, limits))
         try:
-            return await super()._aggregate_admitted(group_info, min_vector_size, **kwargs)
+            return await super()._aggregate_admitted(group_info, admitted, min_vector_size, **kwargs)
         finally:
             for group_id in ids:
                 self._limits.pop(group_id, None)
 
-    def _group_limits(self, group_info: GroupInfo) -> _GroupLimits:
-        """Each groupmate's limit from what it declared; one that declared nonsense gets none (all refused)."""
+    def _group_limits(self, admitted: dict[PeerID, Declared]) -> _GroupLimits:
+        """Each admitted groupmate's limit from its declaration (membership checked its weight); one that
+        claims more than ``max_weight`` or declares no finite norm gets none (all its parts refused)."""
         declared: dict[PeerID, tuple[float, float]] = {}
-        for peer, blob in zip(group_info.peer_ids, group_info.gathered, strict=True):
-            try:
-                user = self._user_data(blob)
-                weight, norm = float(user["weight"]), float(user["norm"])
-            except Exception:  # a groupmate's bytes: malformed data only costs it its place in the round
-                continue
-            if 0 <= weight <= self._max_weight and 0 <= norm < math.inf:
-                declared[peer] = (weight, norm)
+        for peer, declaration in admitted.items():
+            norm = declaration.body.get("norm")
+            if (isinstance(norm, int | float) and not isinstance(norm, bool) and 0 <= norm < math.inf
+                    and declaration.weight <= self._max_weight):
+                declared[peer] = (declaration.weight, float(norm))
         typical = sorted(norm for weight, norm in declared.values() if weight > 0)
         bound = self._factor * typical[(len(typical) - 1) // 2] if typical else math.inf
         peers = {peer: _Limit(weight, norm) for peer, (weight, norm) in declared.items() if norm <= bound}

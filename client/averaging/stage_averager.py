@@ -6,9 +6,10 @@ peers it meets under one DHT prefix. ``StageAverager`` adds, inside that process
 - membership before any tensor moves (``client.averaging.membership``): every peer of the group declares
   (through hivemind's all-gather) the round it is in and its weight, sealed with its key. A leader refuses a
   follower whose declaration does not pass, and every groupmate admits to the all-reduce only the peers whose
-  declarations pass (roster, epoch, round, seal, one seat per key): the rest are dropped, not the round. A
-  peer in another round would average other SPARTA slices element by element, so it is dropped like a
-  stranger; a group whose admitted weights are all 0 skips the all-reduce (hivemind's reducer would give NaN);
+  declarations pass (roster, epoch, round, seal, one seat per key, a bandwidth and mode hivemind can
+  take): the rest are dropped, not the round. A peer in another round would average other SPARTA slices
+  element by element, so it is dropped like a stranger; a group whose admitted weights are all 0 skips the
+  all-reduce (hivemind's reducer would give NaN);
 - robust reduction (``client.averaging.robust``): each part is reduced by one CenteredClip step from the
   coordinate median rather than by the mean, so one admitted liar moves the result by a bounded amount;
 - state transfer to joiners with a byte counter the host reads for a progress bar, and checks on what
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
@@ -229,10 +231,12 @@ class StageAverager(DecentralizedAverager):
             logger.info(f"averaging round {self._round.value}: every weight in the group is 0, skipped")
             self._close_group(group_info)
             return {peer: declared.body for peer, declared in admitted.items()}
-        return await self._aggregate_admitted(group, min_vector_size, **kwargs)
+        return await self._aggregate_admitted(group, admitted, min_vector_size, **kwargs)
 
-    async def _aggregate_admitted(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
-        """The all-reduce among the admitted peers (hivemind's, or a subclass's phases)."""
+    async def _aggregate_admitted(self, group_info: GroupInfo, admitted: dict[PeerID, Declared],
+                                  min_vector_size: int, **kwargs: Any) -> Any:
+        """The all-reduce among the admitted peers (hivemind's, or a subclass's phases); ``admitted`` holds
+        their checked declarations, for a subclass's limits."""
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
@@ -266,8 +270,14 @@ class StageAverager(DecentralizedAverager):
             pending.cancel()
 
     def _user_data(self, blob: bytes) -> Any:
-        """What a groupmate passed as ``gather`` to its step, from its gathered blob (untrusted: may raise)."""
-        _, _, user_bytes = self.serializer.loads(blob)
+        """What a groupmate passed as ``gather`` to its step, from its gathered blob (untrusted: raises unless
+        hivemind's header, its bandwidth and mode, is one that hivemind's load balancing can take: a groupmate
+        declaring mode 7 or bandwidth "x" would otherwise fail every admitted group's all-reduce)."""
+        bandwidth, mode, user_bytes = self.serializer.loads(blob)
+        if bandwidth is not None and (not isinstance(bandwidth, int | float) or isinstance(bandwidth, bool)
+                                      or not 0 <= bandwidth < math.inf):
+            raise ValueError(f"bandwidth {bandwidth!r}")
+        AveragingMode(mode)
         return self.serializer.loads(user_bytes)
 
     async def _fetch_state(self, future: MPFuture, expect: StateExpectation, timeout: float,

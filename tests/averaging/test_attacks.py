@@ -3,12 +3,17 @@
 - a stranger (not on the stage's roster, with a key and a roster of its own that lists it) joins the SPARTA
   group with a chosen value and a weight of 1e30: it is refused and the honest members average among
   themselves;
+- a stranger replays a member's sealed declaration: refused (the seal covers the member's peer id), and the
+  member keeps its seat; a member running two peers under its one key is seated by neither;
 - a member declares another round, or a weight of -1: it is dropped from the round, the others average, and
   nobody is counted a failure (on the old code the whole group failed and honest workers were withdrawn);
+- a member gathers a hivemind header (bandwidth, mode) that hivemind cannot take: it is dropped, and no
+  honest round fails for it (on the old code every group it joined failed its all-reduce);
 - a member overwrites with a chosen value and a weight of 1e30: the robust reduction keeps the honest result
   within the bound ``client.averaging.robust`` documents;
 - a member that claims the round's whole batch sends -60x the honest gradient (its norm declared truthfully):
-  the applied gradient still points with the honest mean.
+  the applied gradient still points with the honest mean; claiming more than the round's batch, it adds
+  nothing to it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from solders.keypair import Keypair
 
 from client.averaging.gradients import GradAveraging, GradientAverager, GradientSettings
-from client.averaging.membership import Roster
+from client.averaging.membership import Membership, Roster, seal
 from client.averaging.robust import KAPPA
 from client.averaging.rounds import run_round
 from client.averaging.sparta import AveragingStatus, SpartaAverager
@@ -62,6 +67,53 @@ def test_a_stranger_cannot_join_a_stage_s_averaging_or_move_it(make_averager) ->
             torch.testing.assert_close(flat(named), expected, rtol=0, atol=1e-5)
             assert not bool((flat(named) - 7.0).abs().lt(1e-3).any())
         assert all(r.consecutive_failures == 0 for r in results[:3])
+
+
+def test_a_member_s_declaration_replayed_by_a_stranger_is_refused(make_averager) -> None:
+    """A stranger gathers a member's own sealed declaration (that member's round and weight, its seal over the
+    member's peer id) and sends 7.0 everywhere: the seal does not hold for the stranger's peer id, so it is
+    refused, and the member it copied keeps its seat (the key is not counted as declared twice)."""
+    honest = [tensors(i) for i in range(3)]
+    victim_key = Keypair()
+    averagers = [make_averager(honest[0], keypair=victim_key, settings=TRIO),
+                 *(make_averager(p, settings=TRIO) for p in honest[1:])]
+    members = make_averager.members  # type: ignore[attr-defined]
+    victim = averagers[0].averager
+    stranger = make_averager([(name, torch.full_like(t, 7.0)) for name, t in tensors(9)], enrol=False,
+                             settings=TRIO, roster=lambda: Roster(0, frozenset(members)))
+    declare = stranger.averager.prepare_round
+
+    def replay(index: int, declaration: dict[str, Any]) -> dict[str, Any]:
+        declare(index, declaration)  # hands its process the roster and the round, as an honest peer's does
+        return seal(Membership(victim_key, lambda: Roster(0, frozenset(members))), victim.prefix,
+                    victim.peer_id.to_bytes(), 0, {"round": index, "weight": 1.0})
+
+    stranger.averager.prepare_round = replay  # type: ignore[method-assign]
+    expected = mean([flat(p) for p in honest])
+    results = average_together([*averagers, stranger], 0, [1.0, 1.0, 1.0, 1.0])
+    assert [(r.status, r.group_size) for r in results[:3]] == [(AveragingStatus.AVERAGED, 3)] * 3
+    for named in honest:
+        torch.testing.assert_close(flat(named), expected, rtol=0, atol=1e-5)
+
+
+def test_a_member_running_two_peers_under_one_key_is_seated_by_neither(make_averager) -> None:
+    """A member runs two averagers with its one key, both sending 7.0, to double its say: a key declared by two
+    peers of a group seats neither, so whenever the honest workers average, they average only each other."""
+    honest = [tensors(1), tensors(2)]
+    averagers = [make_averager(p) for p in honest]
+    twin_key = Keypair()
+    twins = [make_averager([(name, torch.full_like(t, 7.0)) for name, t in tensors(3)], keypair=twin_key)
+             for _ in range(2)]
+    together = 0
+    for index in range(3):
+        before = [flat(p) for p in honest]
+        results = average_together([*averagers, *twins], index, [1.0] * 4)
+        assert all(r.group_size <= 2 and r.consecutive_failures == 0 for r in results[:2])
+        if all(r.status == AveragingStatus.AVERAGED for r in results[:2]):
+            together += 1
+            for named in honest:
+                torch.testing.assert_close(flat(named), mean(before), rtol=0, atol=1e-5)
+    assert together >= 1
 
 
 class _OtherRound(SpartaAverager):
@@ -106,6 +158,36 @@ def test_a_malformed_groupmate_is_dropped_and_nobody_honest_is_withdrawn(make_av
     assert together >= 1
 
 
+class _Header:
+    """Stands for hivemind's ``AveragingMode`` in a liar's own process: what its gathered header declares."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+
+@pytest.mark.parametrize("field, value", [("mode", _Header(7)), ("bandwidth", "fast")])
+def test_a_member_s_malformed_hivemind_header_fails_no_honest_round(make_averager, field, value) -> None:
+    """A member seals a valid declaration but gathers a hivemind header (bandwidth, mode) that hivemind's load
+    balancing cannot take. On the old code every group it was admitted to failed its all-reduce for everyone
+    ("all-reduce failed"), round after round; now it is dropped like any malformed groupmate."""
+    honest = [tensors(1), tensors(2)]
+    averagers = [make_averager(p) for p in honest]
+    liar = make_averager(tensors(3))
+    setattr(liar.averager, field, value)  # host side: hivemind serialises the header there, at each step
+    together = 0
+    for index in range(3):
+        before = [flat(p) for p in honest]
+        results = average_together([*averagers, liar], index, [1.0, 1.0, 1.0])
+        for result in results[:2]:
+            assert "all-reduce failed" not in result.reason, result.reason
+            assert result.consecutive_failures == 0
+        if all(r.status == AveragingStatus.AVERAGED for r in results[:2]):
+            together += 1
+            for named in honest:
+                torch.testing.assert_close(flat(named), mean(before), rtol=0, atol=1e-5)
+    assert together >= 1
+
+
 def test_a_member_s_overwrite_stays_within_the_documented_bound(make_averager) -> None:
     """A member sends 7.0 everywhere with a weight of 1e30. The mean would hand every honest worker 7.0; the
     robust reduction keeps each honest result r within κ·(the honest parts' distances from the coordinate
@@ -143,31 +225,53 @@ def gradient_pairs(seed: int, shared: list[torch.Tensor]) -> list[tuple[str, tor
             for name, s in zip(("layers.0.fc.weight", "layers.0.fc.bias"), shared, strict=True)]
 
 
-@pytest.mark.parametrize("mode", ["full", "powersgd"])
-def test_a_member_cannot_reverse_the_stage_s_gradient(make_grad_averager, mode) -> None:
+def reverser_round(make_grad_averager, settings: GradientSettings, liar_weight: float, *,
+                   liar_reduces: bool = True) -> tuple[list[list[torch.Tensor]], list[Any], torch.Tensor]:
+    """One gradient round of two honest workers (4 samples each) and a ``_Reverser`` claiming ``liar_weight``
+    (declaring bandwidth 0 unless ``liar_reduces``, so that the honest workers reduce every part): the honest
+    workers' gradients after it, their results, and the honest mean (flat)."""
     generator = torch.Generator().manual_seed(0)
     shared = [torch.randn(24, 32, generator=generator), torch.randn(24, generator=generator)]
-    settings = GradientSettings(GradAveraging.FULL if mode == "full" else GradAveraging.POWERSGD,
-                                rank=0 if mode == "full" else 4, timeouts=TRIO, max_weight=16.0)
     honest = [gradient_pairs(1, shared), gradient_pairs(2, shared)]
     honest_mean = [(a + b) / 2 for (_, a), (_, b) in zip(*honest, strict=True)]
     attacker = type("GradientAverager", (_Reverser,), {"honest_mean": honest_mean})
     averagers = [make_grad_averager(p, settings) for p in honest]
     averagers.append(make_grad_averager(gradient_pairs(3, shared), settings, cls=attacker))
+    if not liar_reduces:
+        averagers[2].process.bandwidth = 0.0  # hivemind gathers it with each step, from the host
     values = [[t.clone() for _, t in p] for p in [*honest, gradient_pairs(3, shared)]]
     results: list[Any] = [None] * 3
 
     def run(i: int, weight: float) -> None:
         results[i] = averagers[i].average(values[i], int(weight), 0, weight)
 
-    threads = [threading.Thread(target=run, args=(i, w)) for i, w in enumerate((4.0, 4.0, 16.0))]
+    threads = [threading.Thread(target=run, args=(i, w)) for i, w in enumerate((4.0, 4.0, liar_weight))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
-    target = torch.cat([t.flatten() for t in honest_mean])
-    for value, result in zip(values[:2], results[:2], strict=True):
+    return values[:2], results[:2], torch.cat([t.flatten() for t in honest_mean])
+
+
+@pytest.mark.parametrize("mode", ["full", "powersgd"])
+def test_a_member_cannot_reverse_the_stage_s_gradient(make_grad_averager, mode) -> None:
+    settings = GradientSettings(GradAveraging.FULL if mode == "full" else GradAveraging.POWERSGD,
+                                rank=0 if mode == "full" else 4, timeouts=TRIO, max_weight=16.0)
+    values, results, target = reverser_round(make_grad_averager, settings, 16.0)
+    for value, result in zip(values, results, strict=True):
         assert result is not None and result.status == AveragingStatus.AVERAGED
         applied = torch.cat([t.flatten() for t in value])
         cosine = float(torch.nn.functional.cosine_similarity(applied, target, dim=0))
         assert cosine > 0.5, cosine
+
+
+def test_a_member_claiming_more_than_the_round_s_batch_adds_nothing(make_grad_averager) -> None:
+    """The reverser claims 1e6 samples, over ``max_weight`` (the round's global batch): an honest reducer
+    refuses its parts, so with the honest workers reducing every part (the reverser declares bandwidth 0) they
+    get exactly their own mean (without the bound, the robust reduction of three parts: near the honest mean,
+    not equal to it). A part the liar reduces itself is the README's unverified-reducer limitation."""
+    settings = GradientSettings(GradAveraging.FULL, timeouts=TRIO, max_weight=16.0)
+    values, results, target = reverser_round(make_grad_averager, settings, 1e6, liar_reduces=False)
+    for value, result in zip(values, results, strict=True):
+        assert result is not None and result.status == AveragingStatus.AVERAGED and not result.complete
+        torch.testing.assert_close(torch.cat([t.flatten() for t in value]), target, rtol=0, atol=1e-5)

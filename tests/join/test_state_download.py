@@ -7,6 +7,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import safetensors.torch
@@ -15,6 +16,7 @@ from solders.keypair import Keypair
 
 from client.averaging.membership import Roster
 from client.averaging.sparta import AveragingStatus, SpartaAverager
+from client.averaging.stage_averager import SharedState
 from client.join.checkpoints import FileLimits
 from client.join.state_download import (
     JoinWindow,
@@ -104,17 +106,40 @@ class Peer:
     """A same-stage worker (not serving gRPC: only its state matters here) with its SPARTA averager."""
 
     def __init__(self, make_averager, run_id: str, seed: int | None, *, step: int = 0,
-                 config: ModelConfig = TINY) -> None:
+                 config: ModelConfig = TINY,
+                 corrupt: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> None:
+        """``corrupt`` rewrites the tensors this peer serves (a hostile member's state)."""
         self.worker = StageWorker(config, "body1", run_id=run_id)
         if seed is not None:
             self.worker.compute.module.load_state_dict(perturbed_state(seed))
         self.step = step
+        provider = worker_state_provider(self.worker, lambda: self.step)
+        if corrupt is not None:
+            honest = provider
+
+            def provider() -> SharedState:
+                state = honest()
+                return SharedState(state.metadata, corrupt(list(state.tensors)))
+
         self.averager: SpartaAverager = make_averager(
             list(self.worker.compute.module.named_parameters()), lock=self.worker.compute.lock, partitions=2,
-            seed=config.seed, state_provider=worker_state_provider(self.worker, lambda: self.step))
+            seed=config.seed, state_provider=provider)
 
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.worker.compute.module.state_dict().items()}
+
+
+def wait_until_listed(joiner: Peer, donors: int) -> None:
+    """Wait until the joiner's DHT node sees ``donors`` sharing peers, so that it tries them by priority (a donor
+    seen late would be tried after the others whatever its priority)."""
+    key = f"{joiner.averager.prefix}.all_averagers"
+    deadline = time.monotonic() + DONOR_WAIT
+    while time.monotonic() < deadline:
+        found = joiner.averager.averager.dht.get(key, latest=True)
+        if found is not None and isinstance(found.value, dict) and len(found.value) >= donors:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the joiner did not see {donors} donors in {DONOR_WAIT:.0f} s")
 
 
 def identity(run_id: str) -> dict[str, str]:
@@ -174,6 +199,33 @@ def test_a_donor_s_claimed_step_is_not_believed_so_its_state_goes_through_the_sy
     assert SyncPolicy(max_allowed_stale=5, phase1_steps=4, phase2_steps=2).is_stale(state.step, swarm_step=10)
 
 
+CORRUPTIONS = {
+    "malformed or not finite": lambda ts: [torch.full_like(ts[0], float("nan")), *ts[1:]],
+    "arrives as float64": lambda ts: [ts[0].double(), *ts[1:]],
+    "arrives as float32[1, ": lambda ts: [ts[0].reshape(1, -1), *ts[1:]],
+    "it sent more than the": lambda ts: [*ts, ts[0]],
+}
+
+
+@pytest.mark.parametrize("refusal", list(CORRUPTIONS))
+def test_a_member_s_malformed_state_is_refused_and_the_next_donor_used(make_averager, run_id: str, caplog,
+                                                                        refusal: str) -> None:
+    """A roster member, tried first (the highest priority), serves a NaN tensor, one of another dtype or shape,
+    or one tensor too many: the joiner refuses it as it arrives and downloads the other member's state."""
+    good = Peer(make_averager, run_id, seed=1, step=10)
+    hostile = Peer(make_averager, run_id, seed=2, step=99, corrupt=CORRUPTIONS[refusal])
+    joiner = Peer(make_averager, run_id, seed=None)
+    for peer in (good, hostile):
+        peer.averager.sharing = True
+        peer.averager.set_sharing_priority(peer.step)
+    wait_until_listed(joiner, 2)
+    with caplog.at_level(logging.WARNING, logger="psyswarm.state"):
+        state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id),
+                                    timeout=DONOR_WAIT, progress=False)
+    assert same(state.tensors, good.state())
+    assert any(refusal in r.getMessage() for r in caplog.records)
+
+
 def test_a_stranger_cannot_seed_a_joiner(make_averager, run_id: str, caplog) -> None:
     """A peer off the stage's roster (its own roster lists it) serves -3.0 everywhere with the highest priority,
     so it is tried first: the joiner refuses it at its metadata and downloads the member's state."""
@@ -192,6 +244,7 @@ def test_a_stranger_cannot_seed_a_joiner(make_averager, run_id: str, caplog) -> 
     for averager, priority in ((member.averager, 10.0), (stranger, float(10**15))):
         averager.sharing = True
         averager.set_sharing_priority(priority)
+    wait_until_listed(joiner, 2)
     with caplog.at_level(logging.WARNING, logger="psyswarm.state"):
         state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id),
                                     timeout=DONOR_WAIT, progress=False)
