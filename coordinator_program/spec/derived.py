@@ -59,11 +59,14 @@ def stage_workers(clients: Iterable[Client | Pending], num_stages: int) -> list[
     return counts
 
 
+def pipeline_formed(clients: list[Client], num_stages: int) -> bool:
+    """A batch can be trained: a worker in every stage and at least one trainer."""
+    return min(stage_workers(clients, num_stages)) >= 1 and any(c.role == Role.Trainer for c in clients)
+
+
 def pipeline_complete(clients: list[Client], config: Config) -> bool:
-    """Training needs enough clients, a worker in every stage and at least one trainer."""
-    return (len(clients) >= config.min_clients
-            and min(stage_workers(clients, config.num_stages)) >= 1
-            and any(c.role == Role.Trainer for c in clients))
+    """An epoch needs enough clients as well as a formed pipeline."""
+    return len(clients) >= config.min_clients and pipeline_formed(clients, config.num_stages)
 
 
 def assign_stages(pending: list[Pending], num_stages: int) -> list[Client]:

@@ -41,7 +41,7 @@ from coordinator_program.spec.config import (
     validate_config,
     validate_model,
 )
-from coordinator_program.spec.derived import assign_stages, pipeline_complete, quorum, quorum_reached
+from coordinator_program.spec.derived import assign_stages, pipeline_complete, pipeline_formed, quorum, quorum_reached
 from coordinator_program.spec.errors import (
     AlreadyJoined,
     AlreadyMarked,
@@ -446,10 +446,12 @@ def _start_round(state: CoordinatorState, now: int, entropy: int, height: int) -
 
 def _tick_train(state: CoordinatorState, now: int, entropy: int) -> bool:
     """The round's training ends on a quorum of proofs, at its time limit, or as soon as its healthy clients no
-    longer form a pipeline (a stage's last worker withdrew): nothing more can be trained, so nobody waits."""
+    longer form a pipeline (a stage's last worker or the last trainer left): nothing more can be trained, so nobody
+    waits. Fewer healthy clients than ``min_clients`` alone does not end it: the rest still train the round (a
+    health-checked liar among them must not cost the honest their round), and the epoch ends when it does."""
     healthy = [c for c in state.clients if c.health == Health.Healthy]
     if (quorum_reached(state) or now >= state.phase_start + state.config.max_round_train_time
-            or not pipeline_complete(healthy, state.config)):
+            or not pipeline_formed(healthy, state.config.num_stages)):
         _enter(state, Phase.RoundWitness, now)
         return True
     return False

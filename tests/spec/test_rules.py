@@ -224,13 +224,15 @@ def test_opportunistic_witnessing_ends_training_early() -> None:
 
 def test_a_stage_s_last_worker_withdrawing_ends_training_at_once() -> None:
     """Nothing more can be trained once a stage has no healthy worker: the round goes to its witnesses at the next
-    tick rather than wait out max_round_train_time; a stage that keeps a worker trains on."""
-    state = new_run(replace(SMALL, min_clients=4))
-    join_pipeline(state, workers=4)  # stage 0 has two workers
+    tick rather than wait out max_round_train_time; a stage that keeps a worker trains on, even with fewer healthy
+    clients than min_clients (the epoch ends with the round, not before it)."""
+    state = new_run(replace(SMALL, min_clients=5))
+    join_pipeline(state, workers=4)  # stage 0 has two workers; five clients in all
     now = start_training(state)
     pair = [c.id for c in state.clients if c.role == Role.Worker and c.stage == 0]
     alone = next(c.id for c in state.clients if c.role == Role.Worker and c.stage == 1)
     rules.withdraw(state, pair[0])
+    assert len([c for c in state.clients if c.health == Health.Healthy]) < state.config.min_clients
     assert_rejected(state, errors.NothingToTick, lambda: rules.tick(state, now + 1, 3))
     rules.withdraw(state, alone)
     rules.tick(state, now + 1, 3)

@@ -140,6 +140,9 @@ typedef struct {
 } psy_census_t;
 
 void psy_census(uint8_t *s, const psy_list_t *list, psy_census_t *out);
+/* derived.pipeline_formed: a worker in every stage and a trainer. */
+bool psy_pipeline_formed(const uint8_t *s, const psy_census_t *census);
+/* derived.pipeline_complete: min_clients members as well. */
 bool psy_pipeline_complete(const uint8_t *s, const psy_census_t *census);
 /* Drops every client that is not healthy, keeping the others' order; each one's left_out count moves with it. */
 void psy_keep_healthy_clients(uint8_t *s);

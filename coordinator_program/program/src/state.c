@@ -1,5 +1,5 @@
-/* state.c: the coordinator account's lists and derived facts (derived.quorum, derived.pipeline_complete),
- * read and written in place in the account data. */
+/* state.c: the coordinator account's lists and derived facts (derived.quorum, derived.pipeline_formed and
+ * derived.pipeline_complete), read and written in place in the account data. */
 #include "coordinator.h"
 
 _Static_assert(PSY_PENDING_SIZE == PSY_CLIENT_HEALTH_OFFSET, "a pending entry is a client entry up to its health");
@@ -76,9 +76,9 @@ void psy_census(uint8_t *s, const psy_list_t *list, psy_census_t *out) {
   }
 }
 
-bool psy_pipeline_complete(const uint8_t *s, const psy_census_t *census) {
+bool psy_pipeline_formed(const uint8_t *s, const psy_census_t *census) {
   uint64_t num_stages = PSY_ACCOUNT_CONFIG_NUM_STAGES_GET(s);
-  if (census->members < PSY_ACCOUNT_CONFIG_MIN_CLIENTS_GET(s) || !census->has_trainer) {
+  if (!census->has_trainer) {
     return false;
   }
   for (uint64_t stage = 0; stage < num_stages; stage++) {
@@ -87,6 +87,10 @@ bool psy_pipeline_complete(const uint8_t *s, const psy_census_t *census) {
     }
   }
   return true;
+}
+
+bool psy_pipeline_complete(const uint8_t *s, const psy_census_t *census) {
+  return census->members >= PSY_ACCOUNT_CONFIG_MIN_CLIENTS_GET(s) && psy_pipeline_formed(s, census);
 }
 
 void psy_keep_healthy_clients(uint8_t *s) {

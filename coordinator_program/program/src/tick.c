@@ -34,6 +34,13 @@ static bool clients_complete(uint8_t *s) {
   return psy_pipeline_complete(s, &census);
 }
 
+/* The healthy clients still form a pipeline (rules._tick_train). */
+static bool clients_formed(uint8_t *s) {
+  psy_census_t census;
+  psy_census(s, &PSY_CLIENTS, &census);
+  return psy_pipeline_formed(s, &census);
+}
+
 /* rules._start_round: a fresh round of `height`, its seed chained from the current one's. */
 static void start_round(uint8_t *s, int64_t now, uint64_t height) {
   uint8_t *round = psy_current_round(s);
@@ -136,7 +143,7 @@ static uint64_t tick_warmup(uint8_t *s, int64_t now) {
 
 static uint64_t tick_train(uint8_t *s, int64_t now) {
   if (reached_quorum(s) || phase_time_reached(s, now, PSY_ACCOUNT_CONFIG_MAX_ROUND_TRAIN_TIME_GET(s)) ||
-      !clients_complete(s)) {
+      !clients_formed(s)) {
     enter(s, PSY_PHASE_ROUND_WITNESS, now);
     return PSY_SUCCESS;
   }
