@@ -272,7 +272,9 @@ def test_a_replacement_for_an_emptied_stage_starts_from_its_snapshot(tmp_path: P
 
 
 def test_a_joiner_mid_round_waits_for_the_next_epoch(tmp_path: Path) -> None:
-    swarm = launch(tmp_path, tiny(rounds=4, steps=8), ["head", "body1", "tail"])
+    # Epoch 0 must outlast the late trainer's start (importing torch, joining the DHT, authenticating): its four
+    # rounds of about a second each on loopback did not on a clean CI machine, so it has twelve.
+    swarm = launch(tmp_path, tiny(rounds=12, steps=24), ["head", "body1", "tail"])
     late: list[bytes] = []
 
     def join_late(state: CoordinatorState) -> None:
