@@ -16,9 +16,9 @@ warmup witness, health check or checkpoint, as ``instructions.apply_then_tick`` 
 
 Witnesses are trusted only as a majority: a quorum is a strict majority of a round's witnesses
 (``validate_config``), a round's training ends early only on a quorum of proofs (or when its healthy clients no
-longer form a pipeline: a stage's last worker left), and a client is unhealthy only when a quorum of proofs leaves
-it out. A minority of witnesses, each sending an empty or false filter or none at all, can thus neither end a
-round nor get a client removed. A round nobody proved withdraws its clients.
+longer form a pipeline: a stage's last worker or the last trainer left), and a client is unhealthy only when a
+quorum of proofs leaves it out. A minority of witnesses, each sending an empty or false filter or none at all,
+can thus neither end a round nor get a client removed. A round nobody proved withdraws its clients.
 
 Points follow the same majority: at the end of each round a client earns presence when a quorum of the round's
 proofs hold its participant key, and compute (the samples it worked) when a quorum hold its compute key. They go
