@@ -10,7 +10,15 @@ trainer's own earlier tasks is theirs, already counted. Counting whole latencies
 worker that received k tasks at once about (k+1)/2 times their work, and the next round's tasks would all
 go to its peer, then all back: replicas taking turns at whole rounds rather than sharing each one.
 A newcomer enters at the current maximum, the bottom of the heap: otherwise a fresh worker with zero
-runtime would take every request until it caught up, however slow it is. A backward is not chosen but
+runtime would take every request until it caught up, however slow it is. Until its first answer measures it, a
+worker has one task at a time (unless no other worker is usable): priced at a default throughput, a slow newcomer
+would otherwise take a whole burst of microbatches before its first answer showed what it costs.
+
+A worker's runtime is what it was measured to spend plus its tasks still outstanding, priced at its *latest*
+throughput: the estimate of what it still owes moves with each measurement, and a task's answer removes exactly
+the cost it was charged, whatever the throughput was when it was sent (subtracting the estimate at answer time
+instead, a slow worker's first answer would cancel far more than its first tasks were charged, and drive its
+runtime below zero). An attempt that fails releases what it was charged. A backward is not chosen but
 claimed from the worker that ran its forward, so choosing a worker for a forward commits it to the backward
 too, and the forward is charged both in advance; each is corrected by its own measured duration.
 """
@@ -37,10 +45,21 @@ _EMA = 0.3
 @dataclass
 class _WorkerState:
     record: WorkerRecord
-    vruntime: float
+    measured: float  # seconds of work measured, from the bottom of the heap when the worker was first seen
+    default_throughput: float
+    outstanding: float = 0.0  # cost units charged and not yet answered
     throughput: float | None = None  # cost units per second, measured
     banned_until: float = 0.0
     answered: float = float("-inf")  # when the worker last answered (the router's clock)
+
+    @property
+    def vruntime(self) -> float:
+        return self.measured + self.outstanding / (self.throughput or self.default_throughput)
+
+    @property
+    def probing(self) -> bool:
+        """Unmeasured and already sent a task: it gets no other until it answers."""
+        return self.throughput is None and self.outstanding > 0
 
 
 class StageRouter:
@@ -77,32 +96,40 @@ class StageRouter:
             for uid, record in current.items():
                 state = self._workers.get(uid)
                 if state is None or state.record.pubkey != record.pubkey:
-                    self._workers[uid] = _WorkerState(record, bottom)
+                    self._workers[uid] = _WorkerState(record, bottom, self.default_throughput)
                     self._push(uid)
                 else:
                     state.record = record
 
     def choose(self, cost: float, exclude: Collection[str] = ()) -> WorkerRecord | None:
-        """The least-loaded usable worker, charged ``cost`` in advance; ``None`` if none is usable."""
+        """The least-loaded usable worker, charged ``cost`` in advance; ``None`` if none is usable. An unmeasured
+        worker with a task outstanding is chosen only when no other is usable."""
         with self._lock:
             now = self.clock()
             skipped: list[str] = []
+            probing: _WorkerState | None = None
             chosen: _WorkerState | None = None
             while self._heap:
                 vruntime, _, uid = heapq.heappop(self._heap)
                 state = self._workers.get(uid)
                 if state is None or state.vruntime != vruntime:
                     continue  # stale entry: the worker left or was re-pushed with a new runtime
+                skipped.append(uid)
                 if state.banned_until > now or uid in exclude:
-                    skipped.append(uid)
+                    continue
+                if state.probing:
+                    probing = probing or state
                     continue
                 chosen = state
+                skipped.pop()
                 break
+            chosen = chosen or probing
             for uid in skipped:
-                self._push(uid)
+                if chosen is None or uid != chosen.record.uid:
+                    self._push(uid)
             if chosen is None:
                 return None
-            chosen.vruntime += cost / (chosen.throughput or self.default_throughput)
+            chosen.outstanding += cost
             self._push(chosen.record.uid)
             return chosen.record
 
@@ -121,27 +148,37 @@ class StageRouter:
 
     def report(self, uid: str, cost: float, sent: float, answered: float) -> None:
         """A task of ``cost`` sent at ``sent`` was answered at ``answered`` (the router's clock): replace its
-        estimate by the time the worker spent on it, update the throughput."""
+        charge by the time the worker spent on it, update the throughput."""
         with self._lock:
             state = self._workers.get(uid)
             if state is None:
                 return
             seconds = answered - max(sent, state.answered)
             state.answered = max(state.answered, answered)
-            if seconds <= 0:
-                return
-            expected = cost / (state.throughput or self.default_throughput)
-            state.vruntime += seconds - expected
-            rate = cost / seconds
-            state.throughput = rate if state.throughput is None else (1 - _EMA) * state.throughput + _EMA * rate
+            state.outstanding = max(0.0, state.outstanding - cost)
+            if seconds > 0:
+                state.measured += seconds
+                rate = cost / seconds
+                state.throughput = rate if state.throughput is None else (1 - _EMA) * state.throughput + _EMA * rate
             self._push(uid)
 
+    def release(self, uid: str, cost: float) -> None:
+        """An attempt charged ``cost`` failed or moved elsewhere unanswered: the worker no longer owes it."""
+        with self._lock:
+            state = self._workers.get(uid)
+            if state is not None and cost > 0:
+                state.outstanding = max(0.0, state.outstanding - cost)
+                self._push(uid)
+
     def ban(self, uid: str) -> None:
-        """Keep an unreachable worker out of the rotation for ``ban_seconds``."""
+        """Keep an unreachable worker out of the rotation for ``ban_seconds``; its outstanding tasks are lost."""
         with self._lock:
             state = self._workers.get(uid)
             if state is not None:
                 state.banned_until = self.clock() + self.ban_seconds
+                if state.outstanding:
+                    state.outstanding = 0.0
+                    self._push(uid)
 
     def counts(self) -> tuple[int, int]:
         """(known workers, currently banned workers), for the stall log."""

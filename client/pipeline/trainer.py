@@ -218,23 +218,34 @@ class PipelineTrainer:
         targets = tokens[:, 1:].contiguous()
         inputs = [tokens[:, :-1].contiguous()]
         forward_records: dict[str, WorkerRecord] = {}
-        for stage in self.stages[:-1]:
-            record, _, out = self._call(stage, micro, False, {"input": inputs[-1]})
-            forward_records[stage] = record
-            inputs.append(out["output"])
         workers: dict[str, str] = {}
-        receipts: dict[str, Receipt] = {}
-        tail = self.stages[-1]
-        record, meta, out = self._call(tail, micro, True, {"input": inputs[-1], "targets": targets})
-        loss = float(meta["loss"])
-        workers[tail], receipts[tail] = record.uid, self._receipt(meta)
-        grad = out["grad_input"]
-        for position in range(len(self.stages) - 2, -1, -1):
-            stage = self.stages[position]
-            tensors = {"input": inputs[position], "grad_output": grad}
-            record, meta, out = self._call(stage, micro, True, tensors, affinity=forward_records[stage])
-            workers[stage], receipts[stage] = record.uid, self._receipt(meta)
-            grad = out.get("grad_input")
+        unsent: set[str] = set()  # stages whose forward ran and whose backward was not yet sent
+        try:
+            for stage in self.stages[:-1]:
+                record, _, out = self._call(stage, micro, False, {"input": inputs[-1]})
+                forward_records[stage] = record
+                unsent.add(stage)
+                inputs.append(out["output"])
+            receipts: dict[str, Receipt] = {}
+            tail = self.stages[-1]
+            record, meta, out = self._call(tail, micro, True, {"input": inputs[-1], "targets": targets})
+            loss = float(meta["loss"])
+            workers[tail], receipts[tail] = record.uid, self._receipt(meta)
+            grad = out["grad_input"]
+            for position in range(len(self.stages) - 2, -1, -1):
+                stage = self.stages[position]
+                tensors = {"input": inputs[position], "grad_output": grad}
+                unsent.remove(stage)  # from here its call releases its own charge if it fails
+                record, meta, out = self._call(stage, micro, True, tensors, affinity=forward_records[stage])
+                workers[stage], receipts[stage] = record.uid, self._receipt(meta)
+                grad = out.get("grad_input")
+        except BaseException:
+            # A forward's choice was charged with its backward too; a microbatch that fails releases the
+            # backwards it will never send.
+            backward_cost = targets.numel() * BACKWARD_COST
+            for stage in unsent:
+                self.routers[stage].release(forward_records[stage].uid, backward_cost)
+            raise
         log.debug("microbatch %s: loss %.4f via %s", micro.id, loss, workers)
         forward_workers = {stage: record.uid for stage, record in forward_records.items()}
         return MicrobatchResult(micro.id, tuple(indices), loss, workers, forward_workers, receipts)
@@ -274,11 +285,14 @@ class PipelineTrainer:
             claimed = self.finder.claim(stage, affinity, micro.id) if affinity is not None else None
             affinity = None  # only the first attempt: a retry goes wherever the router picks
             record = claimed or self.finder.pick(stage, charge, tried)
+            owed = costs[backward] if claimed is not None else charge  # what this attempt leaves charged if it fails
             try:
                 if needs_ticket and claimed is None:
                     self._exchange(stage, record, micro, False, {"input": tensors["input"]}, costs[False])
+                    owed -= costs[False]
                 out_meta, out = self._exchange(stage, record, micro, backward, tensors, costs[backward])
             except grpc.RpcError as exc:
+                router.release(record.uid, owed)
                 last_error = f"{exc.code().name}: {exc.details()}"
                 if claimed is not None and needs_ticket and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     # Routine when the worker stepped between the two passes (its tickets go with the step):
@@ -297,6 +311,7 @@ class PipelineTrainer:
                     continue
                 log.warning("%s on %s failed, retrying elsewhere: %s", method, record.uid, last_error)
             except (MessageError, _BadResponse, KeyError, TypeError, ValueError) as exc:
+                router.release(record.uid, owed)
                 last_error = f"bad response: {exc}"
                 log.warning("worker %s sent a bad %s response, banned: %s", record.uid, method, exc)
                 router.ban(record.uid)

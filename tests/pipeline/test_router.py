@@ -163,3 +163,49 @@ def test_claim_returns_the_same_worker_while_it_is_usable() -> None:
     assert router.claim(chosen) is None
     router.update([record(other)])
     assert router.claim(record(other)) is not None and router.claim(chosen) is None
+
+
+def test_an_unmeasured_worker_has_one_task_until_it_answers() -> None:
+    """A burst of microbatches while a newcomer is unmeasured: priced at the default throughput it would take
+    half of them however slow it is; it takes one, and more only once its answer has priced it."""
+    router = StageRouter("body1")
+    router.update([record("fast")])
+    simulate(router, {"fast": 0.001}, 5)
+    router.update([record("fast"), record("new")])
+    burst = [router.choose(10.0).uid for _ in range(10)]
+    assert burst.count("new") == 1
+    router.report("new", 10.0, 0.0, 2.0)  # it is slow: 2 s for what fast does in 0.01 s
+    assert [router.choose(10.0).uid for _ in range(10)].count("new") == 0
+
+
+def test_a_sole_unmeasured_worker_still_gets_every_task() -> None:
+    router = StageRouter("body1")
+    router.update([record("only")])
+    assert [r.uid for r in (router.choose(1.0) for _ in range(3))] == ["only"] * 3
+
+
+def test_an_answer_removes_what_its_task_was_charged() -> None:
+    """Four tasks charged at the default price, the first answered after 1 s: the three still outstanding are
+    priced at the measured throughput (1 s each), not cancelled by subtracting the new price from the old
+    charge (which left the runtime near zero, below a worker that had done far less)."""
+    router = StageRouter("body1", default_throughput=100.0)
+    router.update([record("a")])
+    for _ in range(4):
+        router.choose(1.0)
+    router.report("a", 1.0, 0.0, 1.0)
+    assert router._workers["a"].vruntime == pytest.approx(4.0)
+    for answered in (2.0, 3.0, 4.0):
+        router.report("a", 1.0, 0.0, answered)
+    assert router._workers["a"].vruntime == pytest.approx(4.0)
+    assert router._workers["a"].outstanding == 0.0
+
+
+def test_a_failed_attempt_releases_its_charge() -> None:
+    router = StageRouter("body1", default_throughput=1.0)
+    router.update([record("a"), record("b")])
+    router.choose(5.0, exclude={"b"})
+    router.release("a", 5.0)
+    assert router._workers["a"].vruntime == pytest.approx(router._workers["b"].vruntime)
+    router.choose(5.0, exclude={"b"})
+    router.ban("a")
+    assert router._workers["a"].outstanding == 0.0
