@@ -11,6 +11,7 @@ import typer
 
 from client.commands.connect import ProgramId, check_target, open_backend, program_address
 from client.commands.options import url_option
+from client.commands.signals import stop_on_sigterm
 
 CoordinatorServer = Annotated[str | None, typer.Option("--server", metavar="HOST:PORT", help=(
     "The run's TCP coordinator (`psyswarm serve`), which the service tells when a slot ends; or give --url."))]
@@ -97,6 +98,7 @@ def auth_service(
     typer.echo(f"join authority {signer.pubkey()} (from {key_path}): start the run with `psyswarm serve` or "
                f"`psyswarm create-run` --join-authority {signer.pubkey()}")
     releaser = Releaser(service, coordinator_release(server, url, run_id, program_id, signer)).start()
+    stop_on_sigterm()
     try:
         web.serve_forever()
     except KeyboardInterrupt:

@@ -20,6 +20,7 @@ import typer
 
 from client.commands.connect import ProgramId, RunId, Server, Url
 from client.commands.pipeline import InitialPeers
+from client.commands.signals import stop_on_sigterm
 
 MAX_CONTRIBUTORS_BYTES = 1 << 20
 """The most of the auth service's answer read: a contributor map of a full swarm is a few tens of KiB."""
@@ -163,10 +164,11 @@ def dashboard(
             if dht is not None:
                 await asyncio.to_thread(dht.close)
 
+    stop_on_sigterm()
     try:
         asyncio.run(run())
     except KeyboardInterrupt:
-        pass
+        typer.echo("dashboard stopped")
 
 
 def register(app: typer.Typer) -> None:

@@ -79,6 +79,7 @@ def serve(
     """Run the centralised coordinator: it ticks the run, authenticates clients and broadcasts the state.
     Give --join-authority (joins need the auth service's countersignature) or --permissionless."""
     from client.commands.config import check_dataset_or_exit, load_spec_or_exit
+    from client.commands.signals import stop_on_sigterm
     from client.identity import KeypairError, load_keypair, save_keypair
     from coordinator_program.spec.errors import CoordinatorError
     from local_backend.server import CoordinatorServer
@@ -120,6 +121,7 @@ def serve(
         finally:
             await server.stop()
 
+    stop_on_sigterm()
     try:
         asyncio.run(run())
     except KeyboardInterrupt:

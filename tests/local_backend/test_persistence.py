@@ -105,6 +105,26 @@ def test_sigkill_and_restart_lose_nothing(tmp_path: Path) -> None:
         proc.wait(10)
 
 
+def test_sigterm_stops_the_server_cleanly(tmp_path: Path) -> None:
+    """A service manager's stop: before, SIGTERM ended the process where it stood (exit -15, no line said what was
+    kept); now it takes Ctrl+C's path: connections closed, the stopped line, exit 0, and the run resumes."""
+    config = tmp_path / "state.toml"
+    config.write_text(STATE_TOML)
+    db = tmp_path / "run.sqlite"
+    port = free_port()
+    proc = start_server(config, db, port)
+    try:
+        clients, nonce = asyncio.run(join_four(f"127.0.0.1:{port}"))
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0, out.decode(errors="replace")
+    assert "stopped; the run is saved and resumes with the same --db" in out.decode(errors="replace")
+    store = RunStore(db)
+    assert decode_state(store.load("persist")).nonce >= nonce
+    store.close()
+
+
 def test_a_database_of_another_run_is_refused(tmp_path: Path) -> None:
     config = tmp_path / "state.toml"
     config.write_text(STATE_TOML)
