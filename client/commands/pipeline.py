@@ -71,6 +71,27 @@ def parse_device_option(text: str) -> str:
         raise typer.BadParameter(str(exc), param_hint="--device") from None
 
 
+InflightOption = Annotated[
+    str,
+    typer.Option(metavar="auto|N", help="Microbatches a trainer keeps in flight: auto measures the pipeline (its "
+                 "calls' latency over the busiest stage's time per microbatch) and keeps it busy behind slow links; "
+                 "N fixes it (1..32)."),
+]
+
+
+def parse_inflight_option(text: str) -> int | None:
+    """``--inflight``: ``None`` for auto (the trainer measures), else a fixed count within what workers admit."""
+    from client.pipeline.inflight import MAX_INFLIGHT
+
+    value = text.strip().lower()
+    if value == "auto":
+        return None
+    if not value.isdigit() or not 1 <= int(value) <= MAX_INFLIGHT:
+        raise typer.BadParameter(f"{text!r}: give auto or a whole number from 1 to {MAX_INFLIGHT}",
+                                 param_hint="--inflight")
+    return int(value)
+
+
 _DEFAULTS = {"layers": 6, "width": 128, "heads": 4, "seq_len": 128, "stages": 3, "seed": 0}
 
 
@@ -209,7 +230,7 @@ def trainer_command(
     microbatch_size: Annotated[int, typer.Option(help="Samples per microbatch.")] = 8,
     start_index: Annotated[int, typer.Option(help="First sample index.")] = 0,
     wire_codec: WireCodecOption = "float32",
-    inflight: Annotated[int, typer.Option(help="Microbatches in flight at once.")] = 2,
+    inflight: InflightOption = "auto",
     keypair: Annotated[Path, keypair_option(
         "Solana keypair file that signs this trainer's requests; workers name it in receipts.")] = DEFAULT_KEYPAIR_PATH,
 ) -> None:
@@ -222,6 +243,7 @@ def trainer_command(
     from client.pipeline.discovery import WorkerDirectory, start_dht
     from client.pipeline.trainer import PipelineTrainer
 
+    max_inflight = parse_inflight_option(inflight)
     _setup_logging()
     log = logging.getLogger("psyswarm.trainer")
     config = _model_config(layers, width, heads, seq_len, stages, seed)
@@ -242,7 +264,7 @@ def trainer_command(
             keypair=identity,
             run_id=run_id,
             wire_codec=wire_codec,
-            max_inflight=inflight,
+            max_inflight=max_inflight,
         )
     except ValueError as exc:
         dht.shutdown()

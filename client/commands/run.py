@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from client.commands.connect import KeypairFile, ProgramId, RunId, Server, Url
-from client.commands.pipeline import DeviceOption, InitialPeers, parse_device_option, quiet_clean_p2p_stop
+from client.commands.pipeline import (
+    DeviceOption,
+    InflightOption,
+    InitialPeers,
+    parse_device_option,
+    parse_inflight_option,
+    quiet_clean_p2p_stop,
+)
 from client.identity import DEFAULT_KEYPAIR_PATH
 from client.join.checkpoints import SNAPSHOT_EVERY
 
@@ -178,6 +185,7 @@ def join_run(
                                                      "steps (0: never); if the stage empties, its next worker "
                                                      "starts from the newest snapshot.", min=0)] = SNAPSHOT_EVERY,
     device: DeviceOption = "auto",
+    inflight: InflightOption = "auto",
 ) -> None:
     """Join a run and contribute until it finishes: queue, load the model at warmup, train each round."""
     import client.contributor.runner  # noqa: F401 - torch, hivemind (seconds) load before the Stopper, not in its loop
@@ -202,6 +210,9 @@ def join_run(
     if auth_url and stage is not None:
         raise typer.BadParameter("the auth service assigns the stage: drop --stage when using --auth-url")
     chosen_device = parse_device_option(device)
+    max_inflight = parse_inflight_option(inflight)
+    if role == "worker" and max_inflight is not None:
+        raise typer.BadParameter("a worker sends no microbatches: --inflight is a trainer's; drop it")
     console = terminal_console()
     log_to_stdout(console)
     if threads:
@@ -218,7 +229,7 @@ def join_run(
                                 stage=auth.grant.stage if auth is not None and role == "worker" else wanted,
                                 checkpoint_dir=checkpoint_dir, host=host, hub_repo=hub_repo, hf_token=hf_token,
                                 hf_endpoint=hf_endpoint, auth=auth, snapshot_every=snapshot_every,
-                                device=chosen_device, port=port, dht_port=dht_port)
+                                device=chosen_device, port=port, dht_port=dht_port, max_inflight=max_inflight)
         target = RunTarget(server, url, run_id, program_id, identity, authorizer=auth)
         stopper.run(contribute(target, options, console, asked=stage, keypair_file=keypair))
     except KeyboardInterrupt:

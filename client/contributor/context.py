@@ -38,6 +38,7 @@ class RunnerOptions:
     port: int = 0  # the worker's gRPC port (0: any free one)
     dht_port: int = 0  # this client's DHT node's port (0: any free one)
     device: str = "cpu"  # where a worker's stage computes (``client.pipeline.device``)
+    max_inflight: int | None = None  # a trainer's microbatches in flight (None: measured, ``pipeline.inflight``)
 
 
 @dataclasses.dataclass

@@ -134,7 +134,8 @@ class TrainerRole:
                                          lambda: context.state)
         self.trainer = PipelineTrainer(config, dataset, self.directory, keypair=context.keypair, run_id=state.run_id,
                                        wire_codec=codec_name(state.model.wire_codec),
-                                       stall_timeout=float(state.config.max_round_train_time))
+                                       stall_timeout=float(state.config.max_round_train_time),
+                                       max_inflight=options.max_inflight)
 
     # --- rounds -----------------------------------------------------------------------------------------
 

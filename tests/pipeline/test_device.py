@@ -93,3 +93,16 @@ def test_the_commands_refuse_a_bad_device_in_one_line(tmp_path, command: str, de
     save_keypair(Keypair(), key)
     result = CliRunner().invoke(app, [*COMMANDS[command], "--keypair", str(key), "--device", device])
     assert result.exit_code == 2 and message in result.output and "--device" in result.output
+
+
+@pytest.mark.parametrize(("role", "inflight", "message"), [
+    ("trainer", "-1", "give auto or a whole number from 1 to 32"),
+    ("worker", "4", "a worker sends no microbatches"),
+])
+def test_join_run_refuses_a_bad_inflight_in_one_line(tmp_path, role: str, inflight: str, message: str) -> None:
+    key = tmp_path / "id.json"
+    save_keypair(Keypair(), key)
+    args = ["join-run", "--run-id", "r", "--role", role, "--server", "127.0.0.1:1",
+            "--initial-peer", "/ip4/127.0.0.1/tcp/1", "--keypair", str(key), "--inflight", inflight]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and message in " ".join(result.output.replace("│", " ").split()), result.output
