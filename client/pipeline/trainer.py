@@ -230,14 +230,14 @@ class PipelineTrainer:
             tail = self.stages[-1]
             record, meta, out = self._call(tail, micro, True, {"input": inputs[-1], "targets": targets})
             loss = float(meta["loss"])
-            workers[tail], receipts[tail] = record.uid, self._receipt(meta)
+            workers[tail], receipts[tail] = record.uid, receipt_of(meta)
             grad = out["grad_input"]
             for position in range(len(self.stages) - 2, -1, -1):
                 stage = self.stages[position]
                 tensors = {"input": inputs[position], "grad_output": grad}
                 unsent.remove(stage)  # from here its call releases its own charge if it fails
                 record, meta, out = self._call(stage, micro, True, tensors, affinity=forward_records[stage])
-                workers[stage], receipts[stage] = record.uid, self._receipt(meta)
+                workers[stage], receipts[stage] = record.uid, receipt_of(meta)
                 grad = out.get("grad_input")
         except BaseException:
             # A forward's choice was charged with its backward too; a microbatch that fails releases the
@@ -249,10 +249,6 @@ class PipelineTrainer:
         log.debug("microbatch %s: loss %.4f via %s", micro.id, loss, workers)
         forward_workers = {stage: record.uid for stage, record in forward_records.items()}
         return MicrobatchResult(micro.id, tuple(indices), loss, workers, forward_workers, receipts)
-
-    @staticmethod
-    def _receipt(meta: dict[str, object]) -> Receipt:
-        return Receipt(**{f.name: meta[f"receipt.{f.name}"] for f in fields(Receipt)})
 
     # ----- one call, with routing, retries and bans -----
 
@@ -353,7 +349,7 @@ class PipelineTrainer:
             "Backward" if backward else "Forward", request, timeout=self.timeouts[backward]
         )
         meta, out = decode_message(response, max_elements=batch * length * self.config.d_model)
-        self._check_response(header, record, tensors, meta, out)
+        check_response(header, record, tensors, meta, out, stages=self.stages, d_model=self.config.d_model)
         answered = router.clock()
         router.report(record.uid, cost, sent, answered)
         self.meter.record(stage, backward, record.uid, sent, answered)
@@ -361,50 +357,6 @@ class PipelineTrainer:
             self.bytes_sent += len(request)
             self.bytes_received += len(response)
         return meta, out
-
-    def _check_response(
-        self,
-        header: RequestHeader,
-        record: WorkerRecord,
-        sent: dict[str, WireTensor],
-        meta: dict[str, object],
-        out: dict[str, WireTensor],
-    ) -> None:
-        """Raise ``_BadResponse`` unless the answer has exactly the expected form and a truthful receipt."""
-        stage, backward = header.stage, header.kind == "backward"
-        is_head, is_tail = stage == self.stages[0], stage == self.stages[-1]
-        batch, length = sent["input"].shape[:2]
-        hidden_shape = (batch, length, self.config.d_model)
-        name = (
-            None if (backward and is_head) or (is_tail and not backward) else ("grad_input" if backward else "output")
-        )
-        if set(out) != ({name} if name else set()):
-            raise _BadResponse(f"expected tensors {[name] if name else []}, got {sorted(out)}")
-        if name is not None:
-            tensor = out[name]
-            if codec_of(tensor) != self.wire_codec or tuple(tensor.shape) != hidden_shape:
-                raise _BadResponse(
-                    f"{name} is {codec_of(tensor)} {list(tensor.shape)}, "
-                    f"expected {self.wire_codec} {list(hidden_shape)}"
-                )
-            if not is_finite(tensor):
-                raise _BadResponse(f"{name} holds NaN or infinite values")
-        if is_tail and not (isinstance(meta.get("loss"), float) and torch.isfinite(torch.tensor(meta["loss"]))):
-            raise _BadResponse(f"loss {meta.get('loss')!r} is not a finite number")
-        if backward:
-            expected = Receipt(
-                trainer_id=self.trainer_id,
-                microbatch_id=header.microbatch_id,
-                stage=stage,
-                worker_uid=record.uid,
-                sample_start=header.sample_start,
-                sample_end=header.sample_end,
-                input_digest=input_digest(header.digests),
-                grad_output_digest=header.digests.get("grad_output", ""),
-                grad_input_digest=tensor_digest(out[name]) if name else "",
-            )
-            if self._receipt(meta) != expected:
-                raise _BadResponse("the receipt does not match the exchanged tensors")
 
     def _client(self, address: str) -> StageClient:
         with self._lock:
@@ -414,3 +366,56 @@ class PipelineTrainer:
                 limit = 2 * 4 * self.config.seq_len * self.config.d_model * 1024 + (1 << 20)
                 client = self._clients[address] = StageClient(address, max_message_bytes=limit)
             return client
+
+
+def check_response(
+    header: RequestHeader,
+    record: WorkerRecord,
+    sent: dict[str, WireTensor],
+    meta: dict[str, object],
+    out: dict[str, WireTensor],
+    *,
+    stages: Sequence[str],
+    d_model: int,
+) -> None:
+    """Raise ``_BadResponse`` unless the answer to the request ``header`` sent to ``record`` has exactly the form
+    the pipeline of ``stages`` expects and a receipt true to the exchanged tensors."""
+    stage, backward = header.stage, header.kind == "backward"
+    is_head, is_tail = stage == stages[0], stage == stages[-1]
+    batch, length = sent["input"].shape[:2]
+    hidden_shape = (batch, length, d_model)
+    name = (
+        None if (backward and is_head) or (is_tail and not backward) else ("grad_input" if backward else "output")
+    )
+    if set(out) != ({name} if name else set()):
+        raise _BadResponse(f"expected tensors {[name] if name else []}, got {sorted(out)}")
+    if name is not None:
+        tensor = out[name]
+        if codec_of(tensor) != header.dtype or tuple(tensor.shape) != hidden_shape:
+            raise _BadResponse(
+                f"{name} is {codec_of(tensor)} {list(tensor.shape)}, "
+                f"expected {header.dtype} {list(hidden_shape)}"
+            )
+        if not is_finite(tensor):
+            raise _BadResponse(f"{name} holds NaN or infinite values")
+    if is_tail and not (isinstance(meta.get("loss"), float) and torch.isfinite(torch.tensor(meta["loss"]))):
+        raise _BadResponse(f"loss {meta.get('loss')!r} is not a finite number")
+    if backward:
+        expected = Receipt(
+            trainer_id=header.trainer,
+            microbatch_id=header.microbatch_id,
+            stage=stage,
+            worker_uid=record.uid,
+            sample_start=header.sample_start,
+            sample_end=header.sample_end,
+            input_digest=input_digest(header.digests),
+            grad_output_digest=header.digests.get("grad_output", ""),
+            grad_input_digest=tensor_digest(out[name]) if name else "",
+        )
+        if receipt_of(meta) != expected:
+            raise _BadResponse("the receipt does not match the exchanged tensors")
+
+
+def receipt_of(meta: dict[str, object]) -> Receipt:
+    """The receipt a worker's answer carries in its metadata."""
+    return Receipt(**{f.name: meta[f"receipt.{f.name}"] for f in fields(Receipt)})
