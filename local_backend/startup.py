@@ -64,16 +64,18 @@ def refusal(state: CoordinatorState, spec: RunSpec) -> str | None:
 
 
 def update_instruction(state: CoordinatorState, config: Config) -> bytes:
-    """The ``update`` its main authority would send to give the run ``config``: what the run's log records."""
-    return Update(config, state.model, state.checkpoint).encode()
+    """The ``update`` its main authority would send to give the run ``config``: what the run's log records. An
+    ``update`` names one starting place for every stage, while ``apply_config`` keeps each stage's as it stands; the
+    log names the first stage's."""
+    return Update(config, state.model, state.checkpoints[0]).encode()
 
 
 def apply_config(state: CoordinatorState, config: Config) -> None:
     """Give a run that waits for members, or is paused, the rules ``config``.
 
     It checks what the spec's ``update`` rule checks of a config (its own rules, the model's fit, the queue's
-    fit), but not the starting checkpoint: that rule takes only a complete Hub or Local one, while a run whose last
-    cooldown ended before every stage was saved holds the P2P checkpoint its epochs set, which stays as it is.
+    fit), but not the starting checkpoint: that rule sets one place for every stage, while the run holds the place
+    each stage's workers last reported (or P2P, where none did), which stays as it is.
     Raises the coordinator's error and leaves ``state`` unchanged when the run cannot take ``config``.
     """
     assert state.phase in APPLICABLE_PHASES, state.phase

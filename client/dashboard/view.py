@@ -69,9 +69,11 @@ def witnesses(state: CoordinatorState) -> dict[str, Any]:
 
 
 def checkpoint(state: CoordinatorState) -> dict[str, Any]:
-    """Where joiners get the model, spelled as ``psyswarm status`` spells it (saved stages by name)."""
-    cp = state.checkpoint
-    return {"kind": cp.kind.name, "repo": cp.repo, "revision": cp.revision, "text": checkpoint_text(state)}
+    """Where joiners get each stage, spelled as ``psyswarm status`` spells it (stages by name, grouped by place)."""
+    names = stage_names(state.config.num_stages)
+    stages = [{"stage": name, "kind": cp.kind.name, "repo": cp.repo, "revision": cp.revision}
+              for name, cp in zip(names, state.checkpoints, strict=False)]
+    return {"stages": stages, "text": checkpoint_text(state)}
 
 
 def leaderboard(ledger: Sequence[Any], contributors: Mapping[str, str]) -> list[dict[str, Any]]:

@@ -10,8 +10,8 @@ A checkpoint of stage ``s`` is three files (``stage_files``):
   from a file. Optional: a stage without it starts with fresh moments.
 - ``<stage>.json``: ``{"step": N}``, the swarm step it was taken at, which tells a joiner how stale it is.
 
-Locally they live in ``<dir>/<run_id>/epoch-<E>/``; on the Hub in the repo's branch ``epoch-<E>``, so that every
-stage's worker reports the same (repo, revision) and the coordinator sees the checkpoint complete. Files are
+Locally they live in ``<dir>/<run_id>/epoch-<E>/``; on the Hub in the repo's branch ``epoch-<E>``, so that a stage's
+workers report the same (repo, revision): the coordinator keeps each stage's first place of the epoch. Files are
 written to a temporary name and renamed, so a crash never leaves a half-written stage behind.
 
 An epoch's checkpoint misses every stage whose workers died before Cooldown, and a stage that empties ends

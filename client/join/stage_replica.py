@@ -4,10 +4,10 @@ A contributor's worker role builds one ``StageReplica`` when it takes a stage. I
 join flow (seeds/contributor-join-flow.txt) and of fault tolerance (seeds/fault-tolerance.txt):
 
 - State: the first source that holds the stage, in order: the auth service's snapshot (the seed's periodic
-  checkpoint), the run's own checkpoint (Hub or a local directory), the newest of the stage's periodic
-  snapshots on this machine (``client.join.checkpoints``: what a stage that emptied leaves behind), same-stage
-  peers (hivemind state sharing, outside the join blocking window), and at step 0 the run's seed, which every
-  worker shares.
+  checkpoint), the stage's place in the run's checkpoint record (Hub or a local directory, reported by the stage's
+  own workers), the newest of the stage's periodic snapshots on this machine (``client.join.checkpoints``: what a
+  stage that emptied leaves behind), same-stage peers (hivemind state sharing, outside the join blocking window),
+  and at step 0 the run's seed, which every worker shares.
 - Sync: a state more than ``max_allowed_stale`` steps behind the swarm goes through phase 1 (invisible to
   trainers, averaging weight 0) and phase 2 (routed to, weight 0) before full participation — provided the
   stage has another worker to catch up with; a lone worker *is* its stage and starts active.
@@ -174,7 +174,7 @@ class StageReplica:
 
     def _find_state(self, state: CoordinatorState, stage_index: int, sources: StateSources,
                     swarm_step: Callable[[], int | None]) -> StageState | None:
-        checkpoint = state.checkpoint
+        checkpoint = state.checkpoints[stage_index]  # this stage's place: only its own workers report it
         limits = FileLimits.of(self.worker.compute.module)
         attempts: list[tuple[str, Callable[[], StageState | None]]] = []
         if sources.snapshot is not None:
@@ -182,14 +182,13 @@ class StageReplica:
             attempts.append((f"the auth service's snapshot {repo}@{revision}", lambda: download_from_hub(
                 repo, self.stage, limits=limits, revision=revision, endpoint=sources.hf_endpoint,
                 token=sources.hf_token)))
-        held = bool(checkpoint.stages_done >> stage_index & 1) and checkpoint.repo != ""
-        if checkpoint.kind == CheckpointKind.Hub and held:
+        if checkpoint.kind == CheckpointKind.Hub:
             attempts.append((f"the run's checkpoint {checkpoint.repo}@{checkpoint.revision}", lambda: download_from_hub(
                 checkpoint.repo, self.stage, limits=limits, revision=checkpoint.revision or None,
                 endpoint=sources.hf_endpoint, token=sources.hf_token)))
         local = (f"the local checkpoint {checkpoint.repo}/{checkpoint.revision}",
                  lambda: load_local(Path(checkpoint.repo) / checkpoint.revision, self.stage, limits))
-        if checkpoint.kind == CheckpointKind.Local and held:
+        if checkpoint.kind == CheckpointKind.Local:
             attempts.append(local)
         if sources.snapshots is not None and state.step > 0:  # at step 0 the seed is the state; any snapshot is older
             root = sources.snapshots

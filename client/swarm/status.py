@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from client.stages import checkpoint_location, stage_name
 from coordinator_program.spec import derived
-from coordinator_program.spec.config import CheckpointKind
+from coordinator_program.spec.config import Checkpoint, CheckpointKind
 from coordinator_program.spec.state import CoordinatorState, Health, Phase, Role
 
 if TYPE_CHECKING:
@@ -89,21 +89,27 @@ def describe(state: CoordinatorState, now: float) -> str:
 
 
 def checkpoint_text(state: CoordinatorState) -> str:
-    """Where the run's model is, as ``psyswarm export --checkpoint`` takes it (``client.stages.checkpoint_location``),
-    and which stages are saved, by name."""
-    cp = state.checkpoint
+    """Where each stage's parameters are, a place as ``psyswarm export --checkpoint`` takes it
+    (``client.stages.checkpoint_location``): stages at one place are named together, in stage order, then how many
+    are saved: ``Hub hub:org/m@epoch-2: head, tail; from peers (P2P): body1 (2 of 3 stages saved)``."""
+    count = state.config.num_stages
+    stages = state.checkpoints[:count]
+    if all(cp.kind == CheckpointKind.Fresh for cp in stages):
+        return "fresh initialisation"
+    places: dict[str, list[str]] = {}
+    for index, cp in enumerate(stages):
+        places.setdefault(place_text(cp), []).append(stage_name(index, count))
+    listed = "; ".join(f"{place}: {', '.join(names)}" for place, names in places.items())
+    return f"{listed} ({sum(cp.saved for cp in stages)} of {count} stages saved)"
+
+
+def place_text(cp: Checkpoint) -> str:
+    """One stage's place: fresh, from peers, or where it is saved."""
     if cp.kind == CheckpointKind.Fresh:
         return "fresh initialisation"
     if cp.kind == CheckpointKind.P2P:
         return "from peers (P2P)"
-    where = checkpoint_location(cp.repo, cp.revision, hub=cp.kind == CheckpointKind.Hub)
-    return f"{cp.kind.name} {where} (stages saved: {stages_saved(cp.stages_done, state.config.num_stages)})"
-
-
-def stages_saved(mask: int, num_stages: int) -> str:
-    """The stages a checkpoint holds, by name: ``head, tail (2 of 3)``."""
-    names = [stage_name(i, num_stages) for i in range(num_stages) if mask >> i & 1]
-    return f"{', '.join(names) or 'none'} ({len(names)} of {num_stages})"
+    return f"{cp.kind.name} {checkpoint_location(cp.repo, cp.revision, hub=cp.kind == CheckpointKind.Hub)}"
 
 
 def syncing_counts(found: list[WorkerRecord]) -> list[int]:

@@ -190,20 +190,27 @@ class CheckpointKind(enum.IntEnum):
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """The model's current source; ``stages_done`` has bit s set once stage s is saved there."""
+    """A place parameters come from: fresh, from peers, or ``repo`` (a Hub repo id or a directory) at ``revision``.
+
+    A run starts from one place for every stage (``update``); the coordinator then keeps one per stage
+    (``CoordinatorState.checkpoints``), which only that stage's workers can set, so no worker can move another
+    stage's."""
 
     kind: CheckpointKind = CheckpointKind.Fresh
-    stages_done: int = 0
     repo: str = ""
     revision: str = ""
+
+    @property
+    def saved(self) -> bool:
+        """Whether the parameters are saved here (a Hub or Local place) rather than fresh or held by peers."""
+        return self.kind in (CheckpointKind.Hub, CheckpointKind.Local)
 
 
 CHECKPOINT_LAYOUT = Struct(Checkpoint, [
     Field("kind", Enum8(CheckpointKind)),
-    Field("stages_done", U16),
     Field("repo", FixedStr(limits.REPO_BYTES)),
     Field("revision", FixedStr(limits.REVISION_BYTES)),
-], doc="Where joiners download the model; stages_done is a bit mask of saved stages.")
+], doc="Where joiners download parameters: fresh, from peers, or a Hub repo or a directory at a revision.")
 
 
 def _need(ok: bool, field: str, rule: str) -> None:
@@ -328,17 +335,14 @@ def validate_grad_averaging(m: Model) -> None:
         _need(m.powersgd_rank == 0, "powersgd_rank", "must be 0 unless grad_averaging is powersgd")
 
 
-def validate_checkpoint(cp: Checkpoint, num_stages: int) -> None:
-    """A starting checkpoint is fresh, or a complete Hub/Local one; P2P is only ever set by Cooldown."""
+def validate_checkpoint(cp: Checkpoint) -> None:
+    """A starting checkpoint is fresh, or a Hub/Local one that holds every stage; P2P is only ever set by Cooldown."""
     if cp.kind == CheckpointKind.Fresh:
-        ok = cp.repo == "" and cp.revision == "" and cp.stages_done == 0
-        if not ok:
-            raise InvalidCheckpoint("a fresh checkpoint has no repo, revision or saved stages")
-    elif cp.kind in (CheckpointKind.Hub, CheckpointKind.Local):
+        if cp.repo != "" or cp.revision != "":
+            raise InvalidCheckpoint("a fresh checkpoint has no repo or revision")
+    elif cp.saved:
         if cp.repo == "" or not _printable(cp.repo) or not _printable(cp.revision):
             raise InvalidCheckpoint("a Hub or Local checkpoint needs a printable ASCII repo (and revision)")
-        if cp.stages_done != (1 << num_stages) - 1:
-            raise InvalidCheckpoint("a starting Hub or Local checkpoint must hold every stage")
     else:
         raise InvalidCheckpoint("a run cannot start from a P2P checkpoint")
 
@@ -534,12 +538,9 @@ def parse_run_spec(doc: dict[str, Any], resolve_model: Callable[[Model], Model] 
             raise InvalidConfig(f"kind: must be one of {sorted(_CHECKPOINT_KINDS)}, got {value!r}")
         return {"kind": _CHECKPOINT_KINDS[value]}
 
-    cp_args = _take_section(doc, "checkpoint", Checkpoint, {"kind": take_kind}, derived=("stages_done",))
-    if cp_args.get("kind", CheckpointKind.Fresh) != CheckpointKind.Fresh:
-        cp_args["stages_done"] = (1 << config.num_stages) - 1
-    checkpoint = Checkpoint(**cp_args)
+    checkpoint = Checkpoint(**_take_section(doc, "checkpoint", Checkpoint, {"kind": take_kind}))
     try:
-        validate_checkpoint(checkpoint, config.num_stages)
+        validate_checkpoint(checkpoint)
     except InvalidCheckpoint as exc:
         raise InvalidConfig(f"[checkpoint]: {exc.detail}") from None
     return RunSpec(run_id=run_id, config=config, model=model, checkpoint=checkpoint)

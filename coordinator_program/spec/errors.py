@@ -53,6 +53,7 @@ MalformedInstruction = _error("MalformedInstruction", 6024, "the instruction dat
 AlreadyMarked = _error("AlreadyMarked", 6025, "the named client is already leaving the epoch")
 SlotTaken = _error("SlotTaken", 6026, "another key already holds this join authority's slot")
 JoinExpired = _error("JoinExpired", 6027, "the join's countersignature is past its deadline")
+CheckpointTaken = _error("CheckpointTaken", 6028, "the stage's checkpoint of this epoch is already at another place")
 
 ALL_ERRORS: tuple[type[CoordinatorError], ...] = tuple(
     cls for cls in list(globals().values()) if isinstance(cls, type) and issubclass(cls, CoordinatorError)

@@ -27,7 +27,7 @@ MAX_WITNESSES = 32
 """Witnesses elected per round; a round's submissions are tracked in a 32-bit mask."""
 
 MAX_STAGES = 16
-"""Pipeline stages; a checkpoint's completed stages are tracked in a 16-bit mask."""
+"""Pipeline stages; the coordinator keeps a checkpoint place for each (``CoordinatorState.checkpoints``)."""
 
 RUN_ID_BYTES = 32
 """A run id is a PDA seed on chain, and seeds are at most 32 bytes."""

@@ -46,6 +46,7 @@ from coordinator_program.spec.errors import (
     AlreadyJoined,
     AlreadyMarked,
     BadFilter,
+    CheckpointTaken,
     ClientHealthy,
     DuplicateWitness,
     InvalidCheckpoint,
@@ -100,19 +101,21 @@ def init_coordinator(run_id: str, main_authority: bytes, join_authority: bytes, 
 
 
 def update(state: CoordinatorState, signer: bytes, config: Config, model: Model, checkpoint: Checkpoint) -> None:
-    """Set the run's config, model and starting checkpoint; only the main authority, only while halted."""
+    """Set the run's config, model and starting checkpoint (the place of every stage); only the main authority, only
+    while halted."""
     if signer != state.main_authority:
         raise NotAuthorized("only the run's main authority may update it")
     if state.phase not in (Phase.Uninitialized, Phase.Paused):
         raise NotHalted(f"pause the run before updating it (it is in {state.phase.name})")
     validate_config(config)
     validate_model(model, config)
-    validate_checkpoint(checkpoint, config.num_stages)
+    validate_checkpoint(checkpoint)
     if len(state.pending) > config.max_clients:
         raise InvalidConfig(f"max_clients: {len(state.pending)} joiners are already pending")
     if any(p.stage != limits.NO_STAGE and p.stage >= config.num_stages for p in state.pending):
         raise InvalidConfig("num_stages: a pending worker holds a stage beyond the new count")
-    state.config, state.model, state.checkpoint = config, model, checkpoint
+    state.config, state.model = config, model
+    state.checkpoints = [checkpoint] * config.num_stages + [Checkpoint()] * (limits.MAX_STAGES - config.num_stages)
     if state.phase == Phase.Uninitialized:
         state.phase = Phase.Paused
     state.nonce += 1
@@ -351,8 +354,12 @@ def health_check(state: CoordinatorState, signer: bytes, target: bytes) -> None:
 
 
 def checkpoint(state: CoordinatorState, signer: bytes, kind: CheckpointKind, repo: str, revision: str) -> None:
-    """A worker reports that its stage is saved at ``repo``@``revision``; once every stage is saved at the
-    same place, Cooldown may end early and joiners download from there."""
+    """A worker reports that its stage is saved at ``repo``@``revision``: where the stage's next joiners download it.
+
+    A report sets the place of the reporter's own stage (the one the coordinator assigned it) and of no other, so
+    no worker can erase or repoint another stage's checkpoint. Within a stage the first report of the epoch wins: a
+    later one naming the same place confirms it, one naming another is refused (``CheckpointTaken``), so a stage's
+    place never flaps between its workers. Once every stage is saved, Cooldown may end early."""
     if state.phase != Phase.Cooldown:
         raise WrongPhase(f"checkpoints are reported in Cooldown, not {state.phase.name}")
     index = _healthy_client(state, signer)
@@ -363,12 +370,11 @@ def checkpoint(state: CoordinatorState, signer: bytes, kind: CheckpointKind, rep
         raise InvalidCheckpoint("a checkpoint is a Hub repo or a Local directory, with a name")
     if not all(0x20 <= ord(ch) <= 0x7E for ch in repo + revision):
         raise InvalidCheckpoint("repo and revision must be printable ASCII")
-    current = state.checkpoint
-    if (current.kind, current.repo, current.revision) == (kind, repo, revision):
-        done = current.stages_done | 1 << client.stage
-    else:
-        done = 1 << client.stage
-    state.checkpoint = Checkpoint(kind, done, repo, revision)
+    place, recorded = Checkpoint(kind, repo, revision), state.checkpoints[client.stage]
+    if recorded.saved and recorded != place:  # Cooldown began with every stage's place P2P: saved means this epoch
+        raise CheckpointTaken(f"stage {client.stage} of this epoch is already saved at {recorded.kind.name} "
+                              f"{recorded.repo}@{recorded.revision}: a stage keeps the first place reported")
+    state.checkpoints[client.stage] = place
     state.nonce += 1
 
 
@@ -489,16 +495,23 @@ def _tick_witness(state: CoordinatorState, now: int, entropy: int) -> bool:
             or state.step >= state.config.total_steps
             or not reached_quorum
             or not pipeline_complete(state.clients, state.config)):
-        state.checkpoint = Checkpoint(CheckpointKind.P2P, 0, state.checkpoint.repo, state.checkpoint.revision)
+        _peers_hold_every_stage(state)
         _enter(state, Phase.Cooldown, now)
     else:
         _start_round(state, now, entropy, state.round.height + 1)
     return True
 
 
+def _peers_hold_every_stage(state: CoordinatorState) -> None:
+    """The epoch ends: each stage's joiners get it from their peers until one of its workers reports it saved. A
+    stage's place keeps its last repo and revision, where a joiner may still find an older copy on its own disk."""
+    stages = state.config.num_stages
+    state.checkpoints[:stages] = [Checkpoint(CheckpointKind.P2P, cp.repo, cp.revision)
+                                  for cp in state.checkpoints[:stages]]
+
+
 def _tick_cooldown(state: CoordinatorState, now: int, entropy: int) -> bool:
-    every_stage = (1 << state.config.num_stages) - 1
-    saved = state.checkpoint.kind != CheckpointKind.P2P and state.checkpoint.stages_done == every_stage
+    saved = all(cp.saved for cp in state.checkpoints[:state.config.num_stages])
     if not saved and now < state.phase_start + state.config.cooldown_time:
         return False
     state.epoch += 1

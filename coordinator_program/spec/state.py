@@ -113,6 +113,11 @@ LEDGER_ENTRY_LAYOUT = Struct(LedgerEntry, [F("id", PUBKEY), F("presence", U32), 
                              doc="A contributor's points: presence (rounds seen) and compute (samples worked).")
 
 
+def no_checkpoints() -> list[Checkpoint]:
+    """Every stage fresh: a run before its first ``update``."""
+    return [Checkpoint()] * limits.MAX_STAGES
+
+
 def no_votes() -> list[int]:
     return [0] * limits.MAX_CLIENTS
 
@@ -165,7 +170,7 @@ class CoordinatorState:
     epoch: int = 0
     step: int = 0
     round: Round = dataclasses.field(default_factory=Round)
-    checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
+    checkpoints: list[Checkpoint] = dataclasses.field(default_factory=no_checkpoints)
     config: Config = dataclasses.field(default_factory=lambda: CONFIG_LAYOUT.zero())
     model: Model = dataclasses.field(default_factory=lambda: MODEL_LAYOUT.zero())
     clients: list[Client] = dataclasses.field(default_factory=list)
@@ -208,7 +213,8 @@ ACCOUNT_LAYOUT = Struct(CoordinatorState, [
     F("epoch", U32),
     F("step", U32),
     F("round", ROUND_LAYOUT, doc="the current round, or the epoch's warmup"),
-    F("checkpoint", CHECKPOINT_LAYOUT),
+    F("checkpoints", Array(CHECKPOINT_LAYOUT, limits.MAX_STAGES),
+      doc="per stage: where its joiners get its parameters; only the stage's own workers report its place"),
     F("config", CONFIG_LAYOUT),
     F("model", MODEL_LAYOUT),
     F("num_clients", U16, count_of="clients"),

@@ -68,11 +68,15 @@ def test_witnesses_show_who_proved_the_round() -> None:
     assert witnesses(new_run()) == {"elected": [], "received": 0, "quorum": None}
 
 
-def test_the_checkpoint_names_its_saved_stages_instead_of_a_bit_mask() -> None:
+def test_the_checkpoint_names_each_stages_place() -> None:
     state, _ = training_state()
-    state.checkpoint = Checkpoint(CheckpointKind.Hub, 0b101, "org/model", "epoch-1")
-    assert checkpoint(state) == {"kind": "Hub", "repo": "org/model", "revision": "epoch-1",
-                                 "text": "Hub hub:org/model@epoch-1 (stages saved: head, tail (2 of 3))"}
+    state.checkpoints[:3] = [Checkpoint(CheckpointKind.Hub, "org/model", "epoch-1"), Checkpoint(CheckpointKind.P2P),
+                             Checkpoint(CheckpointKind.Hub, "org/model", "epoch-1")]
+    assert checkpoint(state) == {
+        "stages": [{"stage": "head", "kind": "Hub", "repo": "org/model", "revision": "epoch-1"},
+                   {"stage": "body1", "kind": "P2P", "repo": "", "revision": ""},
+                   {"stage": "tail", "kind": "Hub", "repo": "org/model", "revision": "epoch-1"}],
+        "text": "Hub hub:org/model@epoch-1: head, tail; from peers (P2P): body1 (2 of 3 stages saved)"}
 
 
 def test_the_leaderboard_sums_a_contributors_keys_and_keeps_unknown_keys_apart() -> None:

@@ -17,6 +17,7 @@ from client.contributor.run_model import model_config
 from client.join.checkpoints import save_snapshot, save_stage, snapshot_root
 from client.join.stage_replica import StageReplica, StateSources
 from client.join.sync import SyncPhase
+from coordinator_program.spec import limits
 from coordinator_program.spec.config import Checkpoint, CheckpointKind, parse_run_spec
 from coordinator_program.spec.state import CoordinatorState, Phase
 from tests.fake_hub import FakeHub
@@ -30,11 +31,19 @@ SPEC = {"run_id": "replica", "config": {"min_clients": 4, "max_clients": 8, "num
                   "sync_phase1_steps": 2, "sync_phase2_steps": 3}}
 
 
-def run_state(run_id: str, step: int, checkpoint: Checkpoint | None = None) -> CoordinatorState:
+def places(checkpoint: Checkpoint, unsaved: tuple[int, ...] = ()) -> list[Checkpoint]:
+    """The record of a run whose stages were saved at ``checkpoint``, but for ``unsaved``: peers hold those (P2P)."""
+    stages = SPEC["config"]["num_stages"]
+    return [Checkpoint(CheckpointKind.P2P, checkpoint.repo, checkpoint.revision) if stage in unsaved else checkpoint
+            for stage in range(stages)] + [Checkpoint()] * (limits.MAX_STAGES - stages)
+
+
+def run_state(run_id: str, step: int, checkpoint: Checkpoint | None = None,
+              unsaved: tuple[int, ...] = ()) -> CoordinatorState:
     spec = parse_run_spec({**SPEC, "run_id": run_id})
     return CoordinatorState(run_id=run_id, main_authority=bytes(32), join_authority=bytes(32),
                             phase=Phase.Warmup, step=step, config=spec.config, model=spec.model,
-                            checkpoint=checkpoint or spec.checkpoint)
+                            checkpoints=places(checkpoint or spec.checkpoint, unsaved))
 
 
 @pytest.fixture
@@ -64,7 +73,7 @@ def perturbed(replica: StageReplica, by: float) -> dict[str, torch.Tensor]:
 
 def test_a_missing_snapshot_falls_back_to_the_runs_checkpoint_with_its_step(make_replica, run_id: str,
                                                                            tmp_path: Path, fake_hub: FakeHub) -> None:
-    checkpoint = Checkpoint(CheckpointKind.Local, 0b111, str(tmp_path), "epoch-1")
+    checkpoint = Checkpoint(CheckpointKind.Local, str(tmp_path), "epoch-1")
     state = run_state(run_id, 9, checkpoint)
     replica = make_replica(state)
     saved = perturbed(replica, 0.5)
@@ -72,6 +81,20 @@ def test_a_missing_snapshot_falls_back_to_the_runs_checkpoint_with_its_step(make
     sources = StateSources(snapshot=("org/none", "main"), hf_endpoint=fake_hub.url)  # the Hub has no such repo
     found = replica.load(state, 1, sources, lambda: None)
     assert found is not None and found.source.startswith("local:") and replica.local_step == 7
+    assert all(torch.equal(v, saved[k]) for k, v in replica.worker.compute.module.state_dict().items())
+
+
+def test_a_joiner_reads_its_own_stages_place_not_anothers(make_replica, run_id: str, tmp_path: Path) -> None:
+    """Each stage has its own place in the record (issue 20, 5): the head's, here a hostile worker's directory
+    holding a body1 of its own, is not body1's, and body1's joiner loads from the place body1's workers saved."""
+    state = run_state(run_id, 9, Checkpoint(CheckpointKind.Local, str(tmp_path / "run"), "epoch-1"))
+    state.checkpoints[0] = Checkpoint(CheckpointKind.Local, str(tmp_path / "hostile"), "epoch-1")
+    replica = make_replica(state)
+    saved = perturbed(replica, 0.5)
+    save_stage(tmp_path / "run" / "epoch-1", "body1", saved, step=7)
+    save_stage(tmp_path / "hostile" / "epoch-1", "body1", perturbed(replica, -3.0), step=8)
+    found = replica.load(state, 1, StateSources(), lambda: None)
+    assert found is not None and found.source == f"local:{tmp_path / 'run' / 'epoch-1' / 'body1.safetensors'}"
     assert all(torch.equal(v, saved[k]) for k, v in replica.worker.compute.module.state_dict().items())
 
 
@@ -109,10 +132,10 @@ def test_a_stale_worker_with_a_peer_syncs_then_rejoins_sync_when_it_lags(make_re
     peer.load(dataclasses.replace(state, step=0), 1, StateSources(), lambda: None)
     peer.begin(0)
     peer.start()
-    checkpoint = Checkpoint(CheckpointKind.Local, 0b111, str(tmp_path), "epoch-0")
-    joiner = make_replica(dataclasses.replace(state, checkpoint=checkpoint))
+    checkpoint = places(Checkpoint(CheckpointKind.Local, str(tmp_path), "epoch-0"))
+    joiner = make_replica(dataclasses.replace(state, checkpoints=checkpoint))
     save_stage(tmp_path / "epoch-0", "body1", perturbed(joiner, 0.0), step=2)
-    joiner.load(dataclasses.replace(state, checkpoint=checkpoint), 1, StateSources(), lambda: None)
+    joiner.load(dataclasses.replace(state, checkpoints=checkpoint), 1, StateSources(), lambda: None)
     assert joiner.peers() == 1 and joiner.local_step == 2
 
     assert joiner.begin(10) == SyncPhase.WEIGHTS  # 8 steps behind, more than max_allowed_stale = 3
@@ -132,8 +155,8 @@ def test_a_stale_worker_with_a_peer_syncs_then_rejoins_sync_when_it_lags(make_re
 def test_a_stage_that_emptied_restarts_from_its_newest_snapshot_not_the_seed(make_replica, run_id: str,
                                                                               tmp_path: Path) -> None:
     """The epoch's checkpoint lacks body1 (its only worker died before Cooldown) and no peer holds it."""
-    checkpoint = Checkpoint(CheckpointKind.Local, 0b101, str(tmp_path / run_id), "epoch-0")
-    state = run_state(run_id, 10, checkpoint)
+    checkpoint = Checkpoint(CheckpointKind.Local, str(tmp_path / run_id), "epoch-0")
+    state = run_state(run_id, 10, checkpoint, unsaved=(1,))
     replica = make_replica(state)
     seed = {k: v.clone() for k, v in replica.worker.compute.module.state_dict().items()}
     root = snapshot_root(tmp_path, run_id)

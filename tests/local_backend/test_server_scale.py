@@ -31,7 +31,7 @@ def test_the_server_ends_a_round_of_three_crediting_chunks_in_one_tick(tmp_path:
     assert state.phase == Phase.RoundWitness
     store = RunStore(tmp_path / "run.sqlite")
     store.save(RUN_ID, state.nonce, encode_state(state), bytes(32), Tick().encode())
-    spec = RunSpec(RUN_ID, LARGE, MODEL, state.checkpoint)
+    spec = RunSpec(RUN_ID, LARGE, MODEL, state.checkpoints[0])
     clock = state.phase_start + LARGE.round_witness_time
 
     async def main() -> None:
@@ -62,7 +62,7 @@ def test_a_proof_resent_after_a_lost_reply_completes_on_the_real_server(tmp_path
     store.save(RUN_ID, state.nonce, encode_state(state), bytes(32), Tick().encode())
 
     async def main() -> None:
-        server = CoordinatorServer(spec=RunSpec(RUN_ID, LARGE, MODEL, state.checkpoint), store=store,
+        server = CoordinatorServer(spec=RunSpec(RUN_ID, LARGE, MODEL, state.checkpoints[0]), store=store,
                                    authority=Keypair(), clock=lambda: now, join_authority=rules.NO_AUTHORITY)
         port = await server.start(port=0)
         backend = TcpBackend(f"127.0.0.1:{port}", witness)

@@ -122,7 +122,7 @@ def test_permissioned_run_through_every_instruction() -> None:
     assert apply(Update(dataclasses.replace(config, min_clients=3), MODEL, Checkpoint()),
                  authority) == errors.InvalidConfig.code
     assert apply(Update(config, MODEL, Checkpoint(CheckpointKind.P2P)), authority) == errors.InvalidCheckpoint.code
-    hub = Checkpoint(CheckpointKind.Hub, 0b111, "org/model", "v1")
+    hub = Checkpoint(CheckpointKind.Hub, "org/model", "v1")
     assert apply(Update(config, MODEL, hub), authority) is None
     assert apply(SetPaused(False), gate) == errors.NotAuthorized.code
     assert apply(SetPaused(False), authority) is None
@@ -187,7 +187,8 @@ def test_permissioned_run_through_every_instruction() -> None:
     assert apply(Tick(), authority, advance=config.max_round_train_time - 1) == errors.NothingToTick.code
     assert apply(Tick(), authority, advance=1) is None and swarm.state.phase == Phase.RoundWitness
     assert apply(Tick(), authority, advance=config.round_witness_time) is None
-    assert swarm.state.phase == Phase.Cooldown and swarm.state.checkpoint.kind == CheckpointKind.P2P
+    assert swarm.state.phase == Phase.Cooldown
+    assert [cp.kind for cp in swarm.state.checkpoints[:3]] == [CheckpointKind.P2P] * 3
     assert swarm.state.client_index(lazy) is None
 
     # Cooldown: a saved checkpoint of every stage ends it early.
@@ -203,8 +204,11 @@ def test_permissioned_run_through_every_instruction() -> None:
         errors.InvalidCheckpoint.code
     assert apply(CheckpointReport(CheckpointKind.Hub, "org/model", "v2"), swarm.of(by_stage[0])) is None
     assert apply(CheckpointReport(CheckpointKind.Local, "/ckpt", "v2"), swarm.of(by_stage[1])) is None
-    assert swarm.state.checkpoint.stages_done == 0b010  # a different place starts over
-    assert apply(CheckpointReport(CheckpointKind.Local, "/ckpt", "v2"), swarm.of(by_stage[0])) is None
+    assert swarm.state.checkpoints[:2] == [Checkpoint(CheckpointKind.Hub, "org/model", "v2"),
+                                           Checkpoint(CheckpointKind.Local, "/ckpt", "v2")]  # a place per stage
+    assert apply(CheckpointReport(CheckpointKind.Local, "/ckpt", "v2"), swarm.of(by_stage[0])) == \
+        errors.CheckpointTaken.code  # a stage keeps its first place of the epoch
+    assert apply(CheckpointReport(CheckpointKind.Hub, "org/model", "v2"), swarm.of(by_stage[0])) is None  # confirmed
     assert apply(CheckpointReport(CheckpointKind.Local, "/ckpt", "v2"), swarm.of(by_stage[2])) is None
     assert swarm.state.phase == Phase.Paused and swarm.state.epoch == 1  # paused as requested
     assert [p.id for p in swarm.state.pending] == staying  # queued for the next epoch, in order

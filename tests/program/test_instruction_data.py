@@ -34,7 +34,7 @@ from tests.spec.scenario import MODEL, SMALL
 
 RUN_ID = "data"
 SAMPLES: list[Instruction] = [
-    Update(SMALL, MODEL, Checkpoint(CheckpointKind.Hub, 0b111, "org/model", "abc123")),
+    Update(SMALL, MODEL, Checkpoint(CheckpointKind.Hub, "org/model", "abc123")),
     SetPaused(True),
     JoinRun(RUN_ID, Role.Worker, 2),
     Tick(),

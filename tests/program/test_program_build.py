@@ -42,7 +42,7 @@ def test_header_offsets_are_the_layouts() -> None:
 
 @pytest.mark.parametrize("name,macro", [
     ("NotAClient", "NOT_A_CLIENT"), ("WaitingForMembers", "WAITING_FOR_MEMBERS"), ("P2P", "P2P"),
-    ("checkpoint.stages_done", "CHECKPOINT_STAGES_DONE"), ("init_coordinator", "INIT_COORDINATOR"),
+    ("checkpoint.revision", "CHECKPOINT_REVISION"), ("init_coordinator", "INIT_COORDINATOR"),
 ])
 def test_macro_names(name: str, macro: str) -> None:
     assert gen_layout.macro_name(name) == macro

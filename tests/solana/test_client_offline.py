@@ -61,7 +61,7 @@ def test_the_default_program_id_is_the_committed_keypairs() -> None:
 
 WITH_ARGUMENTS: list[Instruction] = [
     InitCoordinator("run-1", bytes(range(32)), bytes(32)),
-    Update(Config(), Model(), Checkpoint(CheckpointKind.Hub, 5, "org/model", "main")),
+    Update(Config(), Model(), Checkpoint(CheckpointKind.Hub, "org/model", "main")),
     SetPaused(True), JoinRun("run-1", Role.Trainer), JoinRun("run-1", Role.Worker, 2),
     Witness(7, b"\x01" * 11, b"\x02" * 3), WarmupWitness(b"", b"\x03"), HealthCheck(bytes(range(1, 33))),
     CheckpointReport(CheckpointKind.Local, "/ckpt/run-1", "epoch-3"), ReleaseSlot(bytes(range(2, 34))),

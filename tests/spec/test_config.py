@@ -11,7 +11,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from client.cli import app
+from coordinator_program.spec import rules
 from coordinator_program.spec.config import (
+    Checkpoint,
+    CheckpointKind,
     Config,
     GradAveraging,
     Model,
@@ -113,9 +116,12 @@ def test_state_toml_errors_name_the_key(doc: dict, fragment: str) -> None:
     assert fragment in info.value.detail
 
 
-def test_hub_checkpoint_holds_every_stage() -> None:
+def test_hub_checkpoint_is_every_stages_starting_place() -> None:
     spec = parse_run_spec({"run_id": "ok", "checkpoint": {"kind": "hub", "repo": "org/m", "revision": "main"}})
-    assert spec.checkpoint.stages_done == 0b111
+    assert spec.checkpoint == Checkpoint(CheckpointKind.Hub, "org/m", "main")
+    state = rules.init_coordinator("ok", bytes(32), bytes(32), now=0)
+    rules.update(state, bytes(32), spec.config, spec.model, spec.checkpoint)
+    assert state.checkpoints[:spec.config.num_stages] == [spec.checkpoint] * spec.config.num_stages
 
 
 def test_unreadable_files(tmp_path: Path) -> None:

@@ -284,7 +284,8 @@ def test_last_round_of_epoch_enters_cooldown_with_p2p_checkpoint() -> None:
     for _ in range(SMALL.rounds_per_epoch):
         now = finish_round(state, now)
     assert state.phase == Phase.Cooldown and state.step == SMALL.rounds_per_epoch
-    assert state.checkpoint.kind == CheckpointKind.P2P
+    assert [cp.kind for cp in state.checkpoints] == [CheckpointKind.P2P] * SMALL.num_stages + [
+        CheckpointKind.Fresh] * (limits.MAX_STAGES - SMALL.num_stages)
 
 
 def test_missing_quorum_ends_epoch() -> None:
@@ -398,9 +399,54 @@ def test_complete_checkpoint_ends_cooldown_early() -> None:
         rules.checkpoint(state, w.id, CheckpointKind.Hub, "org/model", "abc")
     assert_rejected(state, errors.NothingToTick, lambda: rules.tick(state, now + 1, 1))
     rules.checkpoint(state, workers[-1].id, CheckpointKind.Hub, "org/model", "abc")
-    assert state.checkpoint == Checkpoint(CheckpointKind.Hub, 0b111, "org/model", "abc")
+    assert state.checkpoints[:SMALL.num_stages] == [Checkpoint(CheckpointKind.Hub, "org/model", "abc")] * 3
     rules.tick(state, now + 1, 1)
     assert state.phase == Phase.WaitingForMembers
+
+
+def test_stages_saved_at_different_places_end_cooldown_early() -> None:
+    """Each stage has its own place: contributors may save to repos of their own."""
+    state = new_run()
+    join_pipeline(state)
+    now = _to_cooldown(state)
+    workers = sorted((c for c in state.clients if c.role == Role.Worker), key=lambda c: c.stage)
+    for w in workers:
+        rules.checkpoint(state, w.id, CheckpointKind.Hub, f"org/stage-{w.stage}", "epoch-0")
+    assert state.checkpoints[:3] == [Checkpoint(CheckpointKind.Hub, f"org/stage-{s}", "epoch-0") for s in range(3)]
+    rules.tick(state, now + 1, 1)
+    assert state.phase == Phase.WaitingForMembers
+
+
+def test_a_worker_cannot_erase_or_repoint_another_stages_checkpoint() -> None:
+    """Issue 20, 5: a report naming another place used to replace the whole record and keep only the reporter's
+    stage, so the next epoch's joiners of every other stage found no checkpoint. Now it sets only its own stage."""
+    state = new_run()
+    join_pipeline(state)
+    now = _to_cooldown(state)
+    by_stage = {c.stage: c for c in state.clients if c.role == Role.Worker}
+    honest = Checkpoint(CheckpointKind.Hub, "org/model", "epoch-0")
+    for stage in (0, 2):
+        rules.checkpoint(state, by_stage[stage].id, honest.kind, honest.repo, honest.revision)
+    rules.checkpoint(state, by_stage[1].id, CheckpointKind.Local, "/attacker", "elsewhere")
+    assert state.checkpoints[0] == state.checkpoints[2] == honest
+    assert state.checkpoints[1] == Checkpoint(CheckpointKind.Local, "/attacker", "elsewhere")
+    rules.tick(state, now + 1, 1)  # every stage is saved: Cooldown ends, and the record stays for the joiners
+    assert state.phase == Phase.WaitingForMembers and state.checkpoints[0] == state.checkpoints[2] == honest
+
+
+def test_a_stage_keeps_its_first_reported_place_for_the_epoch() -> None:
+    """A second worker of a stage confirms the stage's place or is refused; it never moves it."""
+    state = new_run()
+    join_pipeline(state, workers=6)
+    _to_cooldown(state)
+    head = [c for c in state.clients if c.role == Role.Worker and c.stage == 0]
+    assert len(head) == 2
+    rules.checkpoint(state, head[0].id, CheckpointKind.Hub, "org/model", "epoch-0")
+    rules.checkpoint(state, head[1].id, CheckpointKind.Hub, "org/model", "epoch-0")  # the same place: accepted
+    assert_rejected(state, errors.CheckpointTaken, lambda: rules.checkpoint(
+        state, head[1].id, CheckpointKind.Hub, "org/other", "epoch-0"))
+    assert state.checkpoints[0] == Checkpoint(CheckpointKind.Hub, "org/model", "epoch-0")
+    assert all(cp.kind == CheckpointKind.P2P for cp in state.checkpoints[1:3])
 
 
 def test_checkpoint_outside_cooldown_is_rejected() -> None:
@@ -444,8 +490,12 @@ def test_update_rules() -> None:
     bad = replace(SMALL, witness_quorum=1)  # not a strict majority of 3 witnesses
     assert_rejected(state, errors.InvalidConfig, lambda: rules.update(state, AUTHORITY, bad, MODEL, Checkpoint()))
     assert_rejected(state, errors.InvalidCheckpoint, lambda: rules.update(
-        state, AUTHORITY, SMALL, MODEL, Checkpoint(CheckpointKind.Hub, 0b1, "org/m", "main")))
-    rules.update(state, AUTHORITY, SMALL, MODEL, Checkpoint(CheckpointKind.Hub, 0b111, "org/m", "main"))
+        state, AUTHORITY, SMALL, MODEL, Checkpoint(CheckpointKind.P2P)))
+    assert_rejected(state, errors.InvalidCheckpoint, lambda: rules.update(
+        state, AUTHORITY, SMALL, MODEL, Checkpoint(CheckpointKind.Hub, "", "main")))
+    start = Checkpoint(CheckpointKind.Hub, "org/m", "main")
+    rules.update(state, AUTHORITY, SMALL, MODEL, start)
+    assert state.checkpoints == [start] * SMALL.num_stages + [Checkpoint()] * (limits.MAX_STAGES - SMALL.num_stages)
     rules.set_paused(state, AUTHORITY, False)
     rules.tick(state, 0, 1)
     assert_rejected(state, errors.NotHalted, lambda: rules.update(state, AUTHORITY, SMALL, MODEL, Checkpoint()))

@@ -37,16 +37,19 @@ def test_a_local_checkpoint_is_shown_where_the_workers_saved_it(tmp_path: Path) 
     directory = (tmp_path / "checkpoints" / state.run_id).resolve() / revision_for(0)  # as a worker saves it
     for stage in ("head", "tail"):
         save_stage(directory, stage, {"w": torch.zeros(1)}, 8)
-    state.checkpoint = Checkpoint(CheckpointKind.Local, 0b101, str(directory.parent), revision_for(0))
+    saved = Checkpoint(CheckpointKind.Local, str(directory.parent), revision_for(0))
+    state.checkpoints[:3] = [saved, Checkpoint(CheckpointKind.P2P, saved.repo, saved.revision), saved]
     line = next(x for x in describe(state, now=1_000).splitlines() if x.startswith("checkpoint: "))
-    assert line == f"checkpoint: Local {directory} (stages saved: head, tail (2 of 3))"
+    assert line == f"checkpoint: Local {directory}: head, tail; from peers (P2P): body1 (2 of 3 stages saved)"
     assert {p.name for p in directory.iterdir()} >= {"head.json", "tail.json"}
 
 
 def test_a_hub_checkpoint_names_its_branch() -> None:
     state = demo_state()
-    state.checkpoint = Checkpoint(CheckpointKind.Hub, 0b010, "org/model", revision_for(2))
-    assert "checkpoint: Hub hub:org/model@epoch-2 (stages saved: body1 (1 of 3))" in describe(state, now=1_000)
+    state.checkpoints[1] = Checkpoint(CheckpointKind.Hub, "org/model", revision_for(2))
+    assert ("checkpoint: fresh initialisation: head, tail; Hub hub:org/model@epoch-2: body1 (1 of 3 stages saved)"
+            in describe(state, now=1_000))
+    assert "checkpoint: fresh initialisation\n" in describe(demo_state(), now=1_000) + "\n"
 
 
 def test_the_next_epoch_shows_no_round_of_the_last() -> None:

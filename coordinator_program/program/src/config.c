@@ -137,17 +137,16 @@ uint64_t psy_validate_model(const uint8_t *m, const uint8_t *c) {
   return ok ? PSY_SUCCESS : INVALID_CONFIG;
 }
 
-uint64_t psy_validate_checkpoint(const uint8_t *cp, uint64_t num_stages) {
+uint64_t psy_validate_checkpoint(const uint8_t *cp) {
   const uint8_t *repo = cp + PSY_CHECKPOINT_REPO_OFFSET;
   const uint8_t *revision = cp + PSY_CHECKPOINT_REVISION_OFFSET;
   uint64_t kind = PSY_CHECKPOINT_KIND_GET(cp);
-  uint64_t done = PSY_CHECKPOINT_STAGES_DONE_GET(cp);
   bool ok;
   if (kind == PSY_CHECKPOINT_KIND_FRESH) {
-    ok = repo[0] == 0 && revision[0] == 0 && done == 0;
+    ok = repo[0] == 0 && revision[0] == 0;
   } else if (kind == PSY_CHECKPOINT_KIND_HUB || kind == PSY_CHECKPOINT_KIND_LOCAL) {
     ok = repo[0] != 0 && psy_text_printable(repo, PSY_CHECKPOINT_REPO_SIZE) &&
-         psy_text_printable(revision, PSY_CHECKPOINT_REVISION_SIZE) && done == (1u << num_stages) - 1;
+         psy_text_printable(revision, PSY_CHECKPOINT_REVISION_SIZE);
   } else {
     ok = false; /* a run cannot start from a P2P checkpoint */
   }

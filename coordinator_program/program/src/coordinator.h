@@ -168,7 +168,7 @@ bool psy_bloom_contains(const uint8_t *bloom, const uint8_t digest[32], uint64_t
 
 uint64_t psy_validate_config(const uint8_t *config);
 uint64_t psy_validate_model(const uint8_t *model, const uint8_t *config);
-uint64_t psy_validate_checkpoint(const uint8_t *checkpoint, uint64_t num_stages);
+uint64_t psy_validate_checkpoint(const uint8_t *checkpoint);
 /* Config.bloom_bytes */
 uint64_t psy_bloom_bytes(const uint8_t *config);
 

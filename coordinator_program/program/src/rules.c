@@ -21,7 +21,7 @@ uint64_t psy_update(const psy_op_t *op) {
     err = psy_validate_model(model, config);
   }
   if (err == PSY_SUCCESS) {
-    err = psy_validate_checkpoint(checkpoint, PSY_CONFIG_NUM_STAGES_GET(config));
+    err = psy_validate_checkpoint(checkpoint);
   }
   if (err != PSY_SUCCESS) {
     return err;
@@ -38,7 +38,11 @@ uint64_t psy_update(const psy_op_t *op) {
   }
   sol_memcpy_(s + PSY_ACCOUNT_CONFIG_OFFSET, config, PSY_CONFIG_SIZE);
   sol_memcpy_(s + PSY_ACCOUNT_MODEL_OFFSET, model, PSY_MODEL_SIZE);
-  sol_memcpy_(s + PSY_ACCOUNT_CHECKPOINT_OFFSET, checkpoint, PSY_CHECKPOINT_SIZE);
+  uint8_t *places = s + PSY_ACCOUNT_CHECKPOINTS_OFFSET; /* the starting place of every stage, fresh beyond them */
+  sol_memset_(places, 0, PSY_ACCOUNT_CHECKPOINTS_SIZE);
+  for (uint64_t stage = 0; stage < PSY_CONFIG_NUM_STAGES_GET(config); stage++) {
+    sol_memcpy_(places + stage * PSY_CHECKPOINT_SIZE, checkpoint, PSY_CHECKPOINT_SIZE);
+  }
   if (phase == PSY_PHASE_UNINITIALIZED) {
     PSY_ACCOUNT_PHASE_SET(s, PSY_PHASE_PAUSED);
   }
@@ -223,15 +227,18 @@ uint64_t psy_checkpoint(const psy_op_t *op) {
   if (!psy_text_printable(repo, PSY_REPO_BYTES) || !psy_text_printable(revision, PSY_REVISION_BYTES)) {
     return PSY_ERR_INVALID_CHECKPOINT;
   }
-  uint16_t stage_bit = (uint16_t)(1u << PSY_CLIENT_STAGE_GET(client)); /* a worker's stage is < 16 */
-  bool same_place = PSY_ACCOUNT_CHECKPOINT_KIND_GET(s) == kind &&
-                    psy_memcmp(s + PSY_ACCOUNT_CHECKPOINT_REPO_OFFSET, repo, PSY_REPO_BYTES) == 0 &&
-                    psy_memcmp(s + PSY_ACCOUNT_CHECKPOINT_REVISION_OFFSET, revision, PSY_REVISION_BYTES) == 0;
-  uint16_t done = same_place ? PSY_ACCOUNT_CHECKPOINT_STAGES_DONE_GET(s) | stage_bit : stage_bit;
-  PSY_ACCOUNT_CHECKPOINT_KIND_SET(s, kind);
-  PSY_ACCOUNT_CHECKPOINT_STAGES_DONE_SET(s, done);
-  sol_memcpy_(s + PSY_ACCOUNT_CHECKPOINT_REPO_OFFSET, repo, PSY_REPO_BYTES);
-  sol_memcpy_(s + PSY_ACCOUNT_CHECKPOINT_REVISION_OFFSET, revision, PSY_REVISION_BYTES);
+  /* Only the reporter's own stage; Cooldown began with every stage P2P, so a saved place is this epoch's first. */
+  uint8_t *place = s + PSY_ACCOUNT_CHECKPOINTS_OFFSET + PSY_CLIENT_STAGE_GET(client) * PSY_CHECKPOINT_SIZE;
+  uint8_t recorded = PSY_CHECKPOINT_KIND_GET(place);
+  bool saved = recorded == PSY_CHECKPOINT_KIND_HUB || recorded == PSY_CHECKPOINT_KIND_LOCAL;
+  bool same_place = recorded == kind && psy_memcmp(place + PSY_CHECKPOINT_REPO_OFFSET, repo, PSY_REPO_BYTES) == 0 &&
+                    psy_memcmp(place + PSY_CHECKPOINT_REVISION_OFFSET, revision, PSY_REVISION_BYTES) == 0;
+  if (saved && !same_place) {
+    return PSY_ERR_CHECKPOINT_TAKEN;
+  }
+  PSY_CHECKPOINT_KIND_SET(place, kind);
+  sol_memcpy_(place + PSY_CHECKPOINT_REPO_OFFSET, repo, PSY_REPO_BYTES);
+  sol_memcpy_(place + PSY_CHECKPOINT_REVISION_OFFSET, revision, PSY_REVISION_BYTES);
   psy_bump_nonce(s);
   return PSY_SUCCESS;
 }

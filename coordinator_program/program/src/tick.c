@@ -150,6 +150,10 @@ static uint64_t tick_train(uint8_t *s, int64_t now) {
   return NOTHING;
 }
 
+static uint8_t *stage_checkpoint(uint8_t *s, uint64_t stage) {
+  return s + PSY_ACCOUNT_CHECKPOINTS_OFFSET + stage * PSY_CHECKPOINT_SIZE;
+}
+
 static uint64_t tick_witness(uint8_t *s, int64_t now) {
   if (!phase_time_reached(s, now, PSY_ACCOUNT_CONFIG_ROUND_WITNESS_TIME_GET(s))) {
     return NOTHING;
@@ -165,9 +169,11 @@ static uint64_t tick_witness(uint8_t *s, int64_t now) {
   uint64_t next_height = (uint64_t)PSY_ROUND_HEIGHT_GET(psy_current_round(s)) + 1;
   if (next_height >= PSY_ACCOUNT_CONFIG_ROUNDS_PER_EPOCH_GET(s) || step >= PSY_ACCOUNT_CONFIG_TOTAL_STEPS_GET(s) ||
       !quorum || !clients_complete(s)) {
-    /* The epoch ends: joiners will fetch the model from their peers unless a checkpoint is saved. */
-    PSY_ACCOUNT_CHECKPOINT_KIND_SET(s, PSY_CHECKPOINT_KIND_P2P);
-    PSY_ACCOUNT_CHECKPOINT_STAGES_DONE_SET(s, 0);
+    /* The epoch ends: each stage's joiners fetch it from their peers until one of its workers reports it saved;
+     * its place keeps the last repo and revision. */
+    for (uint64_t stage = 0; stage < PSY_ACCOUNT_CONFIG_NUM_STAGES_GET(s); stage++) {
+      PSY_CHECKPOINT_KIND_SET(stage_checkpoint(s, stage), PSY_CHECKPOINT_KIND_P2P);
+    }
     enter(s, PSY_PHASE_COOLDOWN, now);
   } else {
     start_round(s, now, next_height);
@@ -176,9 +182,11 @@ static uint64_t tick_witness(uint8_t *s, int64_t now) {
 }
 
 static uint64_t tick_cooldown(uint8_t *s, int64_t now) {
-  uint64_t every_stage = (1u << PSY_ACCOUNT_CONFIG_NUM_STAGES_GET(s)) - 1;
-  bool saved = PSY_ACCOUNT_CHECKPOINT_KIND_GET(s) != PSY_CHECKPOINT_KIND_P2P &&
-               PSY_ACCOUNT_CHECKPOINT_STAGES_DONE_GET(s) == every_stage;
+  bool saved = true; /* every stage reported saved this epoch */
+  for (uint64_t stage = 0; stage < PSY_ACCOUNT_CONFIG_NUM_STAGES_GET(s); stage++) {
+    uint8_t kind = PSY_CHECKPOINT_KIND_GET(stage_checkpoint(s, stage));
+    saved = saved && (kind == PSY_CHECKPOINT_KIND_HUB || kind == PSY_CHECKPOINT_KIND_LOCAL);
+  }
   if (!saved && !phase_time_reached(s, now, PSY_ACCOUNT_CONFIG_COOLDOWN_TIME_GET(s))) {
     return NOTHING;
   }
