@@ -49,6 +49,7 @@ from client.join.state_download import (
     download_from_peers,
     load_local,
     load_stage_state,
+    saved_step,
     stage_identity,
     worker_state_provider,
 )
@@ -186,13 +187,20 @@ class StageReplica:
             attempts.append((f"the run's checkpoint {checkpoint.repo}@{checkpoint.revision}", lambda: download_from_hub(
                 checkpoint.repo, self.stage, limits=limits, revision=checkpoint.revision or None,
                 endpoint=sources.hf_endpoint, token=sources.hf_token)))
+        local_dir = Path(checkpoint.repo) / checkpoint.revision
         local = (f"the local checkpoint {checkpoint.repo}/{checkpoint.revision}",
-                 lambda: load_local(Path(checkpoint.repo) / checkpoint.revision, self.stage, limits))
-        if checkpoint.kind == CheckpointKind.Local:
-            attempts.append(local)
+                 lambda: load_local(local_dir, self.stage, limits))
+        snapshots: list[tuple[str, Callable[[], StageState | None]]] = []
         if sources.snapshots is not None and state.step > 0:  # at step 0 the seed is the state; any snapshot is older
             root = sources.snapshots
-            attempts.append((f"the snapshots in {root}", lambda: self._newest_snapshot(root, state.step, limits)))
+            snapshots.append((f"the snapshots in {root}", lambda: self._newest_snapshot(root, state.step, limits)))
+        if checkpoint.kind == CheckpointKind.Local:
+            # Both on this disk: a worker restarted within the epoch holds snapshots newer than the epoch's start.
+            newer = snapshots and self._snapshot_step(sources.snapshots, state.step) > (
+                saved_step(local_dir, self.stage) or -1)
+            attempts.extend([*snapshots, local] if newer else [local, *snapshots])
+        else:
+            attempts.extend(snapshots)
         if state.step > 0 and self.peers():  # at step 0 every peer holds the seed's model: nothing to fetch
             attempts.append(("same-stage peers", lambda: self._from_peers(state, swarm_step)))
         if checkpoint.kind == CheckpointKind.P2P and checkpoint.repo:  # the last saved copy, if it is on this disk
@@ -206,6 +214,11 @@ class StageReplica:
             if found is not None:
                 return found
         return None
+
+    def _snapshot_step(self, root: Path | None, swarm_step: int) -> int:
+        """The step of this stage's newest snapshot no newer than the swarm; -1 if none."""
+        steps = [step for step, _ in snapshot_dirs(root, self.stage) if step <= swarm_step] if root else []
+        return max(steps, default=-1)
 
     def _newest_snapshot(self, root: Path, swarm_step: int, limits: FileLimits) -> StageState | None:
         """The newest readable snapshot of this stage no newer than the swarm (one newer is left by an earlier run

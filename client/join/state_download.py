@@ -159,6 +159,17 @@ def load_local(directory: Path, stage: str, limits: FileLimits) -> StageState | 
                       step=_step_of(meta, str(meta_file)), source=f"local:{state_file}", optimizer=optimizer)
 
 
+def saved_step(directory: Path, stage: str) -> int | None:
+    """The step a local copy of ``stage`` says it was taken at, without reading its tensors; None if it says none."""
+    meta_file = directory / stage_files(stage)[2]
+    try:
+        with meta_file.open("rb") as f:
+            meta = json.loads(f.read(4096))
+        return _step_of(meta, str(meta_file))
+    except (OSError, ValueError, StateDownloadError):
+        return None
+
+
 def _load_tensors(path: Path, where: str, limit: int) -> dict[str, torch.Tensor]:
     try:
         return read_weights(path, where, limit)

@@ -173,6 +173,26 @@ def test_a_stage_that_emptied_restarts_from_its_newest_snapshot_not_the_seed(mak
     assert replica.begin(10) == SyncPhase.ACTIVE  # alone: it is the stage, two steps behind the swarm
 
 
+def test_a_restarted_worker_takes_its_snapshot_newer_than_the_epochs_checkpoint(make_replica, run_id: str,
+                                                                              tmp_path: Path) -> None:
+    """Stopped mid-epoch at step 14 after snapshotting, a worker restarts while the record still names the epoch's
+    local checkpoint (step 10): it resumes from its own step 14, not four steps back. A snapshot older than the
+    checkpoint still loses to it."""
+    checkpoint = Checkpoint(CheckpointKind.Local, str(tmp_path / run_id), "epoch-1")
+    state = run_state(run_id, 15, checkpoint)
+    replica = make_replica(state)
+    save_stage(tmp_path / run_id / "epoch-1", "body1", perturbed(replica, 0.25), step=10)
+    root = snapshot_root(tmp_path, run_id)
+    save_snapshot(root, "body1", perturbed(replica, 0.5), 8)
+    found = replica.load(state, 1, StateSources(snapshots=root), lambda: None)
+    assert found is not None and found.step == 10 and found.source.startswith(f"local:{tmp_path / run_id}/epoch-1")
+    newest = perturbed(replica, 0.75)
+    save_snapshot(root, "body1", newest, 14)
+    found = replica.load(state, 1, StateSources(snapshots=root), lambda: None)
+    assert found is not None and found.step == 14 and replica.local_step == 14
+    assert all(torch.equal(v, newest[k]) for k, v in replica.worker.compute.module.state_dict().items())
+
+
 def test_snapshots_are_ignored_at_step_0_and_a_broken_one_falls_back_to_the_next(make_replica, run_id: str,
                                                                                  tmp_path: Path) -> None:
     root = snapshot_root(tmp_path, run_id)
