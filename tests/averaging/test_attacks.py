@@ -251,9 +251,11 @@ def test_a_member_cannot_outweigh_its_partner_in_a_sparta_pair(make_averager, de
     for index in range(2):
         result = average_together([averager, liar], index, [4.0, 4.0])[0]
         assert result.consecutive_failures == 0
-        met += result.refused if declared > 16 else result.group_size == 2
+        met += result.group_size == 2
         torch.testing.assert_close(flat(honest), before, rtol=0, atol=1e-6)
-    assert met >= 1  # the pair met at least once: the attack was made
+    # The parts' liar is admitted, so the pair meets; the claim's is refused before the group forms whenever
+    # the honest worker leads, so it may never meet (on the old code it always did, and won).
+    assert met >= 1 or declared > 16
 
 
 class _Reverser(GradientAverager):
@@ -328,15 +330,20 @@ def test_a_member_cannot_reverse_the_stage_s_gradient(make_grad_averager, mode) 
 
 def test_a_member_claiming_more_than_the_round_s_batch_adds_nothing(make_grad_averager) -> None:
     """The reverser claims 1e6 samples, over ``max_weight`` (the round's global batch): it is dropped before the
-    all-reduce, so the honest workers get exactly their own mean (without the bound, the robust reduction of
-    three parts: near the honest mean, not equal to it), stand for their own 8 samples, and their round is
-    complete."""
-    settings = GradientSettings(GradAveraging.FULL, timeouts=TRIO, max_weight=16.0)
+    all-reduce (by an honest leader, or by both honest workers from the group it leads), so the honest workers
+    get exactly their own mean (the old code admitted it: the robust reduction of three parts, near the honest
+    mean but not equal to it), stand for their own 8 samples (not 1e6 + 8), and their round is complete.
+    (Groups of two may form: an honest leader refuses the reverser before the group forms.)"""
+    settings = GradientSettings(GradAveraging.FULL, timeouts=FAST, max_weight=16.0)
     values, results, target = reverser_round(make_grad_averager, settings, 1e6)
+    averaged = 0
     for value, result in zip(values, results, strict=True):
-        assert result is not None and result.status == AveragingStatus.AVERAGED
-        assert (result.refused, result.group_size, result.samples, result.complete) == (1, 2, 8, True)
-        torch.testing.assert_close(torch.cat([t.flatten() for t in value]), target, rtol=0, atol=1e-5)
+        assert result is not None and result.refused <= 1 and result.consecutive_failures == 0
+        if result.status == AveragingStatus.AVERAGED:
+            averaged += 1
+            assert (result.group_size, result.samples, result.complete) == (2, 8, True)
+            torch.testing.assert_close(torch.cat([t.flatten() for t in value]), target, rtol=0, atol=1e-5)
+    assert averaged >= 1
 
 
 class _Understater(_Reverser):
