@@ -35,7 +35,8 @@ sent with a weight other than the declared one, or from a peer declaring a norm 
 group's lower median — so a poisoned contribution never enters an average. A reducer is a groupmate too:
 a part it returns that is non-finite or larger than any honest average of the group could be (``_GroupLimits``)
 fails that reducer, whose shard keeps the local values, while every other shard of the tensor is averaged.
-The samples a round reports exclude every groupmate whose contribution was refused.
+The samples a round reports exclude every groupmate dropped, left without a limit, or banned by this peer's
+reducers (a sender banned only by another reducer still counts: its other parts were taken).
 
 Why not hivemind's own classes: ``GradientAverager`` keeps its own accumulators fed by ``accumulate_grads_``,
 while a worker accumulates into ``.grad`` behind its admission bound; ``PowerSGDGradientAverager`` has the
@@ -358,8 +359,8 @@ class GradientResult:
     status: AveragingStatus
     reason: str
     weight: float
-    samples: int  # samples the gradient now stands for: the weights of the groupmates whose contributions were
-    # taken (never a dropped or banned one's claim) when averaged, this worker's otherwise
+    samples: int  # samples the gradient now stands for when averaged: the weights of the admitted groupmates with a
+    # limit that this worker's reducers did not ban (never a dropped or refused one's claim); this worker's otherwise
     group_size: int  # admitted peers in the group, this one included (0 when none formed)
     refused: int  # groupmates dropped because their declaration did not pass
     complete: bool  # every peer's parts arrived (PowerSGD: its error feedback moved; otherwise it was restored)
