@@ -28,10 +28,15 @@ own gradient, partly averaged at most — and stays consistent. Non-finite avera
 local value.
 
 Untrusted groupmates. Each peer declares its round, weight (samples) and the L2 norm of what it will send;
-every part of its contribution in either phase is bounded by that norm (P̂ and Q̂ are orthonormal). A reducer
-bans for the round any sender whose part is non-finite, larger than it declared, sent with a weight other
-than the declared one, from a peer claiming more than ``max_weight`` samples or declaring a norm above
-``factor`` × the group's lower median — so a poisoned contribution never enters an average.
+every part of its contribution in either phase is bounded by that norm (P̂ and Q̂ are orthonormal). A peer
+claiming more than ``max_weight`` samples (a round's global batch) is dropped before the all-reduce
+(``membership``). A reducer bans for the round any sender whose part is non-finite, larger than it declared,
+sent with a weight other than the declared one, or from a peer declaring a norm above ``factor`` × the
+group's lower median — so a poisoned contribution never enters an average. A reducer is a groupmate too:
+a part it returns that is non-finite or larger than any honest average of the group could be (``_GroupLimits``)
+fails that reducer, whose shard keeps the local values, while every other shard of the tensor is averaged.
+The samples a round reports exclude every groupmate dropped, left without a limit, or banned by this peer's
+reducers (a sender banned only by another reducer still counts: its other parts were taken).
 
 Why not hivemind's own classes: ``GradientAverager`` keeps its own accumulators fed by ``accumulate_grads_``,
 while a worker accumulates into ``.grad`` behind its admission bound; ``PowerSGDGradientAverager`` has the
@@ -50,8 +55,7 @@ import math
 import multiprocessing as mp
 import threading
 import time
-import typing
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -59,15 +63,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
+from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.power_sgd_averager import AllReducePhases, PowerSGDGradientAverager
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import achain, as_aiter, enter_asynchronously
+from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.math import orthogonalize_
 
 from client.averaging.membership import Declared, Membership, Roster
@@ -149,20 +153,14 @@ def round_payload(shapes: Sequence[Sequence[int]], settings: GradientSettings) -
 
 
 @dataclass(frozen=True)
-class _Limit:
-    """What one groupmate may send this round: its declared weight and a bound on any part's L2 norm."""
-
-    weight: float
-    norm: float
-
-
-@dataclass(frozen=True)
 class _GroupLimits:
-    """The limits of a group's round: each admitted groupmate's, and a bound on the L2 norm of any tensor an
-    all-reduce can honestly leave (each part of an average is no larger than the largest part averaged, and
-    every part of every contribution is within its sender's declared norm)."""
+    """The limits of a group's round: a bound on the L2 norm of any part each admitted groupmate may send (its
+    declared norm), and one on any part an all-reduce can honestly return, ``result_norm`` = the root of the
+    sum of their squares. (The robust reduction of a part lies between the coordinate median m and the parts
+    x_i, so its norm is at most max(‖m‖, max ‖x_i‖), and ‖m‖² ≤ Σ_i ‖x_i‖², each coordinate of m being one
+    of the x_i's; every part is within its sender's declared norm.)"""
 
-    peers: dict[PeerID, _Limit]
+    peers: dict[PeerID, float]
     result_norm: float
 
 
@@ -175,16 +173,15 @@ class _GradientRounds(StageAverager):
 
     def __init__(self, grads: Sequence[torch.Tensor], dht: Any, *, names: Sequence[str],
                  shapes: Sequence[tuple[int, int] | None], rank: int, seed: int, errors: Sequence[torch.Tensor],
-                 backup: Sequence[torch.Tensor], qs: Sequence[torch.Tensor], factor: float, max_weight: float,
+                 backup: Sequence[torch.Tensor], qs: Sequence[torch.Tensor], factor: float,
                  **kwargs: Any) -> None:
         # All shared with the averaging process, so they must exist before it forks.
         self._names, self._shapes, self._rank, self._seed = list(names), list(shapes), rank, seed
         self._errors, self._backup, self._qs = list(errors), list(backup), list(qs)
-        self._factor, self._max_weight = factor, max_weight
+        self._factor = factor
         self._outcome = mp.Value(ctypes.c_int32, 0, lock=False)
         self._tag = mp.Array(ctypes.c_char, _TAG_BYTES, lock=False)  # group id of the last complete phase Q
         self._limits: dict[bytes, _GroupLimits] = {}
-        self._refused_results = False  # a reducer's average was refused in this round (process side)
         super().__init__(grads, dht, **kwargs)
 
     def prepare_round(self, averaging_index: int, declaration: dict[str, Any]) -> dict[str, Any]:
@@ -205,80 +202,57 @@ class _GradientRounds(StageAverager):
 
     # ----- contribution checks -----
 
+    def _group_ids(self, group_id: bytes) -> list[bytes]:
+        return [group_id, *(group_id + phase.name.encode() for phase in AllReducePhases)]
+
     async def _aggregate_admitted(self, group_info: GroupInfo, admitted: dict[PeerID, Declared],
                                   min_vector_size: int, **kwargs: Any) -> Any:
-        self._refused_results = False
+        """The round with each admitted groupmate's limits in force; returns the declarations of those that
+        have a limit (a groupmate with none added nothing: every reducer refused its parts)."""
         limits = self._group_limits(admitted)
-        ids = [group_info.group_id, *(group_info.group_id + phase.name.encode() for phase in AllReducePhases)]
+        ids = self._group_ids(group_info.group_id)
         self._limits.update(dict.fromkeys(ids, limits))
         try:
-            return await super()._aggregate_admitted(group_info, admitted, min_vector_size, **kwargs)
+            gathered = await super()._aggregate_admitted(group_info, admitted, min_vector_size, **kwargs)
         finally:
             for group_id in ids:
                 self._limits.pop(group_id, None)
+        return {peer: body for peer, body in gathered.items() if peer in limits.peers}
 
     def _group_limits(self, admitted: dict[PeerID, Declared]) -> _GroupLimits:
-        """Each admitted groupmate's limit from its declaration (membership checked its weight); one that
-        claims more than ``max_weight`` or declares no finite norm gets none (all its parts refused)."""
+        """Each admitted groupmate's limit from its declaration (membership checked its weight against
+        ``max_weight``); one that declares no finite norm, or one above ``factor`` × the group's lower median,
+        gets none (all its parts refused)."""
         declared: dict[PeerID, tuple[float, float]] = {}
         for peer, declaration in admitted.items():
             norm = declaration.body.get("norm")
-            if (isinstance(norm, int | float) and not isinstance(norm, bool) and 0 <= norm < math.inf
-                    and declaration.weight <= self._max_weight):
+            if isinstance(norm, int | float) and not isinstance(norm, bool) and 0 <= norm < math.inf:
                 declared[peer] = (declaration.weight, float(norm))
         typical = sorted(norm for weight, norm in declared.values() if weight > 0)
         bound = self._factor * typical[(len(typical) - 1) // 2] if typical else math.inf
-        peers = {peer: _Limit(weight, norm) for peer, (weight, norm) in declared.items() if norm <= bound}
-        return _GroupLimits(peers, math.sqrt(sum(limit.norm**2 for limit in peers.values())))
+        peers = {peer: norm for peer, (_, norm) in declared.items() if norm <= bound}
+        return _GroupLimits(peers, math.sqrt(sum(norm**2 for norm in peers.values())))
 
-    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
-                                      group_id: bytes | None = None, **kwargs: Any) -> None:
-        """hivemind's all-reduce, then a check of what came back: a reducer is a groupmate too, and one that
-        returns a non-finite or impossibly large average for its shard leaves the tensor at its local value."""
-        group_id = group_info.group_id if group_id is None else group_id
-        local = [t.clone() for t in tensors]
-        try:
-            await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
-        finally:
-            limits = self._limits.get(group_id)
-            bound = (limits.result_norm if limits is not None else 0.0) * (1 + _NORM_SLACK) + 1e-12
-            for tensor, before in zip(tensors, local, strict=True):
-                if not float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) <= bound:
-                    tensor.copy_(before)
-                    self._refused_results = True
+    def _result_bound(self, group_id: bytes) -> float:
+        """No part of an honest average is larger than the group's ``result_norm``: a reducer is a groupmate
+        too, and one that returns more for a part has that part (and the rest of its shard) kept local."""
+        limits = self._limits.get(group_id)
+        return (limits.result_norm if limits is not None else 0.0) * (1 + _NORM_SLACK) + 1e-12
 
-    async def rpc_aggregate_part(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
-                                 context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
-        """hivemind's handler, with every incoming part checked before the reducer sees it: a refused part
-        raises inside the runner's handler, which bans the sender for the rest of the round. (hivemind finds
-        streaming handlers by ``typing.AsyncIterator`` annotations; ``collections.abc``'s are not recognised.)"""
-        request = await anext(stream)
-        if request.group_id not in self._running_groups:
-            await self._pending_groups_registered.wait()  # the leader's answer may arrive after a groupmate's parts
-        future = self._running_groups.get(request.group_id)
-        if future is None:
-            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
-            return
-        runner: AllReduceRunner = await future
-        limits = self._limits.get(request.group_id)
-        limit = limits.peers.get(context.remote_id) if limits is not None else None
-        checked = self._checked(achain(as_aiter(request), stream), limit, context.remote_id)
-        async for message in runner.rpc_aggregate_part(checked, context):
-            yield message
-
-    @staticmethod
-    async def _checked(stream: AsyncIterator[averaging_pb2.AveragingData], limit: _Limit | None,
-                       peer: PeerID) -> AsyncIterator[averaging_pb2.AveragingData]:
-        async for message in stream:
-            if limit is None:
-                raise AllreduceException(f"{peer} declared an invalid or out-of-line contribution")
-            if message.weight != limit.weight:  # a double, as declared: no rounding
-                raise AllreduceException(f"{peer} sent weight {message.weight}, declared {limit.weight}")
-            part = deserialize_torch_tensor(message.tensor_part)
-            norm = float(torch.linalg.vector_norm(part, dtype=torch.float64))
-            if not norm <= limit.norm * (1 + _NORM_SLACK) + 1e-12:  # also refuses NaN and infinity
-                raise AllreduceException(f"{peer} sent a part of norm {norm:.3g}, declared {limit.norm:.3g}")
-            yield message
+    def _part_refusal(self, message: averaging_pb2.AveragingData, group_id: bytes, peer: PeerID,
+                      declared: Declared) -> str:
+        """StageAverager's weight check, then the sender's limit: no part larger than its declared norm."""
+        refusal = super()._part_refusal(message, group_id, peer, declared)
+        if refusal:
+            return refusal
+        limits = self._limits.get(group_id)
+        limit = limits.peers.get(peer) if limits is not None else None
+        if limit is None:
+            return "declared an invalid or out-of-line contribution"
+        norm = float(torch.linalg.vector_norm(deserialize_torch_tensor(message.tensor_part), dtype=torch.float64))
+        if not norm <= limit * (1 + _NORM_SLACK) + 1e-12:  # also refuses NaN and infinity
+            return f"sent a part of norm {norm:.3g}, declared {limit:.3g}"
+        return ""
 
     # ----- PowerSGD -----
 
@@ -362,10 +336,9 @@ class _GradientRounds(StageAverager):
 
     def _complete(self, group_id: bytes) -> bool:
         """Whether the all-reduce of ``group_id`` heard from every sender and every reducer, and kept every
-        result (a refused result spoils the round's completeness too)."""
+        result (a reducer whose result was refused counts as failed: ``RobustRunner``)."""
         runner: AllReduceRunner = self._running_groups[group_id].result()
-        return (not runner.banned_senders and runner.tensor_part_container.failed_size == 0
-                and not self._refused_results)
+        return not runner.banned_senders and runner.tensor_part_container.failed_size == 0
 
 
 class _Phases(DecentralizedAverager):
@@ -386,7 +359,8 @@ class GradientResult:
     status: AveragingStatus
     reason: str
     weight: float
-    samples: int  # samples the gradient now stands for: the group's when averaged, this worker's otherwise
+    samples: int  # samples the gradient now stands for when averaged: the weights of the admitted groupmates with a
+    # limit that this worker's reducers did not ban (never a dropped or refused one's claim); this worker's otherwise
     group_size: int  # admitted peers in the group, this one included (0 when none formed)
     refused: int  # groupmates dropped because their declaration did not pass
     complete: bool  # every peer's parts arrived (PowerSGD: its error feedback moved; otherwise it was restored)

@@ -9,7 +9,13 @@ groupmate is admitted to a round only if
 - its key is on the roster: the workers the coordinator lists for the stage in the current epoch, healthy;
 - the signature holds for the peer id it joined under (libp2p authenticates peer ids, so a stranger cannot
   reuse a member's declaration: it would have to send its parts as the member);
-- it declares this round and epoch, and no other groupmate declares the same key (one seat per member).
+- it declares this round and epoch, and no other groupmate declares the same key (one seat per member);
+- its weight is a number from 0 to the most its role can honestly claim in such a round (``max_weight``: a
+  round's global batch for a gradient round, ``sparta_every`` global batches for a SPARTA round, the samples a
+  worker can have processed between two of them). A mean follows a large weight without bound, and in a group
+  of two the robust reduction's cap binds nobody (``client.averaging.robust``), so a claim above it is refused
+  like a malformed one rather than clipped: a peer that claims what it cannot have done is not trusted with a
+  smaller weight either.
 
 Every groupmate sees the same gathered declarations (the leader hands the same list to all), so the honest ones
 admit the same peers and run the all-reduce among them alone; a leader also refuses a follower whose
@@ -77,8 +83,10 @@ class Declared:
         return float(self.body["weight"])
 
 
-def check(declaration: object, prefix: str, peer_id: bytes, roster: Roster, round_: int) -> Declared | str:
-    """The declaration if ``peer_id`` may take part in round ``round_`` with it, else why not."""
+def check(declaration: object, prefix: str, peer_id: bytes, roster: Roster, round_: int,
+          max_weight: float = math.inf) -> Declared | str:
+    """The declaration if ``peer_id`` may take part in round ``round_`` with it, claiming at most ``max_weight``,
+    else why not."""
     if not isinstance(declaration, dict):
         return "its declaration is not a dict"
     body = {k: v for k, v in declaration.items() if k not in ("epoch", "member", "seal")}
@@ -96,6 +104,8 @@ def check(declaration: object, prefix: str, peer_id: bytes, roster: Roster, roun
     weight = body.get("weight")
     if not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 <= weight < math.inf:
         return f"it declares weight {weight!r}"
+    if weight > max_weight:
+        return f"it declares weight {weight!r}, above the {max_weight:g} a worker can claim in a round"
     try:
         message = _message(prefix, epoch, peer_id, body)
     except (TypeError, ValueError):

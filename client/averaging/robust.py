@@ -29,9 +29,15 @@ The bound, for one liar b among k ≥ 3 positive-weight senders of a part (H: th
 So one member of a group of three or more cannot move the stage further than κ times the honest members' own
 disagreement, whatever it sends and whatever weight it claims. With k = 2 positive-weight senders there is no
 majority to tell the liar by, and the cap binds nobody: the result is the weighted mean, a group of two trusts
-both (gradient rounds still bound a claimed weight by the round's global batch, ``GradientSettings``). Capping
-the larger weight at the smaller would halve a liar's pull but weigh honest pairs' unequal samples equally,
-the commonest honest case (two workers per stage). With k = 1 it is that part.
+both. What bounds a liar there is the weight it may claim: no more than ``max_weight``, what its role can
+honestly have done (a round's global batch for gradients, ``sparta_every`` global batches for SPARTA), and
+every part it sends must carry the weight it declared (``membership``, ``stage_averager``); so its weight is
+ω_b ≤ max_weight / (max_weight + w_h), w_h the honest member's. Capping the larger weight at the smaller would
+halve a liar's pull but weigh honest pairs' unequal samples equally, the commonest honest case (two workers
+per stage). With k = 1 it is that part.
+
+Each part a peer receives back from another reducer is checked too (``RobustRunner``): a part that is not
+finite, or above the bound the caller knows an honest average cannot exceed, fails that reducer alone.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
 from hivemind.averaging.partition import TensorPartReducer
 
 KAPPA = 2.0  # the clipping radius in lower-median distances; above 1 so that alike honest members are not clipped
@@ -108,9 +114,29 @@ class RobustReducer(TensorPartReducer):
 
 
 class RobustRunner(AllReduceRunner):
-    """hivemind's all-reduce runner reducing its part with ``RobustReducer``."""
+    """hivemind's all-reduce runner reducing its part with ``RobustReducer``, and checking each part another
+    reducer returns: a part that is not finite or has an L2 norm above ``result_bound`` (what the caller knows
+    an honest average of that part cannot exceed) fails that reducer, as if it had gone silent — hivemind then
+    keeps the reducer's shard (this part and its later ones) at the local values and counts it in
+    ``failed_size``, and every other reducer's shard of the same tensors is still averaged. A part equal to the
+    local one (hivemind's own filler for a failed reducer) is always taken."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, result_bound: float = math.inf, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.tensor_part_reducer = RobustReducer(tuple(part.shape for part in self.parts_for_local_averaging),
                                                  len(self.sender_peer_ids))
+        container = self.tensor_part_container
+        own = self.ordered_peer_ids.index(self.peer_id)
+        register = container.register_processed_part
+
+        def register_checked(peer_index: int, part_index: int, delta: torch.Tensor) -> None:
+            if peer_index != own and delta.any():
+                # hivemind's container keeps each reducer's input parts until it finishes; deltas are what it adds
+                local = container._input_parts_by_peer[peer_index][part_index][0]
+                norm = float(torch.linalg.vector_norm(local + delta, dtype=torch.float64))
+                if not norm <= result_bound:  # also refuses NaN and infinity
+                    raise AllreduceException(f"reducer {self.ordered_peer_ids[peer_index]} returned part "
+                                             f"{part_index} of norm {norm:.3g}, above {result_bound:.3g}")
+            register(peer_index, part_index, delta)
+
+        container.register_processed_part = register_checked  # type: ignore[method-assign]

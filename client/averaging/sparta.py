@@ -16,8 +16,15 @@ change rather than overwriting keeps any optimizer step taken while the network 
 changes are applied: where a group ended up with no weight for some elements (a weighted peer failed
 mid-round and the rest weigh 0) those elements keep their local value instead of becoming NaN.
 
-Faults. A groupmate whose declaration does not pass (a stranger, another round, a malformed or negative
-weight) is dropped before the all-reduce and the others average among themselves (``stage_averager``).
+Weights. A round's weight is the samples the worker processed since the last round, at most
+``max_weight`` = ``sparta_every`` × the round's global batch (a step accumulates one global batch at most);
+a groupmate claiming more is dropped before the all-reduce, and one that sends its parts with another weight
+than it declared is banned by every honest reducer (``stage_averager``): in a group of two, where the
+robust reduction trusts both members, a liar's pull on the result is at most max_weight / (max_weight + the
+honest weight), not everything.
+
+Faults. A groupmate whose declaration does not pass (a stranger, another round, a malformed, negative or
+too large weight) is dropped before the all-reduce and the others average among themselves (``stage_averager``).
 hivemind bans a sender that stalls or dies, keeps each failed reducer's shard at its local value, and
 finishes the round with what it has; a round that raises still applies whatever parts completed. There is
 no retry: the next round starts afresh. ``average`` counts consecutive failures that are this peer's own —
@@ -47,7 +54,8 @@ import torch
 
 from client.averaging.membership import Membership, Roster
 from client.averaging.rounds import GRACE, Wedged, holding, run_round
-from client.averaging.stage_averager import SharedState, StageAverager, StateExpectation
+from client.averaging.stage_averager import StageAverager
+from client.averaging.state_transfer import SharedState, StateExpectation
 
 if TYPE_CHECKING:
     import hivemind
@@ -201,11 +209,16 @@ class SpartaAverager:
         lock: AbstractContextManager[Any] | None = None,
         settings: SpartaSettings | None = None,
         state_provider: Callable[[], SharedState] | None = None,
+        max_weight: float = math.inf,
     ) -> None:
         """``membership`` is this peer's key and the stage's roster (who may average with it); ``lock`` guards
         the live parameters (a worker's ``compute.lock``); ``state_provider`` is what this peer serves to
-        joiners once ``sharing`` is on."""
+        joiners once ``sharing`` is on; ``max_weight`` the most weight any peer may claim in a round (the
+        module docstring)."""
+        if not max_weight > 0:
+            raise ValueError(f"max_weight must be positive, got {max_weight}")
         self.settings = settings or SpartaSettings()
+        self.max_weight = float(max_weight)
         self.parameters = [p for _, p in named_parameters]
         if not self.parameters:
             raise ValueError("a stage with no parameters has nothing to average")
@@ -234,17 +247,20 @@ class SpartaAverager:
             allreduce_timeout=s.allreduce_timeout,
             next_chunk_timeout=s.chunk_timeout,
             allow_state_sharing=False,
+            max_weight=self.max_weight,
         )
 
     @classmethod
     def for_worker(cls, worker: StageWorker, dht: hivemind.DHT, *, partitions: int, seed: int,
                    roster: Callable[[], Roster], settings: SpartaSettings | None = None,
-                   state_provider: Callable[[], SharedState] | None = None) -> SpartaAverager:
+                   state_provider: Callable[[], SharedState] | None = None,
+                   max_weight: float = math.inf) -> SpartaAverager:
         """The averager of a ``StageWorker``'s parameters, under its lock, in its run's namespace, averaging
         with the workers ``roster`` lists under the worker's key."""
         return cls(list(worker.compute.module.named_parameters()), dht, run_id=worker.run_id, stage=worker.stage,
                    partitions=partitions, seed=seed, membership=Membership(worker.keypair, roster),
-                   lock=worker.compute.lock, settings=settings, state_provider=state_provider)
+                   lock=worker.compute.lock, settings=settings, state_provider=state_provider,
+                   max_weight=max_weight)
 
     # ----- the round -----
 
@@ -252,13 +268,15 @@ class SpartaAverager:
         """Average partition ``averaging_index % P`` with the stage's peers; blocks for the whole round.
 
         ``weight`` is 0 in the sync phases (this peer receives the average and adds nothing to it), positive
-        when active. ``peers`` is how many other workers the caller sees in the stage (DHT records): with 0,
+        when active; above ``max_weight`` (rounds this worker missed) it counts as ``max_weight``, the most its
+        groupmates admit. ``peers`` is how many other workers the caller sees in the stage (DHT records): with 0,
         the round is skipped at once instead of waiting for a group that cannot form.
         """
         if averaging_index < 0:
             raise ValueError(f"averaging_index must be non-negative, got {averaging_index}")
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weight must be finite and non-negative, got {weight}")
+        weight = min(weight, self.max_weight)
         partition = averaging_index % self.masks.partitions
         indices = self.masks.indices(partition)
         started = time.monotonic()

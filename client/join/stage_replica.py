@@ -13,7 +13,8 @@ join flow (seeds/contributor-join-flow.txt) and of fault tolerance (seeds/fault-
   stage has another worker to catch up with; a lone worker *is* its stage and starts active.
 - Averaging: after each optimizer step whose number is a multiple of ``sparta_every``, one SPARTA partition
   with the stage's peers, weighted by the samples this worker processed since the last averaging round
-  (0 while syncing: it receives the average and adds nothing).
+  (0 while syncing: it receives the average and adds nothing), at most ``sparta_every`` global batches: the
+  most any groupmate may claim (``sparta_max_weight``).
 
 Only an active worker serves its state to joiners; its sharing priority is the step its state belongs to,
 so joiners try the freshest donor first.
@@ -95,6 +96,12 @@ def gradient_averager(state: CoordinatorState, worker: StageWorker, dht,
     return GradientAverager.for_worker(worker, dht, seed=state.model.init_seed, settings=settings, roster=roster)
 
 
+def sparta_max_weight(state: CoordinatorState) -> float:
+    """The most samples a worker can process between two SPARTA rounds, so the most weight any groupmate may
+    claim in one: ``sparta_every`` steps of one global batch each (a step accumulates its round's batch only)."""
+    return float(state.model.sparta_every * state.config.global_batch_size)
+
+
 @dataclass(frozen=True)
 class StateSources:
     """Where a worker taking a stage may find its state, besides the run's checkpoint and its peers."""
@@ -140,7 +147,8 @@ class StageReplica:
         averager = SpartaAverager.for_worker(
             worker, dht, partitions=state.model.sparta_partitions, seed=state.model.init_seed,
             roster=roster, settings=sparta_settings(state.config.round_witness_time),
-            state_provider=worker_state_provider(worker, lambda: replica.local_step or 0))
+            state_provider=worker_state_provider(worker, lambda: replica.local_step or 0),
+            max_weight=sparta_max_weight(state))
         replica = cls(worker, averager, SyncTracker(SyncPolicy.from_model(state.model), say=say),
                       WorkerDirectory(dht, state.run_id, config.fingerprint()), every=state.model.sparta_every,
                       gradients=gradient_averager(state, worker, dht, roster),

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from client.averaging.stage_averager import SharedState, StateExpectation
+from client.averaging.state_transfer import SharedState, StateExpectation
 from client.join.checkpoints import (
     CheckpointError,
     FileLimits,

@@ -12,8 +12,16 @@
 - a member overwrites with a chosen value and a weight of 1e30: the robust reduction keeps the honest result
   within the bound ``client.averaging.robust`` documents;
 - a member that claims the round's whole batch sends -60x the honest gradient (its norm declared truthfully):
-  the applied gradient still points with the honest mean; claiming more than the round's batch, it adds
-  nothing to it.
+  the applied gradient still points with the honest mean; claiming more than the round's batch, it is dropped
+  and adds nothing to it;
+- in a SPARTA pair (where the robust reduction trusts both members) a member claims a weight of 1e30, or
+  declares an honest weight and sends its parts with 1e30: the claim is refused above ``max_weight``, the
+  parts for carrying another weight than declared, and the honest worker keeps its own parameters (on the
+  old code they became the attacker's);
+- a gradient groupmate whose contribution every reducer refuses (a norm out of line, or parts above the norm
+  it declared) adds nothing to the samples the round reports (on the old code they counted its claim);
+- a reducer returns an impossibly large part: only its shard keeps the local values, the rest of the tensor
+  is averaged (on the old code every tensor it touched was reset to the local values).
 """
 
 from __future__ import annotations
@@ -21,13 +29,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import typing
 from typing import Any
 
 import pytest
 import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from solders.keypair import Keypair
 
-from client.averaging.gradients import GradAveraging, GradientAverager, GradientSettings
+from client.averaging.gradients import GradAveraging, GradientAverager, GradientProcess, GradientSettings
 from client.averaging.membership import Membership, Roster, seal
 from client.averaging.robust import KAPPA
 from client.averaging.rounds import run_round
@@ -208,6 +220,44 @@ def test_a_member_s_overwrite_stays_within_the_documented_bound(make_averager) -
         assert float((now - honest_mean).norm()) < 0.25 * float((inputs[2] - honest_mean).norm())
 
 
+class _Overclaim(SpartaAverager):
+    """A member that declares ``declared`` and sends its parts with weight 1e30."""
+
+    declared = 1e30
+
+    def _step(self, averaging_index: int, weight: float) -> tuple[dict[Any, dict[str, Any]], str | None]:
+        s = self.settings
+        return run_round(self._averager, self._pipe, averaging_index,
+                         {"round": averaging_index, "weight": self.declared}, 1e30,
+                         matchmaking_timeout=s.matchmaking_timeout, allreduce_timeout=s.allreduce_timeout)
+
+
+@pytest.mark.parametrize("declared", [1e30, 4.0], ids=["claimed", "sent"])
+def test_a_member_cannot_outweigh_its_partner_in_a_sparta_pair(make_averager, declared) -> None:
+    """A stage of two: an honest worker (weight 4, ``max_weight`` 16: what a worker can process between two
+    rounds) and a member sending 7.0 everywhere with weight 1e30, declared as such or under an honest 4. The
+    robust reduction trusts both members of a pair, so on the old code the honest parameters became 7.0 in one
+    round; now the claim is refused before the all-reduce, and parts sent with another weight than declared
+    are refused by the reducer, so the honest worker keeps its own values and counts no failure. (The member
+    declares bandwidth 0 so that the honest worker reduces every part: what a liar returns for a part it
+    reduces is the unverified-reducer limitation.)"""
+    honest = tensors(1)
+    before = flat(honest)
+    averager = make_averager(honest, max_weight=16.0)
+    liar = make_averager([(name, torch.full_like(t, 7.0)) for name, t in tensors(2)], max_weight=16.0,
+                         cls=type("_Overclaim", (_Overclaim,), {"declared": declared}))
+    liar.averager.bandwidth = 0.0  # hivemind gathers it with each step, from the host
+    met = 0
+    for index in range(2):
+        result = average_together([averager, liar], index, [4.0, 4.0])[0]
+        assert result.consecutive_failures == 0
+        met += result.group_size == 2
+        torch.testing.assert_close(flat(honest), before, rtol=0, atol=1e-6)
+    # The parts' liar is admitted, so the pair meets; the claim's is refused before the group forms whenever
+    # the honest worker leads, so it may never meet (on the old code it always did, and won).
+    assert met >= 1 or declared > 16
+
+
 class _Reverser(GradientAverager):
     """A member that trained nothing, claims the round's whole batch and sends -60x the honest mean gradient,
     declaring that contribution's norm truthfully."""
@@ -225,31 +275,44 @@ def gradient_pairs(seed: int, shared: list[torch.Tensor]) -> list[tuple[str, tor
             for name, s in zip(("layers.0.fc.weight", "layers.0.fc.bias"), shared, strict=True)]
 
 
-def reverser_round(make_grad_averager, settings: GradientSettings, liar_weight: float, *,
-                   liar_reduces: bool = True) -> tuple[list[list[torch.Tensor]], list[Any], torch.Tensor]:
-    """One gradient round of two honest workers (4 samples each) and a ``_Reverser`` claiming ``liar_weight``
-    (declaring bandwidth 0 unless ``liar_reduces``, so that the honest workers reduce every part): the honest
-    workers' gradients after it, their results, and the honest mean (flat)."""
+def shared_gradient(rows: int = 24, cols: int = 32) -> list[torch.Tensor]:
+    """The stage's common gradient direction, for a weight of (rows, cols) and a bias of rows."""
     generator = torch.Generator().manual_seed(0)
-    shared = [torch.randn(24, 32, generator=generator), torch.randn(24, generator=generator)]
-    honest = [gradient_pairs(1, shared), gradient_pairs(2, shared)]
-    honest_mean = [(a + b) / 2 for (_, a), (_, b) in zip(*honest, strict=True)]
-    attacker = type("GradientAverager", (_Reverser,), {"honest_mean": honest_mean})
-    averagers = [make_grad_averager(p, settings) for p in honest]
-    averagers.append(make_grad_averager(gradient_pairs(3, shared), settings, cls=attacker))
-    if not liar_reduces:
-        averagers[2].process.bandwidth = 0.0  # hivemind gathers it with each step, from the host
-    values = [[t.clone() for _, t in p] for p in [*honest, gradient_pairs(3, shared)]]
-    results: list[Any] = [None] * 3
+    return [torch.randn(rows, cols, generator=generator), torch.randn(rows, generator=generator)]
 
-    def run(i: int, weight: float) -> None:
-        results[i] = averagers[i].average(values[i], int(weight), 0, weight)
 
-    threads = [threading.Thread(target=run, args=(i, w)) for i, w in enumerate((4.0, 4.0, liar_weight))]
+def gradient_round(averagers: list[GradientAverager], values: list[list[torch.Tensor]],
+                   weights: list[float]) -> list[Any]:
+    """One gradient round (round 0) run by every averager at once, in place in ``values``; their results."""
+    results: list[Any] = [None] * len(averagers)
+
+    def run(i: int) -> None:
+        results[i] = averagers[i].average(values[i], int(weights[i]), 0, weights[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(averagers))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
+    return results
+
+
+def reverser_round(make_grad_averager, settings: GradientSettings, liar_weight: float, *,
+                   liar_reduces: bool = True, attacker: type[_Reverser] | None = None,
+                   ) -> tuple[list[list[torch.Tensor]], list[Any], torch.Tensor]:
+    """One gradient round of two honest workers (4 samples each) and a ``_Reverser`` (or ``attacker``) claiming
+    ``liar_weight`` (declaring bandwidth 0 unless ``liar_reduces``, so that the honest workers reduce every
+    part): the honest workers' gradients after it, their results, and the honest mean (flat)."""
+    shared = shared_gradient()
+    honest = [gradient_pairs(1, shared), gradient_pairs(2, shared)]
+    honest_mean = [(a + b) / 2 for (_, a), (_, b) in zip(*honest, strict=True)]
+    liar = type("GradientAverager", (attacker or _Reverser,), {"honest_mean": honest_mean})
+    averagers = [make_grad_averager(p, settings) for p in honest]
+    averagers.append(make_grad_averager(gradient_pairs(3, shared), settings, cls=liar))
+    if not liar_reduces:
+        averagers[2].process.bandwidth = 0.0  # hivemind gathers it with each step, from the host
+    values = [[t.clone() for _, t in p] for p in [*honest, gradient_pairs(3, shared)]]
+    results = gradient_round(averagers, values, [4.0, 4.0, liar_weight])
     return values[:2], results[:2], torch.cat([t.flatten() for t in honest_mean])
 
 
@@ -266,12 +329,79 @@ def test_a_member_cannot_reverse_the_stage_s_gradient(make_grad_averager, mode) 
 
 
 def test_a_member_claiming_more_than_the_round_s_batch_adds_nothing(make_grad_averager) -> None:
-    """The reverser claims 1e6 samples, over ``max_weight`` (the round's global batch): an honest reducer
-    refuses its parts, so with the honest workers reducing every part (the reverser declares bandwidth 0) they
-    get exactly their own mean (without the bound, the robust reduction of three parts: near the honest mean,
-    not equal to it). A part the liar reduces itself is the README's unverified-reducer limitation."""
-    settings = GradientSettings(GradAveraging.FULL, timeouts=TRIO, max_weight=16.0)
-    values, results, target = reverser_round(make_grad_averager, settings, 1e6, liar_reduces=False)
+    """The reverser claims 1e6 samples, over ``max_weight`` (the round's global batch): it is dropped before the
+    all-reduce (by an honest leader, or by both honest workers from the group it leads), so the honest workers
+    get exactly their own mean (the old code admitted it: the robust reduction of three parts, near the honest
+    mean but not equal to it), stand for their own 8 samples (not 1e6 + 8), and their round is complete.
+    (Groups of two may form: an honest leader refuses the reverser before the group forms.)"""
+    settings = GradientSettings(GradAveraging.FULL, timeouts=FAST, max_weight=16.0)
+    values, results, target = reverser_round(make_grad_averager, settings, 1e6)
+    averaged = 0
     for value, result in zip(values, results, strict=True):
-        assert result is not None and result.status == AveragingStatus.AVERAGED and not result.complete
+        assert result is not None and result.refused <= 1 and result.consecutive_failures == 0
+        if result.status == AveragingStatus.AVERAGED:
+            averaged += 1
+            assert (result.group_size, result.samples, result.complete) == (2, 8, True)
+            torch.testing.assert_close(torch.cat([t.flatten() for t in value]), target, rtol=0, atol=1e-5)
+    assert averaged >= 1
+
+
+class _Understater(_Reverser):
+    """The reverser declaring a hundredth of its contribution's norm: every part it sends is above it."""
+
+    def _load(self, grads, index, weight):  # type: ignore[no-untyped-def]
+        gather = super()._load(grads, index, weight)
+        return {**gather, "norm": gather["norm"] / 100}
+
+
+@pytest.mark.parametrize("attacker", [_Reverser, _Understater], ids=["out of line", "understated"])
+def test_a_refused_groupmate_s_samples_are_not_counted(make_grad_averager, attacker) -> None:
+    """A member with an honest weight (4 samples) whose contribution every honest reducer refuses — its declared
+    norm is 60x the group's (above ``factor`` = 10 times the lower median), or its parts exceed the norm it
+    declared — adds nothing to the gradient, so the samples the result stands for are the honest workers' 8,
+    not 12 (the old code counted every admitted declaration)."""
+    settings = GradientSettings(GradAveraging.FULL, timeouts=TRIO, max_weight=16.0, factor=10.0)
+    values, results, target = reverser_round(make_grad_averager, settings, 4.0, liar_reduces=False,
+                                             attacker=attacker)
+    for value, result in zip(values, results, strict=True):
+        assert result is not None and result.status == AveragingStatus.AVERAGED
+        assert (result.group_size, result.samples) == (3, 8)
         torch.testing.assert_close(torch.cat([t.flatten() for t in value]), target, rtol=0, atol=1e-5)
+
+
+class _HugeResults(GradientProcess):
+    """A reducer that returns every averaged part with 1e6 added to each element."""
+
+    async def rpc_aggregate_part(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super().rpc_aggregate_part(stream, context):
+            if message.code == averaging_pb2.AVERAGED_PART:
+                delta = deserialize_torch_tensor(message.tensor_part) + 1e6
+                message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART,
+                                                      tensor_part=serialize_torch_tensor(delta))
+            yield message
+
+
+def test_a_reducer_s_impossible_part_costs_only_its_own_shard(make_grad_averager) -> None:
+    """Three workers, each reducing a third of a 768 x 512 weight (three of hivemind's 512 KiB parts); the third
+    returns its shard with 1e6 added. The honest workers keep their local values on that shard only and share
+    the honest reducers' averages on the rest, about two thirds; the old code reset the whole weight, which the
+    liar's shard touched, to the local values, so they agreed on at most the 768 bias elements."""
+    settings = GradientSettings(GradAveraging.FULL, timeouts=TRIO, max_weight=16.0)
+    shared = shared_gradient(768, 512)
+    pairs = [gradient_pairs(i, shared) for i in (1, 2, 3)]
+    # hivemind names a peer's handlers after its class: the liar's must be called what an honest peer's is
+    process = type("GradientProcess", (_HugeResults,), {})
+    liar = type("GradientAverager", (GradientAverager,), {"process_class": process})
+    averagers = [make_grad_averager(pairs[0], settings), make_grad_averager(pairs[1], settings),
+                 make_grad_averager(pairs[2], settings, cls=liar)]
+    values = [[t.clone() for _, t in p] for p in pairs]
+    results = gradient_round(averagers, values, [4.0, 4.0, 4.0])
+    assert all(r is not None and r.status == AveragingStatus.AVERAGED and not r.complete for r in results[:2])
+    (a, b), (local_a, local_b) = ([torch.cat([t.flatten() for t in v]) for v in vs]
+                                  for vs in (values[:2], [[t for _, t in p] for p in pairs[:2]]))
+    averaged = a != local_a  # elsewhere each keeps exactly its local value
+    assert torch.equal(averaged, b != local_b)
+    assert 0.5 <= float(averaged.double().mean()) <= 0.8, float(averaged.double().mean())
+    assert float((a[averaged] - b[averaged]).abs().max()) < 1e-4  # the same honest reducers' averages
+    assert float(a.abs().max()) < 100

@@ -99,6 +99,7 @@ def test_replicas_that_saw_different_samples_step_to_the_same_parameters(make_re
     replicas = serving([make_replica(state) for _ in range(2)])
     assert replicas[0].gradients is not None and replicas[0].gradients.settings.mode == GradAveraging(mode)
     assert replicas[0].gradients.settings.max_weight == 8  # no peer may claim more than a round's batch
+    assert replicas[0].averager.max_weight == 8 * state.model.sparta_every  # nor a SPARTA round's batches
     start = parameters(replicas[0])
     assert all(torch.equal(a, b) for a, b in zip(start, parameters(replicas[1]), strict=True))  # the seed
     for step in range(2):

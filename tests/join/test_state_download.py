@@ -16,7 +16,7 @@ from solders.keypair import Keypair
 
 from client.averaging.membership import Roster
 from client.averaging.sparta import AveragingStatus, SpartaAverager
-from client.averaging.stage_averager import SharedState
+from client.averaging.state_transfer import SharedState
 from client.join.checkpoints import FileLimits
 from client.join.state_download import (
     JoinWindow,
@@ -130,9 +130,9 @@ class Peer:
 
 
 def wait_until_listed(joiner: Peer, donors: int) -> None:
-    """Wait until the joiner's DHT node sees ``donors`` sharing peers, so that it tries them by priority (a donor
-    seen late would be tried after the others whatever its priority)."""
-    key = f"{joiner.averager.prefix}.all_averagers"
+    """Wait until the joiner's DHT node sees ``donors`` donor records (whoever stored them), so that it tries
+    them by priority (a donor seen late would be tried after the others whatever its priority)."""
+    key = joiner.averager.averager.donors_key
     deadline = time.monotonic() + DONOR_WAIT
     while time.monotonic() < deadline:
         found = joiner.averager.averager.dht.get(key, latest=True)
@@ -227,8 +227,9 @@ def test_a_member_s_malformed_state_is_refused_and_the_next_donor_used(make_aver
 
 
 def test_a_stranger_cannot_seed_a_joiner(make_averager, run_id: str, caplog) -> None:
-    """A peer off the stage's roster (its own roster lists it) serves -3.0 everywhere with the highest priority,
-    so it is tried first: the joiner refuses it at its metadata and downloads the member's state."""
+    """A peer off the stage's roster (its own roster lists it) serves -3.0 everywhere with the highest priority:
+    its donor record is sealed by a key off the joiner's roster, so the joiner never tries it (the old joiner
+    tried it first and refused it at its metadata) and downloads the member's state."""
     member = Peer(make_averager, run_id, seed=1, step=10)
     members = make_averager.members  # type: ignore[attr-defined]
     key = Keypair()
@@ -249,8 +250,42 @@ def test_a_stranger_cannot_seed_a_joiner(make_averager, run_id: str, caplog) -> 
         state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id),
                                     timeout=DONOR_WAIT, progress=False)
     assert same(state.tensors, member.state())
-    assert any("not a worker of this stage: its key is not on the stage's roster" in r.getMessage()
-               for r in caplog.records)
+    assert not any(str(stranger.averager.peer_id) in r.getMessage() for r in caplog.records)
+
+
+def test_fake_donors_at_the_highest_priority_do_not_delay_a_joiner(make_averager, run_id: str) -> None:
+    """Three strangers (their own rosters list them) declare themselves donors at priority 10^15 and, asked for
+    their state, stall. The old joiner tried them first, waiting out ``chunk_timeout`` (4 s) on each, and did not
+    reach the member within its 10 s; now only records sealed by roster members are tried, so the member's
+    state arrives in well under one stall."""
+    member = Peer(make_averager, run_id, seed=1, step=10)
+    members = make_averager.members  # type: ignore[attr-defined]
+    release = threading.Event()
+
+    def stall() -> SharedState:
+        release.wait(60)
+        raise RuntimeError("a stranger's state never comes")
+
+    joiner = Peer(make_averager, run_id, seed=None)
+    strangers = []
+    for _ in range(3):
+        key = Keypair()
+        worker = StageWorker(TINY, "body1", run_id=run_id)
+        strangers.append(make_averager(list(worker.compute.module.named_parameters()), keypair=key, enrol=False,
+                                       roster=lambda key=key: Roster(0, frozenset(members) | {bytes(key.pubkey())}),
+                                       partitions=2, seed=TINY.seed, state_provider=stall))
+    try:
+        for averager, priority in ((member.averager, 10.0), *((s, float(10**15)) for s in strangers)):
+            averager.sharing = True
+            averager.set_sharing_priority(priority)
+        wait_until_listed(joiner, 4)
+        started = time.monotonic()
+        state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id), timeout=10,
+                                    chunk_timeout=4, progress=False)
+        assert time.monotonic() - started < 4
+        assert same(state.tensors, member.state())
+    finally:
+        release.set()
 
 
 def test_no_donor_is_a_clear_error(make_averager, run_id: str) -> None:
