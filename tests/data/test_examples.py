@@ -66,6 +66,7 @@ def test_llama_1b_config_validates_offline() -> None:
     assert result.exit_code == 0 and "config OK" in result.output, result.output
     assert "config_sha256 and tokenizer_sha256 not checked" in result.output
     assert "dataset hf:YOUR-ORG/fineweb-edu-10bt-tinyllama not checked" in result.output
+    assert "offline: dataset_sha256 not checked; without --offline it is filled from hf:YOUR-ORG" in result.output
 
 
 def test_offline_check_still_refuses_text_for_a_model_tokenizer(tmp_path: Path) -> None:
