@@ -13,6 +13,22 @@ import hashlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import BinaryIO
+
+CHUNK = 64 * 1024
+
+
+def write_counted(out: BinaryIO, body: bytes) -> int:
+    """Send ``body`` in chunks until the reader hangs up: how many bytes the connection took (a client that cuts
+    a host off early leaves most of a long body unsent)."""
+    sent = 0
+    try:
+        for start in range(0, len(body), CHUNK):
+            out.write(body[start:start + CHUNK])
+            sent += min(CHUNK, len(body) - start)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    return sent
 
 
 class FakeHub(ThreadingHTTPServer):
@@ -24,6 +40,7 @@ class FakeHub(ThreadingHTTPServer):
         self.files: dict[tuple[str, str, str], bytes] = {}  # (repo, revision, filename) -> content
         self.whoami_calls = 0
         self.branches: set[tuple[str, str]] = set()  # (repo, branch) created through the API
+        self.sent: dict[str, int] = {}  # filename -> bytes of its body the client's connection took, last GET
 
     @property
     def url(self) -> str:
@@ -101,16 +118,18 @@ class _Handler(BaseHTTPRequestHandler):
             return
         headers = {"X-Repo-Commit": hashlib.sha1(repo.encode() + revision.encode()).hexdigest(),
                    "ETag": f'"{hashlib.sha256(content).hexdigest()}"'}
-        self._reply(200, content, headers, body=body)
+        sent = self._reply(200, content, headers, body=body)
+        if body:
+            self.server.sent[filename] = sent
 
-    def _reply(self, status: int, content: bytes, headers: dict[str, str] | None = None, *, body: bool = True) -> None:
+    def _reply(self, status: int, content: bytes, headers: dict[str, str] | None = None, *,
+               body: bool = True) -> int:
         self.send_response(status)
         for key, value in (headers or {}).items():
             self.send_header(key, value)
         self.send_header("Content-Length", str(len(content)))
         self.end_headers()
-        if body:
-            self.wfile.write(content)
+        return write_counted(self.wfile, content) if body else 0
 
     def log_message(self, *args: object) -> None:
         pass

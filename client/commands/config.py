@@ -11,37 +11,79 @@ UNCHECKED_DIGEST = b"\xff" * 32  # stands in, in an offline check only, for a di
 
 
 def _unchecked_digests(model):
-    """Offline: the model's source is not read. A digest the file leaves out stands in as ``UNCHECKED_DIGEST`` so
-    that the rest can be validated; the command says so (``create-run`` reads the source and fills it)."""
+    """Offline: the model's source and a remote dataset are not read. A digest the file leaves out stands in as
+    ``UNCHECKED_DIGEST`` so that the rest can be validated; the command says so (``create-run`` reads the source
+    and the dataset's host, and fills it)."""
     import dataclasses
 
+    from client.data.locations import is_remote
     from coordinator_program.spec.config import PSYSWARM_ARCHITECTURE, Tokenizer
 
-    if model.architecture == PSYSWARM_ARCHITECTURE:
-        return model
-    missing = {"config_sha256": UNCHECKED_DIGEST} if model.config_sha256 == bytes(32) else {}
-    if model.tokenizer == Tokenizer.Model and model.tokenizer_sha256 == bytes(32):
-        missing["tokenizer_sha256"] = UNCHECKED_DIGEST
-    if missing:
-        typer.secho(f"offline: {' and '.join(missing)} not checked; without --offline they are filled from "
-                    f"{model.source} (create-run needs them)", fg=typer.colors.YELLOW, err=True)
+    missing = {}
+    if model.architecture != PSYSWARM_ARCHITECTURE:
+        missing = {"config_sha256": UNCHECKED_DIGEST} if model.config_sha256 == bytes(32) else {}
+        if model.tokenizer == Tokenizer.Model and model.tokenizer_sha256 == bytes(32):
+            missing["tokenizer_sha256"] = UNCHECKED_DIGEST
+        if missing:
+            typer.secho(f"offline: {' and '.join(missing)} not checked; without --offline they are filled from "
+                        f"{model.source} (create-run needs them)", fg=typer.colors.YELLOW, err=True)
+    if is_remote(model.dataset) and model.dataset_sha256 == bytes(32):
+        missing["dataset_sha256"] = UNCHECKED_DIGEST
+        typer.secho(f"offline: dataset_sha256 not checked; without --offline it is filled from {model.dataset}'s "
+                    "dataset.json (create-run needs it)", fg=typer.colors.YELLOW, err=True)
     return dataclasses.replace(model, **missing)
+
+
+def resolve_dataset_digest(model):
+    """The run's model with ``dataset_sha256`` filled from its token dataset's ``dataset.json`` (as the model's
+    digests are from its source), or checked against it when the file names one. A dataset this machine cannot
+    read keeps the digest the file names (its trainers check it); with none named, it cannot be pinned."""
+    import dataclasses
+
+    from client.data import DatasetError, DatasetMissing, DatasetUnreachable, dataset_sha256, is_token_location
+    from client.data.locations import is_remote
+
+    if not is_remote(model.dataset) and not is_token_location(model.dataset):
+        return model  # stdlib, text read as bytes, or a local path this machine lacks
+    try:
+        found = dataset_sha256(model.dataset)
+    except (DatasetMissing, DatasetUnreachable) as exc:
+        if model.dataset_sha256 != bytes(32):
+            typer.secho(f"dataset_sha256 not checked: {exc}", fg=typer.colors.YELLOW, err=True)
+            return model
+        raise DatasetError(f"{exc}; cannot pin its dataset.json from here: give dataset_sha256 in [model]") from None
+    if model.dataset_sha256 not in (bytes(32), found):
+        raise DatasetError(f"{model.dataset}'s dataset.json has sha256 {found.hex()}, the run names "
+                           f"{model.dataset_sha256.hex()}")
+    return dataclasses.replace(model, dataset_sha256=found)
+
+
+def _resolve_digests(model):
+    """What ``parse_run_spec`` completes a model with online: the model's digests, then the dataset's."""
+    from client.models import resolve_model_digests
+
+    return resolve_dataset_digest(resolve_model_digests(model))
 
 
 def load_spec_or_exit(path: Path, *, offline: bool = False):
     """Read a state.toml for a command, or end the command with the reason it is invalid. A Hugging Face model's
-    config and tokenizer digests are filled from (or checked against) its source, unless ``offline``."""
-    from client.models import ModelSourceError, resolve_model_digests
+    config and tokenizer digests, and a token dataset's, are filled from (or checked against) their source,
+    unless ``offline``."""
+    from client.data import DatasetError
+    from client.models import ModelSourceError
     from coordinator_program.spec.config import load_run_spec
     from coordinator_program.spec.errors import CoordinatorError
 
     try:
-        return load_run_spec(path, _unchecked_digests if offline else resolve_model_digests)
+        return load_run_spec(path, _unchecked_digests if offline else _resolve_digests)
     except CoordinatorError as exc:
         typer.secho(f"invalid config: {exc.detail}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     except ModelSourceError as exc:
         typer.secho(f"invalid config: [model] {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    except DatasetError as exc:
+        typer.secho(f"invalid config: dataset: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
 
 

@@ -31,6 +31,7 @@ from client.commands.pipeline import (
     parse_inflight_option,
     quiet_clean_p2p_stop,
 )
+from client.data import DEFAULT_MAX_DATASET_BYTES
 from client.identity import DEFAULT_KEYPAIR_PATH
 from client.join.checkpoints import SNAPSHOT_EVERY
 
@@ -186,6 +187,9 @@ def join_run(
                                                      "starts from the newest snapshot.", min=0)] = SNAPSHOT_EVERY,
     device: DeviceOption = "auto",
     inflight: InflightOption = "auto",
+    max_dataset_gib: Annotated[int, typer.Option(min=1, help=(
+        "The most a trainer downloads of the run's dataset, in GiB: a dataset.json declaring more is refused "
+        "before any token file is fetched."))] = DEFAULT_MAX_DATASET_BYTES >> 30,
 ) -> None:
     """Join a run and contribute until it finishes: queue, load the model at warmup, train each round."""
     import client.contributor.runner  # noqa: F401 - torch, hivemind (seconds) load before the Stopper, not in its loop
@@ -229,7 +233,8 @@ def join_run(
                                 stage=auth.grant.stage if auth is not None and role == "worker" else wanted,
                                 checkpoint_dir=checkpoint_dir, host=host, hub_repo=hub_repo, hf_token=hf_token,
                                 hf_endpoint=hf_endpoint, auth=auth, snapshot_every=snapshot_every,
-                                device=chosen_device, port=port, dht_port=dht_port, max_inflight=max_inflight)
+                                device=chosen_device, port=port, dht_port=dht_port, max_inflight=max_inflight,
+                                max_dataset_bytes=max_dataset_gib << 30)
         target = RunTarget(server, url, run_id, program_id, identity, authorizer=auth)
         stopper.run(contribute(target, options, console, asked=stage, keypair_file=keypair))
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ from solders.keypair import Keypair
 
 from client.backends.base import Backend
 from client.contributor.tasks import TaskSet
+from client.data import DEFAULT_MAX_DATASET_BYTES
 from client.join.auth import AuthSession
 from client.join.checkpoints import SNAPSHOT_EVERY
 from client.witness.records import Board
@@ -39,6 +40,7 @@ class RunnerOptions:
     dht_port: int = 0  # this client's DHT node's port (0: any free one)
     device: str = "cpu"  # where a worker's stage computes (``client.pipeline.device``)
     max_inflight: int | None = None  # a trainer's microbatches in flight (None: measured, ``pipeline.inflight``)
+    max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # the most a trainer downloads of the run's dataset
 
 
 @dataclasses.dataclass

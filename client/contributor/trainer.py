@@ -124,6 +124,7 @@ class TrainerRole:
             config = model_config(state, hf_endpoint=options.hf_endpoint, hf_token=options.hf_token)
         try:
             dataset = open_dataset(state.model.dataset, config.seq_len, tokenizer_sha256=state.model.tokenizer_sha256,
+                                   dataset_sha256=state.model.dataset_sha256, max_bytes=options.max_dataset_bytes,
                                    hf_endpoint=options.hf_endpoint, hf_token=options.hf_token)
         except TokenizerMismatch as exc:
             raise CannotContribute(f"the run's dataset does not fit its model: {exc}") from None

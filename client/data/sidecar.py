@@ -24,8 +24,8 @@ import numpy as np
 FORMAT = "psyswarm-tokens"
 VERSION = 1
 SIDECAR_NAME = "dataset.json"
-MAX_SIDECAR_BYTES = 8 * 1024 * 1024
-MAX_FILES = 16_384
+MAX_SIDECAR_BYTES = 1 << 20  # what is read of a dataset.json, from anywhere, before it is parsed
+MAX_FILES = 4096
 MAX_FILE_TOKENS = 1 << 40
 MAX_NAME_CHARS = 128
 BYTES_TOKENIZER_NAME = "bytes"
@@ -82,6 +82,11 @@ class Sidecar:
 
     def file_bytes(self, file: TokenFile) -> int:
         return file.tokens * self.numpy_dtype.itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        """What its token files take, on disk and to download: what a client bounds before it fetches any."""
+        return self.num_tokens * self.numpy_dtype.itemsize
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "dtype": self.dtype,

@@ -59,14 +59,18 @@ def verify_token_files(paths: Sequence[Path], sidecar: Sidecar) -> None:
             done.result()  # the first file that fails, in sidecar order
 
 
-def read_sidecar(directory: Path) -> Sidecar:
+def read_sidecar_bytes(directory: Path) -> bytes:
+    """A local ``dataset.json`` as it is on disk (what a run pins by digest), read up to one byte over the cap."""
     path = directory / SIDECAR_NAME
     try:
         with path.open("rb") as handle:
-            raw = handle.read(MAX_SIDECAR_BYTES + 1)  # one byte over: parse_sidecar names the oversize
+            return handle.read(MAX_SIDECAR_BYTES + 1)  # one byte over: parse_sidecar names the oversize
     except OSError as exc:
         raise DatasetError(f"cannot read {path}: {exc.strerror or exc}") from None
-    return parse_sidecar(raw)
+
+
+def read_sidecar(directory: Path) -> Sidecar:
+    return parse_sidecar(read_sidecar_bytes(directory))
 
 
 class TokenDataset(WindowedDataset):

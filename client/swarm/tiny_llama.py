@@ -54,6 +54,7 @@ config_sha256 = "{config_sha256}"
 tokenizer = "model"
 tokenizer_sha256 = "{tokenizer_sha256}"
 dataset = "{dataset}"
+dataset_sha256 = "{dataset_sha256}"
 n_layers = {layers}
 n_heads = {heads}
 d_model = {hidden}
@@ -156,7 +157,7 @@ def build(out: Path, *, vocab: int = DEFAULT_VOCAB, corpus_bytes: int | None = N
 def state_toml(prepared: TinyLlama, *, run_id: str = "tiny-llama", rounds_per_epoch: int = 10,
                total_steps: int = 60) -> str:
     """A run of ``prepared``: its digests computed from the files as they are now; a tenth of the steps warm up."""
-    from client.data import tokenizer_sha256
+    from client.data import dataset_sha256, tokenizer_sha256
     from client.models import config_digest
 
     config = json.loads((prepared.model_dir / "config.json").read_text())
@@ -164,7 +165,8 @@ def state_toml(prepared: TinyLlama, *, run_id: str = "tiny-llama", rounds_per_ep
         run_id=run_id, rounds_per_epoch=rounds_per_epoch, total_steps=total_steps, warmup_steps=total_steps // 10,
         source=prepared.model_dir, dataset=prepared.tokens_dir, layers=LAYERS, heads=HEADS, hidden=HIDDEN,
         seq_len=SEQ_LEN, config_sha256=config_digest(config).hex(),
-        tokenizer_sha256=tokenizer_sha256(prepared.model_dir).hex())
+        tokenizer_sha256=tokenizer_sha256(prepared.model_dir).hex(),
+        dataset_sha256=dataset_sha256(str(prepared.tokens_dir)).hex())
 
 
 def prepare(out: Path, *, vocab: int = DEFAULT_VOCAB, corpus_bytes: int | None = None,

@@ -136,6 +136,7 @@ class Model:
     sync_phase1_steps: int = 400
     sync_phase2_steps: int = 100
     dataset: str = "stdlib"
+    dataset_sha256: bytes = NO_DIGEST  # of the dataset's dataset.json; all zero: none (stdlib, text read as bytes)
     architecture: str = PSYSWARM_ARCHITECTURE
     source: str = ""
     source_revision: str = ""
@@ -164,6 +165,7 @@ MODEL_LAYOUT = Struct(Model, [
     Field("sync_phase1_steps", U16),
     Field("sync_phase2_steps", U16),
     Field("dataset", FixedStr(limits.DATASET_BYTES)),
+    Field("dataset_sha256", FixedBytes(32)),
     Field("architecture", FixedStr(limits.ARCHITECTURE_BYTES)),
     Field("source", FixedStr(limits.SOURCE_BYTES)),
     Field("source_revision", FixedStr(limits.SOURCE_REVISION_BYTES)),
@@ -257,9 +259,27 @@ def validate_model(m: Model, c: Config) -> None:
     for name in ("microbatch_size", "learning_rate_micros", "sparta_every", "sparta_partitions"):
         _need(getattr(m, name) >= 1, name, "must be at least 1")
     _need(m.dataset != "" and _printable(m.dataset), "dataset", "must be non-empty printable ASCII")
+    validate_dataset_pin(m)
     validate_model_source(m)
     validate_schedule(m, c.total_steps)
     validate_grad_averaging(m)
+
+
+STDLIB_DATASET = "stdlib"
+"""The embedded corpus: part of every client, so nothing to pin."""
+REMOTE_DATASET_PREFIXES = ("http://", "https://", "hf:")
+"""How a dataset that clients download begins: its host could change it, so the run must pin it."""
+
+
+def validate_dataset_pin(m: Model) -> None:
+    """A downloaded dataset is pinned by its ``dataset.json``'s sha256, which names every token file's size and
+    digest, so no host can change or inflate what the run trains on; the embedded corpus has nothing to pin. A
+    local path may be either (token files pinned the same way, or text read as bytes, all zero)."""
+    if m.dataset == STDLIB_DATASET:
+        _need(m.dataset_sha256 == NO_DIGEST, "dataset_sha256", "must be all zero for the stdlib dataset")
+    elif m.dataset.startswith(REMOTE_DATASET_PREFIXES):
+        _need(m.dataset_sha256 != NO_DIGEST, "dataset_sha256",
+              "must be the sha256 of the remote dataset's dataset.json, not zero")
 
 
 def _architecture_name(text: str) -> bool:
@@ -475,6 +495,7 @@ MODEL_KEYS = {
     "lr_floor": _lr_floor,
     "config_sha256": _digest("config_sha256"),
     "tokenizer_sha256": _digest("tokenizer_sha256"),
+    "dataset_sha256": _digest("dataset_sha256"),
     "tokenizer": _choice("tokenizer", {"bytes": Tokenizer.Bytes, "model": Tokenizer.Model}),
     "lr_schedule": _choice("lr_schedule", {"constant": Schedule.Constant, "linear_warmup": Schedule.LinearWarmup,
                                            "warmup_cosine": Schedule.WarmupCosine}),

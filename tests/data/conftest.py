@@ -12,6 +12,7 @@ import pytest
 
 from client.data.sidecar import DTYPES, SIDECAR_NAME, Sidecar
 from client.data.tokens import TokenWriter
+from tests.fake_hub import write_counted
 
 TOKENIZER_DIGEST = "ab" * 32
 
@@ -52,6 +53,7 @@ class FileServer(ThreadingHTTPServer):
         self.requests: list[tuple[str, str | None]] = []  # (path, Range header)
         self.tamper: Callable[[str, bytes], bytes] = lambda path, body: body
         self.honour_ranges = True
+        self.sent: dict[str, int] = {}  # file name -> bytes of its body the client's connection took, last GET
 
     @property
     def url(self) -> str:
@@ -73,17 +75,18 @@ class _FileHandler(BaseHTTPRequestHandler):
         wanted = self.headers.get("Range", "")
         if wanted.startswith("bytes=") and self.server.honour_ranges:
             start = int(wanted.removeprefix("bytes=").rstrip("-"))
-            self._send(206, body[start:], {"Content-Range": f"bytes {start}-{len(body) - 1}/{len(body)}"})
+            self.server.sent[name] = self._send(
+                206, body[start:], {"Content-Range": f"bytes {start}-{len(body) - 1}/{len(body)}"})
         else:
-            self._send(200, body)
+            self.server.sent[name] = self._send(200, body)
 
-    def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+    def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> int:
         self.send_response(status)
         for key, value in (headers or {}).items():
             self.send_header(key, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        return write_counted(self.wfile, body)
 
     def log_message(self, *args: object) -> None:
         pass

@@ -36,7 +36,8 @@ def test_tiny_llama_config_names_what_prepare_wrote(tiny_llama: Path) -> None:
     model = spec.model
     assert model.architecture == "llama" and model.tokenizer == Tokenizer.Model
     assert model.source == str(tiny_llama.parent / "model") and model.dataset == str(tiny_llama.parent / "tokens")
-    dataset = open_dataset(model.dataset, model.seq_len, tokenizer_sha256=model.tokenizer_sha256)
+    dataset = open_dataset(model.dataset, model.seq_len, tokenizer_sha256=model.tokenizer_sha256,
+                           dataset_sha256=model.dataset_sha256)  # prepare pins the dataset.json it wrote
     assert isinstance(dataset, TokenDataset) and dataset.vocab_size == 1024 and dataset.num_samples > 500
     result = CliRunner().invoke(app, ["validate-config", str(tiny_llama)])
     assert result.exit_code == 0 and "config OK" in result.output, result.output
@@ -65,6 +66,7 @@ def test_llama_1b_config_validates_offline() -> None:
     assert result.exit_code == 0 and "config OK" in result.output, result.output
     assert "config_sha256 and tokenizer_sha256 not checked" in result.output
     assert "dataset hf:YOUR-ORG/fineweb-edu-10bt-tinyllama not checked" in result.output
+    assert "offline: dataset_sha256 not checked; without --offline it is filled from hf:YOUR-ORG" in result.output
 
 
 def test_offline_check_still_refuses_text_for_a_model_tokenizer(tmp_path: Path) -> None:

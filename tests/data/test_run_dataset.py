@@ -4,6 +4,7 @@ refuses data tokenized otherwise than the model, and ``validate-config`` refuses
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from client.contributor.errors import CannotContribute
 from client.contributor.runner import Contributor
 from client.contributor.trainer import TrainerRole
 from client.data import ByteDataset, TokenDataset
+from client.data.sidecar import SIDECAR_NAME
 from coordinator_program.spec import limits
 from coordinator_program.spec.state import Role
 from tests.data.conftest import TOKENIZER_DIGEST, write_token_dir
@@ -27,9 +29,12 @@ from tests.witness.rounds import run_with_keys
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "state.toml"
 
 
-def trainer_for(dataset: str, dht) -> TrainerRole:
+def trainer_for(dataset: str, dht, pinned: bytes | None = None) -> TrainerRole:
+    """A trainer's warmup in a run of ``dataset``, pinned as create-run pins it unless ``pinned`` says otherwise."""
     state, _ = run_with_keys()
-    state.model = dataclasses.replace(state.model, dataset=dataset)
+    if pinned is None:
+        pinned = hashlib.sha256((Path(dataset) / SIDECAR_NAME).read_bytes()).digest()
+    state.model = dataclasses.replace(state.model, dataset=dataset, dataset_sha256=pinned)
     contributor = Contributor(None, Keypair(), RunnerOptions(role=Role.Trainer, initial_peers=[]))  # type: ignore[arg-type]
     contributor.context.dht = dht
     assert isinstance(contributor.role, TrainerRole)
@@ -74,8 +79,14 @@ def test_validate_config_accepts_matching_data_and_notes_unreachable_data(tmp_pa
                     tokenizer_sha256="0" * 64, name="bytes")
     result = CliRunner().invoke(app, ["validate-config", str(_config_with_dataset(tmp_path, str(tmp_path / "bytes")))])
     assert result.exit_code == 0 and "config OK" in result.output, result.output
-    offline = CliRunner().invoke(app, ["validate-config", str(_config_with_dataset(tmp_path, "http://127.0.0.1:9/d"))])
+    unreachable = _config_with_dataset(tmp_path, "http://127.0.0.1:9/d")
+    offline = CliRunner().invoke(app, ["validate-config", str(unreachable)])
+    assert offline.exit_code == 1  # a remote dataset must be pinned, and this machine cannot read it to pin it
+    assert "cannot pin its dataset.json from here: give dataset_sha256 in [model]" in offline.output
+    unreachable.write_text(unreachable.read_text().replace("[model]\n", f'[model]\ndataset_sha256 = "{"ab" * 32}"\n'))
+    offline = CliRunner().invoke(app, ["validate-config", str(unreachable)])
     assert offline.exit_code == 0 and "dataset tokenizer not checked: cannot download" in offline.output
+    assert "dataset_sha256 not checked: cannot download" in offline.output
 
 
 @pytest.mark.parametrize("make", [lambda d: d / "missing", lambda d: (d / "empty").mkdir() or d / "empty"])
@@ -115,3 +126,23 @@ def test_a_hub_dataset_that_does_not_exist_is_refused_by_validate_config_and_nam
     assert result.returncode == 1 and "config OK" not in result.stdout, result.stdout + result.stderr
     assert "invalid config: dataset: hf:nobody/nothing has no" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_create_run_pins_a_token_datasets_sidecar_and_a_trainer_refuses_another(tmp_path: Path, dht) -> None:
+    """The operator leaves dataset_sha256 out: the CLI fills it from dataset.json (as it fills a model's digests);
+    a file naming another digest is refused; a trainer whose dataset.json is not the pinned one refuses to train
+    on it, naming both digests. Before: nothing pinned the sidecar, and a host could swap or inflate it."""
+    from client.commands.config import load_spec_or_exit
+
+    write_token_dir(tmp_path / "bytes", np.arange(5000, dtype=np.uint16) % 256, shard_tokens=5000, vocab_size=256,
+                    tokenizer_sha256="0" * 64, name="bytes")
+    raw = (tmp_path / "bytes" / SIDECAR_NAME).read_bytes()
+    config = _config_with_dataset(tmp_path, str(tmp_path / "bytes"))
+    assert load_spec_or_exit(config).model.dataset_sha256 == hashlib.sha256(raw).digest()
+    config.write_text(config.read_text().replace("[model]\n", f'[model]\ndataset_sha256 = "{"cd" * 32}"\n'))
+    result = CliRunner().invoke(app, ["validate-config", str(config)])
+    assert result.exit_code == 1 and "config OK" not in result.output
+    assert f"dataset.json has sha256 {hashlib.sha256(raw).hexdigest()}, the run names {'cd' * 32}" in result.output
+    with pytest.raises(CannotContribute, match=f"dataset.json has sha256 {hashlib.sha256(raw).hexdigest()}, but "
+                                               f"the run pins {'cd' * 32}"):
+        trainer_for(str(tmp_path / "bytes"), dht, pinned=bytes.fromhex("cd" * 32))

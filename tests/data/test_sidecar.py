@@ -61,7 +61,7 @@ LIES = [
     (["tokenizer", "name"], "", "tokenizer.name must be 1..128 printable"),
     (["tokenizer", "name"], "a\nb", "tokenizer.name must be 1..128 printable"),
     (["tokenizer"], "tiny-bpe", "tokenizer must be an object"),
-    (["files"], [], "files must be a list of 1..16384 entries"),
+    (["files"], [], "files must be a list of 1..4096 entries"),
     (["files"], {"path": "x"}, "files must be a list"),
     (["files", 0, "path"], "../../etc/passwd", "files[0].path must be a plain file name"),
     (["files", 0, "path"], "/etc/passwd", "files[0].path must be a plain file name"),

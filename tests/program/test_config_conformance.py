@@ -7,6 +7,7 @@ and reject the others with the same error (InvalidConfig or InvalidCheckpoint).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -55,6 +56,8 @@ SOURCES = st.sampled_from(["", "org/name", "./dir", "../up", "~/m", "/abs", "nam
                            "org/", "/org", "~"])
 REVISIONS = st.sampled_from(["", "main", "tab\there", "v 1", "donn\u00e9e", "~" * limits.SOURCE_REVISION_BYTES])
 DIGESTS = st.sampled_from([bytes(32), bytes(range(32)), b"\xff" * 32])
+DATASETS = st.sampled_from(["stdlib", "stdlibx", "stdli", "hf:org/data", "hf:", "hf", "http://h/d", "https://h/d",
+                            "http:/h", "./tokens", "/data/text.txt"])
 HF_BASE = Model(n_layers=4, n_heads=2, d_model=16, seq_len=8, architecture="llama", source="org/model",
                 source_revision="main", config_sha256=bytes(range(32)), tokenizer=Tokenizer.Model,
                 tokenizer_sha256=b"\xff" * 32)
@@ -64,7 +67,8 @@ HF_BASE = Model(n_layers=4, n_heads=2, d_model=16, seq_len=8, architecture="llam
 def models(draw: st.DrawFn) -> Model:
     """A psyswarm or an HF model description with up to three fields replaced by boundary values."""
     fields = {"n_layers": U8, "n_heads": U8, "d_model": U16, "seq_len": U16, "microbatch_size": U16,
-              "learning_rate_micros": U32, "sparta_every": U16, "sparta_partitions": U16, "dataset": TEXT,
+              "learning_rate_micros": U32, "sparta_every": U16, "sparta_partitions": U16,
+              "dataset": st.one_of(TEXT, DATASETS), "dataset_sha256": DIGESTS,
               "architecture": ARCHITECTURES, "source": SOURCES, "source_revision": REVISIONS, "config_sha256": DIGESTS,
               "tokenizer": st.sampled_from(list(Tokenizer)), "tokenizer_sha256": DIGESTS,
               "lr_schedule": st.sampled_from(list(Schedule)), "warmup_steps": U32, "lr_floor_micros": U32,
@@ -72,6 +76,7 @@ def models(draw: st.DrawFn) -> Model:
               "wire_codec": st.sampled_from(list(WireCodec))}
     chosen = draw(st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True))
     base = draw(st.sampled_from([Model(n_layers=4, n_heads=2, d_model=16, seq_len=8), HF_BASE]))
+    base = dataclasses.replace(base, dataset=draw(st.sampled_from(["stdlib", "./tokens"])))  # local: any pin
     return Model(**{**base.__dict__, **{name: draw(fields[name]) for name in chosen}})
 
 
@@ -88,7 +93,7 @@ def replay() -> Replay:
     return run
 
 
-@settings(max_examples=400, deadline=None, derandomize=True)
+@settings(max_examples=500, deadline=None, derandomize=True)
 @given(configs(), models(), checkpoints)
 def test_update_validation_matches_the_specification(replay: Replay, config: Config, model: Model,
                                                      checkpoint: Checkpoint) -> None:
@@ -102,3 +107,16 @@ def test_update_validation_cases_reach_every_outcome(replay: Replay) -> None:
     assert OUTCOMES[None] >= 20
     assert OUTCOMES[errors.InvalidConfig.code] >= 100 and OUTCOMES[errors.InvalidCheckpoint.code] >= 20
     assert limits.MAX_BLOOM_BYTES * 8 == 16 * 240  # the base config's filter fills the largest slot exactly
+
+
+@pytest.mark.parametrize(("dataset", "pinned", "accepted"), [
+    ("stdlib", False, True), ("stdlib", True, False), ("hf:org/data", False, False), ("hf:org/data", True, True),
+    ("https://host/data", False, False), ("http://host/data", True, True), ("./tokens", False, True),
+    ("./tokens", True, True)])
+def test_a_downloaded_dataset_is_pinned_and_the_embedded_one_is_not(replay: Replay, dataset: str, pinned: bool,
+                                                                     accepted: bool) -> None:
+    """A run whose clients download their data pins its dataset.json (else a host could change or inflate it);
+    stdlib has nothing to pin; a local path may be token files (pinned) or text (not). Program and spec alike."""
+    model = dataclasses.replace(MODEL, dataset=dataset, dataset_sha256=bytes(range(32)) if pinned else bytes(32))
+    outcome = replay.apply(Update(SMALL, model, Checkpoint()), replay.authority)
+    assert outcome == (None if accepted else errors.InvalidConfig.code)

@@ -247,6 +247,10 @@ def test_state_toml_model_keys() -> None:
     assert (model.warmup_steps, model.learning_rate_micros, model.lr_floor_micros) == (5, 300, 30)
     assert (model.grad_averaging, model.powersgd_rank, model.wire_codec) == (GradAveraging.PowerSGD, 4,
                                                                              WireCodec.BFloat16)
+    pinned = {**HF_TOML, "dataset": "hf:org/data", "dataset_sha256": "ef" * 32}
+    assert parse_run_spec({"run_id": "ok", "model": pinned}).model.dataset_sha256 == b"\xef" * 32
+    local = {**HF_TOML, "dataset": "./tokens"}  # a local path: token files (pinned) or text (not)
+    assert parse_run_spec({"run_id": "ok", "model": local}).model.dataset_sha256 == bytes(32)
     for name, codec in (("float32", WireCodec.Float32), ("float16", WireCodec.Float16), ("int8", WireCodec.Int8Block)):
         assert parse_run_spec({"run_id": "ok", "model": {"wire_codec": name}}).model.wire_codec == codec
 
@@ -267,6 +271,10 @@ def test_state_toml_model_keys() -> None:
     ({"architecture": "Llama"}, "architecture: must be non-empty and only lowercase"),
     ({"source": "bad id"}, "source: must be a Hub repo id"),
     ({"config_sha256": "00" * 32}, "config_sha256: must be the sha256 of the llama model's config.json"),
+    ({"dataset_sha256": "ab" * 16}, "dataset_sha256: must be 64 lowercase hex"),
+    ({"dataset_sha256": "ab" * 32}, "dataset_sha256: must be all zero for the stdlib dataset"),
+    ({"dataset": "hf:org/data"}, "dataset_sha256: must be the sha256 of the remote dataset's dataset.json"),
+    ({"dataset": "https://host/data", "dataset_sha256": "00" * 32}, "dataset_sha256: must be the sha256 of the"),
 ])
 def test_state_toml_model_errors_name_the_key(changes: dict, fragment: str) -> None:
     with pytest.raises(InvalidConfig) as info:

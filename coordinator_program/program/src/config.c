@@ -99,6 +99,22 @@ static bool valid_model_source(const uint8_t *m) {
   return source_ok && bytes_tokenizer == is_digest_zero(m + PSY_MODEL_TOKENIZER_SHA256_OFFSET);
 }
 
+/* config.validate_dataset_pin: stdlib pins nothing, a downloaded dataset (http://, https://, hf:) pins its
+ * dataset.json by a non-zero digest, a local path may do either. */
+static bool valid_dataset_pin(const uint8_t *m) {
+  const uint8_t *dataset = m + PSY_MODEL_DATASET_OFFSET;
+  uint64_t n = psy_text_len(dataset, PSY_MODEL_DATASET_SIZE);
+  bool pinned = !is_digest_zero(m + PSY_MODEL_DATASET_SHA256_OFFSET);
+  if (n == 6 && psy_memcmp(dataset, "stdlib", 6) == 0) {
+    return !pinned;
+  }
+  if (starts_with(dataset, n, "http://", 7) || starts_with(dataset, n, "https://", 8) ||
+      starts_with(dataset, n, "hf:", 3)) {
+    return pinned;
+  }
+  return true;
+}
+
 /* config.validate_schedule */
 static bool valid_schedule(const uint8_t *m, uint64_t total_steps) {
   uint64_t schedule = PSY_MODEL_LR_SCHEDULE_GET(m);
@@ -132,7 +148,8 @@ uint64_t psy_validate_model(const uint8_t *m, const uint8_t *c) {
             PSY_MODEL_SEQ_LEN_GET(m) >= 2 &&
             PSY_MODEL_MICROBATCH_SIZE_GET(m) >= 1 && PSY_MODEL_LEARNING_RATE_MICROS_GET(m) >= 1 &&
             PSY_MODEL_SPARTA_EVERY_GET(m) >= 1 && PSY_MODEL_SPARTA_PARTITIONS_GET(m) >= 1 &&
-            dataset[0] != 0 && psy_text_printable(dataset, PSY_MODEL_DATASET_SIZE) && valid_model_source(m) &&
+            dataset[0] != 0 && psy_text_printable(dataset, PSY_MODEL_DATASET_SIZE) && valid_dataset_pin(m) &&
+            valid_model_source(m) &&
             valid_schedule(m, PSY_CONFIG_TOTAL_STEPS_GET(c)) && valid_grad_averaging(m);
   return ok ? PSY_SUCCESS : INVALID_CONFIG;
 }
