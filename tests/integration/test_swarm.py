@@ -273,12 +273,13 @@ def test_a_replacement_for_an_emptied_stage_starts_from_its_snapshot(tmp_path: P
 
 def test_a_joiner_mid_round_waits_for_the_next_epoch(tmp_path: Path) -> None:
     # Epoch 0 must outlast the late trainer's start (importing torch, joining the DHT, authenticating): its four
-    # rounds of about a second each on loopback did not on a clean CI machine, so it has twelve.
+    # rounds of about a second each on loopback did not on a clean CI machine, so it has twelve, and the late
+    # trainer starts as soon as the epoch's members are fixed (Warmup), not at its first round.
     swarm = launch(tmp_path, tiny(rounds=12, steps=24), ["head", "body1", "tail"])
     late: list[bytes] = []
 
     def join_late(state: CoordinatorState) -> None:
-        if not late and state.phase == Phase.RoundTrain and state.epoch == 0:
+        if not late and state.phase in (Phase.Warmup, Phase.RoundTrain) and state.epoch == 0:
             key = swarm.start_client("late-trainer", "trainer")
             late.append(bytes(load_keypair(key).pubkey()))
 
