@@ -29,8 +29,9 @@ Why. Honest per-sample norms move by large factors: 4–60 × clip on freshly in
 a 200-fold rise within a few steps of early training (the head of ``bench_pipeline.py``), loss spikes of 10⁴ × the
 median measured once; a single microbatch of unusual text is an outlier that no statistic can tell from an
 attacker's. A bound that refuses what it does not expect therefore refuses honest work (the earlier rule,
-refusing above 100 × the reference, refused three to six honest Backwards per demo run, and with two trainers
-refused a loss spike on every retry, its lower median being the other trainer's norm). So a contribution that is
+refusing above 100 × the reference, refused the head's Backwards three times in a ``psyswarm demo`` run, at the
+loss spike of its sixth round, and with two trainers refused a loss spike on every retry, its lower median being
+the other trainer's norm). So a contribution that is
 merely out of line is *scaled*, not refused: it keeps its samples and its direction, and its weight in the step
 is at most ``max(100 × reference, clip)`` per sample it claims, whatever it sent. That is the whole influence
 the bound concedes to a liar: 100 honest samples' worth per sample, or no more than a full step's clip (the
@@ -44,10 +45,11 @@ is the smaller vote) never cost honest samples.
 
 Why a trainer cannot move it for the others. Only accepted contributions vote, so a trainer cannot ratchet
 its vote with refusals; each trainer has one vote however many requests it sends, so with three or more
-trainers one trainer moves the reference not at all (the median), and with two the lower median takes the
-smaller vote, which an attacker can only lower, never raise (and lowering it refuses no honest contribution
-within the fresh bound). A sustained 10⁶-fold gradient is therefore refused on every try. A trainer alone is
-compared only with itself.
+trainers one trainer cannot move the reference out of the range of the others' votes (the median), and with
+two the lower median takes the smaller vote, which an attacker can only lower, never raise (lowering it refuses
+no honest contribution within the fresh bound, though it scales down those above the clip threshold). A
+sustained 10⁶-fold gradient is therefore refused on every try. A trainer alone is compared only with itself,
+and a standalone worker, which serves any signer, counts any key as a trainer.
 """
 
 from __future__ import annotations
