@@ -97,6 +97,12 @@ def auth_service(
                f"identities from {identity.endpoint}, slots kept in {db})")
     typer.echo(f"join authority {signer.pubkey()} (from {key_path}): start the run with `psyswarm serve` or "
                f"`psyswarm create-run` --join-authority {signer.pubkey()}")
+    mistake = coordinator_mistake(server, url, run_id, program_id, signer, key_path)
+    if mistake:
+        web.server_close()
+        service.close()
+        typer.secho(mistake, fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
     releaser = Releaser(service, coordinator_release(server, url, run_id, program_id, signer)).start()
     stop_on_sigterm()
     try:
@@ -107,6 +113,46 @@ def auth_service(
         web.server_close()
         releaser.stop()
         service.close()
+
+
+def misconfigured(state, where: str, run_id: str, signer, key_path: Path | None = None) -> str | None:
+    """Why the coordinator at ``where`` (its ``state``) will never take this service's releases, or None: it
+    serves another run, or ``signer`` is not its join authority (the operator gave the wrong address, run or key)."""
+    from solders.pubkey import Pubkey
+
+    from coordinator_program.spec.rules import NO_AUTHORITY
+
+    if state.run_id != run_id:
+        return (f"the coordinator at {where} serves run {state.run_id!r}, not {run_id!r}: give the auth service "
+                f"that run's --run-id, or the coordinator of run {run_id!r}")
+    if state.join_authority == bytes(signer.pubkey()):
+        return None
+    has = ("no join authority (a permissionless run)" if state.join_authority == NO_AUTHORITY
+           else f"join authority {Pubkey.from_bytes(state.join_authority)}")
+    key = f" {key_path}" if key_path is not None else ""
+    return (f"the coordinator of run {run_id!r} at {where} has {has}, not this service's key {signer.pubkey()}: "
+            f"start it with --join-authority{key}, or give the service the run's join authority with --keypair")
+
+
+def coordinator_mistake(server: str | None, url: str | None, run_id: str, program_id: str | None, signer,
+                        key_path: Path) -> str | None:
+    """Checked at startup: ``misconfigured`` for the coordinator the service tells, if it can be reached now (a
+    service started before its coordinator, as a new permissioned run is, checks nothing: its release passes
+    report the mistake then)."""
+    from client.backends.base import BackendError
+
+    async def check() -> str | None:
+        backend = open_backend(server, url, run_id, program_id, signer)
+        try:
+            await backend.connect()
+        except (BackendError, OSError, TimeoutError):
+            return None
+        try:
+            return misconfigured(backend.state, server or url or "", run_id, signer, key_path)
+        finally:
+            await backend.close()
+
+    return asyncio.run(check())
 
 
 def coordinator_release(server: str | None, url: str | None, run_id: str, program_id: str | None, signer):
@@ -122,9 +168,8 @@ def coordinator_release(server: str | None, url: str | None, run_id: str, progra
         await backend.connect()
         confirmed: set[bytes] = set()
         try:
-            if backend.state.run_id != run_id:
-                raise BackendError(f"the coordinator at {server or url} serves run {backend.state.run_id!r}, "
-                                   f"not {run_id!r}")
+            if (mistake := misconfigured(backend.state, server or url, run_id, signer)) is not None:
+                raise BackendError(mistake)
             for key in keys:
                 try:
                     await backend.submit(ReleaseSlot(key))

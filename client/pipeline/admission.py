@@ -12,8 +12,44 @@ worker serves a request only if
 3. a Backward follows a Forward this worker ran for the same trainer, microbatch, samples and input (a ticket,
    consumed by the Backward), its microbatch has not been differentiated already, and its samples belong to the
    step the worker accumulates (a coordinated run's current round) and are not already in it (``MicrobatchLedger``);
-4. its parameter gradients are finite and in line with the stage's recent ones (``GradientBound``), checked
-   before they are added to the stage's accumulated gradient.
+4. its parameter gradients are finite and not wildly out of line with the stage's recent ones
+   (``GradientBound``), checked before they are added to the stage's accumulated gradient.
+
+The gradient bound
+------------------
+A contribution's per-sample norm (its parameter gradient's L2 norm over its sample count) is compared with the
+stage's *reference*: the lower median, one vote per trainer seen in the last two steps, of each trainer's median
+over its last 8 accepted contributions. Then, with ``clip`` the stage's clip threshold (``optim.max_grad_norm``):
+
+- non-finite, or above ``max(1e5 × reference, 1000 × clip)``: **refused**, nothing accumulated;
+- above ``max(100 × reference, clip)``: **accepted, scaled down** to that norm;
+- otherwise accepted as it came. Before any contribution was accepted, only ``1000 × clip`` applies (refused above).
+
+Why. Honest per-sample norms move by large factors: 4–60 × clip on freshly initialised models (d_model 32–256),
+a 200-fold rise within a few steps of early training (the head of ``bench_pipeline.py``), loss spikes of 10⁴ × the
+median measured once; a single microbatch of unusual text is an outlier that no statistic can tell from an
+attacker's. A bound that refuses what it does not expect therefore refuses honest work (the earlier rule,
+refusing above 100 × the reference, refused the head's Backwards three times in a ``psyswarm demo`` run, at the
+loss spike of its sixth round, and with two trainers refused a loss spike on every retry, its lower median being
+the other trainer's norm). So a contribution that is
+merely out of line is *scaled*, not refused: it keeps its samples and its direction, and its weight in the step
+is at most ``max(100 × reference, clip)`` per sample it claims, whatever it sent. That is the whole influence
+the bound concedes to a liar: 100 honest samples' worth per sample, or no more than a full step's clip (the
+step clips the mean gradient to ``clip``, so such a contribution moves it by at most its share of the samples).
+Refusal is kept for what no honest run produces: non-finite values, the 10¹⁸–3·10³⁸ gradients that overflow the
+accumulated sum or its norm (they would make the step clip every honest gradient to nothing), and anything
+10⁵ times the reference (ten times the largest honest spike measured) and above 1000 × clip, the fresh bound.
+The fresh bound also serves as the warm-up: whatever the reference, a contribution within it is never refused,
+so early training and a reference pulled down by a trainer's tiny gradients (with two trainers the lower median
+is the smaller vote) never cost honest samples.
+
+Why a trainer cannot move it for the others. Only accepted contributions vote, so a trainer cannot ratchet
+its vote with refusals; each trainer has one vote however many requests it sends, so with three or more
+trainers one trainer cannot move the reference out of the range of the others' votes (the median), and with
+two the lower median takes the smaller vote, which an attacker can only lower, never raise (lowering it refuses
+no honest contribution within the fresh bound, though it scales down those above the clip threshold). A
+sustained 10⁶-fold gradient is therefore refused on every try. A trainer alone is compared only with itself,
+and a standalone worker, which serves any signer, counts any key as a trainer.
 """
 
 from __future__ import annotations
@@ -294,32 +330,29 @@ def _lower_median(values: Sequence[float]) -> float:
 @dataclass
 class _Voter:
     norms: collections.deque[float]
-    accepted: bool = False
     last_step: int = 0
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """How a contribution is accumulated: ``scale`` multiplies its parameter gradient (1.0: as it came)."""
+
+    per_sample: float
+    scale: float
+
+
 class GradientBound:
-    """Which Backward contributions a stage accumulates: finite ones whose per-sample gradient norm is at
-    most ``factor`` × the stage's recent typical one.
+    """Which Backward contributions a stage accumulates, and at what weight (the rule and why: module docstring).
 
     The per-sample norm of a contribution is the L2 norm of its parameter gradient (a sum over its samples)
-    divided by its sample count; its influence on the accumulated sum is then at most ``factor`` honest samples'
-    worth per sample it claims, and samples are what the step averages over.
+    divided by its sample count. The reference is the lower median, over the trainers seen in the last
+    ``stale_steps`` steps, of each one's median per-sample norm over its last ``window`` accepted contributions
+    (one vote per trainer). A finite contribution is
 
-    The reference is the lower median, over the trainers seen in the last ``stale_steps`` steps that have had
-    a contribution accepted, of each one's median per-sample norm over its last ``window`` contributions: one
-    vote per trainer, so a trainer, however many requests it sends, moves the reference only with the
-    majority of the trainers. A refused contribution enters its trainer's window at the bound it exceeded, so
-    that when the stage's honest gradients really grow the bound follows, ``factor``-fold every ``window / 2 + 1``
-    refused contributions per trainer, instead of refusing forever. Honest per-sample norms stay within 4× the
-    median at the 99th percentile and reach 85× at the 99.9th (tiny and default models), hence ``factor`` 100;
-    loss spikes go further (200× on the default benchmark, 10⁴× measured once): their first contributions are
-    refused, and the trainer's retries, each refused contribution moving its vote, get through.
-
-    Before any contribution has been accepted there is no reference, and the bound is ``fresh_multiple`` ×
-    the stage's clip threshold (``optim.max_grad_norm``): honest per-sample norms of freshly initialised
-    models measure 4–60× it (d_model 32–256), while a hostile first request of the 1e18 kind is refused and a
-    fresh worker cannot be poisoned by it. A trainer that is alone is compared only with itself.
+    - refused above ``refuse_factor`` × the reference or ``fresh_multiple`` × the clip threshold, whichever is
+      larger (only the second before any contribution was accepted);
+    - otherwise accepted, scaled down to ``factor`` × the reference or the clip threshold, whichever is larger,
+      where it is above both (``Verdict.scale``).
     """
 
     def __init__(
@@ -327,40 +360,61 @@ class GradientBound:
         clip: float,
         *,
         factor: float = 100.0,
+        refuse_factor: float = 1e5,
         fresh_multiple: float = 1000.0,
         window: int = 8,
         stale_steps: int = 2,
         max_trainers: int = 256,
     ) -> None:
+        self.clip = clip
         self.factor = factor
+        self.refuse_factor = refuse_factor
         self.fresh_bound = fresh_multiple * clip
         self.window = window
         self.stale_steps = stale_steps
         self.max_trainers = max_trainers
         self.steps = 0
+        self.refused = 0
+        self.scaled = 0
         self._voters: collections.OrderedDict[str, _Voter] = collections.OrderedDict()
 
     def reference(self) -> float | None:
         """The typical per-sample norm of the stage's recent contributions; None before any was accepted."""
-        votes = [_lower_median(v.norms) for v in self._voters.values() if v.accepted]
+        votes = [_lower_median(v.norms) for v in self._voters.values()]
         return _lower_median(votes) if votes else None
 
-    def admit(self, trainer: str, grads: Sequence[torch.Tensor], samples: int) -> float:
-        """Check one contribution; returns its per-sample norm, or raises ``GradientRefused`` saying why."""
+    def limits(self) -> tuple[float, float]:
+        """(the per-sample norm above which a contribution is scaled down to it, the one above which it is
+        refused)."""
+        reference = self.reference()
+        if reference is None:
+            return self.fresh_bound, self.fresh_bound
+        return max(self.factor * reference, self.clip), max(self.refuse_factor * reference, self.fresh_bound)
+
+    def admit(self, trainer: str, grads: Sequence[torch.Tensor], samples: int) -> Verdict:
+        """Check one contribution: how to accumulate it, or ``GradientRefused`` saying why it is not."""
         per_sample = gradient_norm(grads) / samples
         if not math.isfinite(per_sample):
+            self.refused += 1
             raise GradientRefused("Backward refused: the parameter gradient holds NaN or infinite values")
         reference = self.reference()
-        bound = self.fresh_bound if reference is None else self.factor * reference
-        accepted = per_sample <= bound
-        self._record(trainer, min(per_sample, bound), accepted)
-        if not accepted:
-            why = "no contribution accepted yet" if reference is None else f"{self.factor:g} × recent {reference:.3g}"
+        weight, ceiling = self.limits()
+        if per_sample > ceiling:
+            self.refused += 1
+            why = (
+                "no contribution accepted yet"
+                if reference is None
+                else f"the larger of {self.refuse_factor:g} × recent {reference:.3g} and {self.fresh_bound:.3g}"
+            )
             raise GradientRefused(
                 f"Backward refused: per-sample gradient norm {per_sample:.3g} exceeds this stage's bound "
-                f"{bound:.3g} ({why}); nothing was accumulated"
+                f"{ceiling:.3g} ({why}); nothing was accumulated"
             )
-        return per_sample
+        self._record(trainer, per_sample)
+        if per_sample <= weight:
+            return Verdict(per_sample, 1.0)
+        self.scaled += 1
+        return Verdict(per_sample, weight / per_sample)
 
     def end_step(self) -> None:
         """The optimizer stepped: forget trainers that contributed nothing for ``stale_steps`` steps."""
@@ -368,10 +422,9 @@ class GradientBound:
         for trainer in [t for t, v in self._voters.items() if self.steps - v.last_step > self.stale_steps]:
             del self._voters[trainer]
 
-    def _record(self, trainer: str, norm: float, accepted: bool) -> None:
+    def _record(self, trainer: str, norm: float) -> None:
         voter = self._voters.pop(trainer, None) or _Voter(collections.deque(maxlen=self.window))
         voter.norms.append(norm)
-        voter.accepted |= accepted
         voter.last_step = self.steps
         self._voters[trainer] = voter  # most recently seen last
         if len(self._voters) > self.max_trainers:

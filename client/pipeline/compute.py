@@ -8,13 +8,15 @@ and a bad one is refused with the reason.
 Backward re-runs the forward pass from the input the trainer sends again (activation recomputation): the
 worker keeps no activations between RPCs, only the ticket of each Forward (``admission.MicrobatchLedger``,
 kept by the worker). Its parameter gradients are computed apart and checked (``admission.GradientBound``)
-before they are added to the stage's accumulated gradient, so a refused contribution leaves no trace.
+before they are added to the stage's accumulated gradient, so a refused contribution leaves no trace (and an
+out-of-line one is added scaled down).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -34,6 +36,8 @@ from client.pipeline.model import ModelSpec, build_stage
 from client.pipeline.optim import OptimizerConfig, StageOptimizer, StepStats
 from client.pipeline.rpc import InvalidRequest
 from client.pipeline.wire import DEFAULT_CODEC, codec_name, codec_of, from_wire, is_finite, to_wire
+
+log = logging.getLogger(__name__)
 
 MAX_ID_CHARS = 128
 _TOKEN_DTYPES = (torch.uint8, torch.int64)
@@ -251,7 +255,8 @@ class StageCompute:
         The tail differentiates loss × batch size, so accumulated gradients are sums over samples and
         ``step`` divides by the sample count. Its response also carries the loss it recomputed, which saves
         the trainer a separate tail Forward. Gradients are computed apart (``torch.autograd.grad``) and added
-        only once ``bound`` accepts them; a refused contribution raises ``GradientRefused`` and changes nothing.
+        only once ``bound`` accepts them, scaled down where it says so; a refused contribution raises
+        ``GradientRefused`` and changes nothing.
         """
         with self.lock:
             inputs = self._as_input(request.inputs)
@@ -269,7 +274,13 @@ class StageCompute:
             param_grads, grad_input = grads[: len(params)], (None if self.module.is_head else grads[-1])
             if grad_input is not None and not bool(torch.isfinite(grad_input).all()):
                 raise GradientRefused("Backward refused: the input gradient holds NaN or infinite values")
-            self.bound.admit(request.trainer, param_grads, request.batch_size)
+            verdict = self.bound.admit(request.trainer, param_grads, request.batch_size)
+            if verdict.scale != 1.0:
+                log.info(
+                    "%s scaled trainer %s's gradient by %.3g (per-sample norm %.3g above this stage's weight)",
+                    self.uid, request.trainer[:16], verdict.scale, verdict.per_sample,
+                )
+                param_grads = tuple(grad * verdict.scale for grad in param_grads)
             for param, grad in zip(params, param_grads, strict=True):
                 if param.grad is None:
                     param.grad = grad

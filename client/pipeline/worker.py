@@ -219,6 +219,8 @@ class StageWorker:
             "throughput": self.throughput,
             "samples_accumulated": self.compute.samples_accumulated,
             "steps": self.compute.steps,
+            "gradients_refused": self.compute.bound.refused,
+            "gradients_scaled": self.compute.bound.scaled,
             "device": str(self.compute.device),
             "model": self.config.fingerprint(),
             "wire_codec": self.compute.wire_codec,

@@ -14,6 +14,35 @@ from local_backend.auth.protocol import token_sha256
 
 MAX_REFUSED = 65_536  # refused token hashes remembered (the oldest forgotten first)
 MAX_KNOWN = 65_536  # token hashes the Hub accepted, remembered (the longest unconfirmed forgotten first)
+MAX_NAME_CHARS = 96  # the Hub's longest namespace (huggingface_hub's REPO_ID_REGEX)
+
+
+def hub_user_name(name: object, endpoint: str) -> str:
+    """``name`` if it is a name the Hub gives users, else ``AuthFailure`` saying why.
+
+    The name is stored with every slot, counts a contributor's slots and is shown on the dashboard, and the
+    Hub that answers is whatever ``--hf-endpoint`` names: so it is held to the Hub's own rule for a namespace
+    (huggingface_hub's ``validate_repo_id``: 1–96 ASCII letters, digits, ``-``, ``_`` and ``.``; no ``--`` or
+    ``..``; neither end ``-`` or ``.``), which every real user name meets, since every repo id starts with one.
+    """
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not isinstance(name, str) or not name:
+        raise AuthFailure(HTTPStatus.BAD_GATEWAY, "identity_unavailable",
+                          f"the Hugging Face Hub at {endpoint} returned no user name for the token")
+    try:
+        validate_repo_id(name)
+        valid = "/" not in name  # validate_repo_id also takes "namespace/name"
+    except HFValidationError:
+        valid = False
+    if not valid:
+        shown = name[:MAX_NAME_CHARS] + ("…" if len(name) > MAX_NAME_CHARS else "")
+        raise AuthFailure(HTTPStatus.BAD_GATEWAY, "identity_unavailable",
+                          f"the Hugging Face Hub at {endpoint} returned {shown!r} ({len(name)} characters) as the "
+                          f"token's user name, which is not a Hub user name (1-{MAX_NAME_CHARS} letters, digits, "
+                          "'-', '_' or '.'); check --hf-endpoint")
+    return name
 
 
 class HubIdentity:
@@ -67,10 +96,7 @@ class HubIdentity:
         except Exception as exc:  # transport errors differ across huggingface_hub versions (requests, httpx)
             raise AuthFailure(HTTPStatus.BAD_GATEWAY, "identity_unavailable",
                               f"cannot reach the Hugging Face Hub at {self.endpoint}: {exc}") from None
-        name = answer.get("name") if isinstance(answer, dict) else None
-        if not isinstance(name, str) or not name:
-            raise AuthFailure(HTTPStatus.BAD_GATEWAY, "identity_unavailable",
-                              f"the Hugging Face Hub at {self.endpoint} returned no user name for the token")
+        name = hub_user_name(answer.get("name") if isinstance(answer, dict) else None, self.endpoint)
         with self._lock:
             self._cache[key] = (self.clock(), name)
             self._cache.move_to_end(key)

@@ -114,3 +114,47 @@ def test_a_permissioned_run_shows_and_keeps_its_join_authority(fake_hub, tmp_pat
     restarted = cli(*serve, "--permissionless", cwd=tmp_path)
     assert restarted.returncode == 1, restarted.stderr
     assert f"permissioned by {authority.pubkey()}, not permissionless" in restarted.stderr, restarted.stderr
+
+
+def test_an_auth_service_told_of_the_wrong_coordinator_refuses_to_start(fake_hub, tmp_path: Path) -> None:
+    """The operator points ``auth-service`` at a coordinator whose join authority is another key, or that serves
+    another run: its releases would be refused forever (and ended slots never freed), so it stops at startup with
+    one line saying what is wrong and how to fix it. With the run's key it starts; with no coordinator up yet (a
+    new run starts its service first) it starts too."""
+    config, port = tmp_path / "state.toml", free_port()
+    config.write_text(STATE_TOML)
+    authority = Keypair()
+    key_file = save_keypair(authority, tmp_path / "auth-service.json")
+    server = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", "--config", str(config), "--db",
+                               str(tmp_path / "run.sqlite"), "--port", str(port), "--join-authority", str(key_file)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+
+    databases = iter(range(10))
+
+    def auth_service(run_id: str, *flags: str, coordinator: int = port) -> list[str]:
+        return ["auth-service", "--run-id", run_id, "--stages", "3", "--capacity", "4", "--db",
+                str(tmp_path / f"auth-{next(databases)}.sqlite"), "--server", f"127.0.0.1:{coordinator}",
+                "--hf-endpoint", fake_hub.url, *flags]
+
+    try:
+        wait_listening(port, server)
+        wrong_key = cli(*auth_service(RUN), cwd=tmp_path)
+        lines = wrong_key.stderr.strip().splitlines()
+        assert wrong_key.returncode == 1 and len(lines) == 1, wrong_key.stderr
+        assert f"has join authority {authority.pubkey()}, not this service's key" in lines[0]
+        assert "--join-authority" in lines[0] and "Traceback" not in wrong_key.stderr
+        wrong_run = cli(*auth_service("other", "--keypair", str(key_file)), cwd=tmp_path)
+        assert wrong_run.returncode == 1 and "serves run 'run-1', not 'other'" in wrong_run.stderr, wrong_run.stderr
+        for coordinator in (port, free_port()):  # the run's coordinator, and none listening yet
+            right = subprocess.Popen([sys.executable, "-m", "client.cli",
+                                      *auth_service(RUN, "--keypair", str(key_file), coordinator=coordinator)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+            try:
+                assert right.stdout is not None and "listening on" in right.stdout.readline(), right.stderr.read()
+                assert right.poll() is None
+            finally:
+                right.terminate()
+                right.wait(30)
+    finally:
+        server.terminate()
+        server.wait(30)

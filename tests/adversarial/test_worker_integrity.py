@@ -1,7 +1,8 @@
 """Attacks on a stage worker's parameters over real gRPC on loopback: hostile gradients (overflowing, huge,
-mixed among honest ones, first on a fresh worker), Backwards without their Forward or replayed, requests
-unsigned, badly signed, signed by a trainer the worker does not serve or for another run, and an optimizer
-step that would leave the stage non-finite.
+mixed among honest ones, first on a fresh worker, ratcheted, or zero to pull the bound down), Backwards
+without their Forward or replayed, requests unsigned, badly signed, signed by a trainer the worker does not
+serve or for another run, and an optimizer step that would leave the stage non-finite; and honest gradients
+the bound must not refuse (a loss spike, early training's growth).
 
 Each test drives a real ``StageWorker`` of the tiny model through its gRPC surface, as a trainer (honest or
 not) would, and checks the stage's parameters and optimizer state afterwards. Where honest gradients must
@@ -166,6 +167,90 @@ def test_hostile_first_request_cannot_poison_a_fresh_worker(start) -> None:
         twin_honest.microbatch(inputs, grad)
     worker.step(), twin.step()
     assert all(torch.equal(a, b) for a, b in zip(snapshot(worker), snapshot(twin), strict=True))
+
+
+def accumulated(worker: StageWorker) -> torch.Tensor:
+    """The stage's accumulated parameter gradient, flattened (zeros where nothing was accumulated)."""
+    with worker.compute.lock:
+        params = worker.compute.optimizer.params
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+
+
+def test_an_honest_loss_spike_of_one_of_two_trainers_is_accepted_at_a_bounded_weight(start) -> None:
+    """Two honest trainers; then one's microbatch spikes 300-fold (a loss spike on its data). The rule before
+    (refuse above 100 × the lower median, here the other trainer's norm) refused it on every retry; it is now
+    accepted, scaled to 100 × the stage's reference per sample, and the step applies finite."""
+    worker = start()
+    first, second = Wire(worker), Wire(worker)
+    for inputs, grad in honest_batch(3):
+        first.microbatch(inputs, grad)
+        second.microbatch(inputs, grad)
+    reference, before = worker.compute.bound.reference(), accumulated(worker)
+    inputs, grad = honest_batch(1)[0]
+    first.microbatch(inputs, grad * 300)
+    weight = float(torch.linalg.vector_norm(accumulated(worker) - before)) / B
+    assert 99 * reference < weight < 101 * reference
+    assert worker.compute.samples_accumulated == 7 * B and len(worker.drain_receipts()) == 7
+    assert worker.info()["gradients_scaled"] == 1 and worker.info()["gradients_refused"] == 0
+    assert worker.step().applied and all_finite(snapshot(worker))
+
+
+def test_a_lone_trainer_s_early_training_growth_is_accepted(start) -> None:
+    """One trainer whose gradients grow 200-fold from one step to the next (as the head's did early in
+    bench_pipeline.py, where the rule before refused them): every Backward is accepted, the first ones at a
+    bounded weight, and the reference follows within a window."""
+    worker = start()
+    trainer = Wire(worker)
+    for inputs, grad in honest_batch(3):
+        trainer.microbatch(inputs, grad)
+    assert worker.step().applied
+    reference = worker.compute.bound.reference()
+    for inputs, grad in honest_batch(6):
+        trainer.microbatch(inputs, grad * 200)
+    assert worker.compute.samples_accumulated == 6 * B
+    assert worker.info()["gradients_refused"] == 0 and worker.info()["gradients_scaled"] >= 1
+    assert worker.compute.bound.reference() > 100 * reference
+    assert worker.step().applied and all_finite(snapshot(worker))
+
+
+def test_one_of_two_trainers_cannot_shut_the_other_out_with_zero_gradients(start) -> None:
+    """With two trainers the reference is the smaller vote: a trainer sending zero gradients (its grad_output
+    all zeros) pulled it to 0, and the rule before then refused every honest Backward. The honest trainer's
+    Backwards are now accepted as they came."""
+    worker = start()
+    honest, hostile = Wire(worker), Wire(worker)
+    honest.microbatch(hidden(), hidden(0.01))
+    for _ in range(5):
+        hostile.microbatch(hidden(), torch.zeros(B, T, D))
+    assert worker.compute.bound.reference() == 0
+    before = accumulated(worker)
+    for inputs, grad in honest_batch(3):
+        honest.microbatch(inputs, grad)
+    assert worker.compute.samples_accumulated == 9 * B
+    assert worker.info()["gradients_scaled"] == 0 and bool((accumulated(worker) != before).any())
+
+
+def test_one_of_four_trainers_cannot_ratchet_its_way_to_a_sustained_huge_gradient(start) -> None:
+    """Three honest trainers and one that climbs 10-fold per Backward up to 10⁴ × theirs: each climb is
+    accepted only scaled to 100 × the honest reference, the reference does not move, and a sustained 10⁶-fold
+    gradient is then refused on every try."""
+    worker = start()
+    honest = [Wire(worker) for _ in range(3)]
+    hostile = Wire(worker)
+    for inputs, grad in honest_batch(6):
+        for trainer in honest:
+            trainer.microbatch(inputs, grad)
+    reference = worker.compute.bound.reference()
+    for power in range(5):
+        before = accumulated(worker)
+        inputs, grad = honest_batch(1)[0]
+        hostile.microbatch(inputs, grad * 10**power)
+        assert float(torch.linalg.vector_norm(accumulated(worker) - before)) / B < 101 * reference
+    assert worker.compute.bound.reference() == reference
+    for _ in range(10):
+        inputs, grad = honest_batch(1)[0]
+        assert "exceeds this stage's bound" in hostile.attack(inputs, grad * 1e6).details()
+    assert worker.info()["gradients_refused"] == 10
 
 
 def test_backward_without_its_own_forward_is_refused(start) -> None:

@@ -86,9 +86,9 @@ class CodecRun:
         self.directory = WorkerDirectory(dht, run_id, config.fingerprint())
         self.shaped_directory = RelayedDirectory(self.directory, link)
         # One identity for both trainers, as one contributor measuring two paths, and more retries than a trainer's
-        # default: a worker's gradient bound (``admission.GradientBound``) refuses a loss spike's first contributions
-        # and lets a trainer's retries through by moving that trainer's vote, but with two trainers voting, the
-        # lower median is the other trainer's vote, which a spike on one path never moves.
+        # default: written when a worker's gradient bound refused a loss spike of one of two trainers on every
+        # retry; it now scales such a contribution instead (``admission.GradientBound``), and this script has not
+        # been measured since without the two.
         options = {"run_id": run_id, "wire_codec": codec, "max_inflight": args.inflight, "keypair": Keypair(),
                    "max_attempts": 32}
         self.loopback = PipelineTrainer(config, dataset, self.directory, **options)  # type: ignore[arg-type]

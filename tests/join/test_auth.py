@@ -181,6 +181,21 @@ def test_whoami_answers_are_cached(fake_hub) -> None:
     assert fake_hub.whoami_calls == 1
 
 
+@pytest.mark.parametrize("name", ["a" * 97, "x" * 100_000, "x--y", "-x", "team/x", "ülrich", "a b", "a\nb"],
+                         ids=["97", "100000", "double dash", "leading dash", "slash", "non-ascii", "space", "newline"])
+def test_a_hub_user_name_outside_the_hub_s_own_rule_is_refused(service: AuthHTTPServer, fake_hub, name) -> None:
+    """A Hub (``--hf-endpoint``) that answers whoami with a name no Hub user can have (too long: the Hub's
+    namespaces are 1-96 characters; or characters a namespace never holds): the join is refused with a reason
+    naming the length and the rule, and takes no slot; a 96-character name is a user's."""
+    fake_hub.users["tok-odd"] = name
+    with pytest.raises(AuthError, match=f"{len(name)} characters.*not a Hub user name") as caught:
+        client(service).join("tok-odd")
+    assert caught.value.code == "identity_unavailable" and len(str(caught.value)) < 400
+    assert service.service.occupancy()["slots"] == 0
+    fake_hub.users["tok-long"] = "a" * 96
+    assert client(service).join("tok-long").contributor == "a" * 96
+
+
 def test_the_queue_paces_joins_and_logs_the_position_once_a_minute(service: AuthHTTPServer) -> None:
     first, second = client(service), client(service)
     first.join("tok-alice")
