@@ -32,7 +32,7 @@ from client.stages import checkpoint_location, stage_name
 from client.witness.records import Report, receipt_hash
 from coordinator_program.spec import limits
 from coordinator_program.spec.config import CheckpointKind
-from coordinator_program.spec.errors import CoordinatorError
+from coordinator_program.spec.errors import CheckpointTaken, CoordinatorError
 from coordinator_program.spec.state import CoordinatorState, Phase, Role
 
 log = logging.getLogger("psyswarm.client")
@@ -285,5 +285,8 @@ class WorkerRole:
             await self.context.backend.checkpoint(kind, repo, revision)
             log.info("epoch %d: stage %s saved to %s", state.epoch, replica.stage,
                      checkpoint_location(repo, revision, hub=kind == CheckpointKind.Hub))
+        except CheckpointTaken as exc:  # another worker of the stage reported first: the stage is saved, there
+            log.info("epoch %d: stage %s saved here too; joiners take the place reported first (%s)", state.epoch,
+                     replica.stage, exc.detail)
         except CoordinatorError as exc:
             log.warning("checkpoint not recorded: %s", exc.detail)
