@@ -13,8 +13,10 @@ log:
 - Bytes: a frame's header is checked as soon as it arrives (``protocol.MAX_REQUEST_FRAME``); reading from a
   connection pauses once it has sent a frame's worth the server has not processed, and a connection holding
   over ``MAX_HELD`` such bytes is closed; past ``max_buffered`` bytes held in all, the connections holding
-  the most are closed. A connection that lets ``MAX_UNSENT`` bytes of the server's messages pile up is not
-  reading and is cut off.
+  the most are closed. A follower whose connection holds ``FALLEN_BEHIND`` bytes of the server's messages it has
+  not read gets no more patches; once it has read them it gets the whole state, then patches again, so a slow
+  follower costs the server one state's worth of memory at most and still ends up holding the current state. A
+  connection that lets ``MAX_UNSENT`` bytes pile up even so (replies it does not read) is cut off.
 - Log: each kind of event writes a few lines per period and counts the rest into one line. When accept
   fails (out of file descriptors), the server waits before trying again, longer each time.
 """
@@ -40,8 +42,11 @@ PAUSE_AT = p.MAX_REQUEST_FRAME + 4
 MAX_HELD = 16 * PAUSE_AT
 """Unprocessed bytes one connection may hold: a read can deliver more than ``PAUSE_AT`` at once, but only a
 client that sends many frames without waiting for replies gets this far."""
+FALLEN_BEHIND = 64 << 10
+"""Bytes of the server's messages waiting for a connection at which it gets no more state patches, and below which
+(a quarter of it) it gets the whole state and follows by patches again."""
 MAX_UNSENT = 256 << 10
-"""Bytes of the server's messages that may wait for a slow connection: many changes of the state."""
+"""Bytes of the server's messages that may wait for a slow connection: a whole state and many replies."""
 RESERVED_FILES = 32
 """Descriptors kept out of the connection caps: the listener, the database and its journal, the event loop,
 the standard streams, a module imported late, and the connection accepted before another gives way."""
@@ -107,6 +112,11 @@ class Peer(asyncio.Protocol):
         self.held = 0
         """Bytes the client sent that the server has not processed, as counted in the pool's total."""
         self.closed = False
+        self.behind = False
+        """The connection holds ``FALLEN_BEHIND`` bytes the client has not read: it is sent no patches."""
+        self.resync: Callable[[], bytes] | None = None
+        """What to send once the client has read its backlog: the whole state, as it is by then (a patch was
+        skipped)."""
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._whole = 0  # bytes at the front of the buffer that are whole frames
@@ -121,6 +131,7 @@ class Peer(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        transport.set_write_buffer_limits(high=FALLEN_BEHIND)
         address = transport.get_extra_info("peername")
         self.address = f"{address[0]}:{address[1]}" if address else "?"
 
@@ -142,6 +153,16 @@ class Peer(asyncio.Protocol):
             self._transport.pause_reading()
         self._arrived.set()
         self.pool.check_buffered()
+
+    def pause_writing(self) -> None:
+        self.behind = True
+
+    def resume_writing(self) -> None:
+        """The client has read its backlog: if it missed a patch, it gets the state as it is now."""
+        self.behind = False
+        resync, self.resync = self.resync, None
+        if resync is not None:
+            self.send_frame(resync())
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The client went away: its whole frames may still be taken; an unfinished one is dropped."""

@@ -51,11 +51,6 @@ def copy_of(state: CoordinatorState) -> CoordinatorState:
     return pickle.loads(pickle.dumps(state, pickle.HIGHEST_PROTOCOL))
 
 
-def account_nonce(account: bytes) -> int:
-    """The nonce an encoded coordinator account holds, after its 8-byte discriminator."""
-    return int.from_bytes(account[8:16], "little")
-
-
 class CoordinatorServer:
     """Owns one run's coordinator: applies requests, ticks, persists and broadcasts."""
 
@@ -68,8 +63,7 @@ class CoordinatorServer:
         self.throttle = LogThrottle(log)
         self.peers = Peers(limits, self.throttle)
         self.state, self._next_config = open_run(spec, store, authority, join_authority, self._now)
-        self.account = encode_state(self.state)  # what subscribers hold
-        self._committed = self.account  # what the store holds: encoded once per change, sent from here
+        self.account = encode_state(self.state)  # what the store and every follower hold
         self._full_state = (b"", b"")  # (account, its FullState frame)
         self._lock = asyncio.Lock()  # one change at a time
         self._changing: set[asyncio.Task[None]] = set()
@@ -121,7 +115,8 @@ class CoordinatorServer:
         await self._serialised(self._try_tick)
 
     async def _serialised(self, change: Callable[[], Awaitable[None]]) -> None:
-        """Run ``change`` alone, then broadcast what it changed.
+        """Run ``change`` alone, then log the phase it moved the run to (each change it stores is broadcast as it
+        is adopted, ``_change``).
 
         Changes are applied, stored and adopted one at a time, each to the state the last one left; and one
         whose asker goes away (a closed connection, a stopping server) still runs to its end, so memory never
@@ -133,7 +128,7 @@ class CoordinatorServer:
                 try:
                     await change()
                 finally:
-                    self._announce(phase)
+                    self._log_phase(phase)
 
         task = asyncio.ensure_future(alone())
         self._changing.add(task)
@@ -146,7 +141,8 @@ class CoordinatorServer:
             task.exception()  # marked as seen: an asker that went away cannot see it, one still there re-raises it
 
     async def _change(self, signer: bytes, instruction: bytes, change: Callable[[CoordinatorState], None]) -> None:
-        """Apply ``change`` to a copy of the state, store the copy from a worker thread, then adopt it.
+        """Apply ``change`` to a copy of the state, store the copy from a worker thread, then adopt and broadcast
+        it.
 
         A change the coordinator rejects (``CoordinatorError``) or the store cannot keep (``StoreError``)
         leaves memory and disk as they were, and the event loop serves everyone else while the disk is slow or
@@ -156,7 +152,8 @@ class CoordinatorServer:
         change(candidate)
         account = encode_state(candidate)
         await asyncio.to_thread(self.store.save, candidate.run_id, candidate.nonce, account, signer, instruction)
-        self.state, self._committed = candidate, account
+        self.state = candidate
+        self._broadcast(account)  # now, not after the tick that follows a request: that tick waits, the change not
 
     async def _try_tick(self) -> None:
         """Tick once, with random entropy for any seed it draws. A change the store cannot keep is not applied,
@@ -196,7 +193,7 @@ class CoordinatorServer:
             await self._change(who, Withdraw().encode(), lambda state, who=who: rules.withdraw(state, who))
             log.info("%s is queued but not connected and was withdrawn", who.hex()[:8])
 
-    def _announce(self, previous_phase: Phase) -> None:
+    def _log_phase(self, previous_phase: Phase) -> None:
         s = self.state
         if s.phase != previous_phase:
             # Counted as `psyswarm status` counts: rounds from 1, and a finished run in the last epoch it trained.
@@ -205,22 +202,23 @@ class CoordinatorServer:
             round_ = f"round {s.round.height + 1}/{s.config.rounds_per_epoch}, " if in_round else ""
             log.info("phase %s -> %s (epoch %d, %sstep %d/%d, %d clients, %d pending)", previous_phase.name,
                      s.phase.name, epoch, round_, s.step, s.config.total_steps, len(s.clients), len(s.pending))
-        self._broadcast()
 
-    def _broadcast(self) -> None:
-        new = self._committed
-        if new == self.account:
-            return
-        message = p.StatePatch(account_nonce(self.account), self.state.nonce, p.diff(self.account, new))
+    def _broadcast(self, new: bytes) -> None:
+        """Send every follower the patch from what it holds to ``new``: encoded once, the same bytes to each. A
+        follower whose connection has fallen behind gets no patch until it drains, then the whole state."""
+        message = p.StatePatch(p.account_nonce(self.account), p.account_nonce(new), p.diff(self.account, new))
         self.account = new
         data = p.frame(message.encode())
         for peer in self.peers:
-            peer.send_frame(data)
+            if peer.behind:
+                peer.resync = self._full_state_frame
+            else:
+                peer.send_frame(data)
 
     def _full_state_frame(self) -> bytes:
         """What subscribers hold, whole: compressed once per change rather than once per login."""
         if self._full_state[0] is not self.account:
-            whole = p.FullState.of(account_nonce(self.account), self.account)
+            whole = p.FullState.of(p.account_nonce(self.account), self.account)
             self._full_state = (self.account, p.frame(whole.encode()))
         return self._full_state[1]
 

@@ -106,6 +106,9 @@ class TcpBackend(Backend):
 
     async def _on_message(self, message: p.Message) -> None:
         if isinstance(message, p.StatePatch):
+            held = p.account_nonce(self._account)
+            if message.base != held:  # the server sends a follower that fell behind the whole state instead
+                raise p.ProtocolError(f"a patch from nonce {message.base}, but this client holds nonce {held}")
             self._account = message.apply(self._account)
             await self._publish(decode_state(self._account))
         elif isinstance(message, p.FullState):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -116,6 +117,10 @@ def serve(
 
     async def run() -> None:
         await server.start(host, port, listener)
+        # What is loaded by now (the imports, torch's among them: hundreds of thousands of objects) lives as long as
+        # the process: left to the collector, each full collection walks it all again, a pause of tens of ms in
+        # the middle of a change's broadcast every few dozen changes.
+        gc.freeze()
         try:
             await asyncio.Event().wait()
         finally:

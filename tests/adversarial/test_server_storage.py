@@ -25,7 +25,7 @@ from client.backends.tcp import TcpBackend
 from coordinator_program.spec import rules
 from coordinator_program.spec.state import Phase, Role, encode_state
 from local_backend.server import CoordinatorServer
-from local_backend.store import RunStore
+from local_backend.store import RunStore, stored_run
 from tests.adversarial.test_server_limits import SPEC
 
 BUSY_TIMEOUT = 1.0
@@ -63,8 +63,10 @@ def locked(db: Path) -> Iterator[None]:
 
 def on_disk(db: Path) -> bytes:
     """The account the database holds, read by a connection of its own (readers pass a writer's lock)."""
-    with contextlib.closing(sqlite3.connect(db)) as reader:
-        return reader.execute("SELECT account FROM run WHERE id = 1").fetchone()[0]
+    with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as reader:
+        stored = stored_run(reader)
+    assert stored is not None
+    return stored.account
 
 
 def test_a_locked_database_gets_an_error_reply_stalls_no_one_and_changes_nothing(tmp_path: Path) -> None:

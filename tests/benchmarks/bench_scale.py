@@ -8,8 +8,9 @@ It prints, each from a real component:
   checked byte for byte against the specification), the witnesses sending real proofs part by part;
 - the transactions and bytes of one witness's proof at each size, and the account's size and rent;
 - the TCP server's broadcast to 1,024 followers (``bench_broadcast``: ``psyswarm serve`` in a subprocess, each
-  follower a real authenticated connection applying the state patches): p50/p99 from a join to every follower
-  holding the new state, and bytes per follower per change;
+  follower a real authenticated connection applying the state patches, in two processes apart from the meter):
+  p50/p99 from a join to every follower holding the new state, the server's CPU per change, and bytes per follower
+  per change;
 - a witness's judgement of a round of 1,024 clients (768 workers, 256 trainers committing signed records with their
   receipts, every worker reporting signed): the seconds ``judge_round`` and the proof's parts take, against the
   round's witness time;

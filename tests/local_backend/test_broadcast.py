@@ -1,0 +1,155 @@
+"""The server's broadcast (issue 22), on the real server over real sockets: a follower that applies the patches it
+is sent holds the server's account byte for byte after any sequence of changes, and one that stops reading costs
+the server a bounded backlog, gets no patch it could not apply, and holds the current state once it reads again."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from pathlib import Path
+
+import pytest
+from solders.keypair import Keypair
+
+from client.backends.tcp import TcpBackend
+from coordinator_program.spec import rules
+from coordinator_program.spec.errors import CoordinatorError
+from coordinator_program.spec.instructions import JoinRun, Tick, Withdraw
+from coordinator_program.spec.state import Role
+from local_backend import peers
+from local_backend import protocol as p
+from local_backend.server import CoordinatorServer
+from local_backend.store import RunStore
+from tests.adversarial.test_server_limits import SPEC
+from tests.adversarial.test_server_storage import Clock
+
+SMALL_BUFFER = 4096
+
+
+class Follower:
+    """A follower on a raw socket with a small receive buffer, that reads only when told to: it checks that each
+    patch starts from the state it holds, as the client does."""
+
+    def __init__(self) -> None:
+        self.key = Keypair()
+        self.account = b""
+        self.resyncs = 0
+
+    async def connect(self, port: int) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUFFER)  # before connect: the window offered
+        self.sock.setblocking(False)
+        self.unread = bytearray()
+        await asyncio.get_running_loop().sock_connect(self.sock, ("127.0.0.1", port))
+        challenge = p.decode(await self.frame())
+        assert isinstance(challenge, p.Challenge)
+        signature = bytes(self.key.sign_message(p.auth_message(challenge.nonce)))
+        await asyncio.get_running_loop().sock_sendall(
+            self.sock, p.frame(p.Hello(bytes(self.key.pubkey()), signature).encode()))
+        assert isinstance(p.decode(await self.frame()), p.Welcome)
+        full = p.decode(await self.frame())
+        assert isinstance(full, p.FullState)
+        self.account = full.account()
+
+    async def frame(self) -> bytes:
+        """The next frame's payload, read from the socket only now (nothing reads it in the background)."""
+        length = p.frame_length(await self.take(4), p.MAX_FRAME)
+        return await self.take(length)
+
+    async def take(self, n: int) -> bytes:
+        while len(self.unread) < n:
+            chunk = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(self.sock, 1 << 16), 10)
+            assert chunk, "the server closed the connection"
+            self.unread += chunk
+        data = bytes(self.unread[:n])
+        del self.unread[:n]
+        return data
+
+    async def catch_up(self, nonce: int) -> None:
+        """Read until holding ``nonce``, applying what comes as the client does."""
+        while p.account_nonce(self.account) != nonce:
+            message = p.decode(await self.frame())
+            if isinstance(message, p.StatePatch):
+                assert message.base == p.account_nonce(self.account), "a patch from a state this follower never held"
+                self.account = message.apply(self.account)
+            elif isinstance(message, p.FullState):
+                self.account = message.account()
+                self.resyncs += 1
+
+
+async def change_at_random(server: CoordinatorServer, clock: Clock, rng: random.Random, keys: list[bytes]) -> None:
+    """One request the way a client sends it: a join, a withdrawal or a tick, with time moving on; the
+    coordinator's refusals are part of the sequence."""
+    who = rng.choice(keys)
+    instruction = rng.choice([JoinRun(SPEC.run_id, rng.choice(list(Role))).encode(), Withdraw().encode(),
+                              Tick().encode()])
+    clock.now += rng.choice([0, 1, SPEC.config.warmup_time])
+    try:
+        await server.submit(who, instruction)
+    except CoordinatorError:
+        pass
+
+
+def test_a_follower_holds_the_servers_account_after_random_changes(tmp_path: Path) -> None:
+    async def main() -> None:
+        clock = Clock()
+        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(), clock,
+                                   join_authority=rules.NO_AUTHORITY)
+        port = await server.start(port=0)
+        client, raw = TcpBackend(f"127.0.0.1:{port}", Keypair()), Follower()
+        try:
+            await client.connect()
+            await raw.connect(port)
+            rng = random.Random(22)
+            keys = [bytes(Keypair().pubkey()) for _ in range(10)]
+            for _ in range(150):
+                await change_at_random(server, clock, rng, keys)
+            await raw.catch_up(server.state.nonce)
+            await client.wait_for(lambda s: s.nonce == server.state.nonce, 10)
+            assert server.state.nonce > 40, "the sequence changed the state many times"
+            assert raw.account == server.account == client._account
+            assert client.state == server.state
+        finally:
+            await client.close()
+            raw.sock.close()
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_follower_that_stops_reading_is_held_to_a_bounded_backlog_and_resynchronises(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: every patch was queued for it until 256 KiB of them had piled up, then it was cut off."""
+    monkeypatch.setattr(peers, "FALLEN_BEHIND", SMALL_BUFFER // 4)
+
+    async def main() -> None:
+        clock = Clock()
+        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(), clock,
+                                   join_authority=rules.NO_AUTHORITY)
+        port = await server.start(port=0)
+        lagging = Follower()
+        try:
+            await lagging.connect(port)
+            held = next(peer for peer in server.peers if peer.identity == bytes(lagging.key.pubkey()))
+            held._transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUFFER)
+            largest_backlog = 0
+            rng = random.Random(7)
+            keys = [bytes(Keypair().pubkey()) for _ in range(10)]
+            for _ in range(300):
+                await change_at_random(server, clock, rng, keys)
+                largest_backlog = max(largest_backlog, held._transport.get_write_buffer_size())
+            assert not held.closed, "a follower that reads slowly stays connected"
+            assert largest_backlog <= SMALL_BUFFER // 4 + len(server._full_state_frame()), largest_backlog
+            await lagging.catch_up(server.state.nonce)
+            assert lagging.resyncs >= 1, "it was sent the whole state in place of the patches it missed"
+            assert lagging.account == server.account
+            await change_at_random(server, clock, rng, keys)  # and it follows by patches again
+            await change_at_random(server, clock, rng, keys)
+            await lagging.catch_up(server.state.nonce)
+            assert lagging.account == server.account
+        finally:
+            lagging.sock.close()
+            await server.stop()
+
+    asyncio.run(main())
