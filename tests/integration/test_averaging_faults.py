@@ -10,6 +10,8 @@ import re
 import signal
 from pathlib import Path
 
+import pytest
+
 from client.identity import load_keypair
 from client.swarm.launcher import Swarm
 from coordinator_program.spec.state import CoordinatorState, Health, Phase
@@ -30,6 +32,7 @@ def python_children(pid: int) -> list[int]:
     return sorted(int(c) for c in children if os.path.exists(f"/proc/{c}") and os.readlink(f"/proc/{c}/exe") == exe)
 
 
+@pytest.mark.slow
 def test_a_worker_whose_averaging_keeps_failing_withdraws_and_the_run_goes_on(tmp_path: Path) -> None:
     # One epoch of 6 rounds, so that the run must go on within it once a worker has left; min_clients = 4,
     # so that losing one of the 5 clients does not end the epoch.

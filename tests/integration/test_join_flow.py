@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import safetensors.torch
 from solders.keypair import Keypair
 
@@ -74,6 +75,7 @@ def rounds_stepped(log: str) -> dict[tuple[int, int], int]:
     return {(int(e), int(h)): int(n) for e, h, n in found}
 
 
+@pytest.mark.slow
 def test_a_contributor_joins_through_auth_syncs_from_a_stale_snapshot_and_averages(tmp_path: Path) -> None:
     hub = FakeHub().start()
     hub.users.update(TOKENS)

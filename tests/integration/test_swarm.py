@@ -142,6 +142,7 @@ class CommittedLosses:
 BACKENDS = pytest.mark.parametrize("backend", ["tcp", "solana"])
 
 
+@pytest.mark.slow
 @BACKENDS
 def test_full_lifecycle_over_two_epochs(tmp_path: Path, backend: str) -> None:
     """On the Solana backend nobody runs a ticker: the clients tick the program themselves."""
@@ -171,6 +172,7 @@ def test_full_lifecycle_over_two_epochs(tmp_path: Path, backend: str) -> None:
         swarm.stop()
 
 
+@pytest.mark.slow
 @BACKENDS
 def test_killed_client_is_removed_by_health_checks_and_the_run_goes_on(tmp_path: Path, backend: str) -> None:
     swarm = launch(tmp_path, tiny(min_clients=4, rounds=30, steps=30), ["head", "body1", "body1", "tail"],
@@ -200,6 +202,7 @@ def test_killed_client_is_removed_by_health_checks_and_the_run_goes_on(tmp_path:
         swarm.stop()
 
 
+@pytest.mark.slow
 def test_a_stage_that_empties_ends_the_epoch(tmp_path: Path) -> None:
     swarm = launch(tmp_path, tiny(rounds=30, steps=30, train_time=4), ["head", "body1", "tail"])
     killed: list[int] = []
@@ -271,6 +274,7 @@ def test_a_replacement_for_an_emptied_stage_starts_from_its_snapshot(tmp_path: P
         swarm.stop()
 
 
+@pytest.mark.slow
 def test_a_joiner_mid_round_waits_for_the_next_epoch(tmp_path: Path) -> None:
     # Epoch 0 must outlast the late trainer's start (importing torch, joining the DHT, authenticating): its four
     # rounds of about a second each on loopback did not on a clean CI machine, so it has twelve, and the late
@@ -296,6 +300,7 @@ def test_a_joiner_mid_round_waits_for_the_next_epoch(tmp_path: Path) -> None:
         swarm.stop()
 
 
+@pytest.mark.slow
 def test_server_killed_and_restarted_resumes_the_run(tmp_path: Path) -> None:
     swarm = launch(tmp_path, tiny(rounds=4, steps=8), ["head", "body1", "tail"])
     try:
@@ -314,6 +319,7 @@ def test_server_killed_and_restarted_resumes_the_run(tmp_path: Path) -> None:
         swarm.stop()
 
 
+@pytest.mark.slow
 def test_workers_checkpoint_to_the_hub_and_cooldown_ends_when_every_stage_is_saved(tmp_path: Path) -> None:
     hub = FakeHub().start()
     try:

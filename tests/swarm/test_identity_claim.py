@@ -44,6 +44,7 @@ def joined(swarm: Swarm) -> Path:
     return key
 
 
+@pytest.mark.slow
 def test_a_second_process_with_a_joined_identity_exits_at_once(swarm: Swarm) -> None:
     key = joined(swarm)
     began = time.monotonic()
@@ -83,6 +84,7 @@ class Queued:
         self.thread.join(10)
 
 
+@pytest.mark.slow
 def test_an_identity_the_coordinator_already_holds_is_told_so(swarm: Swarm) -> None:
     keypair = Keypair()
     save_keypair(keypair, swarm.workdir / "keys" / "shared.json")  # what start_client("shared") passes as --keypair
