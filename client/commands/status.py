@@ -83,8 +83,9 @@ def dht_worker_records(board, state) -> dict:
     from client.contributor.run_model import model_config
     from client.pipeline.discovery import WorkerDirectory
     from client.stages import stage_name
+    from coordinator_program.spec.derived import run_instance
 
-    directory = WorkerDirectory(board.dht, state.run_id, model_config(state).fingerprint())
+    directory = WorkerDirectory(board.dht, run_instance(state), model_config(state).fingerprint())
     stages = [stage_name(i, state.config.num_stages) for i in range(state.config.num_stages)]
     return {stage: directory.records(stage) for stage in stages}
 

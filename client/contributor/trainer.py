@@ -131,9 +131,10 @@ class TrainerRole:
         except ValueError as exc:
             raise CannotContribute(f"cannot open the run's dataset: {exc}; a trainer needs the run's data at that "
                                    "path on this machine (or join as a worker, which needs none)") from None
-        self.directory = ClientDirectory(WorkerDirectory(context.dht, state.run_id, config.fingerprint()),
+        namespace = derived.run_instance(state)  # the workers of this run, not of an earlier one of the same id
+        self.directory = ClientDirectory(WorkerDirectory(context.dht, namespace, config.fingerprint()),
                                          lambda: context.state)
-        self.trainer = PipelineTrainer(config, dataset, self.directory, keypair=context.keypair, run_id=state.run_id,
+        self.trainer = PipelineTrainer(config, dataset, self.directory, keypair=context.keypair, run_id=namespace,
                                        wire_codec=codec_name(state.model.wire_codec),
                                        stall_timeout=float(state.config.max_round_train_time),
                                        max_inflight=options.max_inflight)

@@ -61,6 +61,7 @@ from client.pipeline.optim import OptimizerConfig
 from client.pipeline.wire import codec_name
 from client.pipeline.worker import StageWorker, StepStats
 from coordinator_program.spec.config import CheckpointKind
+from coordinator_program.spec.derived import run_instance
 from coordinator_program.spec.schedule import learning_rate
 from coordinator_program.spec.state import CoordinatorState, Health, Role
 
@@ -139,7 +140,8 @@ class StageReplica:
         worker serves the trainers for which ``trainer_allowed`` (a public key) is true and averages with the
         workers ``roster`` lists (``stage_roster`` of the coordinator's current state); ``ModelSourceError``
         when its stage cannot be built as the run names it."""
-        worker = StageWorker(config, stage, keypair=keypair, dht=dht, run_id=state.run_id, host=host,
+        namespace = run_instance(state)  # this run's workers, averaging groups and donors, apart from any earlier run
+        worker = StageWorker(config, stage, keypair=keypair, dht=dht, run_id=namespace, host=host,
                              trainer_allowed=trainer_allowed, device=device,
                              wire_codec=codec_name(state.model.wire_codec),
                              optimizer=OptimizerConfig(lr=state.model.learning_rate_micros / 1e6))
@@ -150,7 +152,7 @@ class StageReplica:
             state_provider=worker_state_provider(worker, lambda: replica.local_step or 0),
             max_weight=sparta_max_weight(state))
         replica = cls(worker, averager, SyncTracker(SyncPolicy.from_model(state.model), say=say),
-                      WorkerDirectory(dht, state.run_id, config.fingerprint()), every=state.model.sparta_every,
+                      WorkerDirectory(dht, namespace, config.fingerprint()), every=state.model.sparta_every,
                       gradients=gradient_averager(state, worker, dht, roster),
                       learning_rate=functools.partial(learning_rate, state.model, state.config.total_steps))
         return replica
@@ -242,7 +244,7 @@ class StageReplica:
 
     def _from_peers(self, state: CoordinatorState, swarm_step: Callable[[], int | None]) -> StageState:
         JoinWindow(self.every).wait(swarm_step)
-        identity = stage_identity(state.run_id, self.stage, self.worker.config.fingerprint())
+        identity = stage_identity(self.worker.run_id, self.stage, self.worker.config.fingerprint())
         return download_from_peers(self.averager, self.worker.compute.module, identity,
                                    timeout=PEER_DOWNLOAD_TIMEOUT)
 

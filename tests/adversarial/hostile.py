@@ -143,7 +143,7 @@ def hijack(role, victims: list[str]) -> None:
 
     worker, context = role.worker, role.context
     expires = get_dht_time() + 60
-    key = stage_key(context.board.run_id, worker.stage)
+    key = stage_key(worker.run_id, worker.stage)  # the run instance its honest peers announce under
     for victim in victims:
         uid = worker_uid(worker.stage, default_index(bytes.fromhex(victim)))
         claim = replace(worker._record(expires), uid=uid).signed_by(context.keypair)

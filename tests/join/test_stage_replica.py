@@ -21,6 +21,7 @@ from coordinator_program.spec import limits
 from coordinator_program.spec.config import Checkpoint, CheckpointKind, parse_run_spec
 from coordinator_program.spec.state import CoordinatorState, Phase
 from tests.fake_hub import FakeHub
+from tests.pipeline.conftest import wait_until
 
 SPEC = {"run_id": "replica", "config": {"min_clients": 4, "max_clients": 8, "num_stages": 3, "witness_nodes": 1,
                                          "witness_quorum": 1, "warmup_time": 10, "max_round_train_time": 10,
@@ -226,3 +227,17 @@ def test_each_step_takes_the_rate_the_runs_schedule_gives_it(make_replica, run_i
         expected = learning_rate(spec.model, spec.config.total_steps, swarm_step)
         assert moved == pytest.approx(expected, rel=0.05), swarm_step
     assert learning_rate(spec.model, 100, 0) == pytest.approx(0.0025)  # a quarter of the peak: the warmup's first
+
+
+def test_a_later_run_of_the_same_id_does_not_see_the_earlier_runs_workers(make_replica, run_id: str) -> None:
+    """Two runs named alike on one DHT (issue 21, 8): workers announce, average and donate under the run's instance
+    (``derived.run_instance``), so a worker of the later run finds none of the earlier run's, whose own find each
+    other. Under the bare run id, it counted them as its stage's peers and would have synced from them."""
+    earlier = run_state(run_id, 9)
+    later = dataclasses.replace(run_state(run_id, 9), created_at=earlier.created_at + 1)
+    first, second, newcomer = make_replica(earlier), make_replica(earlier), make_replica(later)
+    for replica in (first, second, newcomer):
+        replica.start()
+    wait_until(lambda: first.peers() == 1 and second.peers() == 1, what="the earlier run's workers to meet")
+    assert newcomer.peers() == 0
+    assert newcomer.worker.run_id != first.worker.run_id and newcomer.averager.prefix != first.averager.prefix
