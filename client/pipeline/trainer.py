@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 
 BACKWARD_COST = 3.0  # a backward recomputes the forward, then differentiates: about three forwards of work
 _BAN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+PRECONDITION_BACKOFF = 0.25
+"""Seconds before the first retry of a call a worker refused as out of its round; doubled each time, at most 2 s
+(about 12 s over the default 8 attempts: a worker's step after a round's averaging)."""
 
 
 class _BadResponse(Exception):
@@ -306,6 +309,12 @@ class PipelineTrainer:
                     router.ban(record.uid)
                     continue
                 log.warning("%s on %s failed, retrying elsewhere: %s", method, record.uid, last_error)
+                known, banned = router.counts()
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and len(tried | {record.uid}) >= known - banned:
+                    # Every worker of the stage tried: often one that has not stepped into this round yet (its
+                    # averaging can outlast the coordinator's phase change). Give it time rather than spend every
+                    # attempt at once.
+                    time.sleep(min(PRECONDITION_BACKOFF * 2**failures, 2.0))
             except (MessageError, _BadResponse, KeyError, TypeError, ValueError) as exc:
                 router.release(record.uid, owed)
                 last_error = f"bad response: {exc}"

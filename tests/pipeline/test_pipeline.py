@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,25 @@ def test_trainer_stalls_with_a_clear_log_when_a_stage_is_empty(start_worker, dir
     with caplog.at_level(logging.WARNING, logger="client.pipeline"), pytest.raises(StageUnavailable):
         trainer.train(range(2), 2)
     assert "STALLED: stage body1 has no reachable worker" in caplog.text
+
+
+def test_a_worker_not_yet_in_the_trainers_round_is_waited_for(start_worker, directory, make_trainer) -> None:
+    """The coordinator opened round 1 and the trainer started it while the tail, still averaging round 0's gradients,
+    had not stepped into it: the tail refuses samples 8-16 for a second. The trainer waits and retries instead of
+    spending its eight attempts in a few milliseconds and losing the round."""
+    workers = [start_worker(stage) for stage in STAGES]
+    wait_for_stages(directory, dict.fromkeys(STAGES, 1))
+    for worker in workers:
+        worker.ledger.expect_samples(0, 8)  # round 0
+
+    def step_into_round_1() -> None:
+        for worker in workers:
+            worker.ledger.expect_samples(8, 16)
+
+    timer = threading.Timer(1.0, step_into_round_1)
+    timer.start()
+    try:
+        result = make_trainer(max_inflight=1).train(range(8, 16), microbatch_size=4)
+    finally:
+        timer.cancel()
+    assert len(result.losses) == 2 and all(torch.isfinite(torch.tensor(result.losses)))
