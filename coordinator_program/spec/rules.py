@@ -394,6 +394,31 @@ def tick(state: CoordinatorState, now: int, entropy: int) -> None:
     state.nonce += 1
 
 
+def tick_due(state: CoordinatorState, now: int) -> bool:
+    """Whether ``tick(state, now, ...)`` would change anything, judged without changing the state: exactly the
+    condition of each phase's tick below (``False`` where ``tick`` raises). A backend asks this before it copies
+    the state to tick, so a request that leaves nothing due costs no copy nor assignment of the queue's stages."""
+    config = state.config
+    if state.phase == Phase.Paused:
+        return not state.pause_requested
+    if state.phase == Phase.WaitingForMembers:
+        # assign_stages admits every joiner, so too short a queue cannot complete the pipeline.
+        return state.pause_requested or (len(state.pending) >= config.min_clients and pipeline_complete(
+            assign_stages(state.pending, config.num_stages), config))
+    if state.phase == Phase.Warmup:
+        return (any(c.health != Health.Healthy for c in state.clients) or quorum_reached(state)
+                or now >= state.phase_start + config.warmup_time)
+    if state.phase == Phase.RoundTrain:
+        return (quorum_reached(state) or now >= state.phase_start + config.max_round_train_time
+                or not pipeline_formed([c for c in state.clients if c.health == Health.Healthy], config.num_stages))
+    if state.phase == Phase.RoundWitness:
+        return now >= state.phase_start + config.round_witness_time
+    if state.phase == Phase.Cooldown:
+        return (all(cp.saved for cp in state.checkpoints[:config.num_stages])
+                or now >= state.phase_start + config.cooldown_time)
+    return False
+
+
 def _enter(state: CoordinatorState, phase: Phase, now: int) -> None:
     state.phase = phase
     state.phase_start = now

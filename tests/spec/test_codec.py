@@ -24,7 +24,7 @@ from coordinator_program.onchain.instance import (
     decode_instance,
     encode_instance,
 )
-from coordinator_program.spec import errors, limits, rules
+from coordinator_program.spec import errors, layout, limits, rules
 from coordinator_program.spec.config import Checkpoint, CheckpointKind, GradAveraging, Schedule, Tokenizer, WireCodec
 from coordinator_program.spec.instructions import (
     INSTRUCTIONS,
@@ -44,6 +44,11 @@ from coordinator_program.spec.instructions import (
     decode_instruction,
 )
 from coordinator_program.spec.layout import (
+    I64,
+    U8,
+    U16,
+    U32,
+    U64,
     Array,
     Bool,
     Enum8,
@@ -54,11 +59,17 @@ from coordinator_program.spec.layout import (
     Struct,
     Type,
     VarBytes,
+    pack_rows,
 )
 from coordinator_program.spec.state import (
     ACCOUNT_LAYOUT,
     ACCOUNT_SIZE,
+    CLIENT_LAYOUT,
+    LEDGER_ENTRY_LAYOUT,
+    PENDING_LAYOUT,
     CoordinatorState,
+    Health,
+    Pending,
     Role,
     decode_state,
     encode_state,
@@ -256,3 +267,77 @@ def test_layout_rejects_values_that_do_not_fit() -> None:
     with pytest.raises(LayoutError, match="discriminator"):
         decode_state(b"\0" * ACCOUNT_SIZE)
     assert limits.MAX_CLIENTS == 1024
+
+
+INT_TYPES = [U8, U16, U32, U64, I64]
+_LOOSE_INT = st.one_of(st.integers(-(2**64), 2**65), st.booleans(), st.sampled_from([1.0, "1", None]))
+
+
+def _element_wise(array: Array, values: list[Any]) -> bytes | str:
+    """What encoding the array one element at a time gives: its bytes, or its error."""
+    out = bytearray()
+    try:
+        if len(values) != array.n:
+            raise LayoutError(f"expected {array.n} elements, got {len(values)}")
+        for value in values:
+            array.elem.encode(value, out)
+    except LayoutError as exc:
+        return str(exc)
+    return bytes(out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(INT_TYPES), st.integers(0, 40), st.data())
+def test_integer_arrays_pack_as_element_by_element(elem: Int, n: int, data: st.DataObject) -> None:
+    """The whole-array packing of integers gives the bytes, or the error, that packing each element gives."""
+    in_range = st.integers(elem.lo, elem.hi)
+    values = data.draw(st.lists(st.one_of(in_range, _LOOSE_INT) if data.draw(st.booleans()) else in_range,
+                                min_size=n, max_size=n + data.draw(st.sampled_from([0, 0, 1]))))
+    array, out = Array(elem, n), bytearray()
+    try:
+        array.encode(values, out)
+    except LayoutError as exc:
+        assert str(exc) == _element_wise(array, values)
+    else:
+        assert bytes(out) == _element_wise(array, values)
+
+
+def _field_values(t: Type, loose: bool) -> st.SearchStrategy[Any]:
+    """Values a field of type ``t`` holds, and with ``loose`` the values a buggy caller might put there."""
+    if isinstance(t, Int):
+        good = st.integers(t.lo, t.hi)
+    elif isinstance(t, Enum8):
+        good = st.sampled_from(list(t.cls))
+    else:
+        assert isinstance(t, FixedBytes)
+        good = st.binary(min_size=t.size, max_size=t.size)
+    bad = st.one_of(_LOOSE_INT, st.binary(max_size=40), st.sampled_from([bytearray(32), Role.Trainer, Health.Healthy]))
+    return st.one_of(good, bad) if loose else good
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([CLIENT_LAYOUT, PENDING_LAYOUT, LEDGER_ENTRY_LAYOUT]), st.booleans(), st.data())
+def test_flat_struct_rows_pack_as_row_by_row(flat: Struct, loose: bool, data: st.DataObject) -> None:
+    """``pack_rows`` packs rows of a flat struct into the bytes that encoding each row gives, or declines (and
+    appends nothing) where a row would not encode as it is."""
+    rows = data.draw(st.lists(st.builds(flat.cls, **{f.name: _field_values(f.type, loose) for f in flat.fields}),
+                              max_size=20))
+    out = bytearray(b"before")
+    if pack_rows(flat, rows, out):
+        assert bytes(out) == b"before" + b"".join(flat.pack(row) for row in rows)
+    else:
+        assert bytes(out) == b"before"
+        assert loose or not rows, "declined rows of valid values"
+
+
+def test_account_encodes_as_row_by_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole account, 1,000 joiners and every vote array included, is byte for byte what encoding each
+    element alone gives (the fast paths turned off)."""
+    state = busy_state()
+    state.pending = [Pending(i.to_bytes(32, "little"), Role.Worker, i % 4, i) for i in range(1, 1001)]
+    state.presence_votes = [i % 256 for i in range(limits.MAX_CLIENTS)]
+    fast = encode_state(state)
+    monkeypatch.setattr(layout, "pack_rows", lambda *_: False)
+    monkeypatch.setattr(layout, "_plain_ints_within", lambda *_: False)
+    assert encode_state(state) == fast
+    assert decode_state(fast) == state

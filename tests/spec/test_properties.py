@@ -138,13 +138,20 @@ def check_invariants(state: CoordinatorState, before: tuple[int, int, int]) -> N
     assert max(state.presence_votes + state.compute_votes) <= state.round.witness_count
 
 
+def fresh_run(prejoin: bool) -> CoordinatorState:
+    """A started run, with a full pipeline queued if ``prejoin``: most interesting sequences need one, which random
+    joins rarely assemble."""
+    state = new_run()
+    if prejoin:
+        for i, role in enumerate([Role.Worker, Role.Worker, Role.Worker, Role.Trainer]):
+            rules.join(state, IDS[i], RUN_ID, role, limits.NO_STAGE, IDS[i])
+    return state
+
+
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HypothesisHealthCheck.too_slow])
 @given(st.booleans(), st.lists(op, min_size=25, max_size=100))
 def test_random_sequences_keep_invariants(prejoin: bool, steps: list[tuple]) -> None:
-    state = new_run()
-    if prejoin:  # most interesting sequences need a full pipeline, which random joins rarely assemble
-        for i, role in enumerate([Role.Worker, Role.Worker, Role.Worker, Role.Trainer]):
-            rules.join(state, IDS[i], RUN_ID, role, limits.NO_STAGE, IDS[i])
+    state = fresh_run(prejoin)
     now = 0
     for step in steps:
         ix, signer, advance = build(state, step)
@@ -171,3 +178,36 @@ def test_random_sequences_reach_every_phase() -> None:
     if not VISITED:  # run alone (-k): explore first
         test_random_sequences_keep_invariants()
     assert VISITED >= {Phase.Warmup, Phase.RoundTrain, Phase.RoundWitness, Phase.Cooldown, Phase.Paused}
+
+
+def check_tick_due(state: CoordinatorState, now: int) -> None:
+    """``tick_due`` says exactly whether ticking a copy at ``now`` changes it: a tick it calls not due raises and
+    leaves the copy as it was, one it calls due is accepted."""
+    for later in (now, now + 5, now + 60, now + 10**6):
+        copy = pickle.loads(pickle.dumps(state))
+        due = rules.tick_due(state, later)
+        try:
+            rules.tick(copy, later, 1)
+        except errors.CoordinatorError:
+            assert not due, f"tick_due said due in {state.phase.name} at {later}, and the tick raised"
+            assert copy == state
+        else:
+            assert due, f"tick_due said nothing is due in {state.phase.name} at {later}, and the tick moved the run"
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HypothesisHealthCheck.too_slow])
+@given(st.booleans(), st.lists(op, min_size=25, max_size=100))
+def test_tick_due_says_exactly_when_a_tick_changes_the_state(prejoin: bool, steps: list[tuple]) -> None:
+    check_tick_due(rules.init_coordinator(RUN_ID, AUTHORITY, bytes(32), now=0), 0)  # uninitialised: never due
+    check_tick_due(new_run(started=False), 0)  # paused
+    state = fresh_run(prejoin)
+    now = 0
+    for step in steps:
+        ix, signer, advance = build(state, step)
+        now += advance
+        check_tick_due(state, now)
+        try:
+            apply(state, ix, signer, now, entropy=now * 7919 + 1)
+        except errors.CoordinatorError:
+            continue
+    check_tick_due(state, now)
