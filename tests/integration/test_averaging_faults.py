@@ -14,7 +14,9 @@ import pytest
 
 from client.identity import load_keypair
 from client.swarm.launcher import Swarm
-from coordinator_program.spec.state import CoordinatorState, Health, Phase
+from coordinator_program.spec.instructions import Withdraw, decode_instruction
+from coordinator_program.spec.state import Phase
+from local_backend.store import RunStore
 from tests.integration.test_join_flow import wait_for_line
 from tests.integration.test_swarm import TINY, fail_with_logs, watch
 
@@ -53,14 +55,7 @@ def test_a_worker_whose_averaging_keeps_failing_withdraws_and_the_run_goes_on(tm
         assert len(helpers) == 2, helpers  # the DHT node and the averager
         os.kill(helpers[-1], signal.SIGKILL)  # its averaging process dies; its worker keeps serving batches
 
-        withdrawn: list[CoordinatorState] = []
-
-        def note(state: CoordinatorState) -> None:
-            index = state.client_index(broken_id)
-            if index is not None and state.clients[index].health == Health.Withdrawn:
-                withdrawn.append(state)
-
-        asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, 300, on_state=note))
+        asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, 300))
         assert swarm.procs["head-b"].wait(30) == 1
     except (AssertionError, TimeoutError, RuntimeError) as exc:
         fail_with_logs(swarm, exc)
@@ -70,7 +65,15 @@ def test_a_worker_whose_averaging_keeps_failing_withdraws_and_the_run_goes_on(tm
     broken, healthy = swarm.log_text("head-b"), swarm.log_text("head-a")
     assert broken.count("(the averaging process is not running)") >= 3, broken[-3000:]
     assert "3 averaging rounds failed in a row" in broken and "left the run:" in broken
-    assert withdrawn, "the coordinator never saw the worker withdraw"
+    # The coordinator's own log, not a follower's sample: a withdrawn client leaves the list at the next round's
+    # start, often in the same second, so a follower can miss the state that shows it Withdrawn.
+    store = RunStore(tmp_path / "run.sqlite")
+    try:
+        withdrawals = [op for op in store.operations()
+                       if bytes(op[1]) == broken_id and isinstance(decode_instruction(bytes(op[2])), Withdraw)]
+    finally:
+        store.close()
+    assert withdrawals, "the coordinator never recorded the worker's withdrawal"
     # Its peer was never blamed: rounds without a group do not count against it, and it trained every one of
     # the run's 6 steps (in epoch 0, or in epoch 1 if a round the leaver was elected to witness ended it).
     assert "withdrew" not in healthy, healthy[-3000:]
