@@ -20,14 +20,14 @@ from client.join.sync import SyncPhase
 from client.pipeline.worker import StepStats
 from coordinator_program.spec.config import parse_run_spec
 from coordinator_program.spec.state import CoordinatorState, Phase
-from tests.join.test_stage_replica import SPEC  # the same small run
+from tests.join.test_stage_replica import SPEC, places  # the same small run
 
 
 def run_state(run_id: str, **model: object) -> CoordinatorState:
     spec = parse_run_spec({**SPEC, "run_id": run_id, "model": {**SPEC["model"], **model}})
     return CoordinatorState(run_id=run_id, main_authority=bytes(32), join_authority=bytes(32),
                             phase=Phase.Warmup, step=0, config=spec.config, model=spec.model,
-                            checkpoint=spec.checkpoint)
+                            checkpoints=places(spec.checkpoint))
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from client.pipeline.wire import WIRE_CODECS, to_wire
 from client.pipeline.worker import StageWorker
 from coordinator_program.spec.config import WireCodec, parse_run_spec
 from coordinator_program.spec.state import CoordinatorState, Phase
-from tests.join.test_stage_replica import SPEC
+from tests.join.test_stage_replica import SPEC, places
 
 from .conftest import TINY, signed_request
 
@@ -203,7 +203,7 @@ def test_the_runs_codec_reaches_a_contributors_worker(new_dht, run_id: str) -> N
     spec = parse_run_spec({**SPEC, "run_id": run_id, "model": {**SPEC["model"], "wire_codec": "int8"}})
     assert spec.model.wire_codec == WireCodec.Int8Block
     state = CoordinatorState(run_id=run_id, main_authority=bytes(32), join_authority=bytes(32), phase=Phase.Warmup,
-                             step=0, config=spec.config, model=spec.model, checkpoint=spec.checkpoint)
+                             step=0, config=spec.config, model=spec.model, checkpoints=places(spec.checkpoint))
     replica = StageReplica.create(state, "body1", model_config(state), dht=new_dht(), keypair=Keypair(),
                                   host="127.0.0.1", trainer_allowed=lambda pubkey: True,
                                   roster=lambda: Roster(0, frozenset()), say=lambda line: None)
