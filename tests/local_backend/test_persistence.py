@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from solders.keypair import Keypair
@@ -67,7 +68,9 @@ async def join_four(address: str) -> tuple[list[TcpBackend], int]:
     return clients, state.nonce
 
 
-def test_sigkill_and_restart_lose_nothing(tmp_path: Path) -> None:
+def four_join_then(tmp_path: Path, stop: Callable[[subprocess.Popen], None]) -> tuple[subprocess.Popen, Path, Path,
+                                                                                        int, list[TcpBackend], int]:
+    """Serve a fresh run, let four clients join it, then ``stop`` the server however the test stops it."""
     config = tmp_path / "state.toml"
     config.write_text(STATE_TOML)
     db = tmp_path / "run.sqlite"
@@ -76,8 +79,16 @@ def test_sigkill_and_restart_lose_nothing(tmp_path: Path) -> None:
     try:
         clients, nonce = asyncio.run(join_four(f"127.0.0.1:{port}"))
     finally:
+        stop(proc)
+    return proc, config, db, port, clients, nonce
+
+
+def test_sigkill_and_restart_lose_nothing(tmp_path: Path) -> None:
+    def kill(proc: subprocess.Popen) -> None:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+    _, config, db, port, clients, nonce = four_join_then(tmp_path, kill)
     ids = {bytes(c.keypair.pubkey()) for c in clients}
 
     store = RunStore(db)
@@ -107,17 +118,15 @@ def test_sigkill_and_restart_lose_nothing(tmp_path: Path) -> None:
 
 def test_sigterm_stops_the_server_cleanly(tmp_path: Path) -> None:
     """A service manager's stop: before, SIGTERM ended the process where it stood (exit -15, no line said what was
-    kept); now it takes Ctrl+C's path: connections closed, the stopped line, exit 0, and the run resumes."""
-    config = tmp_path / "state.toml"
-    config.write_text(STATE_TOML)
-    db = tmp_path / "run.sqlite"
-    port = free_port()
-    proc = start_server(config, db, port)
-    try:
-        clients, nonce = asyncio.run(join_four(f"127.0.0.1:{port}"))
-    finally:
+    kept); now it takes Ctrl+C's path: connections closed, the stopped line, exit 0, and every change stored."""
+    said: list[bytes] = []
+
+    def terminate(proc: subprocess.Popen) -> None:
         proc.terminate()
-        out, _ = proc.communicate(timeout=20)
+        said.append(proc.communicate(timeout=20)[0])
+
+    proc, _, db, _, _, nonce = four_join_then(tmp_path, terminate)
+    out = said[0]
     assert proc.returncode == 0, out.decode(errors="replace")
     assert "stopped; the run is saved and resumes with the same --db" in out.decode(errors="replace")
     store = RunStore(db)
