@@ -7,7 +7,12 @@ forking thread's signal mask, so blocking SIGINT and SIGTERM in that thread for 
 leaves the helper deaf to both; the host's own handling (in its main thread) is untouched, and a signal that
 arrives meanwhile is delivered on unblock.
 
-Dying is not. A host killed with SIGKILL cannot shut anything down, and helpers deaf to SIGTERM would be
+Deaf to everyone but its host. A helper that overruns its graceful shutdown is ended with SIGTERM by hivemind
+(``terminate()``), and so is every helper still running when its host exits (multiprocessing's exit hook, which
+then waits for it): a helper deaf to that would hold its host for ever. So a thread of each helper waits for
+SIGTERM (``sigwaitinfo``, which says who sent it) and ends the helper when its host sent it, only then.
+
+Dying is not left to the host. A host killed with SIGKILL cannot shut anything down, and its helpers would be
 left running, reparented to init, holding hundreds of megabytes. So every helper forked under
 ``forking_helpers`` watches its host and exits as soon as it is orphaned, and every program a helper starts
 (hivemind's DHT node starts p2pd through asyncio, which offers no hook but ``preexec_fn``) asks the kernel for
@@ -86,9 +91,17 @@ def _exit_when_orphaned(parent: int) -> None:
     os._exit(1)
 
 
+def _exit_on_hosts_sigterm(host: int) -> None:
+    """Consume SIGTERM (blocked in every thread of a helper, so it waits here); exit when the host sent it."""
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == host:
+            os._exit(128 + signal.SIGTERM)
+
+
 def _after_fork_in_child() -> None:
     if _forking:
         threading.Thread(target=_exit_when_orphaned, args=(_parent,), name="orphan-watch", daemon=True).start()
+        threading.Thread(target=_exit_on_hosts_sigterm, args=(_parent,), name="host-sigterm", daemon=True).start()
         _spawn_children_that_die_with_us()
 
 

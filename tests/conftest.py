@@ -3,6 +3,7 @@ more DHT nodes and SPARTA averagers joined to it, and a fake Hugging Face Hub.""
 
 from __future__ import annotations
 
+import signal
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
@@ -18,6 +19,17 @@ from client.averaging.sparta import SpartaAverager
 from client.pipeline.discovery import start_dht
 from tests.averagers import FAST, GRADIENTS
 from tests.fake_hub import FakeHub
+
+
+@pytest.fixture(autouse=True)
+def signals_as_found() -> Iterator[None]:
+    """A command run in-process installs the handlers its own process keeps to its end (``join-run``'s Stopper);
+    the test process gets its own back, or a later SIGTERM (CI's time limit among them) would reach a finished
+    command's Stopper instead of pytest."""
+    found = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in found.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session")

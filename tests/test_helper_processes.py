@@ -14,12 +14,17 @@ from pathlib import Path
 import torch
 
 
+def signal_from_elsewhere(pid: int, signum: int) -> None:
+    """Send ``signum`` to ``pid`` from another process, as a shell's stop of the whole group does."""
+    subprocess.run([sys.executable, "-c", f"import os; os.kill({pid}, {int(signum)})"], check=True)
+
+
 def test_the_dht_node_and_the_averager_ignore_stop_signals_until_shut_down(make_averager) -> None:
     averager = make_averager([("w", torch.zeros(4))])
     helpers = [averager.averager, averager.averager.dht]
     for helper in helpers:
-        os.kill(helper.pid, signal.SIGINT)
-        os.kill(helper.pid, signal.SIGTERM)
+        signal_from_elsewhere(helper.pid, signal.SIGINT)
+        signal_from_elsewhere(helper.pid, signal.SIGTERM)
     time.sleep(1.0)
     assert all(helper.is_alive() for helper in helpers)
     averager.shutdown()
@@ -28,6 +33,45 @@ def test_the_dht_node_and_the_averager_ignore_stop_signals_until_shut_down(make_
     while any(helper.is_alive() for helper in helpers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(helper.is_alive() for helper in helpers)
+
+
+def test_a_helper_ends_on_its_hosts_sigterm_as_hivemind_sends_past_the_shutdown_grace() -> None:
+    from client.pipeline.discovery import start_dht
+
+    node = start_dht()
+    try:
+        signal_from_elsewhere(node.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert node.is_alive(), "a SIGTERM from another process (a stop sent to the group) ended the helper"
+        node.terminate()  # what hivemind's shutdown does when the helper overruns its grace
+        node.join(5)
+        assert not node.is_alive(), "the host's own SIGTERM did not end its helper"
+    finally:
+        if node.is_alive():
+            node.kill()
+
+
+FORGETFUL_HOST = """
+from client.pipeline.discovery import start_dht
+node = start_dht()
+print("ready", flush=True)
+"""
+
+
+def test_a_host_that_never_shut_its_helper_down_still_exits() -> None:
+    """multiprocessing's exit hook sends SIGTERM to every daemonic child still running, then waits for each: a
+    helper deaf to it held the host (a whole CI run, until its time limit) for ever."""
+    host = subprocess.Popen([sys.executable, "-c", FORGETFUL_HOST], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert host.stdout.readline().strip() == "ready"
+        assert host.wait(timeout=20) == 0
+    finally:
+        if host.poll() is None:
+            for pid in descendants(host.pid):
+                os.kill(pid, signal.SIGKILL)
+            host.kill()
+            host.wait()
 
 
 def test_the_host_still_receives_stop_signals() -> None:

@@ -11,7 +11,7 @@ import typer
 
 from client.commands.connect import ProgramId, check_target, open_backend, program_address
 from client.commands.options import url_option
-from client.commands.signals import stop_on_sigterm
+from client.commands.signals import sigterm_interrupts
 
 CoordinatorServer = Annotated[str | None, typer.Option("--server", metavar="HOST:PORT", help=(
     "The run's TCP coordinator (`psyswarm serve`), which the service tells when a slot ends; or give --url."))]
@@ -104,9 +104,9 @@ def auth_service(
         typer.secho(mistake, fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
     releaser = Releaser(service, coordinator_release(server, url, run_id, program_id, signer)).start()
-    stop_on_sigterm()
     try:
-        web.serve_forever()
+        with sigterm_interrupts():
+            web.serve_forever()
     except KeyboardInterrupt:
         typer.echo("auth service stopped; its slots are kept in the same --db")
     finally:

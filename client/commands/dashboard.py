@@ -20,7 +20,7 @@ import typer
 
 from client.commands.connect import ProgramId, RunId, Server, Url
 from client.commands.pipeline import InitialPeers
-from client.commands.signals import stop_on_sigterm
+from client.commands.signals import sigterm_interrupts
 
 MAX_CONTRIBUTORS_BYTES = 1 << 20
 """The most of the auth service's answer read: a contributor map of a full swarm is a few tens of KiB."""
@@ -164,9 +164,9 @@ def dashboard(
             if dht is not None:
                 await asyncio.to_thread(dht.close)
 
-    stop_on_sigterm()
     try:
-        asyncio.run(run())
+        with sigterm_interrupts():
+            asyncio.run(run())
     except KeyboardInterrupt:
         typer.echo("dashboard stopped")
 

@@ -80,7 +80,7 @@ def serve(
     """Run the centralised coordinator: it ticks the run, authenticates clients and broadcasts the state.
     Give --join-authority (joins need the auth service's countersignature) or --permissionless."""
     from client.commands.config import check_dataset_or_exit, load_spec_or_exit
-    from client.commands.signals import stop_on_sigterm
+    from client.commands.signals import sigterm_interrupts
     from client.identity import KeypairError, load_keypair, save_keypair
     from coordinator_program.spec.errors import CoordinatorError
     from local_backend.server import CoordinatorServer
@@ -126,9 +126,9 @@ def serve(
         finally:
             await server.stop()
 
-    stop_on_sigterm()
     try:
-        asyncio.run(run())
+        with sigterm_interrupts():
+            asyncio.run(run())
     except KeyboardInterrupt:
         typer.echo("stopped; the run is saved and resumes with the same --db")
     except (OSError, ValueError) as exc:  # ValueError: the open-file limit leaves no room for connections

@@ -198,8 +198,6 @@ def join_run(
     from client.contributor.context import RunnerOptions
     from coordinator_program.spec.state import Role
 
-    stopper = Stopper(STOP_GRACE)
-    stopper.install()
     check_target(server, url, run_id)
     if role not in ("worker", "trainer"):
         raise typer.BadParameter(f"--role must be worker or trainer, not {role!r}")
@@ -223,6 +221,8 @@ def join_run(
         import torch
 
         torch.set_num_threads(threads)
+    stopper = Stopper(STOP_GRACE)  # the process's handlers from here to its end: a mistake above changes none
+    stopper.install()
     code = 0
     try:
         identity = open_identity(keypair)

@@ -8,13 +8,22 @@ path Ctrl+C takes: ``finally`` clauses close connections and stores, and the com
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Iterator
 
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def stop_on_sigterm() -> None:
-    """From now on SIGTERM interrupts the main thread as Ctrl+C does."""
-    signal.signal(signal.SIGTERM, _interrupt)
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """While inside, SIGTERM interrupts the main thread as Ctrl+C does; the previous handler is back afterwards (a
+    command run in-process, as tests run them, leaves the process's signals as it found them: a helper process
+    forked later would otherwise inherit a handler that turns its own SIGTERM into an exception it may swallow)."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
