@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 import time
 from types import SimpleNamespace
@@ -21,13 +20,13 @@ from client.contributor.context import RunnerOptions
 from client.contributor.rounds import RoundKey
 from client.contributor.runner import Contributor
 from client.contributor.worker import OpenRound, WorkerRole
+from client.receipts import SignedReceipt
 from client.sealed import store_sealed
 from client.witness.records import RECORD_TTL, Board, Commitment, Report
 from coordinator_program.spec import derived, rules
 from coordinator_program.spec.instructions import Instruction, Witness, apply
 from coordinator_program.spec.state import CoordinatorState, Phase, Role
 from tests.witness.rounds import (
-    STAGES,
     hash_of,
     honest_round,
     receipt,
@@ -81,8 +80,7 @@ class IssuedReceipts:
 
     def drain_receipts(self) -> list:
         drained, self.pending = self.pending, []
-        return [SimpleNamespace(to_bytes=lambda r=r: json.dumps(r, sort_keys=True, separators=(",", ":")).encode())
-                for r in drained]
+        return [SignedReceipt(**r) for r in drained]
 
 
 def witnessing_worker(run_id: str, dht):
@@ -106,7 +104,7 @@ def witnessing_worker(run_id: str, dht):
     role.stage = stage
     role.replica = SimpleNamespace(worker=worker)  # type: ignore[assignment]
     role.open_round = OpenRound(RoundKey(state.epoch, state.round.height), state.step)
-    mine = [r for s in shares(state) for r in share_receipts(state, s) if r["worker_uid"] == worker.uid]
+    mine = [r for s in shares(state) for r in share_receipts(state, keys, s) if r["worker_uid"] == worker.uid]
     return state, keys, board, backend, contributor, worker, me, mine
 
 
@@ -133,7 +131,7 @@ def test_a_witness_loop_that_fails_is_restarted_and_reports_keep_flowing(dht, ru
             worker.pending += mine
             await eventually(lambda: reported(board, me) == {hash_of(r) for r in mine}, "the first report")
             await eventually(lambda: backend.broken_proofs == 0, "the proof that breaks")
-            late = receipt(shares(state)[0].client, STAGES[contributor.role.stage], worker.uid, 0, 1, "late")
+            late = receipt(state, keys, shares(state)[0].client, me, 0, 1, "late")
             worker.pending.append(late)
             await eventually(lambda: hash_of(late) in reported(board, me), "the report after the failure")
             await eventually(lambda: backend.state.round.witness_count == 1, "the proof, sent again")
