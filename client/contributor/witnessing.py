@@ -3,9 +3,9 @@ and send the proof, and health-check the clients the previous round's witnesses 
 
 A witness sends its proof as soon as every batch is in (opportunistic witnessing), or at RoundWitness with what
 it has; at Warmup it proves who is ready. At RoundWitness a proof that would charge a worker with receipts left
-out of its report waits up to ``REPORT_GRACE`` seconds: an honest worker's last report, published as it closes the
-round, may still be on its way. A proof goes once per round: one the coordinator refuses is not sent
-again, one that did not get through is, at the next poll.
+out of its report, or leave out a worker whose receipts it counted, waits up to ``REPORT_GRACE`` seconds: an
+honest worker's last report, published as it closes the round, may still be on its way. A proof goes once per
+round: one the coordinator refuses is not sent again, one that did not get through is, at the next poll.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Witnessing:
             reports = await asyncio.to_thread(board.fetch, Report, state.epoch, height, counted)
             presences = await asyncio.to_thread(board.fetch, Presence, state.epoch, height, counted)
             evidence = judge_round(state, commitments, reports, presences)  # type: ignore[arg-type]
-        if not evidence.complete and not self._final(key.round, state, evidence.charged):
+        if not evidence.complete and not self._final(key.round, state, bool(evidence.charged or evidence.unreported)):
             return
         parts = evidence.filters(state)
         try:  # a proof that did not get through (a network error, say) is sent again at the next poll
@@ -95,14 +95,14 @@ class Witnessing:
         for client, why in evidence.charged.items():
             log.info("  %s charged: %s", client.hex()[:8], why)
 
-    def _final(self, key: RoundKey, state: CoordinatorState, charged: dict[bytes, str]) -> bool:
-        """Whether an incomplete judgement is the one to send: at RoundWitness, once no worker is charged or the
-        workers' last reports had ``REPORT_GRACE`` seconds to arrive."""
+    def _final(self, key: RoundKey, state: CoordinatorState, awaiting_reports: bool) -> bool:
+        """Whether an incomplete judgement is the one to send: at RoundWitness, once it awaits no worker's report or
+        the workers' last reports had ``REPORT_GRACE`` seconds to arrive."""
         if state.phase != Phase.RoundWitness:
             return False
         if self.witness_seen is None or self.witness_seen[0] != key:
             self.witness_seen = (key, time.monotonic())
-        return not charged or time.monotonic() - self.witness_seen[1] >= REPORT_GRACE
+        return not awaiting_reports or time.monotonic() - self.witness_seen[1] >= REPORT_GRACE
 
     async def health_check(self, state: CoordinatorState) -> None:
         """RoundTrain, once a round if elected: report the clients the previous round's witnesses did not see."""

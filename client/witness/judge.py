@@ -35,7 +35,8 @@ out: it stops signing for a round before its last report (``client.contributor.w
 phase 1 is never routed, so it signs no receipt and earns presence only.
 
 A round is complete (the witness may send its proof opportunistically) once every trainer with data has a
-counted commitment and no worker is charged: a worker's report may still be on its way.
+counted commitment and every worker that signed one of their receipts has reported them all: a worker's report
+may still be on its way, and a proof sent without it would leave the worker out or charge it.
 
 Signatures are checked last, once a commitment's receipts cover its range once in every stage: so a commitment
 costs a witness at most one verification per stage and sample of the trainer's share, however many it lists.
@@ -66,6 +67,7 @@ class Evidence:
     missing: list[bytes] = dataclasses.field(default_factory=list)
     why_missing: dict[bytes, str] = dataclasses.field(default_factory=dict)
     charged: dict[bytes, str] = dataclasses.field(default_factory=dict)  # worker -> the receipts it left out
+    unreported: set[bytes] = dataclasses.field(default_factory=set)  # workers of counted receipts with no report
 
     @property
     def batches(self) -> set[bytes]:
@@ -131,7 +133,7 @@ def judge_round(state: CoordinatorState, commitments: Mapping[str, Commitment], 
         for claim in claims:
             served.setdefault(bytes.fromhex(claim.worker), []).append(claim)
     credit_workers(served, reported, evidence)
-    evidence.complete = not evidence.missing and not evidence.charged
+    evidence.complete = not (evidence.missing or evidence.charged or evidence.unreported)
     return evidence
 
 
@@ -165,6 +167,7 @@ def credit_workers(served: dict[bytes, list[SignedReceipt]], reported: Reported,
     work."""
     for worker, receipts in served.items():
         if worker not in reported:
+            evidence.unreported.add(worker)
             continue
         omitted = [r for r in receipts if r.hash() not in reported[worker]]
         if omitted:

@@ -22,7 +22,7 @@ from client.pipeline.router import PipelineError
 from client.pipeline.trainer import PipelineTrainer, TrainResult
 from client.pipeline.worker import StageWorker
 from client.witness.judge import judge_round
-from client.witness.records import Commitment, Report
+from client.witness.records import Commitment, Presence, Report
 from coordinator_program.spec import derived, rules
 from coordinator_program.spec.state import CoordinatorState
 from tests.pipeline.conftest import TINY, wait_until
@@ -104,6 +104,12 @@ def points(state: CoordinatorState, commitments: dict[str, Commitment], reports:
     return {e.id: (e.presence, e.compute) for e in state.ledger}
 
 
+def presences(state: CoordinatorState, keys: dict[bytes, Keypair]) -> dict[str, Presence]:
+    """Every trainer's signed presence in the round: whatever it commits, it is alive."""
+    return {s.client.hex(): Presence.create(keys[s.client], run_id=state.run_id, epoch=state.epoch,
+                                            round=state.round.height) for s in shares(state)}
+
+
 def test_a_worker_leaving_a_trainers_receipts_out_cannot_deny_it_credit_and_is_charged(dht, run) -> None:
     """The body worker serves both trainers, then files a report without the victim's receipts. The victim's
     commitment holds the body's signed receipts: it is credited in full; the body worker earns no compute (it stays
@@ -171,7 +177,8 @@ def test_receipts_come_back_signed_and_a_trainer_refuses_one_the_worker_did_not_
 def test_a_forged_receipt_earns_nothing_and_is_charged_to_the_trainer_that_filed_it() -> None:
     """A trainer files receipts no worker signed: made with a key of its own under the worker's name, or the
     worker's genuine receipt altered. Its commitment is false: it is neither credited nor present
-    (the health checks remove it), and no worker is charged. (The old judge left it present, merely unconfirmed.)"""
+    though it published its presence (the health checks remove it), and no worker is charged. (The old judge left it
+    present, merely unconfirmed.)"""
     state, keys = run_with_keys()
     commitments, reports = honest_round(state, keys)
     forger, honest = shares(state)
@@ -188,7 +195,7 @@ def test_a_forged_receipt_earns_nothing_and_is_charged_to_the_trainer_that_filed
     ):
         receipts = [forged, *genuine[1:]]
         commitments[forger.client.hex()] = commitment(state, keys, forger, receipts)
-        evidence = judge_round(state, commitments, reports)
+        evidence = judge_round(state, commitments, reports, presences(state, keys))
         assert forger.client not in evidence.participants | evidence.computed
         assert "false commitment" in evidence.why_missing[forger.client]
         assert honest.client in evidence.computed and evidence.charged == {}
@@ -197,8 +204,9 @@ def test_a_forged_receipt_earns_nothing_and_is_charged_to_the_trainer_that_filed
 
 def test_a_receipt_replayed_from_another_round_or_run_is_refused_and_charged_to_the_trainer() -> None:
     """The head worker really signed these receipts for the trainer, but for another round, or for an earlier run
-    with the same id (another instance): they prove nothing now. The commitment quoting them is false, and the
-    worker, who never reported them this round, is not charged. (The old judge left the trainer present.)"""
+    with the same id (another instance): they prove nothing now. The commitment quoting them is false (the trainer
+    is not present, its presence notwithstanding), and the worker, who never reported them this round, is not
+    charged. (The old judge left the trainer present.)"""
     state, keys = run_with_keys()
     commitments, reports = honest_round(state, keys)
     replayer, honest = shares(state)
@@ -211,7 +219,7 @@ def test_a_receipt_replayed_from_another_round_or_run_is_refused_and_charged_to_
                            microbatch=first["microbatch_id"], **elsewhere)
         assert replayed != first and hash_of(replayed) != hash_of(first)
         commitments[replayer.client.hex()] = commitment(state, keys, replayer, [replayed, *genuine[1:]])
-        evidence = judge_round(state, commitments, reports)
+        evidence = judge_round(state, commitments, reports, presences(state, keys))
         assert replayer.client not in evidence.participants | evidence.computed
         assert "a replay" in evidence.why_missing[replayer.client]
         assert honest.client in evidence.computed and head in evidence.computed and evidence.charged == {}

@@ -74,5 +74,6 @@ def test_a_false_commitment_voids_the_presence_but_a_worker_that_died_costs_its_
     body = workers_by_stage(state)[1]
     del reports[body.hex()]  # it died before reporting what it issued
     evidence = judge_round(state, commitments, reports)
-    assert evidence.complete and {s.client for s in shares(state)} <= evidence.computed
+    assert {s.client for s in shares(state)} <= evidence.computed and evidence.missing == []
     assert body not in evidence.participants | evidence.computed and body not in evidence.charged
+    assert not evidence.complete and evidence.unreported == {body}, "a witness waits for its report till RoundWitness"
