@@ -19,6 +19,7 @@ from client.backends.base import Backend
 from client.contributor.context import RunnerOptions
 from client.contributor.rounds import RoundKey
 from client.contributor.runner import Contributor
+from client.contributor.witnessing import REPORT_GRACE
 from client.contributor.worker import OpenRound, WorkerRole
 from client.receipts import SignedReceipt
 from client.sealed import store_sealed
@@ -34,6 +35,7 @@ from tests.witness.rounds import (
     share_receipts,
     shares,
     uid_of,
+    workers_by_stage,
 )
 
 
@@ -82,18 +84,27 @@ class IssuedReceipts:
         drained, self.pending = self.pending, []
         return [SignedReceipt(**r) for r in drained]
 
+    def close_round(self) -> None:
+        """Nothing under way: every receipt issued is pending already."""
 
-def witnessing_worker(run_id: str, dht):
-    """A run in RoundTrain, every record but the contributor's own report published, and the contributor: a
-    worker elected to witness the round."""
+
+def late_worker(state: CoordinatorState, me: bytes) -> bytes:
+    """A worker other than ``me`` whose receipts the round's commitments hold."""
+    return next(w for w in workers_by_stage(state).values() if w != me)
+
+
+def witnessing_worker(run_id: str, dht, hold_one: bool = False):
+    """A run in RoundTrain, every record but the contributor's own report (and, if ``hold_one``, the
+    ``late_worker``'s) published, and the contributor: a worker elected to witness the round."""
     state, keys = run_with_keys(run_id=run_id)
     me = next((w for w in derived.witnesses(state) if state.clients[state.client_index(w)].role == Role.Worker), None)
     assert me is not None, "the run's config elects no worker to witness"
     stage = state.clients[state.client_index(me)].stage
     commitments, reports = honest_round(state, keys)
+    held = {late_worker(state, me)} if hold_one else set()
     board = Board(dht, state)
     for author, record in [*commitments.items(), *reports.items()]:
-        if author != me.hex():
+        if author != me.hex() and bytes.fromhex(author) not in held:
             assert board.publish(record, keys[bytes.fromhex(author)])
     backend = SpecBackend(state, keys[me])
     contributor = Contributor(backend, keys[me], RunnerOptions(role=Role.Worker, initial_peers=[]))
@@ -173,3 +184,30 @@ def test_a_malformed_commitment_in_the_dht_silences_no_witness(dht, run_id, rece
     assert backend.state.presence_votes[backend.state.client_index(honest.client)] == 1
     assert backend.state.presence_votes[backend.state.client_index(attacker.client)] == 0
     assert backend.state.presence_votes[backend.state.client_index(me)] == 1
+
+
+def test_a_witness_at_round_witness_waits_for_a_workers_last_report(dht, run_id) -> None:
+    """A worker's receipts count for its trainers without its report; its report is its presence. A witness that
+    proved the moment RoundWitness began would leave out a worker whose last report is still on its way (and, had
+    it reported part of its receipts, charge it): the proof waits ``REPORT_GRACE`` for it."""
+    state, keys, board, backend, contributor, worker, me, mine = witnessing_worker(run_id, dht, hold_one=True)
+    late = late_worker(state, me)
+    _, reports = honest_round(state, keys)  # the same records: signatures and ids are deterministic
+
+    async def scenario() -> None:
+        worker.pending += mine
+        contributor.start_background()
+        try:
+            await eventually(lambda: reported(board, me) == {hash_of(r) for r in mine}, "the witness's own report")
+            await backend.enter_round_witness()
+            await asyncio.sleep(0.6)  # past the first poll in RoundWitness, within the grace
+            assert backend.state.round.witness_count == 0, "the proof waits for the late worker's report"
+            assert await asyncio.to_thread(board.publish, reports[late.hex()], keys[late])
+            await eventually(lambda: backend.state.round.witness_count == 1, "the round's proof")
+        finally:
+            contributor.tasks.stop()
+
+    asyncio.run(scenario())
+    assert REPORT_GRACE > 0.6
+    assert backend.state.presence_votes[backend.state.client_index(late)] == 1, "the late worker is present"
+    assert backend.state.compute_votes[backend.state.client_index(late)] == 1, "and its work counted"
