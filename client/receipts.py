@@ -17,6 +17,7 @@ May import: client.identity.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from typing import Any
@@ -72,22 +73,23 @@ class SignedReceipt(Receipt):
     def sign(cls, keypair: Keypair, receipt: Receipt, round_: ReceiptRound) -> SignedReceipt:
         unsigned = cls(**dataclasses.asdict(receipt), **dataclasses.asdict(round_),
                        worker=bytes(keypair.pubkey()).hex())
-        return dataclasses.replace(unsigned, signature=bytes(keypair.sign_message(unsigned.message())).hex())
+        return dataclasses.replace(unsigned, signature=bytes(keypair.sign_message(unsigned.message)).hex())
 
+    @functools.cached_property
     def message(self) -> bytes:
-        """The canonical bytes signed: every field but the signature, as JSON with sorted keys, under ``DOMAIN``."""
-        fields = dataclasses.asdict(self)
-        del fields["signature"]
+        """The canonical bytes signed: every field but the signature, as JSON with sorted keys, under ``DOMAIN``
+        (kept once computed: a witness hashes and verifies each receipt)."""
+        fields = {name: getattr(self, name) for name in FIELDS if name != "signature"}
         return json.dumps({"domain": DOMAIN, **fields}, sort_keys=True, separators=(",", ":")).encode()
 
     def hash(self) -> str:
         """What the worker's report lists for it: the sha256 (hex) of the signed message."""
-        return hashlib.sha256(self.message()).hexdigest()
+        return hashlib.sha256(self.message).hexdigest()
 
     def verifies(self) -> bool:
         """Whether ``worker`` signed exactly this receipt (malformed keys or signatures simply do not verify)."""
         try:
-            return verify(bytes.fromhex(self.worker), self.message(), bytes.fromhex(self.signature))
+            return verify(bytes.fromhex(self.worker), self.message, bytes.fromhex(self.signature))
         except (ValueError, TypeError):
             return False
 

@@ -115,8 +115,9 @@ class SignedRecord:
     epoch: int
 
     def signed_bytes(self) -> bytes:
-        fields = dataclasses.asdict(self)
-        del fields["signature"]
+        """The canonical JSON of every field but the signature (read as they are: ``dataclasses.asdict`` would deep-copy
+        a commitment's receipts, the bulk of a witness's time)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "signature"}
         return canonical({"kind": self.KIND, **fields})
 
     def digest(self) -> bytes:
