@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import time
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ from client.backends.base import Backend
 from client.contributor.context import RunnerOptions
 from client.contributor.rounds import RoundKey
 from client.contributor.runner import Contributor
-from client.contributor.witnessing import REPORT_GRACE
+from client.contributor.witnessing import REPORT_GRACE, report_grace
 from client.contributor.worker import OpenRound, WorkerRole
 from client.receipts import SignedReceipt
 from client.sealed import store_sealed
@@ -189,8 +190,11 @@ def test_a_malformed_commitment_in_the_dht_silences_no_witness(dht, run_id, rece
 def test_a_witness_at_round_witness_waits_for_a_workers_last_report(dht, run_id) -> None:
     """A worker's receipts count for its trainers without its report; its report is its presence. A witness that
     proved the moment RoundWitness began would leave out a worker whose last report is still on its way (and, had
-    it reported part of its receipts, charge it): the proof waits ``REPORT_GRACE`` for it."""
+    it reported part of its receipts, charge it): the proof waits ``REPORT_GRACE`` for it, where the
+    round's witness time leaves room (here 10 s)."""
     state, keys, board, backend, contributor, worker, me, mine = witnessing_worker(run_id, dht, hold_one=True)
+    state.config = dataclasses.replace(state.config, round_witness_time=10)  # the backend's state, not started yet
+    assert report_grace(state.config) == REPORT_GRACE
     late = late_worker(state, me)
     _, reports = honest_round(state, keys)  # the same records: signatures and ids are deterministic
 
@@ -209,5 +213,6 @@ def test_a_witness_at_round_witness_waits_for_a_workers_last_report(dht, run_id)
 
     asyncio.run(scenario())
     assert REPORT_GRACE > 0.6
+    assert report_grace(dataclasses.replace(state.config, round_witness_time=2)) == 0, "no grace a proof could miss"
     assert backend.state.presence_votes[backend.state.client_index(late)] == 1, "the late worker is present"
     assert backend.state.compute_votes[backend.state.client_index(late)] == 1, "and its work counted"
