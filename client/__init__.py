@@ -6,7 +6,8 @@
 - ``join/`` authorization, state download and sync phases; ``swarm/`` the local swarm, the demo, status views;
 - ``contributor/`` the contributor's process, one module a role (runner, worker, trainer, witnessing);
 - ``commands/`` and ``cli`` the ``psyswarm`` CLI; ``dashboard/`` its web view of a run;
-- ``identity``, ``stages``, ``helper_processes`` and ``sealed``: the small foundations every part may use.
+- ``identity``, ``stages``, ``helper_processes``, ``sealed`` and ``receipts``: the small foundations every part may
+  use.
 
 Each package and top-level module names what it may import on a ``May import:`` line; tests/test_layout.py
 keeps the graph layered by failing on any import outside it.

@@ -24,6 +24,6 @@ passing trouble (the coordinator restarting, a refused join that may succeed lat
 bounded: the clean leave gets ``runner.STOP_TIMEOUT`` seconds, and threads still busy with compute or a peer are
 left.
 
-May import: coordinator_program, client.identity, client.stages, client.backends, client.witness,
+May import: coordinator_program, client.identity, client.receipts, client.stages, client.backends, client.witness,
 client.pipeline, client.join, client.data, client.models.
 """

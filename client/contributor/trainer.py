@@ -2,7 +2,8 @@
 
 - Warmup: open the run's dataset and a pipeline trainer over the workers of the epoch (``ClientDirectory``).
 - RoundTrain: publish a signed presence, run the share of the global batch the round's seed assigns this client
-  through the pipeline, stopping if the round ends first, and publish a signed commitment of the result.
+  through the pipeline, stopping if the round ends first, and publish a signed commitment of the result, with
+  every receipt the workers signed for it: the proof of the work, whatever the workers report.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from client.contributor.rounds import RoundKey
 from client.contributor.run_model import building_the_model, model_config
 from client.join.sync import SyncPhase
 from client.pipeline.discovery import WorkerDirectory, WorkerRecord
+from client.receipts import ReceiptRound
 from client.stages import stage_name
 from client.witness.records import Commitment, Presence
 from coordinator_program.spec import derived
@@ -167,7 +169,8 @@ class TrainerRole:
             self.directory.round = key
             started = time.perf_counter()
             try:
-                result = await asyncio.to_thread(self.trainer.train, indices, state.model.microbatch_size)
+                result = await asyncio.to_thread(self.trainer.train, indices, state.model.microbatch_size,
+                                                 round_=ReceiptRound(self.trainer.run_id, key.epoch, key.height))
             except Exception as exc:  # a stage that vanished mid-round: the witnesses will see the gap
                 log.warning("round %s: training failed: %s", key, exc)
                 return
@@ -175,7 +178,7 @@ class TrainerRole:
         self.last_trained = TrainedRound(key, len(result.microbatches))
         losses = result.losses
         loss = sum(losses) / len(losses)
-        receipts = tuple(dataclasses.asdict(r) for m in result.microbatches for _, r in sorted(m.receipts.items()))
+        receipts = tuple(r.to_value() for m in result.microbatches for _, r in sorted(m.receipts.items()))
         commitment = Commitment.create(context.keypair, run_id=state.run_id, epoch=state.epoch,
                                        round=state.round.height, start=share.start, end=share.end, loss=loss,
                                        tokens=share.size * state.model.seq_len, seconds=seconds, receipts=receipts)

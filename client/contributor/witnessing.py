@@ -2,8 +2,10 @@
 and send the proof, and health-check the clients the previous round's witnesses missed.
 
 A witness sends its proof as soon as every batch is in (opportunistic witnessing), or at RoundWitness with what
-it has; at Warmup it proves who is ready. A proof goes once per round: one the coordinator refuses is not sent
-again, one that did not get through is, at the next poll.
+it has; at Warmup it proves who is ready. At RoundWitness a proof that would charge a worker with receipts left
+out of its report, or leave out a worker whose receipts it counted, waits a little (``report_grace``): an honest
+worker's last report, published as it closes the round, may still be on its way. A proof goes once per
+round: one the coordinator refuses is not sent again, one that did not get through is, at the next poll.
 """
 
 from __future__ import annotations
@@ -11,17 +13,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 from client.contributor.context import ClientContext
 from client.contributor.rounds import RoundKey
+from client.contributor.tasks import POLL_INTERVAL
 from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
 from client.witness.records import Commitment, Presence, Ready, Report, members
 from coordinator_program.spec import derived
+from coordinator_program.spec.config import Config
 from coordinator_program.spec.errors import CoordinatorError, WrongPhase
 from coordinator_program.spec.state import CoordinatorState, Phase
 
 log = logging.getLogger("psyswarm.client")
+
+REPORT_GRACE = 1.0
+"""The most seconds into RoundWitness a witness waits for the workers' last reports before charging any with an
+omission or leaving one out: two polls (``tasks.POLL_INTERVAL``)."""
+
+
+def report_grace(config: Config) -> float:
+    """How long a witness waits for late reports in a run of ``config``: ``REPORT_GRACE`` where it leaves the proof
+    half the witness time and two polls to arrive in, less where it would not, and none in a witness time of 2 s or
+    less (a proof that arrives after RoundWitness counts for nothing, which costs every client more than a late
+    report costs its worker)."""
+    return max(0.0, min(REPORT_GRACE, config.round_witness_time / 2 - 2 * POLL_INTERVAL))
 
 
 @dataclass(frozen=True)
@@ -39,6 +56,7 @@ class Witnessing:
         self.context: ClientContext = context
         self.proved: set[Proof] = set()
         self.health_checked: set[RoundKey] = set()
+        self.witness_seen: tuple[RoundKey, float] | None = None  # the round last judged in RoundWitness, and when
 
     async def witness_current(self) -> None:
         """Prove the current round or warmup if this client witnesses it (polled in the background)."""
@@ -63,7 +81,7 @@ class Witnessing:
             reports = await asyncio.to_thread(board.fetch, Report, state.epoch, height, counted)
             presences = await asyncio.to_thread(board.fetch, Presence, state.epoch, height, counted)
             evidence = judge_round(state, commitments, reports, presences)  # type: ignore[arg-type]
-        if not evidence.complete and state.phase != Phase.RoundWitness:
+        if not evidence.complete and not self._final(key.round, state, bool(evidence.charged or evidence.unreported)):
             return
         parts = evidence.filters(state)
         try:  # a proof that did not get through (a network error, say) is sent again at the next poll
@@ -84,6 +102,17 @@ class Witnessing:
                  "" if evidence.complete else f", {len(evidence.missing)} missing")
         for client, why in evidence.why_missing.items():
             log.info("  %s not counted: %s", client.hex()[:8], why)
+        for client, why in evidence.charged.items():
+            log.info("  %s charged: %s", client.hex()[:8], why)
+
+    def _final(self, key: RoundKey, state: CoordinatorState, awaiting_reports: bool) -> bool:
+        """Whether an incomplete judgement is the one to send: at RoundWitness, once it awaits no worker's report or
+        the workers' last reports had their grace (``report_grace``)."""
+        if state.phase != Phase.RoundWitness:
+            return False
+        if self.witness_seen is None or self.witness_seen[0] != key:
+            self.witness_seen = (key, time.monotonic())
+        return not awaiting_reports or time.monotonic() - self.witness_seen[1] >= report_grace(state.config)
 
     async def health_check(self, state: CoordinatorState) -> None:
         """RoundTrain, once a round if elected: report the clients the previous round's witnesses did not see."""

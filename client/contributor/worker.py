@@ -3,10 +3,13 @@
 - Warmup: take the assigned stage (``client.join.stage_replica``: its state from a snapshot, the run's
   checkpoint, its peers or the run's seed; sync phases if that state is stale), serve it over gRPC and announce
   it in the DHT.
-- RoundTrain: accept the round's samples only, and publish signed reports of the receipts issued, as they come.
-- Leaving RoundTrain: apply the round's accumulated gradients (one optimizer step per round); every
-  ``sparta_every`` steps average a SPARTA partition with the stage's other workers; every ``snapshot_every``
-  steps, if active, snapshot the stage for whoever takes it should it empty. Every step moves the sync phases on.
+- RoundTrain: accept the round's samples only, sign each Backward's receipt for the round, and publish signed
+  reports of the receipts issued, as they come. A report must list every receipt the worker signed for the round:
+  the trainers hold them, and the witnesses charge an omission to the worker (``client.witness.judge``).
+- Leaving RoundTrain: stop signing receipts for the round, report the last ones, apply the round's accumulated
+  gradients (one optimizer step per round); every ``sparta_every`` steps average a SPARTA partition with the
+  stage's other workers; every ``snapshot_every`` steps, if active, snapshot the stage for whoever takes it should
+  it empty. Every step moves the sync phases on.
 - Cooldown: save the stage to the checkpoint directory (or the Hub) and report it to the coordinator.
 """
 
@@ -28,8 +31,9 @@ from client.join.checkpoints import revision_for, snapshot_root, upload_stage
 from client.join.stage_replica import StageReplica, StateSources, stage_roster
 from client.join.sync import SyncPhase
 from client.pipeline.worker import StageWorker
+from client.receipts import ReceiptRound
 from client.stages import checkpoint_location, stage_name
-from client.witness.records import Report, receipt_hash
+from client.witness.records import Report
 from coordinator_program.spec import limits
 from coordinator_program.spec.config import CheckpointKind
 from coordinator_program.spec.errors import CheckpointTaken, CoordinatorError
@@ -154,6 +158,7 @@ class WorkerRole:
                                           roster=lambda: stage_roster(self.context.state, stage),
                                           say=lambda line: print(line, flush=True))
         replica.worker.port = options.port  # not serving yet: it binds the port when it starts
+        replica.worker.receipt_round = self._receipt_round
         self.stepped = self.snapshotted = None
         auth = options.auth
         sources = StateSources(snapshot=auth.snapshot if auth is not None else None,
@@ -171,6 +176,13 @@ class WorkerRole:
                  "active" if not phase else f"sync phase {int(phase)}")
         if auth is not None and not phase:
             auth.report_synced()
+
+    def _receipt_round(self) -> ReceiptRound | None:
+        """The round the worker signs receipts for: the open one (None between rounds: Backwards are refused)."""
+        opened, worker = self.open_round, self.worker
+        if opened is None or worker is None:
+            return None
+        return ReceiptRound(worker.run_id, opened.round.epoch, opened.round.height)
 
     def _training_step(self) -> int | None:
         """The swarm's step while rounds run (averaging may be under way), None between epochs."""
@@ -204,7 +216,7 @@ class WorkerRole:
         context, worker, board = self.context, self.worker, self.context.board
         if worker is None or board is None:
             return
-        self.round_receipts.extend(receipt_hash(r.to_bytes()) for r in worker.drain_receipts())
+        self.round_receipts.extend(r.hash() for r in worker.drain_receipts())
         if self.reported == Reported(round_, len(self.round_receipts)):
             return  # nothing new: the DHT already has this report (an empty one proves presence)
         report = Report.create(context.keypair, run_id=board.run_id, epoch=round_.epoch, round=round_.height,
@@ -213,13 +225,16 @@ class WorkerRole:
             self.reported = Reported(round_, len(self.round_receipts))
 
     async def _close_round(self) -> None:
-        """The coordinator left RoundTrain: publish the last receipts and take this round's optimizer step."""
+        """The coordinator left RoundTrain: stop signing receipts for the round (the worker refuses Backwards until
+        the next opens), publish the last ones and take this round's optimizer step, which holds the gradient of
+        every receipt reported."""
         assert self.open_round is not None
         closing, self.open_round = self.open_round, None
         replica = self.replica
         if replica is None:
             return
         step = closing.step
+        await asyncio.to_thread(replica.worker.close_round)
         await self.publish_receipts(closing.round)
         self.stepping = True  # until the step's thread returns, even if this task is cancelled meanwhile
         stats = await asyncio.to_thread(replica.step, step)

@@ -15,11 +15,10 @@ out-of-line one is added scaled down).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -36,36 +35,12 @@ from client.pipeline.model import ModelSpec, build_stage
 from client.pipeline.optim import OptimizerConfig, StageOptimizer, StepStats
 from client.pipeline.rpc import InvalidRequest
 from client.pipeline.wire import DEFAULT_CODEC, codec_name, codec_of, from_wire, is_finite, to_wire
+from client.receipts import Receipt, SignedReceipt
 
 log = logging.getLogger(__name__)
 
 MAX_ID_CHARS = 128
 _TOKEN_DTYPES = (torch.uint8, torch.int64)
-
-
-@dataclass(frozen=True)
-class Receipt:
-    """Evidence that a worker processed one backward: which trainer asked (its public key, as authenticated by
-    the request's signature), for which microbatch and samples, on which data.
-
-    Digests are sha256 of the tensors' wire form (``messages.tensor_digest``), so the trainer computes
-    the same values from what it sent and received (``input_digest`` for how the tail's targets count). The
-    head returns no gradient and the tail receives none (empty digests).
-    """
-
-    trainer_id: str
-    microbatch_id: str
-    stage: str
-    worker_uid: str
-    sample_start: int
-    sample_end: int
-    input_digest: str
-    grad_output_digest: str
-    grad_input_digest: str
-
-    def to_bytes(self) -> bytes:
-        """Canonical serialisation, the message a client signs."""
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
 
 def input_digest(digests: Mapping[str, str]) -> str:
@@ -249,8 +224,9 @@ class StageCompute:
             return encode_message({"loss": float(out)}, {})
         return encode_message({}, {"output": to_wire(out.cpu(), request.wire_codec)})
 
-    def backward(self, request: StageRequest) -> tuple[bytes, Receipt]:
-        """Recompute the forward pass, check the parameter gradients, accumulate them, return the input gradient.
+    def backward(self, request: StageRequest, sign: Callable[[Receipt], SignedReceipt]) -> tuple[bytes, SignedReceipt]:
+        """Recompute the forward pass, check the parameter gradients, accumulate them, return the input gradient
+        and the receipt, signed by ``sign`` (the worker's key, for the round under way).
 
         The tail differentiates loss × batch size, so accumulated gradients are sums over samples and
         ``step`` divides by the sample count. Its response also carries the loss it recomputed, which saves
@@ -307,8 +283,9 @@ class StageCompute:
             grad_output_digest=header.digests.get("grad_output", ""),
             grad_input_digest=grad_input_digest,
         )
-        meta.update({f"receipt.{k}": v for k, v in asdict(receipt).items()})
-        return encode_message(meta, tensors), receipt
+        signed = sign(receipt)
+        meta.update({f"receipt.{k}": v for k, v in signed.to_value().items()})
+        return encode_message(meta, tensors), signed
 
     def step(self) -> StepStats:
         """Apply and clear the gradients accumulated since the last step (not applied if the result would be

@@ -19,13 +19,14 @@ order.
 
 Every request is signed with the trainer's keypair over the run, the stage, the kind, the microbatch, its
 sample range and the digests of the tensors sent (``admission.RequestHeader``); a worker's receipt names the
-trainer by its public key. A microbatch is a consecutive range of sample indices, so its receipts can name
-it by ``[sample_start, sample_end)``.
+trainer by its public key, and the worker signs it for the round the trainer trains (``client.receipts``): the
+trainer keeps it as proof of the work, whatever the worker reports. A microbatch is a consecutive range of
+sample indices, so its receipts can name it by ``[sample_start, sample_end)``.
 
 Every response comes from an untrusted worker and is checked (shapes, dtype, finite values, the receipt's
-digests against what was actually exchanged); a worker that answers badly or not at all is banned for
-``ban_seconds`` and the call moves to a peer of the same stage. Training stalls, saying so in the log,
-only when a stage has no usable worker at all.
+digests against what was actually exchanged, its round and the worker's signature); a worker that answers
+badly or not at all is banned for ``ban_seconds`` and the call moves to a peer of the same stage. Training
+stalls, saying so in the log, only when a stage has no usable worker at all.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from solders.keypair import Keypair
 
 from client.data import SampleDataset
 from client.pipeline.admission import RequestHeader, encode_request, now_ms
-from client.pipeline.compute import Receipt, input_digest
+from client.pipeline.compute import input_digest
 from client.pipeline.data import microbatches
 from client.pipeline.discovery import WorkerRecord
 from client.pipeline.inflight import InflightMeter, memory_cap, windowed_map
@@ -58,6 +59,7 @@ from client.pipeline.model import ModelSpec, stage_names
 from client.pipeline.router import DEFAULT_BAN_SECONDS, Directory, PipelineError, StageFinder
 from client.pipeline.rpc import StageClient
 from client.pipeline.wire import DEFAULT_CODEC, codec_name, codec_of, is_finite
+from client.receipts import Receipt, ReceiptRound, SignedReceipt
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +76,12 @@ class _BadResponse(Exception):
 
 @dataclass(frozen=True)
 class _Microbatch:
-    """A microbatch in flight: its id and the sample indices ``[start, end)`` it covers."""
+    """A microbatch in flight: its id, the sample indices ``[start, end)`` it covers and the round it trains in."""
 
     id: str
     start: int
     end: int
+    round: ReceiptRound
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ class MicrobatchResult:
     loss: float
     workers: dict[str, str]
     forward_workers: dict[str, str]
-    receipts: dict[str, Receipt]
+    receipts: dict[str, SignedReceipt]
 
 
 @dataclass
@@ -169,12 +172,14 @@ class PipelineTrainer:
         microbatch_size: int,
         *,
         on_microbatch: Callable[[MicrobatchResult], None] | None = None,
+        round_: ReceiptRound | None = None,
     ) -> TrainResult:
         """Forward and backward every microbatch of ``indices``; gradients accumulate on the workers. Each
         microbatch (consecutive chunks of ``indices``) must be a consecutive range of sample indices.
 
         Results come back in the order of ``indices``; ``on_microbatch`` sees each as it completes in that
-        order (progress logs, or a test acting mid-run).
+        order (progress logs, or a test acting mid-run). Every receipt must be signed for ``round_`` (a coordinated
+        run's round; standalone, round 0 of ``run_id``): a worker that signs for another is answering badly.
         """
         chunks = microbatches(indices, microbatch_size)
         for chunk in chunks:
@@ -190,8 +195,9 @@ class PipelineTrainer:
             if on_microbatch is not None:
                 on_microbatch(micro)
 
-        windowed_map(self._microbatch, chunks, lambda: self.inflight(microbatch_size), threads=threads,
-                     on_result=deliver)
+        round_ = round_ or ReceiptRound(self.run_id, 0, 0)
+        windowed_map(lambda chunk: self._microbatch(chunk, round_), chunks, lambda: self.inflight(microbatch_size),
+                     threads=threads, on_result=deliver)
         result.seconds = time.perf_counter() - started
         return result
 
@@ -215,8 +221,8 @@ class PipelineTrainer:
 
     # ----- one microbatch -----
 
-    def _microbatch(self, indices: list[int]) -> MicrobatchResult:
-        micro = _Microbatch(f"{self._session}/{next(self._ids)}", indices[0], indices[-1] + 1)
+    def _microbatch(self, indices: list[int], round_: ReceiptRound) -> MicrobatchResult:
+        micro = _Microbatch(f"{self._session}/{next(self._ids)}", indices[0], indices[-1] + 1, round_)
         tokens = self.dataset.batch(indices).to(torch.uint8 if self.config.vocab <= 256 else torch.int64)
         targets = tokens[:, 1:].contiguous()
         inputs = [tokens[:, :-1].contiguous()]
@@ -358,7 +364,8 @@ class PipelineTrainer:
             "Backward" if backward else "Forward", request, timeout=self.timeouts[backward]
         )
         meta, out = decode_message(response, max_elements=batch * length * self.config.d_model)
-        check_response(header, record, tensors, meta, out, stages=self.stages, d_model=self.config.d_model)
+        check_response(header, record, tensors, meta, out, stages=self.stages, d_model=self.config.d_model,
+                       round_=micro.round)
         answered = router.clock()
         router.report(record.uid, cost, sent, answered)
         self.meter.record(stage, backward, record.uid, sent, answered)
@@ -386,9 +393,12 @@ def check_response(
     *,
     stages: Sequence[str],
     d_model: int,
+    round_: ReceiptRound,
 ) -> None:
     """Raise ``_BadResponse`` unless the answer to the request ``header`` sent to ``record`` has exactly the form
-    the pipeline of ``stages`` expects and a receipt true to the exchanged tensors."""
+    the pipeline of ``stages`` expects and a receipt true to the exchanged tensors, of ``round_``, signed by the
+    worker's own key: one the witnesses would refuse proves nothing and would make this trainer's commitment
+    false."""
     stage, backward = header.stage, header.kind == "backward"
     is_head, is_tail = stage == stages[0], stage == stages[-1]
     batch, length = sent["input"].shape[:2]
@@ -410,7 +420,7 @@ def check_response(
     if is_tail and not (isinstance(meta.get("loss"), float) and torch.isfinite(torch.tensor(meta["loss"]))):
         raise _BadResponse(f"loss {meta.get('loss')!r} is not a finite number")
     if backward:
-        expected = Receipt(
+        work = Receipt(
             trainer_id=header.trainer,
             microbatch_id=header.microbatch_id,
             stage=stage,
@@ -421,10 +431,15 @@ def check_response(
             grad_output_digest=header.digests.get("grad_output", ""),
             grad_input_digest=tensor_digest(out[name]) if name else "",
         )
-        if receipt_of(meta) != expected:
+        receipt = receipt_of(meta)
+        if receipt.work != work:
             raise _BadResponse("the receipt does not match the exchanged tensors")
+        if receipt.belongs_to != round_:
+            raise _BadResponse(f"the receipt is signed for {receipt.belongs_to}, not {round_}")
+        if receipt.worker != record.pubkey or not receipt.verifies():
+            raise _BadResponse("the receipt is not signed by the worker's own key")
 
 
-def receipt_of(meta: dict[str, object]) -> Receipt:
-    """The receipt a worker's answer carries in its metadata."""
-    return Receipt(**{f.name: meta[f"receipt.{f.name}"] for f in fields(Receipt)})
+def receipt_of(meta: dict[str, object]) -> SignedReceipt:
+    """The signed receipt a worker's answer carries in its metadata."""
+    return SignedReceipt(**{f.name: meta[f"receipt.{f.name}"] for f in fields(SignedReceipt)})

@@ -5,6 +5,10 @@ a Backward after its own Forward, once) and queue them; a single runtime thread 
 backward first, so computation never competes with itself for the CPU and parameters change only between tasks.
 Gradients accumulate until ``step()``: the coordinator calls it when a round ends, or, run standalone, the worker
 steps by itself every ``auto_step_samples`` samples.
+
+Every Backward's answer carries its receipt, signed with the worker's key for the round ``receipt_round`` names
+(``client.receipts``); with no round open (a coordinated worker between rounds) Backwards are refused, so every
+receipt signed for a round is issued before ``close_round`` returns and its gradient is in that round's step.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -22,7 +26,7 @@ import torch
 from solders.keypair import Keypair
 
 from client.pipeline.admission import MicrobatchLedger, Ticket, TrainerAllowed, any_signed_trainer
-from client.pipeline.compute import Receipt, StageCompute, StageRequest
+from client.pipeline.compute import StageCompute, StageRequest
 from client.pipeline.discovery import (
     STATE_UP,
     SYNC_PHASES,
@@ -35,6 +39,7 @@ from client.pipeline.optim import OptimizerConfig, StepStats
 from client.pipeline.rpc import InvalidRequest, RequestRejected, start_server
 from client.pipeline.runtime import Runtime, Task
 from client.pipeline.wire import DEFAULT_CODEC
+from client.receipts import ReceiptRound, SignedReceipt
 from client.stages import default_index, worker_uid
 
 if TYPE_CHECKING:
@@ -101,8 +106,12 @@ class StageWorker:
         self.runtime = Runtime(self._execute, name=f"runtime-{stage}", uid=self.uid, max_queue=max_queue,
                                request_timeout=request_timeout, compute_delay=compute_delay)
         self._sync_phase = 0
-        self._receipts: list[Receipt] = []
+        # The round receipts are signed for, None refusing Backwards: a coordinated worker role names its open
+        # round; standalone, every receipt is of round 0.
+        self.receipt_round: Callable[[], ReceiptRound | None] = lambda: ReceiptRound(run_id, 0, 0)
+        self._receipts: list[SignedReceipt] = []
         self._receipts_lock = threading.Lock()
+        self._issuing = threading.Lock()  # held by a Backward from reading its round until its receipt is kept
         self._stopped = False
         self._server: grpc.Server | None = None
         self._announcer: Announcer | None = None
@@ -192,11 +201,17 @@ class StageWorker:
         """The stage's live parameter tensors in a fixed order; hold ``compute.lock`` while changing them."""
         return self.compute.parameters()
 
-    def drain_receipts(self) -> list[Receipt]:
+    def drain_receipts(self) -> list[SignedReceipt]:
         """Receipts of the backward passes processed since the last call, oldest first."""
         with self._receipts_lock:
             receipts, self._receipts = self._receipts, []
         return receipts
+
+    def close_round(self) -> None:
+        """Wait for the Backward under way, if any. Called once ``receipt_round`` no longer names a round: when it
+        returns, every receipt signed for that round is in ``drain_receipts`` and no other will be."""
+        with self._issuing:
+            pass
 
     @property
     def load(self) -> int:
@@ -272,6 +287,7 @@ class StageWorker:
                 grpc.StatusCode.PERMISSION_DENIED,
             )
         if backward:
+            self._round_open()
             samples = (request.header.sample_start, request.header.sample_end)
             self.ledger.claim(request.trainer, request.microbatch_id, self._ticket(request), samples)
         try:
@@ -280,6 +296,14 @@ class StageWorker:
             if backward:
                 self.ledger.release(request.trainer, request.microbatch_id)
             raise
+
+    def _round_open(self) -> ReceiptRound:
+        """The round a Backward's receipt is signed for; ``RequestRejected`` while none is open."""
+        round_ = self.receipt_round()
+        if round_ is None:
+            raise RequestRejected(f"worker {self.uid} has no round open: Backwards wait for the next round",
+                                  grpc.StatusCode.FAILED_PRECONDITION)
+        return round_
 
     def _ticket(self, request: StageRequest) -> Ticket | None:
         """The ticket a head or body Forward leaves and its Backward must match; None for the tail.
@@ -303,9 +327,12 @@ class StageWorker:
             if (ticket := self._ticket(task.request)) is not None:
                 self.ledger.issue(task.request.trainer, task.request.microbatch_id, ticket)
             return response
-        response, receipt = self.compute.backward(task.request)
-        with self._receipts_lock:
-            self._receipts.append(receipt)
+        with self._issuing:
+            round_ = self._round_open()
+            response, receipt = self.compute.backward(task.request,
+                                                      lambda work: SignedReceipt.sign(self.keypair, work, round_))
+            with self._receipts_lock:
+                self._receipts.append(receipt)
         if self.auto_step_samples and self.compute.samples_accumulated >= self.auto_step_samples:
             self.step()
         return response

@@ -9,24 +9,37 @@ uid their own key derives (``client.stages.own_uid``: a report is public, and on
 must count for nobody), were present;
 so were trainers of the epoch that published an admitted ``Presence`` for it (a trainer stalled by a stage that
 emptied is alive: it keeps its place, and earns nothing without a counted commitment), unless they also signed
-a false commitment: one that claims what the trainer was not assigned or not issued. Only a receipt that no
-present worker reported leaves the presence standing, as its worker may have died before reporting it.
+a false commitment: one that claims what the trainer was not assigned or not issued.
 A trainer's commitment counts when it covers exactly the sample range the round's seed assigned it and each of
 its receipts
-- name the commitment's author as their trainer: a receipt's hash covers that name, so a receipt copied from
+- name the commitment's author as their trainer: a receipt's signature covers that name, so a receipt copied from
   another trainer's commitment (they are public) counts for nobody but the trainer it was issued to, and no
   receipt can count in two commitments;
 - cover the commitment's range exactly once in every stage of the run: no sample missing, none run twice (a
   receipt listed twice covers its samples twice);
-- were each reported, by hash, by a present worker of the stage the receipt names, under the uid it names.
-Its tokens must be its samples times the run's sequence length. The participant filter holds every present
-client and every counted trainer; the batch filter holds the hash of every counted commitment. A round is complete
-(the witness may send its proof opportunistically) once every trainer with data has a counted commitment.
+- were signed for this round (the run's instance, epoch and round: a receipt of another run or round is a replay)
+- by the key of one of the run's workers of the stage it names (``client.receipts``); the uid it names is the
+  worker's word, not checked here: a worker announcing a uid of its choice must not make an honest trainer false.
+Its tokens must be its samples times the run's sequence length. A commitment that fails any of these is false:
+the trainer's word proves nothing, and it is not present either. An honest trainer files only receipts it checked
+as they came (``client.pipeline.trainer``: their round and their worker's signature). The worker-signed receipts
+are the proof of the work: what the workers report does not change a trainer's credit. The participant filter
+holds every present client and every counted trainer; the batch filter holds the hash of every counted commitment.
 
 The participant filter also holds the compute key (``bloom.compute_key``) of every client whose work counted, for
-the coordinator's compute points: every trainer with a counted commitment, and every worker that alone reported,
-under the uid it names, a receipt of a counted commitment. A worker still in sync phase 1 is never routed, so it
-issues no receipt and earns presence only.
+the coordinator's compute points: every trainer with a counted commitment, and every present worker that signed a
+receipt of a counted commitment and listed every such receipt in its report. A worker that leaves out any receipt
+it signed (to deny a trainer its credit, say) is charged with it (``Evidence.charged``): it earns no compute
+for the round, though it stays present (its own signatures show it served). An honest worker never leaves one
+out: it stops signing for a round before its last report (``client.contributor.worker``). A worker still in sync
+phase 1 is never routed, so it signs no receipt and earns presence only.
+
+A round is complete (the witness may send its proof opportunistically) once every trainer with data has a
+counted commitment and every worker that signed one of their receipts has reported them all: a worker's report
+may still be on its way, and a proof sent without it would leave the worker out or charge it.
+
+Signatures are checked last, once a commitment's receipts cover its range once in every stage: so a commitment
+costs a witness at most one verification per stage and sample of the trainer's share, however many it lists.
 """
 
 from __future__ import annotations
@@ -35,8 +48,9 @@ import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from client.receipts import ReceiptRound, SignedReceipt
 from client.stages import own_uid, stage_names
-from client.witness.records import ClaimedReceipt, Commitment, Presence, Ready, RecordError, Report, SignedRecord
+from client.witness.records import Commitment, Presence, Ready, RecordError, Report, SignedRecord
 from coordinator_program.spec import derived, rules
 from coordinator_program.spec.bloom import proof_parts
 from coordinator_program.spec.selection import Assignment
@@ -52,6 +66,8 @@ class Evidence:
     complete: bool = False
     missing: list[bytes] = dataclasses.field(default_factory=list)
     why_missing: dict[bytes, str] = dataclasses.field(default_factory=dict)
+    charged: dict[bytes, str] = dataclasses.field(default_factory=dict)  # worker -> the receipts it left out
+    unreported: set[bytes] = dataclasses.field(default_factory=set)  # workers of counted receipts with no report
 
     @property
     def batches(self) -> set[bytes]:
@@ -68,9 +84,11 @@ class Evidence:
         self.why_missing[client] = why
 
 
-Issued = dict[str, dict[tuple[str, str], bytes]]
-"""Receipt hash -> (worker uid, stage name) -> the present worker that reported it: a uid is derived from its
-worker's key (``own_uid``), so no other worker can report under it."""
+Reported = dict[bytes, frozenset[str]]
+"""Each present worker -> the hashes of the receipts its report lists."""
+
+Signers = dict[str, str]
+"""The key (hex) of each of the run's workers -> the name of its stage."""
 
 
 def admitted(kind: type[SignedRecord], records: Mapping[str, object], author: str, state: CoordinatorState,
@@ -90,8 +108,10 @@ def judge_round(state: CoordinatorState, commitments: Mapping[str, Commitment], 
                 presences: Mapping[str, Presence] = MappingProxyType({})) -> Evidence:
     """Check a round's records against the coordinator state (pure: the caller fetched the records)."""
     evidence = Evidence()
-    issued = present_workers(state, reports, evidence)
+    reported = present_workers(state, reports, evidence)
     present_trainers(state, presences, evidence)
+    signers = worker_keys(state)
+    served: dict[bytes, list[SignedReceipt]] = {}  # worker -> the receipts of counted commitments it signed
     for share in derived.data_assignment(state):
         if share.size == 0:
             continue
@@ -101,27 +121,26 @@ def judge_round(state: CoordinatorState, commitments: Mapping[str, Commitment], 
             evidence.miss(share.client, str(exc))
             continue
         try:
-            workers = credit(state, share, commitment, issued)  # type: ignore[arg-type]
-        except Unconfirmed as exc:
-            evidence.miss(share.client, str(exc))
-            continue
+            claims = credit(state, share, commitment, signers)  # type: ignore[arg-type]
         except RecordError as exc:  # the trainer signed a false claim: its word proves nothing, presence included
             evidence.miss(share.client, f"{exc}; a false commitment, so not present either")
             evidence.participants.discard(share.client)
             continue
         evidence.participants.add(share.client)
         evidence.computed.add(share.client)
-        evidence.computed.update(workers)
         evidence.commitments[share.client] = commitment.digest()
         evidence.losses[share.client] = commitment.loss  # type: ignore[attr-defined]
-    evidence.complete = not evidence.missing
+        for claim in claims:
+            served.setdefault(bytes.fromhex(claim.worker), []).append(claim)
+    credit_workers(served, reported, evidence)
+    evidence.complete = not (evidence.missing or evidence.charged or evidence.unreported)
     return evidence
 
 
-def present_workers(state: CoordinatorState, reports: Mapping[str, Report], evidence: Evidence) -> Issued:
+def present_workers(state: CoordinatorState, reports: Mapping[str, Report], evidence: Evidence) -> Reported:
     """Mark every worker with an admitted report in its own stage present; return what they reported."""
     names = stage_names(state.config.num_stages)
-    issued: Issued = {}
+    reported: Reported = {}
     for worker in state.clients:
         if worker.role != Role.Worker:
             continue
@@ -132,9 +151,31 @@ def present_workers(state: CoordinatorState, reports: Mapping[str, Report], evid
         if report.stage != worker.stage or report.uid != own_uid(names[worker.stage], worker.id):  # type: ignore
             continue  # a report in another stage, or under a uid that is not the author's: not its own work
         evidence.participants.add(worker.id)
-        for h in report.receipts:  # type: ignore[attr-defined]
-            issued.setdefault(h, {})[(report.uid, names[worker.stage])] = worker.id  # type: ignore[attr-defined]
-    return issued
+        reported[worker.id] = frozenset(report.receipts)  # type: ignore[attr-defined]
+    return reported
+
+
+def worker_keys(state: CoordinatorState) -> Signers:
+    """Who may sign a receipt of each stage: the run's workers of that stage."""
+    names = stage_names(state.config.num_stages)
+    return {w.id.hex(): names[w.stage] for w in state.clients if w.role == Role.Worker and w.stage < len(names)}
+
+
+def credit_workers(served: dict[bytes, list[SignedReceipt]], reported: Reported, evidence: Evidence) -> None:
+    """Compute for every present worker whose report lists every receipt of a counted commitment it signed; a
+    charge for each that left one out. An absent worker earns nothing, and its receipts still prove the trainers'
+    work."""
+    for worker, receipts in served.items():
+        if worker not in reported:
+            evidence.unreported.add(worker)
+            continue
+        omitted = [r for r in receipts if r.hash() not in reported[worker]]
+        if omitted:
+            trainers = sorted({r.trainer_id[:8] for r in omitted})
+            evidence.charged[worker] = (f"left {len(omitted)} receipts it signed out of its report (issued to "
+                                        f"trainer {', '.join(trainers)}): no compute this round")
+        else:
+            evidence.computed.add(worker)
 
 
 def present_trainers(state: CoordinatorState, presences: Mapping[str, Presence], evidence: Evidence) -> None:
@@ -149,9 +190,9 @@ def present_trainers(state: CoordinatorState, presences: Mapping[str, Presence],
         evidence.participants.add(trainer.id)
 
 
-def credit(state: CoordinatorState, share: Assignment, commitment: Commitment, issued: Issued) -> set[bytes]:
-    """The workers whose receipts ``commitment`` verifies; ``RecordError`` saying why it does not earn ``share``'s
-    credit."""
+def credit(state: CoordinatorState, share: Assignment, commitment: Commitment,
+           signers: Signers) -> tuple[SignedReceipt, ...]:
+    """The receipts with which ``commitment`` proves ``share``'s work; ``RecordError`` saying why it does not."""
     if (commitment.start, commitment.end) != (share.start, share.end):
         raise RecordError(f"commits samples {commitment.start}-{commitment.end}, assigned {share.start}-{share.end}")
     if commitment.tokens != share.size * state.model.seq_len:
@@ -159,29 +200,18 @@ def credit(state: CoordinatorState, share: Assignment, commitment: Commitment, i
     claims = commitment.claims()
     receipts_name_their_trainer(claims, commitment.author)
     receipts_cover_the_range_once(claims, share, stage_names(state.config.num_stages))
-    receipts_were_reported(claims, issued)
-    return {issued[claim.hash()][(claim.worker_uid, claim.stage)] for claim in claims}
+    receipts_of_this_round(claims, ReceiptRound(derived.run_instance(state), state.epoch, state.round.height))
+    receipts_signed_by_their_workers(claims, signers)
+    return claims
 
 
-def receipts_name_their_trainer(claims: tuple[ClaimedReceipt, ...], author: str) -> None:
+def receipts_name_their_trainer(claims: tuple[SignedReceipt, ...], author: str) -> None:
     for claim in claims:
         if claim.trainer_id != author:
             raise RecordError(f"quotes a receipt issued to trainer {claim.trainer_id[:8]}")
 
 
-class Unconfirmed(RecordError):
-    """A commitment quotes a receipt no present worker reported: a worker that died before reporting it leaves an
-    honest trainer here too, so this alone does not make the trainer a liar."""
-
-
-def receipts_were_reported(claims: tuple[ClaimedReceipt, ...], issued: Issued) -> None:
-    for claim in claims:
-        if (claim.worker_uid, claim.stage) not in issued.get(claim.hash(), ()):
-            raise Unconfirmed(f"its {claim.stage} receipt for {claim.microbatch_id!r} was not reported by "
-                              f"{claim.worker_uid}")
-
-
-def receipts_cover_the_range_once(claims: tuple[ClaimedReceipt, ...], share: Assignment, stages: list[str]) -> None:
+def receipts_cover_the_range_once(claims: tuple[SignedReceipt, ...], share: Assignment, stages: list[str]) -> None:
     if any(claim.stage not in stages for claim in claims):
         raise RecordError("quotes a receipt of a stage the run does not have")
     for stage in stages:
@@ -192,6 +222,21 @@ def receipts_cover_the_range_once(claims: tuple[ClaimedReceipt, ...], share: Ass
             covered = end
         if covered != share.end:
             raise RecordError(f"its {stage} receipts end at sample {covered}, not {share.end}")
+
+
+def receipts_of_this_round(claims: tuple[SignedReceipt, ...], round_: ReceiptRound) -> None:
+    for claim in claims:
+        if claim.belongs_to != round_:
+            raise RecordError(f"quotes a receipt signed for run {claim.run!r} epoch {claim.epoch} round "
+                              f"{claim.round}, not this round (a replay)")
+
+
+def receipts_signed_by_their_workers(claims: tuple[SignedReceipt, ...], signers: Signers) -> None:
+    for claim in claims:
+        if signers.get(claim.worker) != claim.stage:
+            raise RecordError(f"quotes a {claim.stage} receipt by key {claim.worker[:8]}, not a worker of that stage")
+        if not claim.verifies():
+            raise RecordError(f"quotes a {claim.stage} receipt its worker {claim.worker_uid} did not sign (forged)")
 
 
 def judge_warmup(state: CoordinatorState, ready: Mapping[str, Ready]) -> Evidence:

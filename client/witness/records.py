@@ -1,9 +1,10 @@
 """Signed round records that clients publish in the DHT, and the board that stores and reads them.
 
 - ``Commitment``: a trainer's result for its share of a round: its sample range, its mean loss, and every
-  stage receipt the workers gave it, in full. Its hash is the key of a witness's batch filter.
-- ``Report``: a worker's list of receipt hashes for the backward passes it ran in a round; it is also the
-  worker's proof of presence.
+  stage receipt the workers gave it, in full, each signed by its worker (``client.receipts``). Its hash is the key
+  of a witness's batch filter.
+- ``Report``: a worker's list of the hashes of the receipts it signed in a round (``SignedReceipt.hash``); it is
+  also the worker's proof of presence.
 - ``Presence``: a trainer's proof of presence in a round, published as the round opens: a trainer that cannot
   finish (a stage that emptied leaves it stalled) is still alive and must not be taken for dead. It earns
   nothing: credit needs a ``Commitment``.
@@ -30,6 +31,8 @@ from typing import Any, ClassVar
 from solders.keypair import Keypair
 
 from client.identity import verify
+from client.receipts import FIELDS as RECEIPT_FIELDS
+from client.receipts import SignedReceipt
 from coordinator_program.spec import derived
 from coordinator_program.spec.config import valid_run_id
 from coordinator_program.spec.state import CoordinatorState
@@ -79,43 +82,25 @@ def canonical(fields: dict[str, Any]) -> bytes:
     return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
-@dataclasses.dataclass(frozen=True)
-class ClaimedReceipt:
-    """A worker's receipt as a trainer quotes it in a commitment (the pipeline's ``Receipt``, field for field).
-
-    Its hash is the sha256 of the same canonical JSON the worker hashed, so a witness can match it against the
-    hashes workers reported without importing the pipeline.
-    """
-
-    trainer_id: str  # the trainer's public key (hex), as authenticated by the worker
-    microbatch_id: str
-    stage: str
-    worker_uid: str
-    sample_start: int  # the microbatch covers global sample indices [sample_start, sample_end)
-    sample_end: int
-    input_digest: str
-    grad_output_digest: str  # "" where the stage receives no gradient (the tail)
-    grad_input_digest: str  # "" where the stage returns none (the head)
-
-    @classmethod
-    def parse(cls, value: object) -> ClaimedReceipt:
-        names = {f.name for f in dataclasses.fields(cls)}
-        _require(isinstance(value, dict) and set(value) == names,
-                 f"a receipt must be an object with exactly the fields {', '.join(sorted(names))}")
-        receipt = cls(**value)  # type: ignore[arg-type]
-        _require(_is_hex(receipt.trainer_id, 32), "receipt.trainer_id must be a 64-hex public key")
-        for name in ("microbatch_id", "stage", "worker_uid"):
-            _require(_is_text(getattr(receipt, name)), f"receipt.{name} must be text of 1-{MAX_TEXT} characters")
-        _require(_is_number(receipt.sample_start) and _is_number(receipt.sample_end)
-                 and receipt.sample_start < receipt.sample_end, "receipt samples must be a non-empty range")
-        _require(_is_hex(receipt.input_digest, 32), "receipt.input_digest must be a sha256 hex digest")
-        for name in ("grad_output_digest", "grad_input_digest"):
-            digest = getattr(receipt, name)
-            _require(digest == "" or _is_hex(digest, 32), f"receipt.{name} must be a sha256 hex digest or empty")
-        return receipt
-
-    def hash(self) -> str:
-        return receipt_hash(canonical(dataclasses.asdict(self)))
+def parse_receipt(value: object) -> SignedReceipt:
+    """A signed receipt as a trainer files it in a commitment (``SignedReceipt.to_value``), checked field by field
+    (``RecordError`` naming the first bad one); whether its signature verifies is the judge's to ask."""
+    _require(isinstance(value, dict) and set(value) == set(RECEIPT_FIELDS),
+             f"a receipt must be an object with exactly the fields {', '.join(sorted(RECEIPT_FIELDS))}")
+    receipt = SignedReceipt(**value)  # type: ignore[arg-type]
+    for name in ("trainer_id", "worker"):
+        _require(_is_hex(getattr(receipt, name), 32), f"receipt.{name} must be a 64-hex public key")
+    for name in ("microbatch_id", "stage", "worker_uid", "run"):
+        _require(_is_text(getattr(receipt, name)), f"receipt.{name} must be text of 1-{MAX_TEXT} characters")
+    _require(_is_number(receipt.sample_start) and _is_number(receipt.sample_end)
+             and receipt.sample_start < receipt.sample_end, "receipt samples must be a non-empty range")
+    _require(_is_number(receipt.epoch) and _is_number(receipt.round), "receipt epoch and round must be numbers")
+    _require(_is_hex(receipt.input_digest, 32), "receipt.input_digest must be a sha256 hex digest")
+    for name in ("grad_output_digest", "grad_input_digest"):
+        digest = getattr(receipt, name)
+        _require(digest == "" or _is_hex(digest, 32), f"receipt.{name} must be a sha256 hex digest or empty")
+    _require(_is_hex(receipt.signature, 64), "receipt.signature must be 128 hex characters")
+    return receipt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +115,9 @@ class SignedRecord:
     epoch: int
 
     def signed_bytes(self) -> bytes:
-        fields = dataclasses.asdict(self)
-        del fields["signature"]
+        """The canonical JSON of every field but the signature (read as they are: ``dataclasses.asdict`` would deep-copy
+        a commitment's receipts, the bulk of a witness's time)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "signature"}
         return canonical({"kind": self.KIND, **fields})
 
     def digest(self) -> bytes:
@@ -193,7 +179,7 @@ class Commitment(SignedRecord):
     loss: float = 0.0
     tokens: int = 0
     seconds: float = 0.0  # how long the trainer measured training its share: the dashboard's tokens/s
-    receipts: tuple = ()  # every backward's receipt, as a JSON object with ClaimedReceipt's fields
+    receipts: tuple = ()  # every backward's receipt, signed by its worker (``SignedReceipt.to_value``)
 
     def check(self) -> None:
         super().check()
@@ -207,11 +193,11 @@ class Commitment(SignedRecord):
                  f"commitment.seconds must be 0 (not measured) or a finite number of at least {MIN_SECONDS:g}")
         self.claims()
 
-    def claims(self) -> tuple[ClaimedReceipt, ...]:
+    def claims(self) -> tuple[SignedReceipt, ...]:
         """The receipts, parsed and checked field by field (``RecordError`` on the first bad one)."""
         _require(isinstance(self.receipts, tuple) and len(self.receipts) <= MAX_RECEIPTS,
                  f"commitment.receipts must be a list of at most {MAX_RECEIPTS} receipts")
-        return tuple(ClaimedReceipt.parse(r) for r in self.receipts)
+        return tuple(parse_receipt(r) for r in self.receipts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +206,7 @@ class Report(SignedRecord):
     round: int = 0
     stage: int = 0
     uid: str = ""
-    receipts: tuple = ()  # receipt hashes (hex)
+    receipts: tuple = ()  # the hashes (hex) of the receipts the worker signed for the round
 
     def check(self) -> None:
         super().check()
@@ -240,10 +226,6 @@ class Presence(SignedRecord):
 @dataclasses.dataclass(frozen=True)
 class Ready(SignedRecord):
     KIND = "ready"
-
-
-def receipt_hash(receipt_bytes: bytes) -> str:
-    return hashlib.sha256(receipt_bytes).hexdigest()
 
 
 class Board:

@@ -57,24 +57,25 @@ def test_receipts_must_cover_the_range_exactly_once_in_every_stage() -> None:
     state, keys = run_with_keys()
     honest, trainer = shares(state)
     workers = workers_by_stage(state)
-    full = share_receipts(state, trainer)
+    full = share_receipts(state, keys, trainer)
     head = [r for r in full if r["stage"] == "head"]
     others = [r for r in full if r["stage"] != "head"]
-    redone = receipt(trainer.client, "head", uid_of(workers[0], 0), head[0]["sample_start"], head[0]["sample_end"],
+    redone = receipt(state, keys, trainer.client, workers[0], head[0]["sample_start"], head[0]["sample_end"],
                      microbatch="ran-again")  # a second, genuine run of the same samples
-    wider = receipt(trainer.client, "head", uid_of(workers[0], 0), trainer.end - 1, trainer.end + 3)
+    wider = receipt(state, keys, trainer.client, workers[0], trainer.end - 1, trainer.end + 3)
     cases = {
         "skip": others + head[1:],  # the head never ran the first microbatch
         "repeat": others + head + [redone],  # the head ran it twice (both reported)
         "end at": others + head[:-1] + [wider],  # the last head receipt runs past the range
-        "stage": full + [receipt(trainer.client, "body9", "body9.0.1", trainer.start, trainer.end)],
-        "not reported": others + head[:-1] + [{**head[-1], "worker_uid": uid_of(workers[1], 1)}],
+        "stage": full + [receipt(state, keys, trainer.client, workers[0], trainer.start, trainer.end, stage="body9")],
+        "did not sign": others + head[:-1] + [{**head[-1], "worker_uid": uid_of(workers[1], 1)}],
     }
+    honest_receipts = share_receipts(state, keys, honest)
     for why, receipts in cases.items():
         evidence = judge_round(state, {
-            honest.client.hex(): commitment(state, keys, honest, share_receipts(state, honest)),
+            honest.client.hex(): commitment(state, keys, honest, honest_receipts),
             trainer.client.hex(): commitment(state, keys, trainer, receipts),
-        }, reports_of(state, keys, share_receipts(state, honest) + [r for r in receipts if r["stage"] in STAGES]))
+        }, reports_of(state, keys, honest_receipts + [r for r in receipts if r["stage"] in STAGES]))
         assert counted(evidence, honest.client), why
         assert not counted(evidence, trainer.client) and why in evidence.why_missing[trainer.client], why
 

@@ -4,17 +4,22 @@ it against its author only, and every honest client is still counted."""
 from __future__ import annotations
 
 import pytest
+from solders.keypair import Keypair
 
+from client.receipts import Receipt, ReceiptRound, SignedReceipt
 from client.witness.judge import judge_round, judge_warmup
 from client.witness.records import MAX_RECEIPTS, MAX_TEXT, Commitment, Ready, RecordError, Report
 from coordinator_program.spec.state import Role
-from tests.witness.rounds import commitment, honest_round, receipt, report, run_with_keys, shares, workers_by_stage
+from tests.witness.rounds import DIGEST, commitment, honest_round, report, run_with_keys, shares, workers_by_stage
 
-A_RECEIPT = receipt(b"\x01" * 32, "head", "head.0.1", 0, 1)
+A_RECEIPT = SignedReceipt.sign(Keypair(), Receipt("01" * 32, "m", "head", "head.0.1", 0, 1, DIGEST, DIGEST, ""),
+                               ReceiptRound("run.0123456789abcdef", 0, 0)).to_value()
 MALFORMED_RECEIPTS = [
     7, [[1, 2]], [[{}, "u", {}]], [{}],  # the values of issue 11 that made judge_round raise, killing the witness
     "abc", None, [{"trainer_id": 1}], [{**A_RECEIPT, "extra": 1}], [{**A_RECEIPT, "sample_end": 0}],
     [{**A_RECEIPT, "worker_uid": "h" * 999}], [{**A_RECEIPT, "input_digest": "AB" * 32}],
+    [{**A_RECEIPT, "worker": "w"}], [{**A_RECEIPT, "signature": "00"}], [{**A_RECEIPT, "epoch": "0"}],
+    [{**A_RECEIPT, "round": -1}], [{**A_RECEIPT, "run": ""}],
     [A_RECEIPT] * (MAX_RECEIPTS + 1),
 ]
 MALFORMED_FIELDS = [{"loss": float("nan")}, {"loss": float("inf")}, {"loss": -1.0}, {"loss": "0.001"},

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
+import dataclasses
 import logging
 import time
 from types import SimpleNamespace
@@ -20,14 +20,15 @@ from client.backends.base import Backend
 from client.contributor.context import RunnerOptions
 from client.contributor.rounds import RoundKey
 from client.contributor.runner import Contributor
+from client.contributor.witnessing import REPORT_GRACE, report_grace
 from client.contributor.worker import OpenRound, WorkerRole
+from client.receipts import SignedReceipt
 from client.sealed import store_sealed
 from client.witness.records import RECORD_TTL, Board, Commitment, Report
 from coordinator_program.spec import derived, rules
 from coordinator_program.spec.instructions import Instruction, Witness, apply
 from coordinator_program.spec.state import CoordinatorState, Phase, Role
 from tests.witness.rounds import (
-    STAGES,
     hash_of,
     honest_round,
     receipt,
@@ -35,6 +36,7 @@ from tests.witness.rounds import (
     share_receipts,
     shares,
     uid_of,
+    workers_by_stage,
 )
 
 
@@ -81,21 +83,29 @@ class IssuedReceipts:
 
     def drain_receipts(self) -> list:
         drained, self.pending = self.pending, []
-        return [SimpleNamespace(to_bytes=lambda r=r: json.dumps(r, sort_keys=True, separators=(",", ":")).encode())
-                for r in drained]
+        return [SignedReceipt(**r) for r in drained]
+
+    def close_round(self) -> None:
+        """Nothing under way: every receipt issued is pending already."""
 
 
-def witnessing_worker(run_id: str, dht):
-    """A run in RoundTrain, every record but the contributor's own report published, and the contributor: a
-    worker elected to witness the round."""
+def late_worker(state: CoordinatorState, me: bytes) -> bytes:
+    """A worker other than ``me`` whose receipts the round's commitments hold."""
+    return next(w for w in workers_by_stage(state).values() if w != me)
+
+
+def witnessing_worker(run_id: str, dht, hold_one: bool = False):
+    """A run in RoundTrain, every record but the contributor's own report (and, if ``hold_one``, the
+    ``late_worker``'s) published, and the contributor: a worker elected to witness the round."""
     state, keys = run_with_keys(run_id=run_id)
     me = next((w for w in derived.witnesses(state) if state.clients[state.client_index(w)].role == Role.Worker), None)
     assert me is not None, "the run's config elects no worker to witness"
     stage = state.clients[state.client_index(me)].stage
     commitments, reports = honest_round(state, keys)
+    held = {late_worker(state, me)} if hold_one else set()
     board = Board(dht, state)
     for author, record in [*commitments.items(), *reports.items()]:
-        if author != me.hex():
+        if author != me.hex() and bytes.fromhex(author) not in held:
             assert board.publish(record, keys[bytes.fromhex(author)])
     backend = SpecBackend(state, keys[me])
     contributor = Contributor(backend, keys[me], RunnerOptions(role=Role.Worker, initial_peers=[]))
@@ -106,7 +116,7 @@ def witnessing_worker(run_id: str, dht):
     role.stage = stage
     role.replica = SimpleNamespace(worker=worker)  # type: ignore[assignment]
     role.open_round = OpenRound(RoundKey(state.epoch, state.round.height), state.step)
-    mine = [r for s in shares(state) for r in share_receipts(state, s) if r["worker_uid"] == worker.uid]
+    mine = [r for s in shares(state) for r in share_receipts(state, keys, s) if r["worker_uid"] == worker.uid]
     return state, keys, board, backend, contributor, worker, me, mine
 
 
@@ -133,7 +143,7 @@ def test_a_witness_loop_that_fails_is_restarted_and_reports_keep_flowing(dht, ru
             worker.pending += mine
             await eventually(lambda: reported(board, me) == {hash_of(r) for r in mine}, "the first report")
             await eventually(lambda: backend.broken_proofs == 0, "the proof that breaks")
-            late = receipt(shares(state)[0].client, STAGES[contributor.role.stage], worker.uid, 0, 1, "late")
+            late = receipt(state, keys, shares(state)[0].client, me, 0, 1, "late")
             worker.pending.append(late)
             await eventually(lambda: hash_of(late) in reported(board, me), "the report after the failure")
             await eventually(lambda: backend.state.round.witness_count == 1, "the proof, sent again")
@@ -175,3 +185,34 @@ def test_a_malformed_commitment_in_the_dht_silences_no_witness(dht, run_id, rece
     assert backend.state.presence_votes[backend.state.client_index(honest.client)] == 1
     assert backend.state.presence_votes[backend.state.client_index(attacker.client)] == 0
     assert backend.state.presence_votes[backend.state.client_index(me)] == 1
+
+
+def test_a_witness_at_round_witness_waits_for_a_workers_last_report(dht, run_id) -> None:
+    """A worker's receipts count for its trainers without its report; its report is its presence. A witness that
+    proved the moment RoundWitness began would leave out a worker whose last report is still on its way (and, had
+    it reported part of its receipts, charge it): the proof waits ``REPORT_GRACE`` for it, where the
+    round's witness time leaves room (here 10 s)."""
+    state, keys, board, backend, contributor, worker, me, mine = witnessing_worker(run_id, dht, hold_one=True)
+    state.config = dataclasses.replace(state.config, round_witness_time=10)  # the backend's state, not started yet
+    assert report_grace(state.config) == REPORT_GRACE
+    late = late_worker(state, me)
+    _, reports = honest_round(state, keys)  # the same records: signatures and ids are deterministic
+
+    async def scenario() -> None:
+        worker.pending += mine
+        contributor.start_background()
+        try:
+            await eventually(lambda: reported(board, me) == {hash_of(r) for r in mine}, "the witness's own report")
+            await backend.enter_round_witness()
+            await asyncio.sleep(0.6)  # past the first poll in RoundWitness, within the grace
+            assert backend.state.round.witness_count == 0, "the proof waits for the late worker's report"
+            assert await asyncio.to_thread(board.publish, reports[late.hex()], keys[late])
+            await eventually(lambda: backend.state.round.witness_count == 1, "the round's proof")
+        finally:
+            contributor.tasks.stop()
+
+    asyncio.run(scenario())
+    assert REPORT_GRACE > 0.6
+    assert report_grace(dataclasses.replace(state.config, round_witness_time=2)) == 0, "no grace a proof could miss"
+    assert backend.state.presence_votes[backend.state.client_index(late)] == 1, "the late worker is present"
+    assert backend.state.compute_votes[backend.state.client_index(late)] == 1, "and its work counted"

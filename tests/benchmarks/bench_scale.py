@@ -38,7 +38,7 @@ from coordinator_program.spec.state import ACCOUNT_SIZE, CoordinatorState, Phase
 from tests.benchmarks import bench_broadcast, program_compute_units
 from tests.program.coordinator_chain import ProgramChain
 from tests.spec.scenario import new_run
-from tests.witness.rounds import MICROBATCH, STAGES, hash_of, receipt
+from tests.witness.rounds import MICROBATCH, STAGES, hash_of, receipt, uid_of
 
 SIZES = (64, 256, limits.MAX_CLIENTS)
 WITNESS_TIME = 30
@@ -92,15 +92,15 @@ def judged_round(workers_per_stage: int, trainers: int) -> tuple[CoordinatorStat
     rules.tick(state, config.warmup_time, 6)
     assert state.phase == Phase.RoundTrain and len(state.clients) == len(keys)
     by_stage = [[c.id for c in state.clients if c.role == Role.Worker and c.stage == s] for s in range(len(STAGES))]
-    uid = {w: f"{STAGES[s]}.0.{i}" for s, ws in enumerate(by_stage) for i, w in enumerate(ws)}
+    uid = {w: uid_of(w, s) for s, ws in enumerate(by_stage) for w in ws}
     issued: dict[bytes, list[str]] = {w: [] for ws in by_stage for w in ws}
     commitments = {}
     for t, share in enumerate(s for s in derived.data_assignment(state) if s.size):
         receipts = []
         for start in range(share.start, share.end, MICROBATCH):
-            for s, stage_workers in enumerate(by_stage):
+            for stage_workers in by_stage:
                 worker = stage_workers[t % len(stage_workers)]
-                r = receipt(share.client, STAGES[s], uid[worker], start, min(start + MICROBATCH, share.end))
+                r = receipt(state, keys, share.client, worker, start, min(start + MICROBATCH, share.end))
                 receipts.append(r)
                 issued[worker].append(hash_of(r))
         commitments[share.client.hex()] = Commitment.create(

@@ -16,6 +16,7 @@ from client.pipeline.compute import StageCompute
 from client.pipeline.device import DeviceError, compute_dtype, parse_device
 from client.pipeline.messages import decode_message
 from client.pipeline.optim import OptimizerConfig
+from client.receipts import ReceiptRound, SignedReceipt
 from tests.pipeline.conftest import TINY, signed_request
 
 TRAINER = Keypair()
@@ -72,7 +73,9 @@ def test_a_cpu_stage_computes_and_keeps_everything_in_float32() -> None:
                                                           backward=False)), max_elements=10**6)
     assert out["output"].dtype == torch.float32 and torch.equal(out["output"], expected.detach())
     payload = signed_request(TRAINER, "body1", "Backward", {"input": x, "grad_output": grad})
-    response, _ = compute.backward(compute.parse(payload, backward=True))
+    worker, round_ = Keypair(), ReceiptRound("psyswarm", 0, 0)
+    response, _ = compute.backward(compute.parse(payload, backward=True),
+                                   lambda work: SignedReceipt.sign(worker, work, round_))
     _, back = decode_message(response, max_elements=10**6)
     assert back["grad_input"].dtype == torch.float32
     assert compute.step().applied

@@ -118,12 +118,12 @@ class Concurrency:
         self._lock = threading.Lock()
         inner = trainer._microbatch
 
-        def counted(indices: list[int]):
+        def counted(indices: list[int], *rest: object):
             with self._lock:
                 self.now += 1
                 self.peak = max(self.peak, self.now)
             try:
-                return inner(indices)
+                return inner(indices, *rest)
             finally:
                 with self._lock:
                     self.now -= 1

@@ -133,7 +133,7 @@ def test_backward_fails_over_when_its_forward_worker_is_lost(fault, start_worker
         ran_on_victim.add(request.microbatch_id)
         return victim_forward(request)
 
-    def backward(request):
+    def backward(request, sign):
         # The tail's Backward comes after every forward of its microbatch and before body1's backward.
         if not lost and request.microbatch_id in ran_on_victim:
             lost.append(request.microbatch_id)
@@ -141,7 +141,7 @@ def test_backward_fails_over_when_its_forward_worker_is_lost(fault, start_worker
                 victim.stop(leave=False, grace=0)  # its DHT record stays, as when a machine dies
             else:
                 trainer.routers["body1"].ban(victim.uid)
-        return tail_backward(request)
+        return tail_backward(request, sign)
 
     victim.compute.forward, tail.compute.backward = forward, backward
     with caplog.at_level(logging.INFO, logger="client.pipeline"):
@@ -165,11 +165,11 @@ def test_backward_runs_the_forward_again_after_its_worker_stepped(start_worker, 
     stepped: list[str] = []
     tail_backward = tail.compute.backward
 
-    def backward(request):
+    def backward(request, sign):
         if not stepped:  # between body1's forward and its backward of this microbatch
             stepped.append(request.microbatch_id)
             body.step()
-        return tail_backward(request)
+        return tail_backward(request, sign)
 
     tail.compute.backward = backward
     with caplog.at_level(logging.INFO, logger="client.pipeline"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -10,9 +11,9 @@ import pytest
 import torch
 from solders.keypair import Keypair
 
-from client.identity import verify
 from client.pipeline.messages import decode_message, encode_message
 from client.pipeline.rpc import StageClient
+from client.pipeline.trainer import receipt_of
 from client.pipeline.worker import StageWorker
 
 from .conftest import TINY, signed_request
@@ -140,11 +141,11 @@ def test_every_method_answers_a_valid_request(workers) -> None:
     assert (receipt.trainer_id, receipt.sample_start, receipt.sample_end) == (bytes(TRAINER.pubkey()).hex(), 0, B)
     assert receipt.grad_input_digest == tail_meta["receipt.grad_input_digest"]
     assert started["tail"].drain_receipts() == []
-    # The canonical bytes are what the client signs for witnesses, with the worker's identity.
-    signature = bytes(started["tail"].keypair.sign_message(receipt.to_bytes()))
-    assert verify(started["tail"].pubkey, receipt.to_bytes(), signature)
-    altered = receipt.to_bytes().replace(b'"sample_end":2', b'"sample_end":3')
-    assert altered != receipt.to_bytes() and not verify(started["tail"].pubkey, altered, signature)
+    # The answer carries the receipt the worker signed, with its identity, for the round it serves (standalone: 0).
+    assert receipt_of(tail_meta) == receipt and receipt.worker == started["tail"].pubkey.hex() and receipt.verifies()
+    assert (receipt.epoch, receipt.round) == (0, 0)
+    altered = dataclasses.replace(receipt, sample_end=B + 1)
+    assert altered.signature == receipt.signature and not altered.verifies()
 
     before = [p.clone() for p in started["tail"].parameters()]
     stats = started["tail"].step()

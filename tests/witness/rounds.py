@@ -1,13 +1,14 @@
 """Building blocks for witness tests: a run in RoundTrain whose clients hold real keys, and the signed records an
-honest round produces (every trainer's receipts, in full, reported by the workers that issued them)."""
+honest round produces (every trainer's receipts, in full and signed by the workers that issued them, reported by
+those workers)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
+import dataclasses
 
 from solders.keypair import Keypair
 
+from client.receipts import Receipt, ReceiptRound, SignedReceipt
 from client.stages import own_uid
 from client.witness.records import Commitment, Report
 from coordinator_program.spec import derived, limits, rules
@@ -43,17 +44,29 @@ def uid_of(worker: bytes, stage: int) -> str:
     return own_uid(STAGES[stage], worker)
 
 
-def receipt(trainer: bytes, stage: str, uid: str, start: int, end: int, microbatch: str = "") -> dict:
-    """A receipt as the runner quotes it (``dataclasses.asdict`` of the pipeline's Receipt)."""
-    return {"trainer_id": trainer.hex(), "microbatch_id": microbatch or f"{trainer.hex()[:8]}-{start}",
-            "stage": stage, "worker_uid": uid, "sample_start": start, "sample_end": end, "input_digest": DIGEST,
-            "grad_output_digest": "" if stage == "tail" else DIGEST,
-            "grad_input_digest": "" if stage == "head" else DIGEST}
+def receipt_round(state: CoordinatorState) -> ReceiptRound:
+    """The round a worker signs its receipts for while ``state`` is in it."""
+    return ReceiptRound(derived.run_instance(state), state.epoch, state.round.height)
+
+
+def receipt(state: CoordinatorState, keys: dict[bytes, Keypair], trainer: bytes, worker: bytes, start: int,
+            end: int, microbatch: str = "", **changes: object) -> dict:
+    """A receipt for samples ``[start, end)`` that ``worker`` signed for ``trainer`` in ``state``'s round, as the
+    trainer files it (``SignedReceipt.to_value``); ``changes`` alter its fields (its round, say) before signing."""
+    stage = next(c.stage for c in state.clients if c.id == worker)
+    name = STAGES[stage]
+    work = dict(trainer_id=trainer.hex(), microbatch_id=microbatch or f"{trainer.hex()[:8]}-{start}", stage=name,
+                worker_uid=uid_of(worker, stage), sample_start=start, sample_end=end, input_digest=DIGEST,
+                grad_output_digest="" if name == "tail" else DIGEST, grad_input_digest="" if name == "head" else DIGEST)
+    round_ = dataclasses.asdict(receipt_round(state))
+    work.update({k: v for k, v in changes.items() if k in work})
+    round_.update({k: v for k, v in changes.items() if k in round_})
+    return SignedReceipt.sign(keys[worker], Receipt(**work), ReceiptRound(**round_)).to_value()  # type: ignore
 
 
 def hash_of(receipt_: dict) -> str:
-    """The hash a worker reports: sha256 of the receipt's canonical JSON, as ``Receipt.to_bytes`` writes it."""
-    return hashlib.sha256(json.dumps(receipt_, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    """The hash a worker reports: ``SignedReceipt.hash``."""
+    return SignedReceipt(**receipt_).hash()
 
 
 def workers_by_stage(state: CoordinatorState) -> dict[int, bytes]:
@@ -65,9 +78,9 @@ def workers_by_stage(state: CoordinatorState) -> dict[int, bytes]:
     return found
 
 
-def share_receipts(state: CoordinatorState, share: Assignment) -> list[dict]:
+def share_receipts(state: CoordinatorState, keys: dict[bytes, Keypair], share: Assignment) -> list[dict]:
     """The receipts of an honest trainer's share: each stage's worker ran every microbatch once."""
-    return [receipt(share.client, STAGES[stage], uid_of(worker, stage), start, min(start + MICROBATCH, share.end))
+    return [receipt(state, keys, share.client, worker, start, min(start + MICROBATCH, share.end))
             for start in range(share.start, share.end, MICROBATCH)
             for stage, worker in sorted(workers_by_stage(state).items())]
 
@@ -91,8 +104,7 @@ def reports_of(state: CoordinatorState, keys: dict[bytes, Keypair], receipts: li
     """Every worker's report of the receipts it issued among ``receipts`` (an empty one if none)."""
     issued: dict[bytes, list[str]] = {c.id: [] for c in state.clients if c.role == Role.Worker}
     for r in receipts:
-        worker = next(w for s, w in workers_by_stage(state).items() if uid_of(w, s) == r["worker_uid"])
-        issued[worker].append(hash_of(r))
+        issued[bytes.fromhex(r["worker"])].append(hash_of(r))
     return {w.hex(): report(state, keys, w, hashes) for w, hashes in issued.items()}
 
 
@@ -103,6 +115,6 @@ def shares(state: CoordinatorState) -> list[Assignment]:
 
 def honest_round(state: CoordinatorState, keys: dict[bytes, Keypair]):
     """Every trainer commits its assigned range with its receipts, and every worker reports them."""
-    receipts = {s.client: share_receipts(state, s) for s in shares(state)}
+    receipts = {s.client: share_receipts(state, keys, s) for s in shares(state)}
     commitments = {s.client.hex(): commitment(state, keys, s, receipts[s.client]) for s in shares(state)}
     return commitments, reports_of(state, keys, [r for rs in receipts.values() for r in rs])

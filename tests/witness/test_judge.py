@@ -1,4 +1,5 @@
-"""What a witness counts: signed, assigned, receipt-confirmed commitments; and the filters it builds."""
+"""What a witness counts: signed, assigned commitments proven by worker-signed receipts; and the filters it
+builds."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from solders.keypair import Keypair
 
 from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
-from client.witness.records import ClaimedReceipt, Commitment, Ready, RecordError, Report
+from client.witness.records import Commitment, Ready, RecordError, Report, parse_receipt
 from coordinator_program.spec.bloom import batch_key, contains_raw, participant_key
 from coordinator_program.spec.state import Role
 from tests.spec.scenario import SMALL
@@ -53,14 +54,15 @@ def test_wrong_range_forgery_and_unconfirmed_receipts_are_not_counted() -> None:
     assert not {first.client, second.client} & evidence.participants
 
 
-def test_receipts_must_be_reported_by_the_worker_of_that_stage() -> None:
+def test_a_worker_reporting_none_of_its_receipts_is_charged_and_the_trainers_still_counted() -> None:
     state, keys = run_with_keys()
     commitments, reports = honest_round(state, keys)
     head = workers_by_stage(state)[0]
     reports[head.hex()] = report(state, keys, head, [])
     evidence = judge_round(state, commitments, reports)
-    assert not evidence.complete and head in evidence.participants, "present, but confirms no batch"
-    assert all("not reported" in why for why in evidence.why_missing.values())
+    assert not evidence.complete and head in evidence.participants, "present, but charged"
+    assert evidence.missing == [] and {s.client for s in shares(state)} <= evidence.computed
+    assert head not in evidence.computed and "left 6 receipts" in evidence.charged[head]
     body = workers_by_stage(state)[1]
     lying = report(state, keys, body, ["ab" * 32], stage=2, uid="tail.0.2")
     assert body not in judge_round(state, {}, {body.hex(): lying}).participants
@@ -75,12 +77,14 @@ def test_warmup_and_health_targets() -> None:
 
 
 def test_records_round_trip_and_reject_malformed_values() -> None:
+    state, keys = run_with_keys()
     key = Keypair()
     trainer = bytes(key.pubkey())
     record = Commitment.create(key, run_id="run", epoch=1, round=2, start=3, end=4, loss=1.5, tokens=9,
-                               receipts=(receipt(trainer, "head", "head.0.1", 3, 4),))
+                               receipts=(receipt(state, keys, trainer, workers_by_stage(state)[0], 3, 4),))
     assert Commitment.from_value(record.to_value()) == record and record.verifies()
-    assert ClaimedReceipt.parse(record.receipts[0]).hash() == hash_of(record.receipts[0])
+    claim = parse_receipt(record.receipts[0])
+    assert claim.hash() == hash_of(record.receipts[0]) and claim.verifies()
     for bad in ({}, {"author": 1}, {**record.to_value(), "epoch": "1"}, {**record.to_value(), "extra": 0}):
         with pytest.raises(RecordError):
             Commitment.from_value(bad)

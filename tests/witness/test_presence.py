@@ -9,7 +9,7 @@ from client.witness.records import Presence
 from coordinator_program.spec.bloom import contains_raw, participant_key
 from coordinator_program.spec.state import Role
 from tests.spec.scenario import SMALL
-from tests.witness.rounds import commitment, honest_round, report, run_with_keys, shares, workers_by_stage
+from tests.witness.rounds import commitment, honest_round, run_with_keys, shares, workers_by_stage
 
 
 def presence(state, keys, client: bytes, **changes: object) -> Presence:
@@ -55,10 +55,10 @@ def test_a_presence_counts_only_for_its_author_as_a_trainer_of_this_round() -> N
         assert trainer not in judge_round(state, {}, {}, {trainer.hex(): stale}).participants
 
 
-def test_a_false_commitment_voids_the_presence_but_an_unreported_receipt_does_not() -> None:
+def test_a_false_commitment_voids_the_presence_but_a_worker_that_died_costs_its_trainers_nothing() -> None:
     """A copier quotes the receipts another trainer was issued: it signed a lie, and its presence counts for
-    nothing (the health checks remove it). A trainer whose worker died before reporting its last receipt is
-    merely unconfirmed, and stays present."""
+    nothing (the health checks remove it). A trainer whose worker died before reporting what it issued holds that
+    worker's signed receipts: it is counted in full; the dead worker is absent, and earns nothing."""
     state, keys = run_with_keys()
     commitments, reports = honest_round(state, keys)
     copier, victim = shares(state)
@@ -71,10 +71,9 @@ def test_a_false_commitment_voids_the_presence_but_an_unreported_receipt_does_no
 
     state, keys = run_with_keys()
     commitments, reports = honest_round(state, keys)
-    unlucky = shares(state)[0]
     body = workers_by_stage(state)[1]
-    reports[body.hex()] = report(state, keys, body, [])  # it died before reporting what it issued
-    presences = {unlucky.client.hex(): presence(state, keys, unlucky.client)}
-    evidence = judge_round(state, commitments, reports, presences)
-    assert unlucky.client in evidence.participants and unlucky.client not in evidence.losses
-    assert "not reported" in evidence.why_missing[unlucky.client]
+    del reports[body.hex()]  # it died before reporting what it issued
+    evidence = judge_round(state, commitments, reports)
+    assert {s.client for s in shares(state)} <= evidence.computed and evidence.missing == []
+    assert body not in evidence.participants | evidence.computed and body not in evidence.charged
+    assert not evidence.complete and evidence.unreported == {body}, "a witness waits for its report till RoundWitness"
