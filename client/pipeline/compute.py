@@ -22,7 +22,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import torch
+from solders.keypair import Keypair
 
+from client.answers import META_ANSWER, META_SIGNATURE, answer_digest, question_digest, sign
 from client.pipeline.admission import GradientBound, GradientRefused, RequestHeader, authenticate, read_header
 from client.pipeline.device import autocast
 from client.pipeline.messages import (
@@ -120,9 +122,12 @@ class StageCompute:
         max_batch_size: int,
         wire_codec: str = DEFAULT_CODEC,
         device: torch.device | str = "cpu",
+        signer: Keypair | None = None,
     ) -> None:
         """``wire_codec`` is the run's (``wire``): the only one this stage accepts and answers in. The module and
-        its optimizer state live on ``device`` in float32; computation there uses ``device.autocast``."""
+        its optimizer state live on ``device`` in float32; computation there uses ``device.autocast``. ``signer``
+        (the worker's identity) signs the digest of every answer (``client.answers``), so that a trainer can hold a
+        wrong one against it; ``None`` answers unsigned."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         self.wire_codec = codec_name(wire_codec)
@@ -131,6 +136,7 @@ class StageCompute:
         self.uid = uid
         self.run_id = run_id
         self.max_batch_size = max_batch_size
+        self.signer = signer
         self.module = build_stage(config, stage)
         self.device = torch.device(device)
         self.module.to(self.device)  # before the optimizer, whose state follows its parameters
@@ -246,8 +252,22 @@ class StageCompute:
         with self.lock, torch.no_grad(), autocast(self.device):
             out = self.module(self._as_input(request.inputs), self._on_device(request.targets))
         if self.module.is_tail:
-            return encode_message({"loss": float(out)}, {})
-        return encode_message({}, {"output": to_wire(out.cpu(), request.wire_codec)})
+            meta: dict[str, object] = {"loss": float(out)}
+            return encode_message(self._signed(request, meta, {}), {})
+        tensors = {"output": to_wire(out.cpu(), request.wire_codec)}
+        return encode_message(self._signed(request, {}, tensors), tensors)
+
+    def _signed(self, request: StageRequest, meta: dict[str, object], tensors: dict[str, WireTensor],
+                digests: Mapping[str, str] | None = None) -> dict[str, object]:
+        """``meta`` with this worker's signed answer added (``client.answers``); ``digests`` are the tensors' if
+        already computed."""
+        if self.signer is None:
+            return meta
+        digests = digests if digests is not None else {name: tensor_digest(t) for name, t in tensors.items()}
+        loss = meta.get("loss")
+        answer = answer_digest(digests, loss if isinstance(loss, float) else None)
+        signed = sign(self.signer, question_digest(asdict(request.header)), answer)
+        return {**meta, META_ANSWER: signed.answer, META_SIGNATURE: signed.signature}
 
     def backward(self, request: StageRequest) -> tuple[bytes, Receipt]:
         """Recompute the forward pass, check the parameter gradients, accumulate them, return the input gradient.
@@ -308,7 +328,8 @@ class StageCompute:
             grad_input_digest=grad_input_digest,
         )
         meta.update({f"receipt.{k}": v for k, v in asdict(receipt).items()})
-        return encode_message(meta, tensors), receipt
+        digests = {"grad_input": grad_input_digest} if grad_input is not None else {}
+        return encode_message(self._signed(request, meta, tensors, digests), tensors), receipt
 
     def step(self) -> StepStats:
         """Apply and clear the gradients accumulated since the last step (not applied if the result would be

@@ -30,6 +30,7 @@ only when a stage has no usable worker at all.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -44,6 +45,7 @@ from solders.keypair import Keypair
 
 from client.data import SampleDataset
 from client.pipeline.admission import RequestHeader, encode_request, now_ms
+from client.pipeline.checks import SIGNED, Checker, CheckPolicy, Reply, signed_answer
 from client.pipeline.compute import Receipt, input_digest
 from client.pipeline.data import microbatches
 from client.pipeline.discovery import WorkerRecord
@@ -129,12 +131,14 @@ class PipelineTrainer:
         max_inflight: int | None = None,
         refresh_period: float = 2.0,
         stall_log_period: float = 10.0,
+        checks: CheckPolicy | None = None,
     ) -> None:
         """``keypair`` signs every request (a fresh identity if omitted, which only workers serving any signed
         trainer accept) for the run ``run_id``, its activations in the run's ``wire_codec``. ``stall_timeout=None``
         waits for a missing stage forever. ``max_inflight`` microbatches run at once, keeping several stages busy
         (pipeline parallelism); ``None`` chooses the number from what the trainer's own calls measured, the
-        pipeline's bandwidth-delay product (``inflight``), within a memory budget."""
+        pipeline's bandwidth-delay product (``inflight``), within a memory budget. ``checks`` asks a second replica
+        the questions of a share of the microbatches and settles disagreements (``checks``); None checks nothing."""
         if dataset.seq_len != config.seq_len:
             raise ValueError(f"dataset seq_len {dataset.seq_len} differs from the model's {config.seq_len}")
         if (max_inflight is not None and max_inflight < 1) or max_attempts < 1:
@@ -155,6 +159,7 @@ class PipelineTrainer:
         self.finder = StageFinder(directory, self.stages, ban_seconds=ban_seconds, stall_timeout=stall_timeout,
                                   refresh_period=refresh_period, stall_log_period=stall_log_period)
         self.routers = self.finder.routers
+        self.checker = Checker(checks, self.routers) if checks is not None else None
         self.bytes_sent = 0
         self.bytes_received = 0
         self._clients: dict[str, StageClient] = {}
@@ -223,15 +228,24 @@ class PipelineTrainer:
         forward_records: dict[str, WorkerRecord] = {}
         workers: dict[str, str] = {}
         unsent: set[str] = set()  # stages whose forward ran and whose backward was not yet sent
+        checked = self.checker is not None and self.checker.chosen(micro.id)
+        partners: dict[str, WorkerRecord | None] = {}  # the replica that answered a checked Forward, per stage
         try:
             for stage in self.stages[:-1]:
-                record, _, out = self._call(stage, micro, False, {"input": inputs[-1]})
+                reply = self._call(stage, micro, False, {"input": inputs[-1]})
+                if checked:
+                    reply, partners[stage] = self._checked(stage, micro, False, {"input": inputs[-1]}, reply, None)
+                record, _, out = reply
                 forward_records[stage] = record
                 unsent.add(stage)
                 inputs.append(out["output"])
             receipts: dict[str, Receipt] = {}
             tail = self.stages[-1]
-            record, meta, out = self._call(tail, micro, True, {"input": inputs[-1], "targets": targets})
+            tensors = {"input": inputs[-1], "targets": targets}
+            reply = self._call(tail, micro, True, tensors)
+            if checked:
+                reply, _ = self._checked(tail, micro, True, tensors, reply, None)
+            record, meta, out = reply
             loss = float(meta["loss"])
             workers[tail], receipts[tail] = record.uid, receipt_of(meta)
             grad = out["grad_input"]
@@ -239,19 +253,53 @@ class PipelineTrainer:
                 stage = self.stages[position]
                 tensors = {"input": inputs[position], "grad_output": grad}
                 unsent.remove(stage)  # from here its call releases its own charge if it fails
-                record, meta, out = self._call(stage, micro, True, tensors, affinity=forward_records[stage])
+                reply = self._call(stage, micro, True, tensors, affinity=forward_records[stage])
+                if checked and position > 0:  # a head's Backward returns nothing to compare
+                    reply, _ = self._checked(stage, micro, True, tensors, reply, partners.pop(stage, None))
+                record, meta, out = reply
                 workers[stage], receipts[stage] = record.uid, receipt_of(meta)
                 grad = out.get("grad_input")
         except BaseException:
             # A forward's choice was charged with its backward too; a microbatch that fails releases the
-            # backwards it will never send.
+            # backwards it will never send, a checked one its partners' too.
             backward_cost = targets.numel() * BACKWARD_COST
             for stage in unsent:
                 self.routers[stage].release(forward_records[stage].uid, backward_cost)
+                if (partner := partners.get(stage)) is not None:
+                    self.routers[stage].release(partner.uid, backward_cost)
             raise
         log.debug("microbatch %s: loss %.4f via %s", micro.id, loss, workers)
         forward_workers = {stage: record.uid for stage, record in forward_records.items()}
         return MicrobatchResult(micro.id, tuple(indices), loss, workers, forward_workers, receipts)
+
+    def _checked(self, stage: str, micro: _Microbatch, backward: bool, tensors: dict[str, WireTensor],
+                 first: tuple[WorkerRecord, dict[str, object], dict[str, WireTensor]],
+                 partner: WorkerRecord | None) -> tuple[tuple[WorkerRecord, dict[str, object], dict[str, WireTensor]],
+                                                       WorkerRecord | None]:
+        """``first`` compared with another replica's answer to the same question (``checks.Checker.check``): the
+        answer to continue with, and the replica to ask this stage's Backward of the microbatch."""
+        assert self.checker is not None
+        batch, length = tensors["input"].shape[:2]
+        costs = {False: batch * length * 1.0, True: batch * length * BACKWARD_COST}
+        is_head, is_tail = stage == self.stages[0], stage == self.stages[-1]
+
+        def ask(other: WorkerRecord, charge: float, forward_first: bool) -> Reply | None:
+            owed = charge
+            try:
+                if forward_first:
+                    self._exchange(stage, other, micro, False, {"input": tensors["input"]}, costs[False])
+                    owed -= costs[False]
+                meta, out = self._exchange(stage, other, micro, backward, tensors, costs[backward])
+            except (grpc.RpcError, MessageError, _BadResponse, KeyError, TypeError, ValueError) as exc:
+                self.routers[stage].release(other.uid, owed)
+                log.info("check of %s's %s on %s not made: %s", stage, micro.id, other.uid, exc)
+                return None
+            return Reply(other, meta, out)
+
+        reply, partner = self.checker.check(stage, micro.id, backward, Reply(*first), partner, ask, costs,
+                                            then_backward=not backward and not is_head,
+                                            forward_first=backward and not is_tail)
+        return (reply.record, reply.meta, reply.out), partner
 
     # ----- one call, with routing, retries and bans -----
 
@@ -359,6 +407,7 @@ class PipelineTrainer:
         )
         meta, out = decode_message(response, max_elements=batch * length * self.config.d_model)
         check_response(header, record, tensors, meta, out, stages=self.stages, d_model=self.config.d_model)
+        meta[SIGNED] = signed_answer(dataclasses.asdict(header), record, meta, out)
         answered = router.clock()
         router.report(record.uid, cost, sent, answered)
         self.meter.record(stage, backward, record.uid, sent, answered)
