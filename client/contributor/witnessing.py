@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from client.contributor.context import ClientContext
 from client.contributor.rounds import RoundKey
 from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
-from client.witness.records import Commitment, Presence, Ready, Report, members
+from client.witness.records import Accusation, Commitment, Presence, Ready, Report, members
 from coordinator_program.spec import derived
 from coordinator_program.spec.errors import CoordinatorError, WrongPhase
 from coordinator_program.spec.state import CoordinatorState, Phase
@@ -62,7 +62,8 @@ class Witnessing:
             commitments = await asyncio.to_thread(board.fetch, Commitment, state.epoch, height, counted)
             reports = await asyncio.to_thread(board.fetch, Report, state.epoch, height, counted)
             presences = await asyncio.to_thread(board.fetch, Presence, state.epoch, height, counted)
-            evidence = judge_round(state, commitments, reports, presences)  # type: ignore[arg-type]
+            accusations = await asyncio.to_thread(board.fetch, Accusation, state.epoch, height, counted)
+            evidence = judge_round(state, commitments, reports, presences, accusations)  # type: ignore[arg-type]
         if not evidence.complete and state.phase != Phase.RoundWitness:
             return
         parts = evidence.filters(state)
