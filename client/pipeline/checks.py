@@ -175,10 +175,10 @@ def settle(replies: list[Reply], tolerance: float) -> tuple[Reply | None, list[R
     return groups[0][0], [r for g in groups[1:] for r in g]
 
 
-Ask = Callable[[WorkerRecord, float, bool], "Reply | None"]
-"""The trainer's question at hand put to another replica: ``(record, charge, forward_first)`` → its checked reply,
-or None when the call fails (``charge``, what choosing ``record`` charged it, then released). ``forward_first``
-runs the microbatch's Forward there first (a head or body Backward needs its ticket)."""
+Exchange = Callable[[WorkerRecord, bool], tuple[dict[str, object], dict[str, WireTensor]]]
+"""The trainer's call at hand put to another replica: ``(record, backward)`` → its checked answer (metadata with the
+signed answer under ``SIGNED``, tensors) to the microbatch's Forward (False) or Backward (True); raises on any
+failure."""
 
 
 class Checker:
@@ -201,7 +201,7 @@ class Checker:
         return verdicts
 
     def check(self, stage: str, microbatch_id: str, backward: bool, first: Reply, partner: WorkerRecord | None,
-              ask: Ask, costs: Mapping[bool, float], *, then_backward: bool,
+              exchange: Exchange, costs: Mapping[bool, float], *, then_backward: bool,
               forward_first: bool) -> tuple[Reply, WorkerRecord | None]:
         """Compare ``first`` with a second replica's answer, settling a disagreement; return the reply to continue
         with and the replica to ask the same microbatch's Backward (it ran the Forward; None: no check then).
@@ -220,7 +220,7 @@ class Checker:
             if second_record is not None:
                 router.release(second_record.uid, charge)
             return first, None
-        second = ask(second_record, charge, False)
+        second = self._ask(stage, second_record, exchange, backward, costs, charge, forward_first=False)
         if second is None:
             return first, None
         with self._lock:
@@ -232,12 +232,29 @@ class Checker:
         asked = {first.record.uid, second.record.uid}
         third_record = router.choose(extra, exclude=asked)
         if third_record is not None and third_record.uid not in asked:
-            third = ask(third_record, extra, forward_first)
+            third = self._ask(stage, third_record, exchange, backward, costs, extra, forward_first=forward_first)
             if third is not None:
                 replies.append(third)
         elif third_record is not None:
             router.release(third_record.uid, extra)
         return self._settled(stage, microbatch_id, backward, replies, then_backward)
+
+    def _ask(self, stage: str, record: WorkerRecord, exchange: Exchange, backward: bool, costs: Mapping[bool, float],
+             charge: float, *, forward_first: bool) -> Reply | None:
+        """``record``'s reply, after the microbatch's Forward where ``forward_first``; None, with what is left of
+        ``charge`` released, when a call fails: a check that cannot be made is skipped, never a reason to fail the
+        microbatch (the worker's fault, if it is one, was handled by the trainer's exchange)."""
+        owed = charge
+        try:
+            if forward_first:
+                exchange(record, False)
+                owed -= costs[False]
+            meta, out = exchange(record, backward)
+        except Exception as exc:  # noqa: BLE001 - a call that fails in any way only means no check is made
+            self.routers[stage].release(record.uid, owed)
+            log.info("check of %s on %s not made: %s", stage, record.uid, exc)
+            return None
+        return Reply(record, meta, out)
 
     def _settled(self, stage: str, microbatch_id: str, backward: bool, replies: list[Reply],
                  then_backward: bool) -> tuple[Reply, WorkerRecord | None]:

@@ -70,6 +70,10 @@ PRECONDITION_BACKOFF = 0.25
 (about 12 s over the default 8 attempts: a worker's step after a round's averaging)."""
 
 
+Answered = tuple[WorkerRecord, dict[str, object], dict[str, WireTensor]]
+"""A call's answer: the worker that gave it, its metadata and its tensors."""
+
+
 class _BadResponse(Exception):
     """A worker's answer does not check out; the worker is treated as faulty."""
 
@@ -273,32 +277,19 @@ class PipelineTrainer:
         return MicrobatchResult(micro.id, tuple(indices), loss, workers, forward_workers, receipts)
 
     def _checked(self, stage: str, micro: _Microbatch, backward: bool, tensors: dict[str, WireTensor],
-                 first: tuple[WorkerRecord, dict[str, object], dict[str, WireTensor]],
-                 partner: WorkerRecord | None) -> tuple[tuple[WorkerRecord, dict[str, object], dict[str, WireTensor]],
-                                                       WorkerRecord | None]:
-        """``first`` compared with another replica's answer to the same question (``checks.Checker.check``): the
-        answer to continue with, and the replica to ask this stage's Backward of the microbatch."""
+                 first: Answered, partner: WorkerRecord | None) -> tuple[Answered, WorkerRecord | None]:
+        """``first`` checked (``checks.Checker.check``): the answer to go on with, the replica for this Backward."""
         assert self.checker is not None
         batch, length = tensors["input"].shape[:2]
         costs = {False: batch * length * 1.0, True: batch * length * BACKWARD_COST}
-        is_head, is_tail = stage == self.stages[0], stage == self.stages[-1]
 
-        def ask(other: WorkerRecord, charge: float, forward_first: bool) -> Reply | None:
-            owed = charge
-            try:
-                if forward_first:
-                    self._exchange(stage, other, micro, False, {"input": tensors["input"]}, costs[False])
-                    owed -= costs[False]
-                meta, out = self._exchange(stage, other, micro, backward, tensors, costs[backward])
-            except (grpc.RpcError, MessageError, _BadResponse, KeyError, TypeError, ValueError) as exc:
-                self.routers[stage].release(other.uid, owed)
-                log.info("check of %s's %s on %s not made: %s", stage, micro.id, other.uid, exc)
-                return None
-            return Reply(other, meta, out)
+        def exchange(record: WorkerRecord, backward_: bool) -> tuple[dict[str, object], dict[str, WireTensor]]:
+            sent = tensors if backward_ == backward else {"input": tensors["input"]}
+            return self._exchange(stage, record, micro, backward_, sent, costs[backward_])
 
-        reply, partner = self.checker.check(stage, micro.id, backward, Reply(*first), partner, ask, costs,
-                                            then_backward=not backward and not is_head,
-                                            forward_first=backward and not is_tail)
+        reply, partner = self.checker.check(stage, micro.id, backward, Reply(*first), partner, exchange, costs,
+                                            then_backward=not backward and stage != self.stages[0],
+                                            forward_first=backward and stage != self.stages[-1])
         return (reply.record, reply.meta, reply.out), partner
 
     # ----- one call, with routing, retries and bans -----
@@ -311,7 +302,7 @@ class PipelineTrainer:
         tensors: dict[str, WireTensor],
         *,
         affinity: WorkerRecord | None = None,
-    ) -> tuple[WorkerRecord, dict[str, object], dict[str, WireTensor]]:
+    ) -> Answered:
         """One Forward or Backward, checked. ``affinity`` is the worker that ran this stage's forward: the
         first attempt goes to it while it is usable; retries, and a first attempt without it, go to the
         router's pick, which must first run the stage's Forward for a head or body Backward (the worker's

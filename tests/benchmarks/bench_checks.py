@@ -33,7 +33,7 @@ CONFIG = ModelConfig(n_layers=6, d_model=128, n_heads=4, seq_len=64, num_stages=
 
 
 class Falsified(nn.Module):
-    """A stage module whose outputs are shifted in a share ``f`` of its calls."""
+    """A stage module whose outputs (and so input gradients) are scaled by 1.01 in a share ``f`` of its calls."""
 
     def __init__(self, inner: nn.Module, f: float) -> None:
         super().__init__()
@@ -42,7 +42,7 @@ class Falsified(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         out = self.inner(x, targets)
-        return out + 0.05 if self.rng.random() < self.f else out
+        return out * 1.01 if self.rng.random() < self.f else out
 
 
 def swarm(dht, run_id: str, counts: dict[str, int]) -> list[StageWorker]:

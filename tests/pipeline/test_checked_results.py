@@ -19,7 +19,8 @@ from .test_pipeline import wait_for_stages
 
 
 class _Falsified(nn.Module):
-    """A stage module whose outputs are shifted in a share ``f`` of its calls: well formed, finite, wrong."""
+    """A stage module whose outputs (and so input gradients) are scaled by 1.01 in a share ``f`` of its calls: well
+    formed, finite, wrong."""
 
     def __init__(self, inner: nn.Module, f: float, seed: int) -> None:
         super().__init__()
@@ -31,7 +32,7 @@ class _Falsified(nn.Module):
         out = self.inner(x, targets)
         if self.rng.random() < self.f:
             self.falsified += 1
-            return out * 1.01 if self.is_tail else out + 0.05
+            return out * 1.01
         return out
 
 
@@ -43,6 +44,18 @@ def hostile(worker: StageWorker, f: float, seed: int = 0) -> _Falsified:
     return module
 
 
+def train_checked(directory, dataset, run_id: str, samples: int):
+    """Train ``samples`` samples in microbatches of 4 with every microbatch checked; (result, trainer)."""
+    from client.pipeline.trainer import PipelineTrainer
+
+    trainer = PipelineTrainer(TINY, dataset, directory, run_id=run_id, refresh_period=0.5, stall_timeout=30.0,
+                              checks=CheckPolicy(rate=1.0))
+    try:
+        return trainer.train(list(range(samples)), microbatch_size=4), trainer
+    finally:
+        trainer.close()
+
+
 def stage_of(workers: list[StageWorker]) -> dict[str, str]:
     return {w.pubkey.hex(): w.stage for w in workers}
 
@@ -52,14 +65,7 @@ def test_a_falsifying_worker_is_caught_excluded_and_accused(start_worker, direct
     liar = workers[2]
     module = hostile(liar, f=0.5)
     wait_for_stages(directory, {"head": 1, "body1": 3, "tail": 1})
-    from client.pipeline.trainer import PipelineTrainer
-
-    trainer = PipelineTrainer(TINY, dataset, directory, run_id=run_id, refresh_period=0.5, stall_timeout=30.0,
-                              checks=CheckPolicy(rate=1.0))
-    try:
-        result = trainer.train(list(range(0, 48)), microbatch_size=4)
-    finally:
-        trainer.close()
+    result, trainer = train_checked(directory, dataset, run_id, 48)
     assert module.falsified > 0
     assert len(result.microbatches) == 12
     verdicts = trainer.checker.drain()
@@ -92,14 +98,7 @@ def test_honest_replicas_agree_and_nobody_is_accused(start_worker, directory, da
         for _ in range(count):
             start_worker(stage)
     wait_for_stages(directory, {"head": 2, "body1": 2, "tail": 2})
-    from client.pipeline.trainer import PipelineTrainer
-
-    trainer = PipelineTrainer(TINY, dataset, directory, run_id=run_id, refresh_period=0.5, stall_timeout=30.0,
-                              checks=CheckPolicy(rate=1.0))
-    try:
-        result = trainer.train(list(range(0, 32)), microbatch_size=4)
-    finally:
-        trainer.close()
+    result, trainer = train_checked(directory, dataset, run_id, 32)
     assert len(result.microbatches) == 8
     # Every microbatch compared at head and body forwards, body and tail backwards: 4 questions each.
     assert trainer.checker.checked == 4 * 8
@@ -110,14 +109,7 @@ def test_two_replicas_disagreeing_record_it_and_punish_nobody(start_worker, dire
     workers = [start_worker("head"), start_worker("body1"), start_worker("body1"), start_worker("tail")]
     hostile(workers[1], f=1.0)
     wait_for_stages(directory, {"head": 1, "body1": 2, "tail": 1})
-    from client.pipeline.trainer import PipelineTrainer
-
-    trainer = PipelineTrainer(TINY, dataset, directory, run_id=run_id, refresh_period=0.5, stall_timeout=30.0,
-                              checks=CheckPolicy(rate=1.0))
-    try:
-        trainer.train(list(range(0, 8)), microbatch_size=4)
-    finally:
-        trainer.close()
+    _, trainer = train_checked(directory, dataset, run_id, 8)
     verdicts = trainer.checker.drain()
     assert verdicts and all(v.wrong == () for v in verdicts)
     assert trainer.routers["body1"].counts() == (2, 0)
