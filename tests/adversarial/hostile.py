@@ -12,7 +12,8 @@ A hostile trainer
   from a DHT node that validates nothing.
 
 A lying worker computes wrong but well formed: a share ``LIE_SHARE`` of its stage's outputs scaled by 1.01 (its
-input gradients with them), each answer signed as its own (a trainer refuses unsigned ones); checked results catch it where replicas are identical.
+input gradients with them), each answer signed as its own (a trainer refuses unsigned ones); checked results catch
+it where replicas are identical.
 
 A hostile worker computes honestly (the lying worker above computes wrong), but
 - tries to hijack its same-stage peers: it announces its own address under their uids;
