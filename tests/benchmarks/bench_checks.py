@@ -1,8 +1,10 @@
 """What checked results cost and how fast they catch a liar, in one process over real gRPC workers.
 
-1. Cost: the same microbatches through the same swarm (2 workers per stage, psyswarm's byte-level model) with
-   checks off and on at each rate, alternating, in this one process; prints the CPU time (workers and trainer
-   all in this process), wall time and bytes on the wire of checks-on against checks-off.
+1. Cost: the same number of microbatches through the same swarm (2 workers per stage, psyswarm's byte-level
+   model) with checks off and on at each rate, alternating, in this one process; prints the workers' compute (the
+   CPU time of their runtime threads, which run nothing but the stage's Forwards and Backwards, so other load on
+   the machine barely moves it), wall time and bytes on the wire of checks-on against checks-off, and the share of
+   microbatches checked.
 2. Catching: a body worker among three that falsifies a share ``f`` of its answers; rounds of ``--round``
    microbatches, each round with a fresh trainer (a fresh secret), until the liar is found wrong; prints the
    rounds it took over ``--trials`` trials beside the formula ``checks.catch_probability``, and the formula's
@@ -57,41 +59,62 @@ def swarm(dht, run_id: str, counts: dict[str, int]) -> list[StageWorker]:
     return workers
 
 
+def metered(workers: list[StageWorker]) -> list[float]:
+    """A running total of the CPU seconds the workers' runtime threads spend computing."""
+    spent = [0.0]
+    for worker in workers:
+        execute = worker.runtime.execute
+
+        def timed(task, execute=execute):
+            started = time.thread_time()
+            try:
+                return execute(task)
+            finally:
+                spent[0] += time.thread_time() - started
+
+        worker.runtime.execute = timed
+    return spent
+
+
 def train(directory, dataset, run_id: str, indices: list[int], policy: CheckPolicy | None,
-          microbatch: int) -> tuple[float, float, int, PipelineTrainer]:
+          microbatch: int) -> tuple[float, int, PipelineTrainer]:
     trainer = PipelineTrainer(CONFIG, dataset, directory, run_id=run_id, refresh_period=0.5, checks=policy,
                               stall_timeout=60.0)
-    cpu, wall = time.process_time(), time.perf_counter()
+    wall = time.perf_counter()
     try:
         trainer.train(indices, microbatch)
     finally:
         trainer.close()
-    return time.process_time() - cpu, time.perf_counter() - wall, trainer.bytes_sent + trainer.bytes_received, trainer
+    return time.perf_counter() - wall, trainer.bytes_sent + trainer.bytes_received, trainer
 
 
 def cost(dht, dataset, args) -> None:
     run_id = "bench-checks-cost"
     workers = swarm(dht, run_id, {"head": 2, "body1": 2, "tail": 2})
     directory = WorkerDirectory(dht, run_id, CONFIG.fingerprint())
+    spent = metered(workers)
     try:
-        sums: dict[float, list[float]] = {rate: [0.0, 0.0, 0.0] for rate in [0.0, *args.rates]}
+        sums: dict[float, list[float]] = {rate: [0.0, 0.0, 0.0, 0.0] for rate in [0.0, *args.rates]}
         for repeat in range(args.repeats):
             for rate in sums:
                 start = (repeat * len(sums) + list(sums).index(rate)) * args.microbatches * 4
                 indices = list(range(start, start + args.microbatches * 4))
-                cpu, wall, nbytes, _ = train(directory, dataset, run_id, indices,
-                                             CheckPolicy(rate) if rate else None, 4)
-                sums[rate][0] += cpu
-                sums[rate][1] += wall
-                sums[rate][2] += nbytes
+                before = spent[0]
+                wall, nbytes, trainer = train(directory, dataset, run_id, indices,
+                                              CheckPolicy(rate) if rate else None, 4)
+                checked = trainer.checker.checked / 4 if trainer.checker is not None else 0  # 4 questions each
+                for i, value in enumerate((spent[0] - before, wall, nbytes, checked)):
+                    sums[rate][i] += value
         base = sums[0.0]
         print(f"cost: {args.microbatches} microbatches of 4 × {CONFIG.seq_len} tokens, 2 workers per stage, "
               f"{args.repeats} alternating repeats")
-        print("| check rate | CPU time, on ÷ off | wall time, on ÷ off | bytes, on ÷ off |")
-        print("|---|---|---|---|")
+        print("| check rate | microbatches checked | workers' compute, on ÷ off | wall time, on ÷ off | "
+              "bytes, on ÷ off |")
+        print("|---|---|---|---|---|")
         for rate in args.rates:
-            cpu, wall, nbytes = sums[rate]
-            print(f"| {rate:g} | {cpu / base[0]:.3f} | {wall / base[1]:.3f} | {nbytes / base[2]:.3f} |")
+            cpu, wall, nbytes, checked = sums[rate]
+            share = checked / (args.microbatches * args.repeats)
+            print(f"| {rate:g} | {share:.3f} | {cpu / base[0]:.3f} | {wall / base[1]:.3f} | {nbytes / base[2]:.3f} |")
     finally:
         for w in workers:
             w.stop(grace=0)
@@ -119,7 +142,7 @@ def catching(dht, dataset, args) -> None:
     finally:
         for w in workers:
             w.stop(grace=0)
-    n = 2 * args.round / 3  # a body liar among three answers about a third of the Forwards and Backwards
+    n = 2 * args.round / 3  # a body liar among three answers a third of the Forwards and Backwards, each a lie at f
     print(f"catching: f = {args.f}, c = {args.rate}, rounds of {args.round} microbatches, a liar among 3 body "
           f"workers (about {n:.0f} checkable answers a round)")
     print(f"rounds until found wrong, {args.trials} trials: {rounds_taken} (>{args.max_rounds}: not within it)")
