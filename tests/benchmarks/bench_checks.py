@@ -1,10 +1,10 @@
 """What checked results cost and how fast they catch a liar, in one process over real gRPC workers.
 
 1. Cost: the same number of microbatches through the same swarm (2 workers per stage, psyswarm's byte-level
-   model) with checks off and on at each rate, alternating, in this one process; prints the workers' compute (the
-   CPU time of their runtime threads, which run nothing but the stage's Forwards and Backwards, so other load on
-   the machine barely moves it), wall time and bytes on the wire of checks-on against checks-off, and the share of
-   microbatches checked.
+   model) with checks off and on at each rate, alternating, in this one process; prints, checks-on against
+   checks-off, the workers' work (tokens of Forwards, three times those of Backwards) and their compute (the CPU
+   time of their runtime threads, which run nothing but the stage's Forwards and Backwards), the wall time and
+   the bytes on the wire, and the share of microbatches checked.
 2. Catching: a body worker among three that falsifies a share ``f`` of its answers; rounds of ``--round``
    microbatches, each round with a fresh trainer (a fresh secret), until the liar is found wrong; prints the
    rounds it took over ``--trials`` trials beside the formula ``checks.catch_probability``, and the formula's
@@ -60,8 +60,9 @@ def swarm(dht, run_id: str, counts: dict[str, int]) -> list[StageWorker]:
 
 
 def metered(workers: list[StageWorker]) -> list[float]:
-    """A running total of the CPU seconds the workers' runtime threads spend computing."""
-    spent = [0.0]
+    """Running totals of the CPU seconds the workers' runtime threads spend computing, and of the work they do in
+    the trainer's units (a Forward's tokens, a Backward's three times: it recomputes the Forward)."""
+    spent = [0.0, 0.0]
     for worker in workers:
         execute = worker.runtime.execute
 
@@ -71,6 +72,7 @@ def metered(workers: list[StageWorker]) -> list[float]:
                 return execute(task)
             finally:
                 spent[0] += time.thread_time() - started
+                spent[1] += task.request.tokens * (3.0 if task.backward else 1.0)
 
         worker.runtime.execute = timed
     return spent
@@ -94,27 +96,28 @@ def cost(dht, dataset, args) -> None:
     directory = WorkerDirectory(dht, run_id, CONFIG.fingerprint())
     spent = metered(workers)
     try:
-        sums: dict[float, list[float]] = {rate: [0.0, 0.0, 0.0, 0.0] for rate in [0.0, *args.rates]}
+        sums: dict[float, list[float]] = {rate: [0.0] * 5 for rate in [0.0, *args.rates]}
         for repeat in range(args.repeats):
             for rate in sums:
                 start = (repeat * len(sums) + list(sums).index(rate)) * args.microbatches * 4
                 indices = list(range(start, start + args.microbatches * 4))
-                before = spent[0]
+                before = list(spent)
                 wall, nbytes, trainer = train(directory, dataset, run_id, indices,
                                               CheckPolicy(rate) if rate else None, 4)
                 checked = trainer.checker.checked / 4 if trainer.checker is not None else 0  # 4 questions each
-                for i, value in enumerate((spent[0] - before, wall, nbytes, checked)):
+                for i, value in enumerate((spent[0] - before[0], spent[1] - before[1], wall, nbytes, checked)):
                     sums[rate][i] += value
         base = sums[0.0]
         print(f"cost: {args.microbatches} microbatches of 4 × {CONFIG.seq_len} tokens, 2 workers per stage, "
               f"{args.repeats} alternating repeats")
-        print("| check rate | microbatches checked | workers' compute, on ÷ off | wall time, on ÷ off | "
-              "bytes, on ÷ off |")
-        print("|---|---|---|---|---|")
+        print("| check rate | microbatches checked | workers' work, on ÷ off | workers' CPU time, on ÷ off | "
+              "wall time, on ÷ off | bytes, on ÷ off |")
+        print("|---|---|---|---|---|---|")
         for rate in args.rates:
-            cpu, wall, nbytes, checked = sums[rate]
+            cpu, work, wall, nbytes, checked = sums[rate]
             share = checked / (args.microbatches * args.repeats)
-            print(f"| {rate:g} | {share:.3f} | {cpu / base[0]:.3f} | {wall / base[1]:.3f} | {nbytes / base[2]:.3f} |")
+            print(f"| {rate:g} | {share:.3f} | {work / base[1]:.3f} | {cpu / base[0]:.3f} | {wall / base[2]:.3f} | "
+                  f"{nbytes / base[3]:.3f} |")
     finally:
         for w in workers:
             w.stop(grace=0)
