@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -221,6 +222,9 @@ def join_run(
         raise typer.BadParameter("the auth service assigns the stage: drop --stage when using --auth-url")
     chosen_device = parse_device_option(device)
     max_inflight = parse_inflight_option(inflight)
+    if not math.isfinite(check_tolerance):
+        raise typer.BadParameter(f"{check_tolerance!r}: give a finite number ≥ 0 (0: identical answers)",
+                                 param_hint="--check-tolerance")
     if role == "worker" and max_inflight is not None:
         raise typer.BadParameter("a worker sends no microbatches: --inflight is a trainer's; drop it")
     console = terminal_console()
