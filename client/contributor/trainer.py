@@ -189,10 +189,10 @@ class TrainerRole:
                                        round=state.round.height, start=share.start, end=share.end, loss=loss,
                                        tokens=share.size * state.model.seq_len, seconds=seconds, receipts=receipts)
         assert context.board is not None
+        await self._publish_accusations(state)  # first: a witness may prove the round once every commitment is in
         await asyncio.to_thread(context.board.publish, commitment, context.keypair)
         log.info("round %s: trained samples %d-%d, loss %.4f, %.0f tokens/s", key, share.start, share.end, loss,
                  share.size * state.model.seq_len / max(seconds, 1e-9))
-        await self._publish_accusations(state)
 
     async def _publish_accusations(self, state: CoordinatorState) -> None:
         """Publish the evidence against every worker this round's checks found wrong, for the witnesses."""
