@@ -204,7 +204,11 @@ class TrainerRole:
         accusation = Accusation.create(context.keypair, run_id=state.run_id, epoch=state.epoch,
                                        round=state.round.height, accusations=tuple(evidence[:MAX_ACCUSATIONS]))
         assert context.board is not None
-        await asyncio.to_thread(context.board.publish, accusation, context.keypair)
+        try:
+            await asyncio.to_thread(context.board.publish, accusation, context.keypair)
+        except Exception as exc:  # noqa: BLE001 - the DHT fails in many ways; the commitment must still go out
+            log.warning("round %s: could not publish this trainer's accusations: %s", RoundKey.of(state), exc)
+            return
         log.warning("round %s: accused %d worker(s) of wrong answers", RoundKey.of(state),
                     len({item["accused"] for item in evidence}))
 
