@@ -4,6 +4,12 @@ The real server, DHT, gRPC workers, gradient averaging and witnesses; the lying 
 ``liar``) shifts half of its stage's outputs, signing them as its own. The trainer checks every microbatch
 (``--check-rate 1``): the liar is found wrong by its stage's majority, accused, left out of the witnesses' proofs
 and removed by the health check; no honest client is removed, and the honest loss drops.
+
+Round 0 is the one whose replicas are identical for sure (one seed); a later round's are only where the stage's
+gradient all-reduce succeeded, which a loaded machine can miss (each worker then steps on its own gradient and
+three replicas disagree, accusing nobody). So a round carries 8 microbatches, in which the liar answers some ten
+questions, half of them lies: it is caught in round 0 with all but certainty. RoundWitness lasts 5 s, the longest
+matchmaking wait the run's averaging takes.
 """
 
 from __future__ import annotations
@@ -29,11 +35,11 @@ witness_nodes = 3
 witness_quorum = 2
 warmup_time = 30
 max_round_train_time = 30
-round_witness_time = 1
+round_witness_time = 5
 cooldown_time = 5
 rounds_per_epoch = {ROUNDS}
 total_steps = {ROUNDS}
-global_batch_size = 16
+global_batch_size = 32
 [model]
 n_layers = 3
 n_heads = 2
