@@ -128,3 +128,25 @@ def test_catch_probability_formula() -> None:
     assert catch_probability(0.01, 0.05, 900, 10) < 0.99
     c = rate_needed(0.01, 100, 10, 0.99)
     assert abs(catch_probability(0.01, c, 100, 10) - 0.99) < 1e-9
+
+
+def test_a_tolerance_lets_close_answers_agree_and_settles_by_majority() -> None:
+    from solders.keypair import Keypair
+
+    from client.answers import sign
+    from client.pipeline.checks import SIGNED, Reply, agree, settle
+    from client.pipeline.discovery import WorkerRecord
+
+    def reply(tensor: torch.Tensor) -> Reply:
+        record = WorkerRecord(run_id="r", stage="body1", uid="body1.0.1", address="a", sync_phase=0, load=0,
+                              throughput=0.0, model="m", pubkey="", expires=0.0, state="up")
+        digest = tensor.numpy().tobytes().hex()[:64].ljust(64, "0")
+        return Reply(record, {SIGNED: sign(Keypair(), "5e" * 32, digest)}, {"output": tensor})
+
+    base = torch.randn(2, 4, 8)
+    close, far = reply(base + 1e-5), reply(base + 1e-1)
+    assert agree(reply(base), close, 1e-3) and not agree(reply(base), close, 0.0)
+    assert not agree(reply(base), far, 1e-3)
+    winner, wrong = settle([reply(base), far, close], 1e-3)
+    assert winner is not None and wrong == [far]
+    assert settle([reply(base), far], 1e-3) == (None, [])
