@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -190,6 +191,12 @@ def join_run(
     max_dataset_gib: Annotated[int, typer.Option(min=1, help=(
         "The most a trainer downloads of the run's dataset, in GiB: a dataset.json declaring more is refused "
         "before any token file is fetched."))] = DEFAULT_MAX_DATASET_BYTES >> 30,
+    check_rate: Annotated[float, typer.Option(min=0.0, max=1.0, help=(
+        "The share of a trainer's microbatches it also asks of a second worker of each stage, chosen in secret, "
+        "to catch wrong answers (runs that average gradients every step only; 0: none)."))] = 0.05,
+    check_tolerance: Annotated[float, typer.Option(min=0.0, help=(
+        "How far two workers' answers may differ and still agree (0: identical digests, right on CPU; set one "
+        "where kernels are not deterministic, such as bf16 on GPUs)."))] = 0.0,
 ) -> None:
     """Join a run and contribute until it finishes: queue, load the model at warmup, train each round."""
     import client.contributor.runner  # noqa: F401 - torch, hivemind (seconds) load before the Stopper, not in its loop
@@ -213,6 +220,9 @@ def join_run(
         raise typer.BadParameter("the auth service assigns the stage: drop --stage when using --auth-url")
     chosen_device = parse_device_option(device)
     max_inflight = parse_inflight_option(inflight)
+    if not math.isfinite(check_tolerance):
+        raise typer.BadParameter(f"{check_tolerance!r}: give a finite number ≥ 0 (0: identical answers)",
+                                 param_hint="--check-tolerance")
     if role == "worker" and max_inflight is not None:
         raise typer.BadParameter("a worker sends no microbatches: --inflight is a trainer's; drop it")
     console = terminal_console()
@@ -234,7 +244,8 @@ def join_run(
                                 checkpoint_dir=checkpoint_dir, host=host, hub_repo=hub_repo, hf_token=hf_token,
                                 hf_endpoint=hf_endpoint, auth=auth, snapshot_every=snapshot_every,
                                 device=chosen_device, port=port, dht_port=dht_port, max_inflight=max_inflight,
-                                max_dataset_bytes=max_dataset_gib << 30)
+                                max_dataset_bytes=max_dataset_gib << 30, check_rate=check_rate,
+                                check_tolerance=check_tolerance)
         target = RunTarget(server, url, run_id, program_id, identity, authorizer=auth)
         stopper.run(contribute(target, options, console, asked=stage, keypair_file=keypair))
     except KeyboardInterrupt:

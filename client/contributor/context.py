@@ -41,6 +41,8 @@ class RunnerOptions:
     device: str = "cpu"  # where a worker's stage computes (``client.pipeline.device``)
     max_inflight: int | None = None  # a trainer's microbatches in flight (None: measured, ``pipeline.inflight``)
     max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # the most a trainer downloads of the run's dataset
+    check_rate: float = 0.05  # the share of a trainer's microbatches asked of a second replica (``pipeline.checks``)
+    check_tolerance: float = 0.0  # how close two replicas' answers must be (0: identical digests)
 
 
 @dataclasses.dataclass

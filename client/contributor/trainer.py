@@ -3,7 +3,12 @@
 - Warmup: open the run's dataset and a pipeline trainer over the workers of the epoch (``ClientDirectory``).
 - RoundTrain: publish a signed presence, run the share of the global batch the round's seed assigns this client
   through the pipeline, stopping if the round ends first, and publish a signed commitment of the result, with
-  every receipt the workers signed for it: the proof of the work, whatever the workers report.
+  every receipt the workers signed for it (the proof of the work, whatever the workers report), and an accusation
+  of every worker its checks found wrong (``client.pipeline.checks``).
+
+Checks run only where a stage's replicas are identical, in runs that average gradients every step
+(``grad_averaging`` full or powersgd); with SPARTA alone replicas differ between averaging rounds, so honest answers
+differ too, and nothing is compared.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from client.join.sync import SyncPhase
 from client.pipeline.discovery import WorkerDirectory, WorkerRecord
 from client.receipts import ReceiptRound
 from client.stages import stage_name
-from client.witness.records import Commitment, Presence
+from client.witness.records import MAX_ACCUSATIONS, Accusation, Commitment, Presence
 from coordinator_program.spec import derived
 from coordinator_program.spec.state import CoordinatorState, Phase, Role
 
@@ -113,8 +118,10 @@ class TrainerRole:
         """Open the run's dataset and the pipeline trainer (once: a trainer holds no state, nothing to renew);
         ``stage`` is a worker's, none of a trainer's."""
         from client.data import TokenizerMismatch, open_dataset
+        from client.pipeline.checks import CheckPolicy
         from client.pipeline.trainer import PipelineTrainer
         from client.pipeline.wire import codec_name
+        from coordinator_program.spec.config import GradAveraging
 
         context, options = self.context, self.context.options
         if self.trainer is not None:
@@ -133,13 +140,15 @@ class TrainerRole:
         except ValueError as exc:
             raise CannotContribute(f"cannot open the run's dataset: {exc}; a trainer needs the run's data at that "
                                    "path on this machine (or join as a worker, which needs none)") from None
+        identical = state.model.grad_averaging != GradAveraging.Off  # replicas are identical only then
+        checks = CheckPolicy(options.check_rate, options.check_tolerance) if identical and options.check_rate else None
         namespace = derived.run_instance(state)  # the workers of this run, not of an earlier one of the same id
         self.directory = ClientDirectory(WorkerDirectory(context.dht, namespace, config.fingerprint()),
                                          lambda: context.state)
         self.trainer = PipelineTrainer(config, dataset, self.directory, keypair=context.keypair, run_id=namespace,
                                        wire_codec=codec_name(state.model.wire_codec),
                                        stall_timeout=float(state.config.max_round_train_time),
-                                       max_inflight=options.max_inflight)
+                                       max_inflight=options.max_inflight, checks=checks)
 
     # --- rounds -----------------------------------------------------------------------------------------
 
@@ -183,9 +192,28 @@ class TrainerRole:
                                        round=state.round.height, start=share.start, end=share.end, loss=loss,
                                        tokens=share.size * state.model.seq_len, seconds=seconds, receipts=receipts)
         assert context.board is not None
+        await self._publish_accusations(state)  # first: a witness may prove the round once every commitment is in
         await asyncio.to_thread(context.board.publish, commitment, context.keypair)
         log.info("round %s: trained samples %d-%d, loss %.4f, %.0f tokens/s", key, share.start, share.end, loss,
                  share.size * state.model.seq_len / max(seconds, 1e-9))
+
+    async def _publish_accusations(self, state: CoordinatorState) -> None:
+        """Publish the evidence against every worker this round's checks found wrong, for the witnesses."""
+        checker = self.trainer.checker if self.trainer is not None else None
+        evidence = [item for v in (checker.drain() if checker is not None else []) for item in v.accusations()]
+        if not evidence:
+            return
+        context = self.context
+        accusation = Accusation.create(context.keypair, run_id=state.run_id, epoch=state.epoch,
+                                       round=state.round.height, accusations=tuple(evidence[:MAX_ACCUSATIONS]))
+        assert context.board is not None
+        try:
+            await asyncio.to_thread(context.board.publish, accusation, context.keypair)
+        except Exception as exc:  # noqa: BLE001 - the DHT fails in many ways; the commitment must still go out
+            log.warning("round %s: could not publish this trainer's accusations: %s", RoundKey.of(state), exc)
+            return
+        log.warning("round %s: accused %d worker(s) of wrong answers", RoundKey.of(state),
+                    len({item["accused"] for item in evidence}))
 
     async def _publish_presence(self, state: CoordinatorState) -> None:
         """Tell the round's witnesses this trainer is here, whatever becomes of its training: one stalled by a

@@ -20,7 +20,7 @@ from client.contributor.context import ClientContext
 from client.contributor.rounds import RoundKey
 from client.contributor.tasks import POLL_INTERVAL
 from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
-from client.witness.records import Commitment, Presence, Ready, Report, members
+from client.witness.records import Accusation, Commitment, Presence, Ready, Report, members
 from coordinator_program.spec import derived
 from coordinator_program.spec.config import Config
 from coordinator_program.spec.errors import CoordinatorError, WrongPhase
@@ -80,7 +80,8 @@ class Witnessing:
             commitments = await asyncio.to_thread(board.fetch, Commitment, state.epoch, height, counted)
             reports = await asyncio.to_thread(board.fetch, Report, state.epoch, height, counted)
             presences = await asyncio.to_thread(board.fetch, Presence, state.epoch, height, counted)
-            evidence = judge_round(state, commitments, reports, presences)  # type: ignore[arg-type]
+            accusations = await asyncio.to_thread(board.fetch, Accusation, state.epoch, height, counted)
+            evidence = judge_round(state, commitments, reports, presences, accusations)  # type: ignore[arg-type]
         if not evidence.complete and not self._final(key.round, state, bool(evidence.charged or evidence.unreported)):
             return
         parts = evidence.filters(state)

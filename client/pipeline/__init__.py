@@ -4,6 +4,6 @@ microbatches through them, and discovery over hivemind's DHT. See ``trainer.py``
 It knows nothing of the coordinator or of witnessing: the contributor's roles (``client.contributor``) tie a round
 to the pipeline's work.
 
-May import: client.identity, client.receipts, client.stages, client.helper_processes, client.sealed, client.data,
-client.models.
+May import: client.identity, client.receipts, client.answers, client.stages, client.helper_processes, client.sealed,
+client.data, client.models.
 """

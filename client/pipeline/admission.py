@@ -278,7 +278,25 @@ class MicrobatchLedger:
             if self._window is not None:
                 self._stepped[key] = samples
 
+    def admit_forward(self, samples: tuple[int, int]) -> None:
+        """Refuse a Forward of samples outside the round this worker accumulates (FAILED_PRECONDITION). A signed
+        answer then names samples of one round only, which pin the parameters every replica of the stage answers
+        with: no trainer can collect answers from either side of a step and show them to disagree."""
+        with self._lock:
+            self._in_window(samples)
+
     def _check_samples(self, samples: tuple[int, int]) -> None:
+        if self._window is None:
+            return
+        self._in_window(samples)
+        start, end = samples
+        if any(start < other_end and other_start < end for other_start, other_end in self._stepped.values()):
+            raise RequestRejected(
+                f"samples {start}-{end} were already differentiated here in this step",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
+
+    def _in_window(self, samples: tuple[int, int]) -> None:
         if self._window is None:
             return
         start, end = samples
@@ -286,11 +304,6 @@ class MicrobatchLedger:
             raise RequestRejected(
                 f"samples {start}-{end} are not in the round this worker is accumulating "
                 f"({self._window[0]}-{self._window[1]}): that round is over, or not yet begun",
-                grpc.StatusCode.FAILED_PRECONDITION,
-            )
-        if any(start < other_end and other_start < end for other_start, other_end in self._stepped.values()):
-            raise RequestRejected(
-                f"samples {start}-{end} were already differentiated here in this step",
                 grpc.StatusCode.FAILED_PRECONDITION,
             )
 

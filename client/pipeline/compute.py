@@ -18,10 +18,12 @@ import hashlib
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
+from solders.keypair import Keypair
 
+from client.answers import META_ANSWER, META_SIGNATURE, answer_digest, question_digest, sign
 from client.pipeline.admission import GradientBound, GradientRefused, RequestHeader, authenticate, read_header
 from client.pipeline.device import autocast
 from client.pipeline.messages import (
@@ -95,9 +97,12 @@ class StageCompute:
         max_batch_size: int,
         wire_codec: str = DEFAULT_CODEC,
         device: torch.device | str = "cpu",
+        signer: Keypair | None = None,
     ) -> None:
         """``wire_codec`` is the run's (``wire``): the only one this stage accepts and answers in. The module and
-        its optimizer state live on ``device`` in float32; computation there uses ``device.autocast``."""
+        its optimizer state live on ``device`` in float32; computation there uses ``device.autocast``. ``signer``
+        (the worker's identity) signs the digest of every answer (``client.answers``), so that a trainer can hold a
+        wrong one against it; ``None`` answers unsigned."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         self.wire_codec = codec_name(wire_codec)
@@ -106,6 +111,7 @@ class StageCompute:
         self.uid = uid
         self.run_id = run_id
         self.max_batch_size = max_batch_size
+        self.signer = signer
         self.module = build_stage(config, stage)
         self.device = torch.device(device)
         self.module.to(self.device)  # before the optimizer, whose state follows its parameters
@@ -221,12 +227,27 @@ class StageCompute:
         with self.lock, torch.no_grad(), autocast(self.device):
             out = self.module(self._as_input(request.inputs), self._on_device(request.targets))
         if self.module.is_tail:
-            return encode_message({"loss": float(out)}, {})
-        return encode_message({}, {"output": to_wire(out.cpu(), request.wire_codec)})
+            meta: dict[str, object] = {"loss": float(out)}
+            return encode_message(self._signed(request, meta, {}), {})
+        tensors = {"output": to_wire(out.cpu(), request.wire_codec)}
+        return encode_message(self._signed(request, {}, tensors), tensors)
 
-    def backward(self, request: StageRequest, sign: Callable[[Receipt], SignedReceipt]) -> tuple[bytes, SignedReceipt]:
+    def _signed(self, request: StageRequest, meta: dict[str, object], tensors: dict[str, WireTensor],
+                digests: Mapping[str, str] | None = None) -> dict[str, object]:
+        """``meta`` with this worker's signed answer added (``client.answers``); ``digests`` are the tensors' if
+        already computed."""
+        if self.signer is None:
+            return meta
+        digests = digests if digests is not None else {name: tensor_digest(t) for name, t in tensors.items()}
+        loss = meta.get("loss")
+        answer = answer_digest(digests, loss if isinstance(loss, float) else None)
+        signed = sign(self.signer, question_digest(asdict(request.header)), answer)
+        return {**meta, META_ANSWER: signed.answer, META_SIGNATURE: signed.signature}
+
+    def backward(self, request: StageRequest, sign_receipt: Callable[[Receipt], SignedReceipt]
+                 ) -> tuple[bytes, SignedReceipt]:
         """Recompute the forward pass, check the parameter gradients, accumulate them, return the input gradient
-        and the receipt, signed by ``sign`` (the worker's key, for the round under way).
+        and the receipt, signed by ``sign_receipt`` (the worker's key, for the round under way).
 
         The tail differentiates loss × batch size, so accumulated gradients are sums over samples and
         ``step`` divides by the sample count. Its response also carries the loss it recomputed, which saves
@@ -283,9 +304,10 @@ class StageCompute:
             grad_output_digest=header.digests.get("grad_output", ""),
             grad_input_digest=grad_input_digest,
         )
-        signed = sign(receipt)
+        signed = sign_receipt(receipt)
         meta.update({f"receipt.{k}": v for k, v in signed.to_value().items()})
-        return encode_message(meta, tensors), signed
+        digests = {"grad_input": grad_input_digest} if grad_input is not None else {}
+        return encode_message(self._signed(request, meta, tensors, digests), tensors), signed
 
     def step(self) -> StepStats:
         """Apply and clear the gradients accumulated since the last step (not applied if the result would be

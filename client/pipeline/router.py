@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -179,6 +180,16 @@ class StageRouter:
                 if state.outstanding:
                     state.outstanding = 0.0
                     self._push(uid)
+
+    def exclude(self, uid: str) -> None:
+        """Keep a worker found wrong out of the rotation for good (while it keeps its identity: a uid re-announced
+        by another key is a new worker)."""
+        with self._lock:
+            state = self._workers.get(uid)
+            if state is not None:
+                state.banned_until = math.inf
+                state.outstanding = 0.0
+                self._push(uid)
 
     def counts(self) -> tuple[int, int]:
         """(known workers, currently banned workers), for the stall log."""

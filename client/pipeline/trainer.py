@@ -31,6 +31,7 @@ stalls, saying so in the log, only when a stage has no usable worker at all.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -45,6 +46,7 @@ from solders.keypair import Keypair
 
 from client.data import SampleDataset
 from client.pipeline.admission import RequestHeader, encode_request, now_ms
+from client.pipeline.checks import SIGNED, Checker, CheckPolicy, Reply, signed_answer
 from client.pipeline.compute import input_digest
 from client.pipeline.data import microbatches
 from client.pipeline.discovery import WorkerRecord
@@ -68,6 +70,10 @@ _BAN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
 PRECONDITION_BACKOFF = 0.25
 """Seconds before the first retry of a call a worker refused as out of its round; doubled each time, at most 2 s
 (about 12 s over the default 8 attempts: a worker's step after a round's averaging)."""
+
+
+Answered = tuple[WorkerRecord, dict[str, object], dict[str, WireTensor]]
+"""A call's answer: the worker that gave it, its metadata and its tensors."""
 
 
 class _BadResponse(Exception):
@@ -112,6 +118,16 @@ class TrainResult:
         return [m.workers for m in self.microbatches]
 
 
+def consecutive_microbatches(indices: Sequence[int], microbatch_size: int) -> list[list[int]]:
+    """``indices`` in microbatches of ``microbatch_size``, each a consecutive range of sample indices (what a request
+    and a receipt name), or ``ValueError``."""
+    chunks = microbatches(indices, microbatch_size)
+    for chunk in chunks:
+        if chunk != list(range(chunk[0], chunk[0] + len(chunk))):
+            raise ValueError(f"microbatch {chunk} is not a consecutive range of sample indices")
+    return chunks
+
+
 class PipelineTrainer:
     """Trains through remote stage workers found in a directory (normally the DHT)."""
 
@@ -132,12 +148,14 @@ class PipelineTrainer:
         max_inflight: int | None = None,
         refresh_period: float = 2.0,
         stall_log_period: float = 10.0,
+        checks: CheckPolicy | None = None,
     ) -> None:
         """``keypair`` signs every request (a fresh identity if omitted, which only workers serving any signed
         trainer accept) for the run ``run_id``, its activations in the run's ``wire_codec``. ``stall_timeout=None``
         waits for a missing stage forever. ``max_inflight`` microbatches run at once, keeping several stages busy
         (pipeline parallelism); ``None`` chooses the number from what the trainer's own calls measured, the
-        pipeline's bandwidth-delay product (``inflight``), within a memory budget."""
+        pipeline's bandwidth-delay product (``inflight``), within a memory budget. ``checks`` asks a second replica
+        the questions of a share of the microbatches and settles disagreements (``checks``); None checks nothing."""
         if dataset.seq_len != config.seq_len:
             raise ValueError(f"dataset seq_len {dataset.seq_len} differs from the model's {config.seq_len}")
         if (max_inflight is not None and max_inflight < 1) or max_attempts < 1:
@@ -158,8 +176,8 @@ class PipelineTrainer:
         self.finder = StageFinder(directory, self.stages, ban_seconds=ban_seconds, stall_timeout=stall_timeout,
                                   refresh_period=refresh_period, stall_log_period=stall_log_period)
         self.routers = self.finder.routers
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.checker = Checker(checks, self.routers) if checks is not None else None
+        self.bytes_sent = self.bytes_received = 0
         self._clients: dict[str, StageClient] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -181,10 +199,7 @@ class PipelineTrainer:
         order (progress logs, or a test acting mid-run). Every receipt must be signed for ``round_`` (a coordinated
         run's round; standalone, round 0 of ``run_id``): a worker that signs for another is answering badly.
         """
-        chunks = microbatches(indices, microbatch_size)
-        for chunk in chunks:
-            if chunk != list(range(chunk[0], chunk[0] + len(chunk))):
-                raise ValueError(f"microbatch {chunk} is not a consecutive range of sample indices")
+        chunks = consecutive_microbatches(indices, microbatch_size)
         result = TrainResult()
         started = time.perf_counter()
         threads = self.max_inflight or memory_cap(self.config.num_stages, microbatch_size * self.config.seq_len,
@@ -229,15 +244,24 @@ class PipelineTrainer:
         forward_records: dict[str, WorkerRecord] = {}
         workers: dict[str, str] = {}
         unsent: set[str] = set()  # stages whose forward ran and whose backward was not yet sent
+        checked = self.checker is not None and self.checker.chosen(micro.id)
+        partners: dict[str, WorkerRecord | None] = {}  # the replica that answered a checked Forward, per stage
         try:
             for stage in self.stages[:-1]:
-                record, _, out = self._call(stage, micro, False, {"input": inputs[-1]})
+                reply = self._call(stage, micro, False, {"input": inputs[-1]})
+                if checked:
+                    reply, partners[stage] = self._checked(stage, micro, False, {"input": inputs[-1]}, reply, None)
+                record, _, out = reply
                 forward_records[stage] = record
                 unsent.add(stage)
                 inputs.append(out["output"])
-            receipts: dict[str, Receipt] = {}
+            receipts: dict[str, SignedReceipt] = {}
             tail = self.stages[-1]
-            record, meta, out = self._call(tail, micro, True, {"input": inputs[-1], "targets": targets})
+            tensors = {"input": inputs[-1], "targets": targets}
+            reply = self._call(tail, micro, True, tensors)
+            if checked:
+                reply, _ = self._checked(tail, micro, True, tensors, reply, None)
+            record, meta, out = reply
             loss = float(meta["loss"])
             workers[tail], receipts[tail] = record.uid, receipt_of(meta)
             grad = out["grad_input"]
@@ -245,19 +269,40 @@ class PipelineTrainer:
                 stage = self.stages[position]
                 tensors = {"input": inputs[position], "grad_output": grad}
                 unsent.remove(stage)  # from here its call releases its own charge if it fails
-                record, meta, out = self._call(stage, micro, True, tensors, affinity=forward_records[stage])
+                reply = self._call(stage, micro, True, tensors, affinity=forward_records[stage])
+                if checked and position > 0:  # a head's Backward returns nothing to compare
+                    reply, _ = self._checked(stage, micro, True, tensors, reply, partners.pop(stage, None))
+                record, meta, out = reply
                 workers[stage], receipts[stage] = record.uid, receipt_of(meta)
                 grad = out.get("grad_input")
         except BaseException:
             # A forward's choice was charged with its backward too; a microbatch that fails releases the
-            # backwards it will never send.
+            # backwards it will never send, a checked one its partners' too.
             backward_cost = targets.numel() * BACKWARD_COST
             for stage in unsent:
                 self.routers[stage].release(forward_records[stage].uid, backward_cost)
+                if (partner := partners.get(stage)) is not None:
+                    self.routers[stage].release(partner.uid, backward_cost)
             raise
         log.debug("microbatch %s: loss %.4f via %s", micro.id, loss, workers)
         forward_workers = {stage: record.uid for stage, record in forward_records.items()}
         return MicrobatchResult(micro.id, tuple(indices), loss, workers, forward_workers, receipts)
+
+    def _checked(self, stage: str, micro: _Microbatch, backward: bool, tensors: dict[str, WireTensor],
+                 first: Answered, partner: WorkerRecord | None) -> tuple[Answered, WorkerRecord | None]:
+        """``first`` checked (``checks.Checker.check``): the answer to go on with, the replica for this Backward."""
+        assert self.checker is not None
+        batch, length = tensors["input"].shape[:2]
+        costs = {False: batch * length * 1.0, True: batch * length * BACKWARD_COST}
+
+        def exchange(record: WorkerRecord, backward_: bool) -> tuple[dict[str, object], dict[str, WireTensor]]:
+            sent = tensors if backward_ == backward else {"input": tensors["input"]}
+            return self._exchange(stage, record, micro, backward_, sent, costs[backward_])
+
+        reply, partner = self.checker.check(stage, micro.id, backward, Reply(*first), partner, exchange, costs,
+                                            then_backward=not backward and stage != self.stages[0],
+                                            forward_first=backward and stage != self.stages[-1])
+        return (reply.record, reply.meta, reply.out), partner
 
     # ----- one call, with routing, retries and bans -----
 
@@ -269,7 +314,7 @@ class PipelineTrainer:
         tensors: dict[str, WireTensor],
         *,
         affinity: WorkerRecord | None = None,
-    ) -> tuple[WorkerRecord, dict[str, object], dict[str, WireTensor]]:
+    ) -> Answered:
         """One Forward or Backward, checked. ``affinity`` is the worker that ran this stage's forward: the
         first attempt goes to it while it is usable; retries, and a first attempt without it, go to the
         router's pick, which must first run the stage's Forward for a head or body Backward (the worker's
@@ -366,6 +411,7 @@ class PipelineTrainer:
         meta, out = decode_message(response, max_elements=batch * length * self.config.d_model)
         check_response(header, record, tensors, meta, out, stages=self.stages, d_model=self.config.d_model,
                        round_=micro.round)
+        meta[SIGNED] = signed_answer(dataclasses.asdict(header), record, meta, out)
         answered = router.clock()
         router.report(record.uid, cost, sent, answered)
         self.meter.record(stage, backward, record.uid, sent, answered)

@@ -101,6 +101,7 @@ class StageWorker:
             max_batch_size=max_batch_size,
             wire_codec=wire_codec,
             device=device,
+            signer=self.keypair,
         )
         self.ledger = MicrobatchLedger()
         self.runtime = Runtime(self._execute, name=f"runtime-{stage}", uid=self.uid, max_queue=max_queue,
@@ -286,9 +287,11 @@ class StageWorker:
                 f"trainer {request.trainer} is not one this worker serves (not a trainer of the run's current epoch)",
                 grpc.StatusCode.PERMISSION_DENIED,
             )
+        samples = (request.header.sample_start, request.header.sample_end)
+        if not backward:
+            self.ledger.admit_forward(samples)
         if backward:
             self._round_open()
-            samples = (request.header.sample_start, request.header.sample_end)
             self.ledger.claim(request.trainer, request.microbatch_id, self._ticket(request), samples)
         try:
             return self.runtime.run(Task(backward, request, Future()))

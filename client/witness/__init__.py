@@ -2,5 +2,5 @@
 
 Pure record handling: it never runs a model, so it does not import the pipeline.
 
-May import: coordinator_program, client.identity, client.receipts, client.stages, client.sealed.
+May import: coordinator_program, client.identity, client.receipts, client.answers, client.stages, client.sealed.
 """

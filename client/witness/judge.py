@@ -26,6 +26,11 @@ as they came (``client.pipeline.trainer``: their round and their worker's signat
 are the proof of the work: what the workers report does not change a trainer's credit. The participant filter
 holds every present client and every counted trainer; the batch filter holds the hash of every counted commitment.
 
+A worker that an accusation of the round proves wrong (``accusations.check_accusation``: its own signed answer
+against its stage's majority) is left out of both filters: it earns nothing for the round, and once a quorum of
+proofs has left it out the coordinator's health check removes it. The trainers whose commitments quote its
+receipts keep their credit: they did their share, and found the fault.
+
 The participant filter also holds the compute key (``bloom.compute_key``) of every client whose work counted, for
 the coordinator's compute points: every trainer with a counted commitment, and every present worker that signed a
 receipt of a counted commitment and listed every such receipt in its report. A worker that leaves out any receipt
@@ -50,7 +55,8 @@ from types import MappingProxyType
 
 from client.receipts import ReceiptRound, SignedReceipt
 from client.stages import own_uid, stage_names
-from client.witness.records import Commitment, Presence, Ready, RecordError, Report, SignedRecord
+from client.witness.accusations import AccusationError, check_accusation
+from client.witness.records import Accusation, Commitment, Presence, Ready, RecordError, Report, SignedRecord
 from coordinator_program.spec import derived, rules
 from coordinator_program.spec.bloom import proof_parts
 from coordinator_program.spec.selection import Assignment
@@ -105,7 +111,8 @@ def admitted(kind: type[SignedRecord], records: Mapping[str, object], author: st
 
 
 def judge_round(state: CoordinatorState, commitments: Mapping[str, Commitment], reports: Mapping[str, Report],
-                presences: Mapping[str, Presence] = MappingProxyType({})) -> Evidence:
+                presences: Mapping[str, Presence] = MappingProxyType({}),
+                accusations: Mapping[str, Accusation] = MappingProxyType({})) -> Evidence:
     """Check a round's records against the coordinator state (pure: the caller fetched the records)."""
     evidence = Evidence()
     reported = present_workers(state, reports, evidence)
@@ -134,7 +141,29 @@ def judge_round(state: CoordinatorState, commitments: Mapping[str, Commitment], 
             served.setdefault(bytes.fromhex(claim.worker), []).append(claim)
     credit_workers(served, reported, evidence)
     evidence.complete = not (evidence.missing or evidence.charged or evidence.unreported)
+    for accused in proven_wrong(state, accusations):
+        evidence.participants.discard(accused)
+        evidence.computed.discard(accused)
+        evidence.why_missing[accused] = "accused with evidence of a wrong answer"
     return evidence
+
+
+def proven_wrong(state: CoordinatorState, accusations: Mapping[str, Accusation]) -> set[bytes]:
+    """The workers that an admitted accusation of this round proves wrong; evidence that does not hold is skipped."""
+    names = stage_names(state.config.num_stages)
+    stage_of = {c.id.hex(): names[c.stage] for c in state.clients if c.role == Role.Worker}
+    found: set[bytes] = set()
+    for author in accusations:
+        try:
+            record = admitted(Accusation, accusations, author, state, state.round.height)
+        except RecordError:
+            continue
+        for item in record.accusations:  # type: ignore[attr-defined]
+            try:
+                found.add(bytes.fromhex(check_accusation(item, stage_of)))
+            except AccusationError:
+                continue
+    return found
 
 
 def present_workers(state: CoordinatorState, reports: Mapping[str, Report], evidence: Evidence) -> Reported:

@@ -8,6 +8,8 @@
 - ``Presence``: a trainer's proof of presence in a round, published as the round opens: a trainer that cannot
   finish (a stage that emptied leaves it stalled) is still alive and must not be taken for dead. It earns
   nothing: credit needs a ``Commitment``.
+- ``Accusation``: a trainer's evidence that workers answered its questions unlike their stage's majority
+  (``accusations``: the signed answers side by side, which any reader checks); the witnesses leave the accused out.
 - ``Ready``: a client's statement that it has loaded the model for an epoch (warmup witnesses read it).
 
 Every record names its run and is signed by its author's ed25519 key over its canonical JSON. Anyone can
@@ -221,6 +223,22 @@ class Report(SignedRecord):
 class Presence(SignedRecord):
     KIND = "presence"
     round: int = 0
+
+
+MAX_ACCUSATIONS = 16
+"""The most pieces of evidence one trainer's accusation carries in a round (one per worker found wrong suffices)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Accusation(SignedRecord):
+    KIND = "accusation"
+    round: int = 0
+    accusations: tuple = ()  # evidence objects, each checked by ``accusations.check_accusation``
+
+    def check(self) -> None:
+        super().check()
+        _require(isinstance(self.accusations, tuple) and 0 < len(self.accusations) <= MAX_ACCUSATIONS,
+                 f"accusation.accusations must be a list of 1 to {MAX_ACCUSATIONS} pieces of evidence")
 
 
 @dataclasses.dataclass(frozen=True)

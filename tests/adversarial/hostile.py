@@ -11,7 +11,11 @@ A hostile trainer
 - tries to hide the other trainers' commitments: it stores junk under their subkeys, with a one-day expiry,
   from a DHT node that validates nothing.
 
-A hostile worker computes honestly (a worker that computes wrong but well-formed gradients is not defended), but
+A lying worker computes wrong but well formed: a share ``LIE_SHARE`` of its stage's outputs scaled by 1.01 (its
+input gradients with them), each answer signed as its own (a trainer refuses unsigned ones); checked results catch
+it where replicas are identical.
+
+A hostile worker computes honestly (the lying worker above computes wrong), but
 - tries to hijack its same-stage peers: it announces its own address under their uids;
 - publishes a malformed report of the round under its own subkey;
 - when elected witness, proves every round with empty filters and health-checks every other client.
@@ -27,6 +31,7 @@ import time
 log = logging.getLogger("psyswarm.hostile")
 
 JUNK_LIFETIME = 86_400.0
+LIE_SHARE = 0.5
 
 
 def plain_dht(context):
@@ -130,6 +135,28 @@ def hostile_worker() -> None:
     WorkerRole.publish_receipts = publish_and_attack
 
 
+def lying_worker() -> None:
+    import random
+
+    import client.pipeline.compute as compute
+
+    build = compute.build_stage
+    rng = random.Random()
+
+    def falsifying(config, stage):
+        module = build(config, stage)
+        forward = module.forward
+
+        def lie(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            return out * 1.01 if rng.random() < LIE_SHARE else out
+
+        module.forward = lie
+        return module
+
+    compute.build_stage = falsifying
+
+
 def hijack(role, victims: list[str]) -> None:
     """Announce this worker's address under each victim's uid: its own sealed record naming the victim's uid,
     and junk under the victim's own subkey from a node that validates nothing."""
@@ -153,7 +180,7 @@ def hijack(role, victims: list[str]) -> None:
 
 def main() -> None:
     role, *argv = sys.argv[1:]
-    {"trainer": hostile_trainer, "worker": hostile_worker}[role]()
+    {"trainer": hostile_trainer, "worker": hostile_worker, "liar": lying_worker}[role]()
     from client.cli import main as psyswarm
 
     sys.argv = ["psyswarm", *argv]

@@ -82,3 +82,18 @@ def test_a_refused_backward_may_be_sent_again_and_a_standalone_worker_takes_any_
     assert "already differentiated" in trainer.refused(0, "first")  # the replay check still holds
     trainer.microbatch(2, "second")
     assert worker.step().samples == 2 * MICRO
+
+
+def test_a_forward_outside_the_round_is_refused(worker: StageWorker) -> None:
+    """A signed answer (``client.answers``) names its samples, which then pin the round and so the parameters every
+    replica answers with: otherwise a trainer could ask one replica before a step and two after it, and show an
+    honest answer to differ from the "majority"."""
+    trainer = Trainer(worker)
+    worker.ledger.expect_samples(BATCH, 2 * BATCH)  # round 1
+    inputs = {"input": torch.randn(MICRO, TINY.seq_len, TINY.d_model)}
+    stale = signed_request(trainer.keypair, "body1", "Forward", inputs, run_id=RUN, start=0)
+    with pytest.raises(grpc.RpcError) as raised:
+        trainer.client.call("Forward", stale, timeout=30)
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not in the round" in raised.value.details()
+    current = signed_request(trainer.keypair, "body1", "Forward", inputs, run_id=RUN, start=BATCH)
+    assert trainer.client.call("Forward", current, timeout=30)
