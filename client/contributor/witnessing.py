@@ -1,5 +1,6 @@
 """Witnessing, which any client elected for a round does whatever its role: judge the round's signed records
-and send the proof, and health-check the clients the previous round's witnesses missed.
+and send the proof (leaving out the trainers a round's accusations prove sent other data than the run's:
+``accusing``), and health-check the clients the previous round's witnesses missed.
 
 A witness sends its proof as soon as every batch is in (opportunistic witnessing), or at RoundWitness with what
 it has; at Warmup it proves who is ready. A proof goes once per round: one the coordinator refuses is not sent
@@ -13,8 +14,10 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+from client.contributor.accusing import Convictions
 from client.contributor.context import ClientContext
 from client.contributor.rounds import RoundKey
+from client.witness.accusations import Accusation, convict
 from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
 from client.witness.records import Commitment, Presence, Ready, Report, members
 from coordinator_program.spec import derived
@@ -39,6 +42,7 @@ class Witnessing:
         self.context: ClientContext = context
         self.proved: set[Proof] = set()
         self.health_checked: set[RoundKey] = set()
+        self.convictions: Convictions = Convictions(context)
 
     async def witness_current(self) -> None:
         """Prove the current round or warmup if this client witnesses it (polled in the background)."""
@@ -62,7 +66,9 @@ class Witnessing:
             commitments = await asyncio.to_thread(board.fetch, Commitment, state.epoch, height, counted)
             reports = await asyncio.to_thread(board.fetch, Report, state.epoch, height, counted)
             presences = await asyncio.to_thread(board.fetch, Presence, state.epoch, height, counted)
+            accusations = await asyncio.to_thread(board.fetch, Accusation, state.epoch, height, counted)
             evidence = judge_round(state, commitments, reports, presences)  # type: ignore[arg-type]
+            convict(evidence, await self.convictions.convicted(state, accusations))  # type: ignore[arg-type]
         if not evidence.complete and state.phase != Phase.RoundWitness:
             return
         parts = evidence.filters(state)

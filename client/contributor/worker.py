@@ -3,7 +3,9 @@
 - Warmup: take the assigned stage (``client.join.stage_replica``: its state from a snapshot, the run's
   checkpoint, its peers or the run's seed; sync phases if that state is stale), serve it over gRPC and announce
   it in the DHT.
-- RoundTrain: accept the round's samples only, and publish signed reports of the receipts issued, as they come.
+- RoundTrain: accept the round's samples only, and publish signed reports of the receipts issued, as they come;
+  the head and the tail also check the tokens they receive against the run's dataset, and publish accusations with
+  the signed requests of the trainers whose tokens they refused (``accusing``).
 - Leaving RoundTrain: apply the round's accumulated gradients (one optimizer step per round); every
   ``sparta_every`` steps average a SPARTA partition with the stage's other workers; every ``snapshot_every``
   steps, if active, snapshot the stage for whoever takes it should it empty. Every step moves the sync phases on.
@@ -19,14 +21,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from client.backends.base import BackendError
+from client.contributor.accusing import Accuser
 from client.contributor.context import ClientContext
 from client.contributor.errors import ContributorRemoved
 from client.contributor.rounds import RoundKey
-from client.contributor.run_model import building_the_model, model_config
+from client.contributor.run_model import building_the_model, model_config, run_dataset
 from client.contributor.tasks import poll
 from client.join.checkpoints import revision_for, snapshot_root, upload_stage
 from client.join.stage_replica import StageReplica, StateSources, stage_roster
 from client.join.sync import SyncPhase
+from client.pipeline.datacheck import TOKEN_FIELD, DataCheck
 from client.pipeline.worker import StageWorker
 from client.stages import checkpoint_location, stage_name
 from client.witness.records import Report, receipt_hash
@@ -76,6 +80,7 @@ class WorkerRole:
         self.stepped: int | None = None  # the swarm steps the stage's parameters hold, once this worker stepped
         self.snapshotted: int | None = None  # the step of this worker's newest snapshot
         self.stepping = False  # an optimizer step is under way on a thread
+        self.accuser = Accuser(context)  # a head or tail worker's evidence against trainers that sent other data
 
     @property
     def worker(self) -> StageWorker | None:
@@ -148,8 +153,10 @@ class WorkerRole:
             previous.stop()
         with building_the_model():
             config = model_config(state, hf_endpoint=options.hf_endpoint, hf_token=options.hf_token)
+            data_check = (DataCheck(run_dataset(state, config, options), config.vocab, name)
+                          if name in TOKEN_FIELD else None)
             replica = StageReplica.create(state, name, config, dht=context.dht, keypair=context.keypair,
-                                          host=options.host, device=options.device,
+                                          host=options.host, device=options.device, data_check=data_check,
                                           trainer_allowed=self._is_epoch_trainer,
                                           roster=lambda: stage_roster(self.context.state, stage),
                                           say=lambda line: print(line, flush=True))
@@ -205,6 +212,7 @@ class WorkerRole:
         if worker is None or board is None:
             return
         self.round_receipts.extend(receipt_hash(r.to_bytes()) for r in worker.drain_receipts())
+        await self.accuser.publish(round_, worker.drain_accusations())
         if self.reported == Reported(round_, len(self.round_receipts)):
             return  # nothing new: the DHT already has this report (an empty one proves presence)
         report = Report.create(context.keypair, run_id=board.run_id, epoch=round_.epoch, round=round_.height,

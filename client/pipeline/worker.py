@@ -23,6 +23,7 @@ from solders.keypair import Keypair
 
 from client.pipeline.admission import MicrobatchLedger, Ticket, TrainerAllowed, any_signed_trainer
 from client.pipeline.compute import Receipt, StageCompute, StageRequest
+from client.pipeline.datacheck import DataCheck, WrongData, WrongTokens
 from client.pipeline.discovery import (
     STATE_UP,
     SYNC_PHASES,
@@ -67,12 +68,15 @@ class StageWorker:
         rpc_threads: int = 8,
         wire_codec: str = DEFAULT_CODEC,
         device: torch.device | str = "cpu",
+        data_check: DataCheck | None = None,
     ) -> None:
         """``trainer_allowed`` says whether a signed request's trainer (its public key) is served: a coordinated
         run passes the current epoch's trainers; the default serves any trainer that signs its requests, as
         a standalone run must. ``compute_delay`` adds seconds to every task, standing in for slower hardware
         in experiments. ``wire_codec`` is the run's (``wire``): requests in another are refused. The stage
-        computes on ``device`` (``client.pipeline.device``)."""
+        computes on ``device`` (``client.pipeline.device``). ``data_check`` (the head's and the tail's, given the
+        run's dataset) refuses a request whose tokens are not the dataset's at its samples, and keeps the trainer's
+        signed request as evidence (``drain_accusations``)."""
         stage_index(config, stage)  # fail early on an unknown stage name
         self.config = config
         self.stage = stage
@@ -98,6 +102,8 @@ class StageWorker:
             device=device,
         )
         self.ledger = MicrobatchLedger()
+        self.data_check = data_check
+        self._accusations: dict[str, WrongData] = {}  # trainer -> the first evidence against it since drained
         self.runtime = Runtime(self._execute, name=f"runtime-{stage}", uid=self.uid, max_queue=max_queue,
                                request_timeout=request_timeout, compute_delay=compute_delay)
         self._sync_phase = 0
@@ -192,6 +198,13 @@ class StageWorker:
         """The stage's live parameter tensors in a fixed order; hold ``compute.lock`` while changing them."""
         return self.compute.parameters()
 
+    def drain_accusations(self) -> list[WrongData]:
+        """Evidence against each trainer whose tokens were refused since the last call (one piece per trainer: one
+        proves it), oldest first."""
+        with self._receipts_lock:
+            accusations, self._accusations = list(self._accusations.values()), {}
+        return accusations
+
     def drain_receipts(self) -> list[Receipt]:
         """Receipts of the backward passes processed since the last call, oldest first."""
         with self._receipts_lock:
@@ -271,6 +284,14 @@ class StageWorker:
                 f"trainer {request.trainer} is not one this worker serves (not a trainer of the run's current epoch)",
                 grpc.StatusCode.PERMISSION_DENIED,
             )
+        if self.data_check is not None:
+            try:
+                self.data_check.check(request)
+            except WrongTokens as exc:
+                log.warning("%s refused trainer %s: %s", self.uid, request.trainer[:16], exc)
+                with self._receipts_lock:
+                    self._accusations.setdefault(request.trainer, exc.evidence)
+                raise
         if backward:
             samples = (request.header.sample_start, request.header.sample_end)
             self.ledger.claim(request.trainer, request.microbatch_id, self._ticket(request), samples)
