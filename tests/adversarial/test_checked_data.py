@@ -20,8 +20,11 @@ from client.data import open_byte_dataset
 from client.pipeline.admission import read_header
 from client.pipeline.compute import MAX_ID_CHARS
 from client.pipeline.datacheck import DataCheck, WrongData, proven
+from client.pipeline.discovery import WorkerDirectory
 from client.pipeline.messages import decode_message
+from client.pipeline.router import PipelineError
 from client.pipeline.rpc import StageClient
+from client.pipeline.trainer import PipelineTrainer
 from client.pipeline.worker import StageWorker
 from client.witness.accusations import CONVICTED, Accusation, convict
 from client.witness.judge import judge_round, unhealthy_clients
@@ -184,3 +187,44 @@ def test_a_convicted_trainer_earns_nothing_and_the_health_check_removes_it() -> 
     rules.health_check(state, derived.witnesses(state)[0], hostile.client)
     finish_round(state, now, 8, members=[c.id for c in state.clients if c.id != hostile.client])
     assert hostile.client not in {c.id for c in state.clients} and honest.client in {c.id for c in state.clients}
+
+
+class OtherText:
+    """A hostile trainer's data: real text, but each sample index answered with the next sample's tokens."""
+
+    def __init__(self, dataset) -> None:
+        self.inner = dataset
+        self.name, self.fingerprint, self.seq_len = dataset.name, dataset.fingerprint, dataset.seq_len
+        self.num_samples, self.vocab_size = dataset.num_samples, dataset.vocab_size
+        self.tokenizer_sha256 = dataset.tokenizer_sha256
+
+    def sample(self, index: int) -> torch.Tensor:
+        return self.inner.sample(index + 1)
+
+    def batch(self, indices) -> torch.Tensor:
+        return torch.stack([self.sample(i) for i in indices])
+
+
+def test_an_honest_trainer_is_never_refused_and_a_hostile_one_never_served(dht, run_id: str) -> None:
+    """The real trainer through three real workers, the head and the tail checking: the honest trainer's
+    microbatches all complete with no accusation; the hostile one's first call fails at the head, accused."""
+    checks = {"head": DataCheck(DATASET, TINY.vocab, "head"), "tail": DataCheck(DATASET, TINY.vocab, "tail")}
+    workers = [StageWorker(TINY, s, dht=dht, run_id=run_id, data_check=checks.get(s)).start()
+               for s in ("head", "body1", "tail")]
+    directory = WorkerDirectory(dht, run_id, TINY.fingerprint())
+    trainers = [PipelineTrainer(TINY, data, directory, run_id=run_id, stall_timeout=30.0, refresh_period=0.5,
+                                max_attempts=2) for data in (DATASET, OtherText(DATASET))]
+    try:
+        result = trainers[0].train(list(range(0, 8)), 2)
+        assert len(result.microbatches) == 4 and workers[0].compute.samples_accumulated == 8
+        assert all(w.drain_accusations() == [] for w in workers), "no honest request is refused"
+        with pytest.raises(PipelineError, match="not the run's dataset"):
+            trainers[1].train([8, 9], 2)
+        [evidence] = workers[0].drain_accusations()
+        assert proven(evidence, DATASET, TINY.vocab, run_id) == bytes(trainers[1].keypair.pubkey())
+        assert workers[0].compute.samples_accumulated == 8, "nothing of the hostile trainer's was computed"
+    finally:
+        for trainer in trainers:
+            trainer.close()
+        for worker in workers:
+            worker.stop(grace=0)
