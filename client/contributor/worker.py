@@ -3,9 +3,9 @@
 - Warmup: take the assigned stage (``client.join.stage_replica``: its state from a snapshot, the run's
   checkpoint, its peers or the run's seed; sync phases if that state is stale), serve it over gRPC and announce
   it in the DHT.
-- RoundTrain: accept the round's samples only, and publish signed reports of the receipts issued, as they come;
-  the head and the tail also check the tokens they receive against the run's dataset, and publish accusations with
-  the signed requests of the trainers whose tokens they refused (``accusing``).
+- RoundTrain: accept the round's samples only, each trainer's own share, and publish signed reports of the receipts
+  issued, as they come; the head and the tail also check the tokens they receive against the run's dataset, and
+  publish accusations with the signed requests of the trainers whose tokens they refused (``accusing``).
 - Leaving RoundTrain: apply the round's accumulated gradients (one optimizer step per round); every
   ``sparta_every`` steps average a SPARTA partition with the stage's other workers; every ``snapshot_every``
   steps, if active, snapshot the stage for whoever takes it should it empty. Every step moves the sync phases on.
@@ -34,7 +34,7 @@ from client.pipeline.datacheck import TOKEN_FIELD, DataCheck
 from client.pipeline.worker import StageWorker
 from client.stages import checkpoint_location, stage_name
 from client.witness.records import Report, receipt_hash
-from coordinator_program.spec import limits
+from coordinator_program.spec import derived, limits
 from coordinator_program.spec.config import CheckpointKind
 from coordinator_program.spec.errors import CheckpointTaken, CoordinatorError
 from coordinator_program.spec.state import CoordinatorState, Phase, Role
@@ -56,6 +56,15 @@ class Reported:
 
     round: RoundKey
     receipts: int
+
+
+def round_shares(state: CoordinatorState) -> dict[str, tuple[int, int]]:
+    """Each trainer's (hex key) samples in the round ``state`` trains, from the round's seed; none outside
+    RoundTrain, where the next round's split is not known yet (a Backward then waits for this worker to see the
+    round open: the trainer retries it)."""
+    if state.phase != Phase.RoundTrain:
+        return {}
+    return {a.client.hex(): (a.start, a.end) for a in derived.data_assignment(state) if a.size}
 
 
 def round_samples(state: CoordinatorState, step: int) -> tuple[int, int]:
@@ -167,7 +176,7 @@ class WorkerRole:
                                snapshots=snapshot_root(options.checkpoint_dir.resolve(), state.run_id),
                                hf_token=options.hf_token, hf_endpoint=options.hf_endpoint)
         replica.load(state, stage, sources, self._training_step)
-        replica.expect_samples(*round_samples(state, context.state.step))
+        replica.expect_samples(*round_samples(state, context.state.step), round_shares(context.state))
         if auth is not None:
             auth.wait_turn()
         swarm_step = context.state.step
@@ -199,7 +208,7 @@ class WorkerRole:
         if self.open_round is None or self.open_round.round != key:
             self.open_round, self.round_receipts = OpenRound(key, state.step), []
             if self.replica is not None:
-                self.replica.expect_samples(*round_samples(state, state.step))
+                self.replica.expect_samples(*round_samples(state, state.step), round_shares(state))
 
     async def publish_open_round(self) -> None:
         """Publish the receipts of the round under way as they come."""
@@ -232,7 +241,8 @@ class WorkerRole:
         self.stepping = True  # until the step's thread returns, even if this task is cancelled meanwhile
         stats = await asyncio.to_thread(replica.step, step)
         self.stepping, self.stepped = False, step + 1
-        replica.expect_samples(*round_samples(self.context.state, step + 1))  # the next round's, whenever it starts
+        # the next round's samples, each trainer's share once this worker sees it open
+        replica.expect_samples(*round_samples(self.context.state, step + 1), round_shares(self.context.state))
         log.info("round %s: stepped on %d samples (grad norm %.3f)", closing.round, stats.samples, stats.grad_norm)
         if self._snapshot_due(replica, step + 1):
             self.snapshotted = step + 1

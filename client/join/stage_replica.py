@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -305,10 +305,12 @@ class StageReplica:
         tensors, optimizer = self._checkpoint()
         return save_snapshot(root, self.stage, tensors, step, optimizer)
 
-    def expect_samples(self, round_start: int, global_batch: int) -> None:
+    def expect_samples(self, round_start: int, global_batch: int,
+                       shares: Mapping[str, tuple[int, int]] | None = None) -> None:
         """The worker's next step accumulates the round's global batch, the ``global_batch`` samples from
-        ``round_start``, and no others: a microbatch of a round that is over counts nowhere."""
-        self.worker.ledger.expect_samples(round_start, round_start + global_batch)
+        ``round_start``, and no others: a microbatch of a round that is over counts nowhere. With ``shares``
+        (trainer key, hex → its samples) each trainer's Backwards must lie in its own share."""
+        self.worker.ledger.expect_samples(round_start, round_start + global_batch, shares)
 
     def step(self, swarm_step: int | None = None) -> StepStats:
         """The optimizer step of a finished round, the swarm's ``swarm_step``, at the rate the run's schedule

@@ -228,3 +228,30 @@ def test_an_honest_trainer_is_never_refused_and_a_hostile_one_never_served(dht, 
             trainer.close()
         for worker in workers:
             worker.stop(grace=0)
+
+
+def test_a_trainer_cannot_claim_another_trainers_samples_first() -> None:
+    """Samples outside the claimer's share of the round, even with the dataset's own tokens, are refused (and not
+    accused: a worker that has not yet seen the round open refuses an honest trainer the same way, for a retry), so
+    a trainer cannot take another's samples first and have that trainer's Backward of them refused as a repeat."""
+    victim, thief = Keypair(), Keypair()
+    tail = StageWorker(TINY, "tail", run_id=RUN, data_check=DataCheck(DATASET, TINY.vocab, "tail")).start()
+    client = StageClient(tail.address, max_message_bytes=64 << 20)
+    tail.ledger.expect_samples(100, 110, {bytes(victim.pubkey()).hex(): (100, 105),
+                                          bytes(thief.pubkey()).hex(): (105, 110)})
+
+    def backward(trainer: Keypair, start: int) -> bytes:
+        tensors = {"input": torch.randn(2, TINY.seq_len, TINY.d_model),
+                   "targets": windows(start, start + 2)[:, 1:].to(torch.uint8)}
+        return call(client, "Backward", signed_request(trainer, "tail", "Backward", tensors, run_id=RUN, start=start))
+
+    try:
+        with pytest.raises(grpc.RpcError, match="not this trainer's share of the round") as refused:
+            backward(thief, 100)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        backward(victim, 100)  # the victim's own samples are still its to train
+        backward(thief, 105)
+        assert tail.drain_accusations() == [] and tail.compute.samples_accumulated == 4
+    finally:
+        client.close()
+        tail.stop(grace=0)
