@@ -1,6 +1,7 @@
 """Witnessing, which any client elected for a round does whatever its role: judge the round's signed records
-and send the proof (leaving out the trainers a round's accusations prove sent other data than the run's:
-``accusing``), and health-check the clients the previous round's witnesses missed.
+and send the proof (leaving out the trainers a round's accusations prove sent other data than the run's,
+``accusing``, and those that published presences alone for ``idle.IDLE_ROUNDS`` rounds while others trained),
+and health-check the clients the previous round's witnesses missed.
 
 A witness sends its proof as soon as every batch is in (opportunistic witnessing), or at RoundWitness with what
 it has; at Warmup it proves who is ready. A proof goes once per round: one the coordinator refuses is not sent
@@ -18,6 +19,7 @@ from client.contributor.accusing import Convictions
 from client.contributor.context import ClientContext
 from client.contributor.rounds import RoundKey
 from client.witness.accusations import Accusation, convict
+from client.witness.idle import IDLE, IDLE_ROUNDS, candidates, idle_trainers
 from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
 from client.witness.records import Commitment, Presence, Ready, Report, members
 from coordinator_program.spec import derived
@@ -69,6 +71,10 @@ class Witnessing:
             accusations = await asyncio.to_thread(board.fetch, Accusation, state.epoch, height, counted)
             evidence = judge_round(state, commitments, reports, presences)  # type: ignore[arg-type]
             convict(evidence, await self.convictions.convicted(state, accusations))  # type: ignore[arg-type]
+            if candidates(state, evidence):  # present without a commitment while others committed: idle lately?
+                earlier = [await asyncio.to_thread(board.fetch, Commitment, state.epoch, r, counted)
+                           for r in range(height - IDLE_ROUNDS + 1, height)]
+                convict(evidence, idle_trainers(state, evidence, earlier), IDLE)  # type: ignore[arg-type]
         if not evidence.complete and state.phase != Phase.RoundWitness:
             return
         parts = evidence.filters(state)

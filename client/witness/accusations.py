@@ -50,9 +50,9 @@ class Accusation(SignedRecord):
         return [(piece["request"], piece["signature"]) for piece in self.evidence]
 
 
-def convict(evidence: Evidence, convicted: Collection[bytes]) -> None:
-    """Take the trainers ``convicted`` (proven to have sent other data) out of a witness's ``evidence``: not present,
-    not credited, and not waited for."""
+def convict(evidence: Evidence, convicted: Collection[bytes], why: str = CONVICTED) -> None:
+    """Take the trainers ``convicted`` (proven to have sent other data, or idle: ``idle``) out of a witness's
+    ``evidence``, saying ``why``: not present, not credited, and not waited for."""
     for trainer in convicted:
         evidence.participants.discard(trainer)
         evidence.computed.discard(trainer)
@@ -60,6 +60,6 @@ def convict(evidence: Evidence, convicted: Collection[bytes]) -> None:
         evidence.losses.pop(trainer, None)
         if trainer in evidence.missing:
             evidence.missing.remove(trainer)
-        evidence.why_missing[trainer] = CONVICTED
+        evidence.why_missing[trainer] = why
     evidence.complete = not evidence.missing
 
