@@ -84,6 +84,10 @@ class IssuedReceipts:
         return [SimpleNamespace(to_bytes=lambda r=r: json.dumps(r, sort_keys=True, separators=(",", ":")).encode())
                 for r in drained]
 
+    def drain_accusations(self) -> list:
+        """None: it refused no trainer's tokens."""
+        return []
+
 
 def witnessing_worker(run_id: str, dht):
     """A run in RoundTrain, every record but the contributor's own report published, and the contributor: a
