@@ -48,6 +48,6 @@ def run_dataset(state: CoordinatorState, config: ModelSpec, options: RunnerOptio
     except TokenizerMismatch as exc:
         raise CannotContribute(f"the run's dataset does not fit its model: {exc}") from None
     except ValueError as exc:
-        raise CannotContribute(f"cannot open the run's dataset: {exc}; trainers and the head and tail workers need "
-                               "the run's data at that path on this machine (or join as a body worker, which needs "
-                               "none)") from None
+        raise CannotContribute(f"cannot open the run's dataset: {exc}; trainers and the head's and tail's workers "
+                               "need the run's data at that path on this machine (or join as a worker of a body "
+                               "stage, which needs none)") from None
