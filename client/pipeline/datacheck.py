@@ -86,17 +86,20 @@ class WrongData:
         digests = fields.get("digests")
         if not isinstance(digests, dict) or not all(isinstance(d, str) for d in digests.values()):
             raise ValueError("the quoted request's digests must map names to text")
+        for name in ("run_id", "stage", "kind", "trainer", "microbatch_id", "dtype"):
+            if not isinstance(fields[name], str):
+                raise ValueError(f"the quoted request's {name} must be text")
+        for name in ("sample_start", "sample_end", "issued_at"):
+            value = fields[name]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+                raise ValueError(f"the quoted request's {name} must be a non-negative integer")
         try:
             header = RequestHeader(**fields)
         except TypeError:
             raise ValueError("the quoted request's fields are not a header's") from None
         if header.message().decode() != self.request:
             raise ValueError("the quoted request is not in the canonical form a trainer signs")
-        for name in ("sample_start", "sample_end"):
-            value = getattr(header, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-                raise ValueError(f"the quoted request's {name} must be a non-negative integer")
-        if not isinstance(header.trainer, str) or not _HEX64.fullmatch(header.trainer):
+        if not _HEX64.fullmatch(header.trainer):
             raise ValueError("the quoted request's trainer must be a 64-hex public key")
         return header
 

@@ -1,6 +1,6 @@
-"""A contributor that misbehaves on purpose, for the swarm-level adversarial test.
+"""A contributor that misbehaves on purpose, for the swarm-level adversarial tests.
 
-``python tests/adversarial/hostile.py trainer|worker join-run ARGS...`` patches the real client in this process,
+``python tests/adversarial/hostile.py trainer|liar|worker join-run ARGS...`` patches the real client in this process,
 then runs ``psyswarm join-run ARGS...``: everything it does goes through the real code paths and the real wire.
 
 A hostile trainer
@@ -10,6 +10,9 @@ A hostile trainer
   published for the round;
 - tries to hide the other trainers' commitments: it stores junk under their subkeys, with a one-day expiry,
   from a DHT node that validates nothing.
+
+A lying trainer sends plausible data that is not the run's: real text, each sample index answered with the next
+sample's tokens (``OtherText``); everything else it does honestly, a presence each round included.
 
 A hostile worker computes honestly (a worker that computes wrong but well-formed gradients is not defended), but
 - tries to hijack its same-stage peers: it announces its own address under their uids;
@@ -151,9 +154,38 @@ def hijack(role, victims: list[str]) -> None:
         store_junk(context, key, [victim])
 
 
+class OtherText:
+    """A lying trainer's data: real text, but each sample index answered with the next sample's tokens."""
+
+    def __init__(self, dataset) -> None:
+        self.inner = dataset
+        self.name, self.fingerprint, self.seq_len = dataset.name, dataset.fingerprint, dataset.seq_len
+        self.num_samples, self.vocab_size = dataset.num_samples, dataset.vocab_size
+        self.tokenizer_sha256 = dataset.tokenizer_sha256
+
+    def sample(self, index: int):
+        return self.inner.sample(index + 1)
+
+    def batch(self, indices):
+        import torch
+
+        return torch.stack([self.sample(i) for i in indices])
+
+
+def lying_trainer() -> None:
+    from client.pipeline.trainer import PipelineTrainer
+
+    init = PipelineTrainer.__init__
+
+    def with_other_text(self, config, dataset, *args, **options) -> None:
+        init(self, config, OtherText(dataset), *args, **options)
+
+    PipelineTrainer.__init__ = with_other_text
+
+
 def main() -> None:
     role, *argv = sys.argv[1:]
-    {"trainer": hostile_trainer, "worker": hostile_worker}[role]()
+    {"trainer": hostile_trainer, "worker": hostile_worker, "liar": lying_trainer}[role]()
     from client.cli import main as psyswarm
 
     sys.argv = ["psyswarm", *argv]

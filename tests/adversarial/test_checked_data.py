@@ -12,6 +12,8 @@ import json
 import grpc
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from solders.keypair import Keypair
 
 from client.contributor.accusing import Convictions
@@ -31,6 +33,7 @@ from client.witness.judge import judge_round, unhealthy_clients
 from client.witness.records import Presence
 from coordinator_program.spec import derived, rules
 from coordinator_program.spec.state import Role
+from tests.adversarial.hostile import OtherText
 from tests.pipeline.conftest import TINY, signed_request
 from tests.spec.scenario import SMALL, finish_round
 from tests.witness.rounds import honest_round, run_with_keys, shares
@@ -189,22 +192,6 @@ def test_a_convicted_trainer_earns_nothing_and_the_health_check_removes_it() -> 
     assert hostile.client not in {c.id for c in state.clients} and honest.client in {c.id for c in state.clients}
 
 
-class OtherText:
-    """A hostile trainer's data: real text, but each sample index answered with the next sample's tokens."""
-
-    def __init__(self, dataset) -> None:
-        self.inner = dataset
-        self.name, self.fingerprint, self.seq_len = dataset.name, dataset.fingerprint, dataset.seq_len
-        self.num_samples, self.vocab_size = dataset.num_samples, dataset.vocab_size
-        self.tokenizer_sha256 = dataset.tokenizer_sha256
-
-    def sample(self, index: int) -> torch.Tensor:
-        return self.inner.sample(index + 1)
-
-    def batch(self, indices) -> torch.Tensor:
-        return torch.stack([self.sample(i) for i in indices])
-
-
 def test_an_honest_trainer_is_never_refused_and_a_hostile_one_never_served(dht, run_id: str) -> None:
     """The real trainer through three real workers, the head and the tail checking: the honest trainer's
     microbatches all complete with no accusation; the hostile one's first call fails at the head, accused."""
@@ -255,3 +242,24 @@ def test_a_trainer_cannot_claim_another_trainers_samples_first() -> None:
     finally:
         client.close()
         tail.stop(grace=0)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                    max_leaves=8)
+
+
+SIGNER = Keypair()
+
+
+@settings(max_examples=300, deadline=None)
+@given(changes=st.dictionaries(st.sampled_from(["domain", "run_id", "stage", "kind", "microbatch_id", "sample_start",
+                                                "sample_end", "dtype", "issued_at", "digests"]), JSON, max_size=4))
+def test_no_quoted_request_makes_a_witness_fail(changes: dict) -> None:
+    """Whatever a trainer signs and someone quotes as evidence (here a trainer accusing itself with a header of its
+    own making, to stop the witnesses), checking it returns a verdict, never an error that would stop a witness
+    from sending its proof."""
+    fields = {**json.loads(honest_evidence().request), "trainer": bytes(SIGNER.pubkey()).hex(), **changes}
+    request = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    signature = bytes(SIGNER.sign_message(request.encode())).hex()
+    assert proven(WrongData(request, signature), DATASET, TINY.vocab, RUN) in (None, bytes(SIGNER.pubkey()))

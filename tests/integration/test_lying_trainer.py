@@ -1,0 +1,80 @@
+"""A whole run with a trainer that sends plausible data that is not the run's (``tests.adversarial.hostile``'s
+liar: real text, each sample answered with the next one's), on the real server, DHT, gRPC workers and witnesses.
+
+Its head refuses its tokens and publishes the evidence; the witnesses, who check it against the run's dataset,
+leave it out of the epoch's first round although it publishes a presence, and the next round's health check
+removes it: earlier than the rule for trainers that only publish presences could (three rounds). The honest
+trainer's loss drops and no honest client is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from client.identity import load_keypair
+from coordinator_program.spec.state import Phase
+from tests.integration.test_hostile_swarm import HOSTILE, caught
+from tests.integration.test_swarm import CommittedLosses, fail_with_logs, watch
+
+ROUNDS = 4
+CONFIG = f"""
+run_id = "it"
+[config]
+min_clients = 4
+max_clients = 8
+num_stages = 3
+witness_nodes = 3
+witness_quorum = 2
+warmup_time = 30
+max_round_train_time = 20
+round_witness_time = 1
+cooldown_time = 5
+rounds_per_epoch = {ROUNDS}
+total_steps = {ROUNDS}
+global_batch_size = 16
+[model]
+n_layers = 3
+n_heads = 2
+d_model = 32
+seq_len = 32
+microbatch_size = 4
+learning_rate = 0.01
+"""
+
+
+@pytest.mark.slow
+def test_a_trainer_sending_other_text_is_refused_accused_and_removed(tmp_path: Path) -> None:
+    from client.swarm.launcher import Swarm
+
+    swarm = Swarm(tmp_path, CONFIG)
+    swarm.start_server()
+    swarm.start_dht()
+    clients = {stage: ("worker", stage) for stage in ("head", "body1", "tail")}
+    clients |= {"trainer0": ("trainer", None), "liar": ("trainer", None)}
+    keys = {name: swarm.start_client(name, role, stage,
+                                     command=HOSTILE + ("liar",) if name == "liar" else ("-m", "client.cli"))
+            for name, (role, stage) in clients.items()}
+    ids = {name: bytes(load_keypair(key).pubkey()) for name, key in keys.items()}
+    committed = CommittedLosses(swarm)
+    try:
+        history = asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, 400, committed))
+        rounds = [s for s in history if s.phase in (Phase.RoundTrain, Phase.RoundWitness)]
+        assert rounds, "the run never trained"
+        rounds = [s for s in rounds if s.epoch == rounds[0].epoch]  # the first epoch, which the liar entered
+        assert any(caught(s, ids["liar"]) for s in rounds if s.round.height <= 1), \
+            "the liar was not removed by the health check of round 1"
+        for state in rounds:
+            removed = [n for n, id_ in ids.items() if n != "liar" and state.client_index(id_) is None]
+            assert not removed, f"honest clients removed in round {state.round.height}: {removed}"
+        assert "not the run's dataset" in swarm.log_text("head")
+        assert "not the run's dataset" not in swarm.log_text("tail"), "the liar's requests never got past the head"
+        losses = committed.curve(ids["trainer0"])
+        assert len(losses) == ROUNDS and losses[-1] < losses[0], losses
+    except (AssertionError, TimeoutError, RuntimeError) as exc:
+        fail_with_logs(swarm, exc)
+    finally:
+        committed.close()
+        swarm.stop()
