@@ -16,33 +16,15 @@ import pytest
 
 from client.identity import load_keypair
 from coordinator_program.spec.state import Phase
+from tests.integration.test_hostile_swarm import CONFIG as HOSTILE_RUN
 from tests.integration.test_hostile_swarm import HOSTILE, caught
+from tests.integration.test_hostile_swarm import ROUNDS as HOSTILE_ROUNDS
 from tests.integration.test_swarm import CommittedLosses, fail_with_logs, watch
 
 ROUNDS = 4
-CONFIG = f"""
-run_id = "it"
-[config]
-min_clients = 4
-max_clients = 8
-num_stages = 3
-witness_nodes = 3
-witness_quorum = 2
-warmup_time = 30
-max_round_train_time = 20
-round_witness_time = 1
-cooldown_time = 5
-rounds_per_epoch = {ROUNDS}
-total_steps = {ROUNDS}
-global_batch_size = 16
-[model]
-n_layers = 3
-n_heads = 2
-d_model = 32
-seq_len = 32
-microbatch_size = 4
-learning_rate = 0.01
-"""
+CONFIG = (HOSTILE_RUN.replace("min_clients = 8", "min_clients = 4").replace("max_clients = 16", "max_clients = 8")
+          .replace(f"= {HOSTILE_ROUNDS}\n", f"= {ROUNDS}\n"))
+"""The hostile swarm's run, for 5 clients: rounds are as short, and the liar's removal ends no epoch."""
 
 
 @pytest.mark.slow
