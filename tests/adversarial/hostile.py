@@ -1,7 +1,8 @@
 """A contributor that misbehaves on purpose, for the swarm-level adversarial tests.
 
-``python tests/adversarial/hostile.py trainer|liar|worker join-run ARGS...`` patches the real client in this process,
-then runs ``psyswarm join-run ARGS...``: everything it does goes through the real code paths and the real wire.
+``python tests/adversarial/hostile.py trainer|liar|idle|worker join-run ARGS...`` patches the real client in this
+process, then runs ``psyswarm join-run ARGS...``: everything it does goes through the real code paths and the real
+wire.
 
 A hostile trainer
 - poisons every Backward it sends (``grad_output`` × 1e30, signed by its own key, so only the worker's gradient
@@ -13,6 +14,8 @@ A hostile trainer
 
 A lying trainer sends plausible data that is not the run's: real text, each sample index answered with the next
 sample's tokens (``OtherText``); everything else it does honestly, a presence each round included.
+
+An idle trainer publishes its presence each round and trains nothing.
 
 A hostile worker computes honestly (a worker that computes wrong but well-formed gradients is not defended), but
 - tries to hijack its same-stage peers: it announces its own address under their uids;
@@ -183,9 +186,18 @@ def lying_trainer() -> None:
     PipelineTrainer.__init__ = with_other_text
 
 
+def idle_trainer() -> None:
+    from client.contributor.trainer import TrainerRole
+
+    async def presence_only(self, state) -> None:
+        await self._publish_presence(state)
+
+    TrainerRole.train = presence_only
+
+
 def main() -> None:
     role, *argv = sys.argv[1:]
-    {"trainer": hostile_trainer, "worker": hostile_worker, "liar": lying_trainer}[role]()
+    {"trainer": hostile_trainer, "worker": hostile_worker, "liar": lying_trainer, "idle": idle_trainer}[role]()
     from client.cli import main as psyswarm
 
     sys.argv = ["psyswarm", *argv]
