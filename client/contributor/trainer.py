@@ -21,9 +21,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from client.contributor.context import ClientContext
-from client.contributor.errors import CannotContribute
 from client.contributor.rounds import RoundKey
-from client.contributor.run_model import building_the_model, model_config
+from client.contributor.run_model import building_the_model, model_config, run_dataset
 from client.join.sync import SyncPhase
 from client.pipeline.discovery import WorkerDirectory, WorkerRecord
 from client.receipts import ReceiptRound
@@ -117,7 +116,6 @@ class TrainerRole:
     def prepare(self, state: CoordinatorState, stage: int) -> None:
         """Open the run's dataset and the pipeline trainer (once: a trainer holds no state, nothing to renew);
         ``stage`` is a worker's, none of a trainer's."""
-        from client.data import TokenizerMismatch, open_dataset
         from client.pipeline.checks import CheckPolicy
         from client.pipeline.trainer import PipelineTrainer
         from client.pipeline.wire import codec_name
@@ -131,15 +129,7 @@ class TrainerRole:
             options.auth.report_synced()
         with building_the_model():
             config = model_config(state, hf_endpoint=options.hf_endpoint, hf_token=options.hf_token)
-        try:
-            dataset = open_dataset(state.model.dataset, config.seq_len, tokenizer_sha256=state.model.tokenizer_sha256,
-                                   dataset_sha256=state.model.dataset_sha256, max_bytes=options.max_dataset_bytes,
-                                   hf_endpoint=options.hf_endpoint, hf_token=options.hf_token)
-        except TokenizerMismatch as exc:
-            raise CannotContribute(f"the run's dataset does not fit its model: {exc}") from None
-        except ValueError as exc:
-            raise CannotContribute(f"cannot open the run's dataset: {exc}; a trainer needs the run's data at that "
-                                   "path on this machine (or join as a worker, which needs none)") from None
+        dataset = run_dataset(state, config, options)
         identical = state.model.grad_averaging != GradAveraging.Off  # replicas are identical only then
         checks = CheckPolicy(options.check_rate, options.check_tolerance) if identical and options.check_rate else None
         namespace = derived.run_instance(state)  # the workers of this run, not of an earlier one of the same id

@@ -1,5 +1,8 @@
 """Witnessing, which any client elected for a round does whatever its role: judge the round's signed records
-and send the proof, and health-check the clients the previous round's witnesses missed.
+and send the proof, and health-check the clients the previous round's witnesses missed. The proof leaves out the
+workers a trainer's accusation proves answered wrong, the trainers a worker's accusation proves sent other data
+than the run's (``accusing``), and the trainers that published presences alone for ``idle.IDLE_ROUNDS`` rounds
+while others trained.
 
 A witness sends its proof as soon as every batch is in (opportunistic witnessing), or at RoundWitness with what
 it has; at Warmup it proves who is ready. At RoundWitness a proof that would charge a worker with receipts left
@@ -16,9 +19,12 @@ import logging
 import time
 from dataclasses import dataclass
 
+from client.contributor.accusing import Convictions
 from client.contributor.context import ClientContext
 from client.contributor.rounds import RoundKey
 from client.contributor.tasks import POLL_INTERVAL
+from client.witness.data_accusations import DataAccusation, convict
+from client.witness.idle import IDLE, IDLE_ROUNDS, candidates, idle_trainers
 from client.witness.judge import judge_round, judge_warmup, unhealthy_clients
 from client.witness.records import Accusation, Commitment, Presence, Ready, Report, members
 from coordinator_program.spec import derived
@@ -57,6 +63,7 @@ class Witnessing:
         self.proved: set[Proof] = set()
         self.health_checked: set[RoundKey] = set()
         self.witness_seen: tuple[RoundKey, float] | None = None  # the round last judged in RoundWitness, and when
+        self.convictions: Convictions = Convictions(context)
 
     async def witness_current(self) -> None:
         """Prove the current round or warmup if this client witnesses it (polled in the background)."""
@@ -82,6 +89,12 @@ class Witnessing:
             presences = await asyncio.to_thread(board.fetch, Presence, state.epoch, height, counted)
             accusations = await asyncio.to_thread(board.fetch, Accusation, state.epoch, height, counted)
             evidence = judge_round(state, commitments, reports, presences, accusations)  # type: ignore[arg-type]
+            wrong_data = await asyncio.to_thread(board.fetch, DataAccusation, state.epoch, height, counted)
+            convict(evidence, await self.convictions.convicted(state, wrong_data))  # type: ignore[arg-type]
+            if candidates(state, evidence):  # present without a commitment while others committed: idle lately?
+                earlier = [await asyncio.to_thread(board.fetch, Commitment, state.epoch, r, counted)
+                           for r in range(height - IDLE_ROUNDS + 1, height)]
+                convict(evidence, idle_trainers(state, evidence, earlier), IDLE)  # type: ignore[arg-type]
         if not evidence.complete and not self._final(key.round, state, bool(evidence.charged or evidence.unreported)):
             return
         parts = evidence.filters(state)

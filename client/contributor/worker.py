@@ -3,9 +3,11 @@
 - Warmup: take the assigned stage (``client.join.stage_replica``: its state from a snapshot, the run's
   checkpoint, its peers or the run's seed; sync phases if that state is stale), serve it over gRPC and announce
   it in the DHT.
-- RoundTrain: accept the round's samples only, sign each Backward's receipt for the round, and publish signed
-  reports of the receipts issued, as they come. A report must list every receipt the worker signed for the round:
-  the trainers hold them, and the witnesses charge an omission to the worker (``client.witness.judge``).
+- RoundTrain: accept the round's samples only, each trainer's own share, sign each Backward's receipt for the round,
+  and publish signed reports of the receipts issued, as they come. A report must list every receipt the worker
+  signed for the round: the trainers hold them, and the witnesses charge an omission to the worker
+  (``client.witness.judge``). The head and the tail also check the tokens they receive against the run's dataset,
+  and publish accusations with the signed requests of the trainers whose tokens they refused (``accusing``).
 - Leaving RoundTrain: stop signing receipts for the round, report the last ones, apply the round's accumulated
   gradients (one optimizer step per round); every ``sparta_every`` steps average a SPARTA partition with the
   stage's other workers; every ``snapshot_every`` steps, if active, snapshot the stage for whoever takes it should
@@ -22,19 +24,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from client.backends.base import BackendError
+from client.contributor.accusing import Accuser
 from client.contributor.context import ClientContext
 from client.contributor.errors import ContributorRemoved
 from client.contributor.rounds import RoundKey
-from client.contributor.run_model import building_the_model, model_config
+from client.contributor.run_model import building_the_model, model_config, run_dataset
 from client.contributor.tasks import poll
 from client.join.checkpoints import revision_for, snapshot_root, upload_stage
 from client.join.stage_replica import StageReplica, StateSources, stage_roster
 from client.join.sync import SyncPhase
+from client.pipeline.datacheck import TOKEN_FIELD, DataCheck
 from client.pipeline.worker import StageWorker
 from client.receipts import ReceiptRound
 from client.stages import checkpoint_location, stage_name
 from client.witness.records import Report
-from coordinator_program.spec import limits
+from coordinator_program.spec import derived, limits
 from coordinator_program.spec.config import CheckpointKind
 from coordinator_program.spec.errors import CheckpointTaken, CoordinatorError
 from coordinator_program.spec.state import CoordinatorState, Phase, Role
@@ -56,6 +60,15 @@ class Reported:
 
     round: RoundKey
     receipts: int
+
+
+def round_shares(state: CoordinatorState) -> dict[str, tuple[int, int]]:
+    """Each trainer's (hex key) samples in the round ``state`` trains, from the round's seed; none outside
+    RoundTrain, where the next round's split is not known yet (a Backward then waits for this worker to see the
+    round open: the trainer retries it)."""
+    if state.phase != Phase.RoundTrain:
+        return {}
+    return {a.client.hex(): (a.start, a.end) for a in derived.data_assignment(state) if a.size}
 
 
 def round_samples(state: CoordinatorState, step: int) -> tuple[int, int]:
@@ -80,6 +93,7 @@ class WorkerRole:
         self.stepped: int | None = None  # the swarm steps the stage's parameters hold, once this worker stepped
         self.snapshotted: int | None = None  # the step of this worker's newest snapshot
         self.stepping = False  # an optimizer step is under way on a thread
+        self.accuser = Accuser(context)  # a head or tail worker's evidence against trainers that sent other data
 
     @property
     def worker(self) -> StageWorker | None:
@@ -152,8 +166,10 @@ class WorkerRole:
             previous.stop()
         with building_the_model():
             config = model_config(state, hf_endpoint=options.hf_endpoint, hf_token=options.hf_token)
+            data_check = (DataCheck(run_dataset(state, config, options), config.vocab, name)
+                          if name in TOKEN_FIELD else None)
             replica = StageReplica.create(state, name, config, dht=context.dht, keypair=context.keypair,
-                                          host=options.host, device=options.device,
+                                          host=options.host, device=options.device, data_check=data_check,
                                           trainer_allowed=self._is_epoch_trainer,
                                           roster=lambda: stage_roster(self.context.state, stage),
                                           say=lambda line: print(line, flush=True))
@@ -165,7 +181,7 @@ class WorkerRole:
                                snapshots=snapshot_root(options.checkpoint_dir.resolve(), state.run_id),
                                hf_token=options.hf_token, hf_endpoint=options.hf_endpoint)
         replica.load(state, stage, sources, self._training_step)
-        replica.expect_samples(*round_samples(state, context.state.step))
+        replica.expect_samples(*round_samples(state, context.state.step), round_shares(context.state))
         if auth is not None:
             auth.wait_turn()
         swarm_step = context.state.step
@@ -204,7 +220,7 @@ class WorkerRole:
         if self.open_round is None or self.open_round.round != key:
             self.open_round, self.round_receipts = OpenRound(key, state.step), []
             if self.replica is not None:
-                self.replica.expect_samples(*round_samples(state, state.step))
+                self.replica.expect_samples(*round_samples(state, state.step), round_shares(state))
 
     async def publish_open_round(self) -> None:
         """Publish the receipts of the round under way as they come."""
@@ -217,6 +233,7 @@ class WorkerRole:
         if worker is None or board is None:
             return
         self.round_receipts.extend(r.hash() for r in worker.drain_receipts())
+        await self.accuser.publish(round_, worker.drain_accusations())
         if self.reported == Reported(round_, len(self.round_receipts)):
             return  # nothing new: the DHT already has this report (an empty one proves presence)
         report = Report.create(context.keypair, run_id=board.run_id, epoch=round_.epoch, round=round_.height,
@@ -239,7 +256,8 @@ class WorkerRole:
         self.stepping = True  # until the step's thread returns, even if this task is cancelled meanwhile
         stats = await asyncio.to_thread(replica.step, step)
         self.stepping, self.stepped = False, step + 1
-        replica.expect_samples(*round_samples(self.context.state, step + 1))  # the next round's, whenever it starts
+        # the next round's samples, each trainer's share once this worker sees it open
+        replica.expect_samples(*round_samples(self.context.state, step + 1), round_shares(self.context.state))
         log.info("round %s: stepped on %d samples (grad norm %.3f)", closing.round, stats.samples, stats.grad_norm)
         if self._snapshot_due(replica, step + 1):
             self.snapshotted = step + 1

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +55,7 @@ from client.join.state_download import (
     worker_state_provider,
 )
 from client.join.sync import SyncPhase, SyncPolicy, SyncTracker
+from client.pipeline.datacheck import DataCheck
 from client.pipeline.discovery import WorkerDirectory
 from client.pipeline.model import ModelSpec
 from client.pipeline.optim import OptimizerConfig
@@ -134,15 +135,17 @@ class StageReplica:
     @classmethod
     def create(cls, state: CoordinatorState, stage: str, config: ModelSpec, *, dht, keypair: Keypair, host: str,
                trainer_allowed: Callable[[bytes], bool], roster: Callable[[], Roster],
-               say: Callable[[str], None] = print, device: str = "cpu") -> StageReplica:
+               say: Callable[[str], None] = print, device: str = "cpu",
+               data_check: DataCheck | None = None) -> StageReplica:
         """Build the worker of ``stage`` of the run's model ``config`` (not serving yet) and its averager: the
         averager forks hivemind's process, which is safest before the worker's gRPC server starts its threads. The
         worker serves the trainers for which ``trainer_allowed`` (a public key) is true and averages with the
         workers ``roster`` lists (``stage_roster`` of the coordinator's current state); ``ModelSourceError``
-        when its stage cannot be built as the run names it."""
+        when its stage cannot be built as the run names it. ``data_check``: the head's or tail's check of the
+        tokens it receives against the run's dataset."""
         namespace = run_instance(state)  # this run's workers, averaging groups and donors, apart from any earlier run
         worker = StageWorker(config, stage, keypair=keypair, dht=dht, run_id=namespace, host=host,
-                             trainer_allowed=trainer_allowed, device=device,
+                             trainer_allowed=trainer_allowed, device=device, data_check=data_check,
                              wire_codec=codec_name(state.model.wire_codec),
                              optimizer=OptimizerConfig(lr=state.model.learning_rate_micros / 1e6))
         replica: StageReplica  # bound below; the provider only runs once sharing is on, long after
@@ -302,10 +305,12 @@ class StageReplica:
         tensors, optimizer = self._checkpoint()
         return save_snapshot(root, self.stage, tensors, step, optimizer)
 
-    def expect_samples(self, round_start: int, global_batch: int) -> None:
+    def expect_samples(self, round_start: int, global_batch: int,
+                       shares: Mapping[str, tuple[int, int]] | None = None) -> None:
         """The worker's next step accumulates the round's global batch, the ``global_batch`` samples from
-        ``round_start``, and no others: a microbatch of a round that is over counts nowhere."""
-        self.worker.ledger.expect_samples(round_start, round_start + global_batch)
+        ``round_start``, and no others: a microbatch of a round that is over counts nowhere. With ``shares``
+        (trainer key, hex → its samples) each trainer's Backwards must lie in its own share."""
+        self.worker.ledger.expect_samples(round_start, round_start + global_batch, shares)
 
     def step(self, swarm_step: int | None = None) -> StepStats:
         """The optimizer step of a finished round, the swarm's ``swarm_step``, at the rate the run's schedule

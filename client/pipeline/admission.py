@@ -60,7 +60,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -211,7 +211,9 @@ class MicrobatchLedger:
     round), every Backward also claims its samples for the step: only those, and each once. A microbatch of a
     round that ended (a trainer stalled by a stage that emptied, finishing when a worker returns) or sent again
     under a new id would otherwise count in a step that is not its own, or twice. A standalone worker, which
-    steps by sample count, takes any samples.
+    steps by sample count, takes any samples. In a coordinated run each trainer may claim only samples of its own
+    share of the round (``expect_samples``'s ``shares``, from the round's seed): otherwise a trainer could claim
+    another's samples first, with the right tokens, and have the honest trainer's Backward of them refused here.
     """
 
     def __init__(self, *, tickets_per_trainer: int = 64, max_tickets: int = 4096, max_claims: int = 1 << 16) -> None:
@@ -222,13 +224,16 @@ class MicrobatchLedger:
         self._held: collections.Counter[str] = collections.Counter()
         self._claims: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
         self._window: tuple[int, int] | None = None  # the samples the next step accumulates; None: any
+        self._shares: dict[str, tuple[int, int]] | None = None  # each trainer's part of the window; None: any
         self._stepped: dict[tuple[str, str], tuple[int, int]] = {}  # samples claimed since the last step
         self._lock = threading.Lock()
 
-    def expect_samples(self, start: int, end: int) -> None:
-        """The next step accumulates samples ``[start, end)`` only (the coordinator's round)."""
+    def expect_samples(self, start: int, end: int, shares: Mapping[str, tuple[int, int]] | None = None) -> None:
+        """The next step accumulates samples ``[start, end)`` only (the coordinator's round); with ``shares``, each
+        trainer (public key, hex) only samples within its own share of them, and a trainer without one none."""
         with self._lock:
             self._window = (start, end)
+            self._shares = None if shares is None else dict(shares)
 
     def issue(self, trainer: str, microbatch_id: str, ticket: Ticket) -> None:
         """Record a Forward this worker ran (a repeated Forward of the microbatch replaces its ticket)."""
@@ -256,7 +261,7 @@ class MicrobatchLedger:
                     f"microbatch {microbatch_id!r} of this trainer was already differentiated here (a replay)",
                     grpc.StatusCode.FAILED_PRECONDITION,
                 )
-            self._check_samples(samples)
+            self._check_samples(trainer, samples)
             if ticket is not None:
                 issued = self._tickets.get(key)
                 if issued is None:
@@ -285,11 +290,19 @@ class MicrobatchLedger:
         with self._lock:
             self._in_window(samples)
 
-    def _check_samples(self, samples: tuple[int, int]) -> None:
+    def _check_samples(self, trainer: str, samples: tuple[int, int]) -> None:
         if self._window is None:
             return
         self._in_window(samples)
         start, end = samples
+        share = None if self._shares is None else self._shares.get(trainer, (start, start))
+        if share is not None and not share[0] <= start < end <= share[1]:
+            raise RequestRejected(
+                f"samples {start}-{end} are not this trainer's share of the round "
+                f"({f'{share[0]}-{share[1]}' if share[1] > share[0] else 'none'}): they are another trainer's, or "
+                "this worker has not yet seen the round open",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
         if any(start < other_end and other_start < end for other_start, other_end in self._stepped.values()):
             raise RequestRejected(
                 f"samples {start}-{end} were already differentiated here in this step",

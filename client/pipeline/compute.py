@@ -62,6 +62,7 @@ class StageRequest:
     inputs: WireTensor
     targets: torch.Tensor | None
     grad_output: WireTensor | None
+    signature: str = ""  # the trainer's, over ``header.message()`` (hex): evidence if its data is wrong
 
     @property
     def trainer(self) -> str:
@@ -160,7 +161,8 @@ class StageCompute:
                 f"samples [{header.sample_start}, {header.sample_end}) do not match the batch of {batch} samples"
             )
         return StageRequest(
-            header, self.wire_codec, tensors["input"], tensors.get("targets"), tensors.get("grad_output")
+            header, self.wire_codec, tensors["input"], tensors.get("targets"), tensors.get("grad_output"),
+            str(meta["signature"]),
         )
 
     def _check_tensors(self, tensors: dict[str, WireTensor], backward: bool) -> None:

@@ -27,6 +27,7 @@ from solders.keypair import Keypair
 
 from client.pipeline.admission import MicrobatchLedger, Ticket, TrainerAllowed, any_signed_trainer
 from client.pipeline.compute import StageCompute, StageRequest
+from client.pipeline.datacheck import DataCheck, WrongData
 from client.pipeline.discovery import (
     STATE_UP,
     SYNC_PHASES,
@@ -72,12 +73,15 @@ class StageWorker:
         rpc_threads: int = 8,
         wire_codec: str = DEFAULT_CODEC,
         device: torch.device | str = "cpu",
+        data_check: DataCheck | None = None,
     ) -> None:
         """``trainer_allowed`` says whether a signed request's trainer (its public key) is served: a coordinated
         run passes the current epoch's trainers; the default serves any trainer that signs its requests, as
         a standalone run must. ``compute_delay`` adds seconds to every task, standing in for slower hardware
         in experiments. ``wire_codec`` is the run's (``wire``): requests in another are refused. The stage
-        computes on ``device`` (``client.pipeline.device``)."""
+        computes on ``device`` (``client.pipeline.device``). ``data_check`` (the head's and the tail's, given the
+        run's dataset) refuses a request whose tokens are not the dataset's at its samples, and keeps the trainer's
+        signed request as evidence (``drain_accusations``)."""
         stage_index(config, stage)  # fail early on an unknown stage name
         self.config = config
         self.stage = stage
@@ -92,18 +96,11 @@ class StageWorker:
         self.announce_period = announce_period
         self.auto_step_samples = auto_step_samples
         self.rpc_threads = rpc_threads
-        self.compute = StageCompute(
-            config,
-            stage,
-            optimizer or OptimizerConfig(),
-            uid=self.uid,
-            run_id=run_id,
-            max_batch_size=max_batch_size,
-            wire_codec=wire_codec,
-            device=device,
-            signer=self.keypair,
-        )
+        self.compute = StageCompute(config, stage, optimizer or OptimizerConfig(), uid=self.uid, run_id=run_id,
+                                    max_batch_size=max_batch_size, wire_codec=wire_codec, device=device,
+                                    signer=self.keypair)
         self.ledger = MicrobatchLedger()
+        self.data_check = data_check
         self.runtime = Runtime(self._execute, name=f"runtime-{stage}", uid=self.uid, max_queue=max_queue,
                                request_timeout=request_timeout, compute_delay=compute_delay)
         self._sync_phase = 0
@@ -202,6 +199,10 @@ class StageWorker:
         """The stage's live parameter tensors in a fixed order; hold ``compute.lock`` while changing them."""
         return self.compute.parameters()
 
+    def drain_accusations(self) -> list[WrongData]:
+        """Evidence against each trainer whose tokens were refused since the last call (``DataCheck.drain``)."""
+        return self.data_check.drain() if self.data_check is not None else []
+
     def drain_receipts(self) -> list[SignedReceipt]:
         """Receipts of the backward passes processed since the last call, oldest first."""
         with self._receipts_lock:
@@ -287,6 +288,8 @@ class StageWorker:
                 f"trainer {request.trainer} is not one this worker serves (not a trainer of the run's current epoch)",
                 grpc.StatusCode.PERMISSION_DENIED,
             )
+        if self.data_check is not None:
+            self.data_check.check(request)  # wrong tokens are refused, their evidence kept (drain_accusations)
         samples = (request.header.sample_start, request.header.sample_end)
         if not backward:
             self.ledger.admit_forward(samples)

@@ -69,11 +69,15 @@ class Evidence:
     computed: set[bytes] = dataclasses.field(default_factory=set)
     commitments: dict[bytes, bytes] = dataclasses.field(default_factory=dict)
     losses: dict[bytes, float] = dataclasses.field(default_factory=dict)
-    complete: bool = False
     missing: list[bytes] = dataclasses.field(default_factory=list)
     why_missing: dict[bytes, str] = dataclasses.field(default_factory=dict)
     charged: dict[bytes, str] = dataclasses.field(default_factory=dict)  # worker -> the receipts it left out
     unreported: set[bytes] = dataclasses.field(default_factory=set)  # workers of counted receipts with no report
+
+    @property
+    def complete(self) -> bool:
+        """Nothing is awaited: no work missing, no worker charged with a receipt it left out or yet to report."""
+        return not (self.missing or self.charged or self.unreported)
 
     @property
     def batches(self) -> set[bytes]:
@@ -140,7 +144,6 @@ def judge_round(state: CoordinatorState, commitments: Mapping[str, Commitment], 
         for claim in claims:
             served.setdefault(bytes.fromhex(claim.worker), []).append(claim)
     credit_workers(served, reported, evidence)
-    evidence.complete = not (evidence.missing or evidence.charged or evidence.unreported)
     for accused in proven_wrong(state, accusations):
         evidence.participants.discard(accused)
         evidence.computed.discard(accused)
@@ -278,7 +281,6 @@ def judge_warmup(state: CoordinatorState, ready: Mapping[str, Ready]) -> Evidenc
             evidence.miss(client.id, str(exc))
             continue
         evidence.participants.add(client.id)
-    evidence.complete = not evidence.missing
     return evidence
 
 

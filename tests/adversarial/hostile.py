@@ -1,7 +1,8 @@
-"""A contributor that misbehaves on purpose, for the swarm-level adversarial test.
+"""A contributor that misbehaves on purpose, for the swarm-level adversarial tests.
 
-``python tests/adversarial/hostile.py trainer|worker join-run ARGS...`` patches the real client in this process,
-then runs ``psyswarm join-run ARGS...``: everything it does goes through the real code paths and the real wire.
+``python tests/adversarial/hostile.py trainer|wrong-data|idle|worker|liar join-run ARGS...`` patches the real
+client in this process, then runs ``psyswarm join-run ARGS...``: everything it does goes through the real code
+paths and the real wire.
 
 A hostile trainer
 - poisons every Backward it sends (``grad_output`` × 1e30, signed by its own key, so only the worker's gradient
@@ -14,6 +15,11 @@ A hostile trainer
 A lying worker computes wrong but well formed: a share ``LIE_SHARE`` of its stage's outputs scaled by 1.01 (its
 input gradients with them), each answer signed as its own (a trainer refuses unsigned ones); checked results catch
 it where replicas are identical.
+
+A lying trainer sends plausible data that is not the run's: real text, each sample index answered with the next
+sample's tokens (``OtherText``); everything else it does honestly, a presence each round included.
+
+An idle trainer publishes its presence each round and trains nothing.
 
 A hostile worker computes honestly (the lying worker above computes wrong), but
 - tries to hijack its same-stage peers: it announces its own address under their uids;
@@ -178,9 +184,48 @@ def hijack(role, victims: list[str]) -> None:
         store_junk(context, key, [victim])
 
 
+class OtherText:
+    """A lying trainer's data: real text, but each sample index answered with the next sample's tokens."""
+
+    def __init__(self, dataset) -> None:
+        self.inner = dataset
+        self.name, self.fingerprint, self.seq_len = dataset.name, dataset.fingerprint, dataset.seq_len
+        self.num_samples, self.vocab_size = dataset.num_samples, dataset.vocab_size
+        self.tokenizer_sha256 = dataset.tokenizer_sha256
+
+    def sample(self, index: int):
+        return self.inner.sample(index + 1)
+
+    def batch(self, indices):
+        import torch
+
+        return torch.stack([self.sample(i) for i in indices])
+
+
+def lying_trainer() -> None:
+    from client.pipeline.trainer import PipelineTrainer
+
+    init = PipelineTrainer.__init__
+
+    def with_other_text(self, config, dataset, *args, **options) -> None:
+        init(self, config, OtherText(dataset), *args, **options)
+
+    PipelineTrainer.__init__ = with_other_text
+
+
+def idle_trainer() -> None:
+    from client.contributor.trainer import TrainerRole
+
+    async def presence_only(self, state) -> None:
+        await self._publish_presence(state)
+
+    TrainerRole.train = presence_only
+
+
 def main() -> None:
     role, *argv = sys.argv[1:]
-    {"trainer": hostile_trainer, "worker": hostile_worker, "liar": lying_worker}[role]()
+    {"trainer": hostile_trainer, "worker": hostile_worker, "liar": lying_worker, "wrong-data": lying_trainer,
+     "idle": idle_trainer}[role]()
     from client.cli import main as psyswarm
 
     sys.argv = ["psyswarm", *argv]

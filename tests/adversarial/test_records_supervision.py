@@ -88,6 +88,10 @@ class IssuedReceipts:
     def close_round(self) -> None:
         """Nothing under way: every receipt issued is pending already."""
 
+    def drain_accusations(self) -> list:
+        """None: it refused no trainer's tokens."""
+        return []
+
 
 def late_worker(state: CoordinatorState, me: bytes) -> bytes:
     """A worker other than ``me`` whose receipts the round's commitments hold."""

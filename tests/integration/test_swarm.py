@@ -165,6 +165,8 @@ def test_full_lifecycle_over_two_epochs(tmp_path: Path, backend: str) -> None:
         assert status.returncode == 0, status.stderr
         assert "Finished" in status.stdout and f"last loss: {curve[-1]:.4f} (epoch 1, round 4)" in status.stdout
         assert re.search(r"^workers in the DHT: head=\d+ body1=\d+ tail=\d+$", status.stdout, re.M), status.stdout
+        refused = [name for name in swarm.procs if "is not the run's dataset" in swarm.log_text(name)]
+        assert not refused, f"the head or tail refused an honest trainer's tokens: {refused}"
     except (AssertionError, TimeoutError, RuntimeError) as exc:
         fail_with_logs(swarm, exc)
     finally:

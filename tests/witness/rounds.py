@@ -12,6 +12,7 @@ from client.receipts import Receipt, ReceiptRound, SignedReceipt
 from client.stages import own_uid
 from client.witness.records import Commitment, Report
 from coordinator_program.spec import derived, limits, rules
+from coordinator_program.spec.config import Config
 from coordinator_program.spec.selection import Assignment
 from coordinator_program.spec.state import CoordinatorState, Phase, Role
 from tests.spec.scenario import RUN_ID, SMALL, new_run
@@ -21,11 +22,11 @@ MICROBATCH = 2
 DIGEST = "ab" * 32
 
 
-def run_with_keys(workers: int = 3, trainers: int = 2, run_id: str = RUN_ID) -> tuple[CoordinatorState,
-                                                                                       dict[bytes, Keypair]]:
-    """A run in RoundTrain whose clients (``workers`` auto-staged workers, ``trainers`` trainers) have real keys;
-    ``run_id`` renames it once started (tests sharing one DHT keep their records apart by run id)."""
-    state = new_run()
+def run_with_keys(workers: int = 3, trainers: int = 2, run_id: str = RUN_ID,
+                  config: Config = SMALL) -> tuple[CoordinatorState, dict[bytes, Keypair]]:
+    """A run of ``config`` in RoundTrain whose clients (``workers`` auto-staged workers, ``trainers`` trainers) have
+    real keys; ``run_id`` renames it once started (tests sharing one DHT keep their records apart by run id)."""
+    state = new_run(config)
     keys: dict[bytes, Keypair] = {}
     for role in [Role.Worker] * workers + [Role.Trainer] * trainers:
         key = Keypair()
@@ -33,7 +34,7 @@ def run_with_keys(workers: int = 3, trainers: int = 2, run_id: str = RUN_ID) -> 
         keys[me] = key
         rules.join(state, me, RUN_ID, role, limits.NO_STAGE, me)
     rules.tick(state, 0, 5)
-    rules.tick(state, SMALL.warmup_time, 6)
+    rules.tick(state, config.warmup_time, 6)
     assert state.phase == Phase.RoundTrain
     state.run_id = run_id
     return state, keys
