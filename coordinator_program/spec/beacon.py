@@ -2,9 +2,10 @@
 before any of them was shown, so no one can foresee the next election and no single party can choose it.
 
 The scheme (commit-reveal, as RANDAO): while round r trains (RoundTrain), each elected witness of r may commit to a
-32-byte secret, ``seed_commitment(its key, seed of r, secret)``. RoundTrain's end closes the commitments; in
-RoundWitness each committed witness reveals its secret, which must open its commitment, and the secrets are XORed
-into the round's ``reveals``. The tick that starts the next round (or the next epoch's warmup) takes
+32-byte secret, ``seed_commitment(its key, seed of r, secret)``. The commitments close once every elected witness
+has committed (or is leaving), or at the latest when RoundTrain ends (``rules.commitments_closed``); from then until
+the round's end begins, each committed witness reveals its secret, which must open its commitment, and the secrets
+are XORed into the round's ``reveals``. The tick that starts the next round (or the next epoch's warmup) takes
 ``selection.next_seed(seed of r, entropy, reveals)``. A witness that committed and did not reveal by the round's end
 leaves the epoch then, as unhealthy (``withholders``).
 
@@ -13,8 +14,8 @@ Why each part:
   otherwise reveal that one's secret after it and cancel it in the XOR; bound to its key, a copied commitment opens
   for no one else, and bound to the seed, an old commitment cannot be replayed.
 - XOR is the same in every order, so the order in which reveals land chooses nothing.
-- A secret chosen after others were shown could steer the seed at will: no commitment is taken once RoundTrain has
-  ended, and no secret is revealed before. A joiner, pending until the next epoch, takes no part in either.
+- A secret chosen after others were shown could steer the seed at will: no secret is shown while a commitment can
+  still be taken. A joiner, pending until the next epoch, takes no part in either.
 
 What remains: withholding. Once every other secret is shown, a committed witness still chooses between the seed with
 its secret and the seed without it, two outcomes, and pays for that choice with its place in the epoch; m colluding

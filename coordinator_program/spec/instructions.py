@@ -178,7 +178,7 @@ class CommitSeed(Instruction):
 
 @dataclasses.dataclass(frozen=True)
 class RevealSeed(Instruction):
-    """A committed witness reveals, during RoundWitness, the secret its commitment holds."""
+    """A committed witness reveals the secret its commitment holds, once the commitments have closed."""
 
     round_height: int
     secret: bytes

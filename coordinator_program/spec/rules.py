@@ -21,9 +21,9 @@ quorum of proofs leaves it out. A minority of witnesses, each sending an empty o
 can thus neither end a round nor get a client removed. A round nobody proved withdraws its clients.
 
 Seeds are drawn so that no one foresees an election and no single party chooses one (``beacon``): a round's
-witnesses commit to secrets while it trains (``commit_seed``), reveal them once RoundTrain has ended
-(``reveal_seed``), and the next round's seed hashes the XOR of what was revealed; a witness that committed and did
-not reveal leaves the epoch at the round's end.
+witnesses commit to secrets while it trains (``commit_seed``), reveal them once every witness has committed or
+RoundTrain has ended (``reveal_seed``), and the next round's seed hashes the XOR of what was revealed; a witness
+that committed and did not reveal leaves the epoch at the round's end.
 
 Points follow the same majority: at the end of each round a client earns presence when a quorum of the round's
 proofs hold its participant key, and compute (the samples it worked) when a quorum hold its compute key. They go
@@ -347,15 +347,31 @@ def commit_seed(state: CoordinatorState, signer: bytes, round_height: int, commi
     state.nonce += 1
 
 
+def commitments_closed(state: CoordinatorState) -> bool:
+    """Whether no commitment to the next seed can be taken any more, so secrets may be shown: RoundTrain has ended, or
+    every elected witness has committed or is leaving (a client marked unhealthy or withdrawn never acts again in the
+    round). Honest witnesses commit as the round opens, so their reveals have the rest of the round, not only
+    RoundWitness, which may last less than a second."""
+    if state.phase != Phase.RoundTrain:
+        return state.phase == Phase.RoundWitness
+    elected = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
+    return all(state.round.committed >> position & 1 or state.clients[index].health != Health.Healthy
+               for position, index in enumerate(elected))
+
+
 def reveal_seed(state: CoordinatorState, signer: bytes, round_height: int, secret: bytes) -> None:
-    """A committed witness opens its commitment in RoundWitness, before the round's end begins: its secret is XORed
-    into the round's reveals, from which the next round's seed is drawn."""
-    if state.phase != Phase.RoundWitness or closing(state):
-        raise WrongPhase(f"secrets are revealed in RoundWitness, before the round closes, not {state.phase.name}")
+    """A committed witness opens its commitment once the commitments have closed (``commitments_closed``) and before
+    the round's end begins: its secret is XORed into the round's reveals, from which the next round's seed is
+    drawn."""
+    if state.phase not in (Phase.RoundTrain, Phase.RoundWitness) or closing(state):
+        raise WrongPhase(f"secrets are revealed in RoundTrain and RoundWitness, before the round closes, not "
+                         f"{state.phase.name}")
     index = _healthy_client(state, signer)
     if round_height != state.round.height:
         raise StaleRound(f"the current round is {state.round.height}, not {round_height}")
     position = _elected_position(state, index)
+    if not commitments_closed(state):
+        raise WrongPhase("secrets are revealed once every elected witness has committed or RoundTrain has ended")
     if not state.round.committed >> position & 1:
         raise NoCommitment("this witness did not commit to the next seed during RoundTrain: nothing to reveal")
     if state.round.revealed >> position & 1:

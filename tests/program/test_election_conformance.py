@@ -1,8 +1,9 @@
 """Conformance of the election's beacon (``coordinator_program/spec/beacon.py``): the C program against the
 specification, every operation replayed on both with byte-identical accounts demanded after each.
 
-A round's witnesses commit to secrets while it trains, reveal them once its training has ended, and the next round's
-seed hashes their XOR; a witness that committed and did not reveal leaves at the round's end. The attacks: a witness
+A round's witnesses commit to secrets while it trains, reveal them once every one of them has committed or training
+has ended, and the next round's seed hashes their XOR; a witness that committed and did not reveal leaves at the
+round's end. The attacks: a witness
 that reveals another secret than it committed to, commits again, or copies an honest witness's commitment to cancel
 its secret; a late joiner, or a ticker, that tries to move the next round's seed. Once the commitments are in, the
 only choice left is each committer's reveal or withholding, and withholding costs the committer its place.
@@ -66,12 +67,13 @@ def test_the_next_seed_hashes_every_revealed_secret() -> None:
     swarm, authority, elected = started()
     secrets = [secret(swarm, w) for w in elected]
     for w, hidden in zip(elected, secrets, strict=True):
+        assert reveal(swarm, elected[0], secrets[0]) == errors.WrongPhase.code  # not while a commitment may come
         assert commit(swarm, w, hidden) is None
-    assert reveal(swarm, elected[0], secrets[0]) == errors.WrongPhase.code  # not while commitments are open
+    assert reveal(swarm, elected[0], secrets[0]) is None  # every witness committed: the rest of the round to reveal
     seed = swarm.state.round.seed
     to_round_witness(swarm, authority)
-    assert commit(swarm, elected[0], secrets[0]) == errors.WrongPhase.code  # closed once training ended
-    for w, hidden in zip(elected, secrets, strict=True):
+    assert commit(swarm, elected[0], secrets[0]) == errors.WrongPhase.code
+    for w, hidden in zip(elected[1:], secrets[1:], strict=True):
         assert reveal(swarm, w, hidden) is None
     clients = swarm.clients()
     end_round(swarm, authority)
@@ -101,6 +103,7 @@ def test_a_witness_that_never_committed_is_not_punished_and_cannot_reveal() -> N
     silent, *others = elected
     for w in others:
         assert commit(swarm, w, secret(swarm, w)) is None
+    assert reveal(swarm, others[0], secret(swarm, others[0])) == errors.WrongPhase.code  # it could still commit
     to_round_witness(swarm, authority)
     assert reveal(swarm, silent, secret(swarm, silent)) == errors.NoCommitment.code
     for w in others:

@@ -58,16 +58,34 @@ static void seed_commitment(const uint8_t *client, uint64_t seed, const uint8_t 
   sol_sha256(pieces, 4, digest);
 }
 
+/* rules.commitments_closed, in RoundTrain: every elected witness has committed or is leaving. */
+static bool every_witness_committed(uint8_t *s) {
+  uint32_t committed = PSY_ROUND_COMMITTED_GET(psy_current_round(s));
+  uint64_t elected;
+  uint16_t *order = psy_current_witnesses(s, &elected);
+  for (uint64_t position = 0; position < elected; position++) {
+    const uint8_t *client = psy_list_entry(s, &PSY_CLIENTS, order[position]);
+    if (!((committed >> position) & 1) && PSY_CLIENT_HEALTH_GET(client) == PSY_HEALTH_HEALTHY) {
+      return false;
+    }
+  }
+  return true;
+}
+
 uint64_t psy_reveal_seed(const psy_op_t *op) {
   uint8_t *s = op->state;
   uint8_t *round = psy_current_round(s);
-  if (PSY_ACCOUNT_PHASE_GET(s) != PSY_PHASE_ROUND_WITNESS || PSY_ROUND_CREDITED_GET(round) > 0) {
+  uint64_t phase = PSY_ACCOUNT_PHASE_GET(s);
+  if ((phase != PSY_PHASE_ROUND_TRAIN && phase != PSY_PHASE_ROUND_WITNESS) || PSY_ROUND_CREDITED_GET(round) > 0) {
     return PSY_ERR_WRONG_PHASE; /* rules.closing: the round's end has begun */
   }
   uint64_t position;
   uint64_t err = witness_of_round(op, PSY_IX_REVEAL_SEED_ROUND_HEIGHT_OFFSET, &position);
   if (err != PSY_SUCCESS) {
     return err;
+  }
+  if (phase == PSY_PHASE_ROUND_TRAIN && !every_witness_committed(s)) {
+    return PSY_ERR_WRONG_PHASE; /* a commitment may still come: no secret is shown yet */
   }
   if (!((PSY_ROUND_COMMITTED_GET(round) >> position) & 1)) {
     return PSY_ERR_NO_COMMITMENT;
