@@ -1,18 +1,18 @@
 """Compute units of every coordinator instruction at 1, 64, 256 and 1,024 clients, and the account's rent.
 
-Run from the repository root: ``python -m tests.benchmarks.program_compute_units``. It drives the committed
-program in LiteSVM through the conformance harness (so every measured call is also checked against the
-specification) and prints, for each instruction, the units of its costliest path at each run size: the
-last join of a permissioned run (scanning every member for its key and for the slot its countersignature names),
-a witness proof part (it tallies its 128 clients' participant and compute keys;
-the quorum's last part ticks), a commitment to the next seed and its reveal (each finds its signer's place in the
-election), a health check (it reads one count), each tick that ends a round (crediting 128
-clients' points a tick; one run crediting into a ledger full of strangers, each of a tick's 4 new entries
-displacing one; the first round's last tick removes a witness that committed and withheld its reveal), the tick
-that admits every joiner, the checkpoint that ends cooldown and requeues every client.
-One client cannot train (a pipeline needs a worker per stage and a trainer), so the training instructions have no
-figure at that size. Every transaction is sent with no compute-unit request, so each must stay within the default
-200,000 units of an instruction. Every filter names every client present and working (the costliest tally).
+Run from the repository root: ``python -m tests.benchmarks.program_compute_units``. It drives the committed program
+in LiteSVM through the conformance harness (so every measured call is also checked against the specification) and
+prints, for each instruction, the units of its costliest path at each run size: the last join of a permissioned run
+(scanning every member for its key and for the slot its countersignature names), a witness proof part (it tallies
+its 128 clients' participant and compute keys; the quorum's last part ticks), a commitment to the next seed and its
+reveal in RoundTrain (each finds its signer's place in the election; the reveal also checks that every witness has
+committed), a health check (it reads one count), each tick that ends a round (crediting 128 clients' points a tick;
+one run crediting into a ledger full of strangers, each of a tick's 4 new entries displacing one; the first round's
+last tick removes a witness that committed and withheld its reveal), the tick that admits every joiner, the
+checkpoint that ends cooldown and requeues every client. One client cannot train (a pipeline needs a worker per
+stage and a trainer), so the training instructions have no figure at that size. Every transaction is sent with no
+compute-unit request, so each must stay within the default 200,000 units of an instruction. Every filter names every
+client present and working (the costliest tally).
 """
 
 from __future__ import annotations
@@ -138,10 +138,9 @@ class Bench:
         self.call("tick: WaitingForMembers → Warmup (admits all)", Tick(), authority, advance=1)
         self.prove("warmup_witness (a part; the quorum's last ticks)", [c.id for c in self.state.clients])
         lazy = [c.id for c in self.state.clients if c.id not in derived.witnesses(self.state)][:2]
-        secrets = self.commit_all()
+        for witness, secret in self.commit_all()[:-1]:  # in RoundTrain: all committed; the last withholds
+            self.call("reveal_seed (elects twice, opens the commitment)", RevealSeed(0, secret), self.of(witness))
         self.prove("witness (a part; the quorum's last ticks)", [c.id for c in self.state.clients if c.id not in lazy])
-        for witness, secret in secrets[:-1]:  # the last withholds: the round's end removes it
-            self.call("reveal_seed (elects, opens the commitment)", RevealSeed(0, secret), self.of(witness))
         strangers = [LedgerEntry(b"\xfe" + i.to_bytes(2, "big") + bytes(29), 10**6, 0)
                      for i in range(limits.MAX_CLIENTS)]
         self.replay.load(dataclasses.replace(self.state, ledger=strangers))  # the costliest crediting: evictions

@@ -155,6 +155,7 @@ def test_full_lifecycle_over_two_epochs(tmp_path: Path, backend: str) -> None:
         assert seen[-len(epoch) * 2 - 2:] == epoch + [Phase.WaitingForMembers] + epoch + [Phase.Finished], seen
         final = history[-1]
         assert final.step == 8 and final.epoch == 2
+        assert any(s.round.revealed for s in history), "no witness revealed its secret for the next seed"
         curve = committed.curve()
         assert len(curve) == 8, curve
         assert sum(curve[-2:]) / 2 < sum(curve[:2]) / 2 - 0.3, f"the loss did not go down: {curve}"
