@@ -1,5 +1,6 @@
 """An elected witness's share of the next round's seed (``coordinator_program.spec.beacon``): a fresh secret committed
-as the round opens, revealed as soon as the commitments have closed (every witness committed, or training ended).
+as the round opens, revealed as soon as the commitments have closed (a quorum of the witnesses committed, or
+training ended).
 
 The reveal is not optional: a witness that committed and did not reveal by the round's end leaves the epoch, so the
 secret is revealed the moment the state allows it (the runner calls ``on_state`` on every state) and sent again at
@@ -32,6 +33,7 @@ class Seeding:
         self.context: ClientContext = context
         self.secrets: dict[tuple[RoundKey, int], bytes] = {}  # (round, its seed) -> the secret committed to
         self.lock = asyncio.Lock()  # one commitment or reveal at a time: the state polled and pushed both call in
+        self.sent: set[tuple[tuple[RoundKey, int], str]] = set()  # what the coordinator took, by round
 
     async def act_current(self) -> None:
         """Commit or reveal for the current round if due (polled in the background)."""
@@ -52,11 +54,13 @@ class Seeding:
             return
         bit = 1 << elected.index(self.context.me)
         round_key = (RoundKey.of(state), state.round.seed)
-        async with self.lock:
+        async with self.lock:  # a state seen before the other caller's reply may still ask for what it sent
             if state.phase == Phase.RoundTrain and not state.round.committed & bit:
-                await self.commit(state, round_key)
+                if (round_key, "commit") not in self.sent and not rules.commitments_closed(state):
+                    await self.commit(state, round_key)
             elif state.round.committed & ~state.round.revealed & bit and rules.commitments_closed(state):
-                await self.reveal(state, round_key)
+                if (round_key, "reveal") not in self.sent:
+                    await self.reveal(state, round_key)
 
     async def commit(self, state: CoordinatorState, round_key: tuple[RoundKey, int]) -> None:
         if round_key not in self.secrets:  # a commitment resent after a lost reply keeps its secret
@@ -66,9 +70,10 @@ class Seeding:
         try:
             await self.context.backend.commit_seed(state.round.height, commitment)
         except AlreadyCommitted:
-            return
-        except CoordinatorError as exc:  # training ended first: this witness simply adds no secret this round
+            pass
+        except CoordinatorError as exc:  # a quorum or the end of training came first: no secret of this witness
             log.debug("commitment to the next seed for %s refused: %s", round_key[0], exc.detail)
+        self.sent.add((round_key, "commit"))
 
     async def reveal(self, state: CoordinatorState, round_key: tuple[RoundKey, int]) -> None:
         secret = self.secrets.get(round_key)
@@ -79,5 +84,8 @@ class Seeding:
         try:
             await self.context.backend.reveal_seed(state.round.height, secret)
         except AlreadyRevealed:
-            return
-        log.info("round %s: secret for the next seed revealed", round_key[0])
+            pass
+        else:
+            log.info("round %s: secret for the next seed revealed", round_key[0])
+        self.sent.add((round_key, "reveal"))
+        self.sent = {entry for entry in self.sent if entry[0][0].epoch >= round_key[0].epoch - 1}

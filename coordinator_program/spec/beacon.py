@@ -2,8 +2,9 @@
 before any of them was shown, so no one can foresee the next election and no single party can choose it.
 
 The scheme (commit-reveal, as RANDAO): while round r trains (RoundTrain), each elected witness of r may commit to a
-32-byte secret, ``seed_commitment(its key, seed of r, secret)``. The commitments close once every elected witness
-has committed (or is leaving), or at the latest when RoundTrain ends (``rules.commitments_closed``); from then until
+32-byte secret, ``seed_commitment(its key, seed of r, secret)``. The commitments close once a quorum of the
+elected witnesses (a strict majority, so one of them honest) or every one still healthy has committed, or at the
+latest when RoundTrain ends (``rules.commitments_closed``); from then until
 the round's end begins, each committed witness reveals its secret, which must open its commitment, and the secrets
 are XORed into the round's ``reveals``. The tick that starts the next round (or the next epoch's warmup) takes
 ``selection.next_seed(seed of r, entropy, reveals)``. A witness that committed and did not reveal by the round's end

@@ -21,7 +21,7 @@ quorum of proofs leaves it out. A minority of witnesses, each sending an empty o
 can thus neither end a round nor get a client removed. A round nobody proved withdraws its clients.
 
 Seeds are drawn so that no one foresees an election and no single party chooses one (``beacon``): a round's
-witnesses commit to secrets while it trains (``commit_seed``), reveal them once every witness has committed or
+witnesses commit to secrets while it trains (``commit_seed``), reveal them once a quorum of them has committed or
 RoundTrain has ended (``reveal_seed``), and the next round's seed hashes the XOR of what was revealed; a witness
 that committed and did not reveal leaves the epoch at the round's end.
 
@@ -342,18 +342,25 @@ def commit_seed(state: CoordinatorState, signer: bytes, round_height: int, commi
     position = _elected_position(state, index)
     if state.round.committed >> position & 1:
         raise AlreadyCommitted("this witness already committed to the next round's seed: a commitment is final")
+    if commitments_closed(state):
+        raise WrongPhase("the commitments to the next seed have closed (a quorum of the witnesses committed): "
+                         "secrets may be shown now, so no commitment is taken")
     state.round.commitments[position] = commitment
     state.round.committed |= 1 << position
     state.nonce += 1
 
 
 def commitments_closed(state: CoordinatorState) -> bool:
-    """Whether no commitment to the next seed can be taken any more, so secrets may be shown: RoundTrain has ended, or
-    every elected witness has committed or is leaving (a client marked unhealthy or withdrawn never acts again in the
-    round). Honest witnesses commit as the round opens, so their reveals have the rest of the round, not only
-    RoundWitness, which may last less than a second."""
+    """Whether no commitment to the next seed is taken any more, so secrets may be shown: RoundTrain has ended, a
+    quorum of the round's witnesses has committed, or every elected witness has committed or is leaving (a client
+    marked unhealthy or withdrawn never acts again in the round). A quorum being a strict majority of the witnesses,
+    one of its commitments is an honest witness's while the honest hold the majority the coordinator relies on.
+    Honest witnesses commit as the round opens, so their reveals have the rest of the round, not only RoundWitness,
+    which a whole-second clock may cut to a moment, and a dead witness holds no one's reveal back."""
     if state.phase != Phase.RoundTrain:
         return state.phase == Phase.RoundWitness
+    if state.round.committed.bit_count() >= quorum(state):
+        return True
     elected = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
     return all(state.round.committed >> position & 1 or state.clients[index].health != Health.Healthy
                for position, index in enumerate(elected))
@@ -371,7 +378,8 @@ def reveal_seed(state: CoordinatorState, signer: bytes, round_height: int, secre
         raise StaleRound(f"the current round is {state.round.height}, not {round_height}")
     position = _elected_position(state, index)
     if not commitments_closed(state):
-        raise WrongPhase("secrets are revealed once every elected witness has committed or RoundTrain has ended")
+        raise WrongPhase("secrets are revealed once a quorum of the witnesses (or every one) has committed, or "
+                         "RoundTrain has ended")
     if not state.round.committed >> position & 1:
         raise NoCommitment("this witness did not commit to the next seed during RoundTrain: nothing to reveal")
     if state.round.revealed >> position & 1:

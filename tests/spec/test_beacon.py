@@ -10,7 +10,7 @@ from coordinator_program.spec import derived, rules
 from coordinator_program.spec.beacon import mix_reveal, seed_commitment, withholders
 from coordinator_program.spec.errors import WrongPhase
 from coordinator_program.spec.state import Health
-from tests.spec.scenario import join_pipeline, new_run, start_training
+from tests.spec.scenario import SMALL, join_pipeline, new_run, replace, start_training
 
 A, B = b"\x01" * 32, b"\x02" * 32
 
@@ -39,17 +39,33 @@ def test_withholders_are_the_committers_that_did_not_reveal() -> None:
     assert withholders(0b0110, 0b0110) == []
 
 
-def test_commitments_close_once_every_healthy_witness_committed() -> None:
-    state = new_run()
+def test_commitments_close_at_a_quorum_or_once_every_healthy_witness_committed() -> None:
+    state = new_run()  # three witnesses, a quorum of two
     join_pipeline(state, workers=4, trainers=1)
     start_training(state)
-    elected = derived.witnesses(state)
-    for witness in elected[:-1]:
-        rules.commit_seed(state, witness, 0, seed_commitment(witness, state.round.seed, witness))
+    first, second, third = derived.witnesses(state)
+    rules.commit_seed(state, first, 0, seed_commitment(first, state.round.seed, first))
     assert not rules.commitments_closed(state)
     with pytest.raises(WrongPhase):  # a secret shown while a witness could still commit
-        rules.reveal_seed(state, elected[0], 0, elected[0])
-    state.clients[state.client_index(elected[-1])].health = Health.Withdrawn  # it can no longer commit
+        rules.reveal_seed(state, first, 0, first)
+    state.clients[state.client_index(third)].health = Health.Withdrawn  # it can no longer commit
+    assert not rules.commitments_closed(state), "the second may still commit"
+    state.clients[state.client_index(third)].health = Health.Healthy
+    rules.commit_seed(state, second, 0, seed_commitment(second, state.round.seed, second))
+    assert rules.commitments_closed(state), "a quorum committed"
+    with pytest.raises(WrongPhase):  # a commitment now could be chosen after a reveal
+        rules.commit_seed(state, third, 0, bytes(32))
+    rules.reveal_seed(state, first, 0, first)
+    assert state.round.reveals == first
+
+
+def test_commitments_close_once_every_healthy_witness_committed() -> None:
+    state = new_run(replace(SMALL, witness_nodes=3, witness_quorum=3))
+    join_pipeline(state, workers=4, trainers=1)
+    start_training(state)
+    first, second, third = derived.witnesses(state)
+    for witness in (first, second):
+        rules.commit_seed(state, witness, 0, seed_commitment(witness, state.round.seed, witness))
+    assert not rules.commitments_closed(state)
+    state.clients[state.client_index(third)].health = Health.Withdrawn  # leaving: it can no longer commit
     assert rules.commitments_closed(state)
-    rules.reveal_seed(state, elected[0], 0, elected[0])
-    assert state.round.reveals == elected[0]

@@ -8,6 +8,8 @@ _Static_assert(PSY_ROUND_REVEALS_SIZE == HASH_SIZE && PSY_IX_REVEAL_SEED_SECRET_
                    PSY_IX_COMMIT_SEED_COMMITMENT_SIZE == HASH_SIZE,
                "commitments, secrets and the reveals are 32 bytes");
 
+static bool commitments_closed_in_training(uint8_t *s);
+
 static uint8_t *commitment_at(uint8_t *round, uint64_t position) {
   return round + PSY_ROUND_COMMITMENTS_OFFSET + position * HASH_SIZE;
 }
@@ -41,6 +43,9 @@ uint64_t psy_commit_seed(const psy_op_t *op) {
   if ((committed >> position) & 1) {
     return PSY_ERR_ALREADY_COMMITTED;
   }
+  if (commitments_closed_in_training(s)) {
+    return PSY_ERR_WRONG_PHASE; /* secrets may be shown now: a commitment chosen after them would steer the seed */
+  }
   sol_memcpy_(commitment_at(round, position), op->data + PSY_IX_COMMIT_SEED_COMMITMENT_OFFSET, HASH_SIZE);
   PSY_ROUND_COMMITTED_SET(round, committed | (1u << position));
   psy_bump_nonce(s);
@@ -58,9 +63,16 @@ static void seed_commitment(const uint8_t *client, uint64_t seed, const uint8_t 
   sol_sha256(pieces, 4, digest);
 }
 
-/* rules.commitments_closed, in RoundTrain: every elected witness has committed or is leaving. */
-static bool every_witness_committed(uint8_t *s) {
+/* rules.commitments_closed, in RoundTrain: a quorum of the witnesses, or every one still healthy, has committed. */
+static bool commitments_closed_in_training(uint8_t *s) {
   uint32_t committed = PSY_ROUND_COMMITTED_GET(psy_current_round(s));
+  uint64_t count = 0;
+  for (uint32_t bits = committed; bits != 0; bits &= bits - 1) {
+    count++;
+  }
+  if (count >= psy_quorum(s)) {
+    return true;
+  }
   uint64_t elected;
   uint16_t *order = psy_current_witnesses(s, &elected);
   for (uint64_t position = 0; position < elected; position++) {
@@ -84,7 +96,7 @@ uint64_t psy_reveal_seed(const psy_op_t *op) {
   if (err != PSY_SUCCESS) {
     return err;
   }
-  if (phase == PSY_PHASE_ROUND_TRAIN && !every_witness_committed(s)) {
+  if (phase == PSY_PHASE_ROUND_TRAIN && !commitments_closed_in_training(s)) {
     return PSY_ERR_WRONG_PHASE; /* a commitment may still come: no secret is shown yet */
   }
   if (!((PSY_ROUND_COMMITTED_GET(round) >> position) & 1)) {
