@@ -101,12 +101,15 @@ class Bench:
                 self.call(label, ix, self.of(witness))
 
     def commit_all(self) -> list[tuple[bytes, bytes]]:
-        """Every elected witness commits to a secret for the next seed; returns (witness, secret) pairs."""
-        pairs = [(w, hashlib.sha256(b"secret" + w).digest()) for w in derived.witnesses(self.state)]
+        """A quorum of the elected witnesses commits to secrets for the next seed, which closes the commitments;
+        returns (witness, secret) pairs."""
+        committers = derived.witnesses(self.state)[:derived.quorum(self.state)]
+        pairs = [(w, hashlib.sha256(b"secret" + w).digest()) for w in committers]
         seed, height = self.state.round.seed, self.state.round.height
         for witness, secret in pairs:
             commitment = seed_commitment(witness, seed, secret)
-            self.call("commit_seed (elects, keeps the commitment)", CommitSeed(height, commitment), self.of(witness))
+            label = "commit_seed (elects twice: its place, still open)"
+            self.call(label, CommitSeed(height, commitment), self.of(witness))
         return pairs
 
     def join(self, slot: int) -> JoinRun:
@@ -138,8 +141,8 @@ class Bench:
         self.call("tick: WaitingForMembers → Warmup (admits all)", Tick(), authority, advance=1)
         self.prove("warmup_witness (a part; the quorum's last ticks)", [c.id for c in self.state.clients])
         lazy = [c.id for c in self.state.clients if c.id not in derived.witnesses(self.state)][:2]
-        for witness, secret in self.commit_all()[:-1]:  # in RoundTrain: all committed; the last withholds
-            self.call("reveal_seed (elects twice, opens the commitment)", RevealSeed(0, secret), self.of(witness))
+        for witness, secret in self.commit_all()[:-1]:  # in RoundTrain, the commitments closed; the last withholds
+            self.call("reveal_seed (elects, opens the commitment)", RevealSeed(0, secret), self.of(witness))
         self.prove("witness (a part; the quorum's last ticks)", [c.id for c in self.state.clients if c.id not in lazy])
         strangers = [LedgerEntry(b"\xfe" + i.to_bytes(2, "big") + bytes(29), 10**6, 0)
                      for i in range(limits.MAX_CLIENTS)]
