@@ -16,9 +16,11 @@ from coordinator_program.spec.config import CheckpointKind
 from coordinator_program.spec.errors import DuplicateWitness
 from coordinator_program.spec.instructions import (
     CheckpointReport,
+    CommitSeed,
     HealthCheck,
     Instruction,
     JoinRun,
+    RevealSeed,
     SetPaused,
     Tick,
     WarmupWitness,
@@ -157,6 +159,14 @@ class Backend(abc.ABC):
                     await self.witness(round_height, participants, batches, part)
             except DuplicateWitness:
                 continue
+
+    async def commit_seed(self, round_height: int, commitment: bytes) -> None:
+        """As an elected witness of round ``round_height``, commit to a secret for the next round's seed."""
+        await self.submit(CommitSeed(round_height, commitment))
+
+    async def reveal_seed(self, round_height: int, secret: bytes) -> None:
+        """Reveal the secret this witness committed to in round ``round_height``."""
+        await self.submit(RevealSeed(round_height, secret))
 
     async def health_check(self, target: bytes) -> None:
         await self.submit(HealthCheck(target))

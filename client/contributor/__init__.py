@@ -8,7 +8,8 @@
 - ``trainer``: the trainer role, its share of each round's global batch through the epoch's workers, a signed
   presence and a signed commitment of its result;
 - ``witnessing``: what an elected witness does whatever its role: the proof of a round's records, sent as soon
-  as every batch is in (opportunistic) or at RoundWitness with what it has, and health checks;
+  as every batch is in (opportunistic) or at RoundWitness with what it has, and health checks; ``seeding`` its
+  share of the next round's seed (a secret committed in RoundTrain, revealed in RoundWitness);
 - ``run_model`` the model the run names, as workers, trainers and ``psyswarm status`` build it; ``status`` what the
   live line shows; ``tasks`` the supervised background work; ``context`` what the roles share; ``rounds`` and
   ``errors`` the names they share.

@@ -3,9 +3,11 @@
 - Always: the role follows the state (a worker closes a round the coordinator left, moves its sync phases on).
 - Not in the epoch: make sure this identity is queued (joining again if it was dropped), and say where it waits.
 - Warmup (or a RoundTrain reached first): the role loads the model, then the runner publishes a signed Ready.
-- RoundTrain: the role opens its round; an elected witness health-checks the clients the last round missed.
+- RoundTrain: the role opens its round; an elected witness health-checks the clients the last round missed, and
+  commits to its secret for the next round's seed, which it reveals in RoundWitness (``seeding``).
 - Cooldown: the role saves what it holds.
-Witnessing, the role's publishing, the auto-ticker and the auth slot's renewal run as supervised background loops.
+Witnessing, seeding, the role's publishing, the auto-ticker and the auth slot's renewal run as supervised background
+loops.
 
 If the coordinator goes away, the runner keeps serving and reconnects; it stops, cleanly and within a bound, when
 the run finishes, when it is cancelled, or when any of its work ends this client's part in the run.
@@ -27,6 +29,7 @@ from client.backends.base import Backend, BackendError
 from client.backends.ticker import tick_when_due
 from client.contributor.context import ClientContext, RunnerOptions
 from client.contributor.errors import CannotContribute, Ending
+from client.contributor.seeding import Seeding
 from client.contributor.status import ContributorStatus
 from client.contributor.tasks import TaskSet, poll
 from client.contributor.trainer import TrainerRole
@@ -101,6 +104,7 @@ class Contributor:
         self.role: ContributorRole = (WorkerRole(self.context) if options.role == Role.Worker
                                       else TrainerRole(self.context))
         self.witnessing: Witnessing = Witnessing(self.context)
+        self.seeding: Seeding = Seeding(self.context)
         self.prepared_epoch: int | None = None  # the last epoch whose model the role loaded (or is loading)
         self.ended: Ending | None = None  # why this client stops taking part
         self.stopping: bool = False
@@ -245,6 +249,7 @@ class Contributor:
         for name, loop in self.role.background().items():
             self.tasks.supervise(name, loop)
         self.tasks.supervise("witnessing", lambda: poll(self.witnessing.witness_current))
+        self.tasks.supervise("seeding", lambda: poll(self.seeding.act_current))
         if not self.backend.ticks_itself:
             self.tasks.supervise("ticking", lambda: tick_when_due(lambda: self.backend))
         if self.context.options.auth is not None:
@@ -283,6 +288,8 @@ class Contributor:
                 self._report_queue(state, position)
             return
         client = state.clients[index]
+        if state.phase in (Phase.RoundTrain, Phase.RoundWitness):
+            self.tasks.spawn(self.seeding.on_state(state))  # a reveal is due within round_witness_time: act at once
         if state.phase in (Phase.Warmup, Phase.RoundTrain) and self.prepared_epoch != state.epoch:
             self.prepared_epoch = state.epoch
             self.tasks.spawn(self._prepare(state, client.stage))

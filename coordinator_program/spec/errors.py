@@ -54,6 +54,10 @@ AlreadyMarked = _error("AlreadyMarked", 6025, "the named client is already leavi
 SlotTaken = _error("SlotTaken", 6026, "another key already holds this join authority's slot")
 JoinExpired = _error("JoinExpired", 6027, "the join's countersignature is past its deadline")
 CheckpointTaken = _error("CheckpointTaken", 6028, "the stage's checkpoint of this epoch is already at another place")
+AlreadyCommitted = _error("AlreadyCommitted", 6029, "this witness already committed to the next round's seed")
+NoCommitment = _error("NoCommitment", 6030, "this witness made no commitment to the next round's seed to open")
+AlreadyRevealed = _error("AlreadyRevealed", 6031, "this witness already revealed its secret for the round")
+BadReveal = _error("BadReveal", 6032, "the secret does not open this witness's commitment")
 
 ALL_ERRORS: tuple[type[CoordinatorError], ...] = tuple(
     cls for cls in list(globals().values()) if isinstance(cls, type) and issubclass(cls, CoordinatorError)

@@ -36,7 +36,7 @@ from coordinator_program.spec.layout import (
     Struct,
     VarBytes,
 )
-from coordinator_program.spec.state import CoordinatorState, Phase, Role
+from coordinator_program.spec.state import HASH, CoordinatorState, Phase, Role
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +168,24 @@ class WarmupWitness(Instruction):
 
 
 @dataclasses.dataclass(frozen=True)
+class CommitSeed(Instruction):
+    """An elected witness commits, during RoundTrain, to its share of the next round's seed (``beacon``)."""
+
+    round_height: int
+    commitment: bytes
+    NAME = "commit_seed"
+
+
+@dataclasses.dataclass(frozen=True)
+class RevealSeed(Instruction):
+    """A committed witness reveals the secret its commitment holds, once the commitments have closed."""
+
+    round_height: int
+    secret: bytes
+    NAME = "reveal_seed"
+
+
+@dataclasses.dataclass(frozen=True)
 class HealthCheck(Instruction):
     target: bytes
     NAME = "health_check"
@@ -203,6 +221,8 @@ Witness.LAYOUT = Struct(Witness, [
     Field("round_height", U32), Field("part", U8), Field("participant_bloom", _BLOOM), Field("batch_bloom", _BLOOM)])
 WarmupWitness.LAYOUT = Struct(WarmupWitness, [
     Field("part", U8), Field("participant_bloom", _BLOOM), Field("batch_bloom", _BLOOM)])
+CommitSeed.LAYOUT = Struct(CommitSeed, [Field("round_height", U32), Field("commitment", HASH)])
+RevealSeed.LAYOUT = Struct(RevealSeed, [Field("round_height", U32), Field("secret", HASH)])
 HealthCheck.LAYOUT = Struct(HealthCheck, [Field("target", PUBKEY)])
 CheckpointReport.LAYOUT = Struct(CheckpointReport, [
     Field("kind", Enum8(CheckpointKind)), Field("repo", FixedStr(limits.REPO_BYTES)),
@@ -211,7 +231,7 @@ Withdraw.LAYOUT = Struct(Withdraw, [])
 
 INSTRUCTIONS: tuple[type[Instruction], ...] = (
     InitCoordinator, Update, SetPaused, JoinRun, Tick, Witness, WarmupWitness, HealthCheck,
-    CheckpointReport, Withdraw, CloseRun, ReleaseSlot,
+    CheckpointReport, Withdraw, CloseRun, ReleaseSlot, CommitSeed, RevealSeed,
 )
 _BY_DISCRIMINATOR = {cls.discriminator(): cls for cls in INSTRUCTIONS}
 
@@ -251,6 +271,10 @@ def apply(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, ent
             rules.witness(state, signer, round_height, participant_bloom, batch_bloom, part)
         case WarmupWitness(participant_bloom, batch_bloom, part):
             rules.warmup_witness(state, signer, participant_bloom, batch_bloom, part)
+        case CommitSeed(round_height, commitment):
+            rules.commit_seed(state, signer, round_height, commitment)
+        case RevealSeed(round_height, secret):
+            rules.reveal_seed(state, signer, round_height, secret)
         case HealthCheck(target):
             rules.health_check(state, signer, target)
         case CheckpointReport(kind, repo, revision):

@@ -20,6 +20,11 @@ longer form a pipeline: a stage's last worker or the last trainer left), and a c
 quorum of proofs leaves it out. A minority of witnesses, each sending an empty or false filter or none at all,
 can thus neither end a round nor get a client removed. A round nobody proved withdraws its clients.
 
+Seeds are drawn so that no one foresees an election and no single party chooses one (``beacon``): a round's
+witnesses commit to secrets while it trains (``commit_seed``), reveal them once a quorum of them has committed or
+RoundTrain has ended (``reveal_seed``), and the next round's seed hashes the XOR of what was revealed; a witness
+that committed and did not reveal leaves the epoch at the round's end.
+
 Points follow the same majority: at the end of each round a client earns presence when a quorum of the round's
 proofs hold its participant key, and compute (the samples it worked) when a quorum hold its compute key. They go
 into a ledger that outlives epochs (``points``).
@@ -30,6 +35,7 @@ the round's end credits a chunk of clients a tick: no instruction's cost grows w
 from __future__ import annotations
 
 from coordinator_program.spec import limits
+from coordinator_program.spec.beacon import mix_reveal, seed_commitment, withholders
 from coordinator_program.spec.bloom import compute_key, contains_raw, part_count, part_range, participant_key
 from coordinator_program.spec.config import (
     Checkpoint,
@@ -43,9 +49,12 @@ from coordinator_program.spec.config import (
 )
 from coordinator_program.spec.derived import assign_stages, pipeline_complete, pipeline_formed, quorum, quorum_reached
 from coordinator_program.spec.errors import (
+    AlreadyCommitted,
     AlreadyJoined,
     AlreadyMarked,
+    AlreadyRevealed,
     BadFilter,
+    BadReveal,
     CheckpointTaken,
     ClientHealthy,
     DuplicateWitness,
@@ -54,6 +63,7 @@ from coordinator_program.spec.errors import (
     InvalidJoin,
     InvalidRunId,
     JoinExpired,
+    NoCommitment,
     NoPreviousRound,
     NotAClient,
     NotAuthorized,
@@ -241,16 +251,21 @@ def _healthy_client(state: CoordinatorState, signer: bytes) -> int:
     return index
 
 
+def _elected_position(state: CoordinatorState, index: int) -> int:
+    """Where client ``index`` stands in the current round's election (its witness slot); ``NotAWitness`` if nowhere."""
+    elected = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
+    if index not in elected:
+        raise NotAWitness("the signer was not elected to witness this round")
+    return elected.index(index)
+
+
 def _record_part(state: CoordinatorState, signer: bytes, participant_bloom: bytes, batch_bloom: bytes,
                  part: int) -> None:
     """Record part ``part`` of an elected witness's proof; the proof counts (``Round.witnessed``) once all its parts
     are in: once however many transactions it takes, and never on a part."""
     index = state.client_index(signer)
     assert index is not None
-    elected = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
-    if index not in elected:
-        raise NotAWitness("the signer was not elected to witness this round")
-    position = elected.index(index)
+    position = _elected_position(state, index)
     if state.round.witnessed >> position & 1:
         raise DuplicateWitness("this witness already sent its proof for the round")
     parts = part_count(len(state.clients))
@@ -314,6 +329,76 @@ def warmup_witness(state: CoordinatorState, signer: bytes, participant_bloom: by
         raise WrongPhase(f"warmup proofs are taken in Warmup, not {state.phase.name}")
     _healthy_client(state, signer)
     _record_part(state, signer, participant_bloom, batch_bloom, part)
+
+
+def commit_seed(state: CoordinatorState, signer: bytes, round_height: int, commitment: bytes) -> None:
+    """An elected witness of the training round commits to its share of the next round's seed (``beacon``). Taken only
+    in RoundTrain, so every commitment is in before the first secret can be shown."""
+    if state.phase != Phase.RoundTrain:
+        raise WrongPhase(f"commitments to the next seed are taken in RoundTrain, not {state.phase.name}")
+    index = _healthy_client(state, signer)
+    if round_height != state.round.height:
+        raise StaleRound(f"the current round is {state.round.height}, not {round_height}")
+    position = _elected_position(state, index)
+    if state.round.committed >> position & 1:
+        raise AlreadyCommitted("this witness already committed to the next round's seed: a commitment is final")
+    if commitments_closed(state):
+        raise WrongPhase("the commitments to the next seed have closed (a quorum of the witnesses committed): "
+                         "secrets may be shown now, so no commitment is taken")
+    state.round.commitments[position] = commitment
+    state.round.committed |= 1 << position
+    state.nonce += 1
+
+
+def commitments_closed(state: CoordinatorState) -> bool:
+    """Whether no commitment to the next seed is taken any more, so secrets may be shown: RoundTrain has ended, a
+    quorum of the round's witnesses has committed, or every elected witness has committed or is leaving (a client
+    marked unhealthy or withdrawn never acts again in the round). A quorum being a strict majority of the witnesses,
+    one of its commitments is an honest witness's while the honest hold the majority the coordinator relies on.
+    Honest witnesses commit as the round opens, so their reveals have the rest of the round, not only RoundWitness,
+    which a whole-second clock may cut to a moment, and a dead witness holds no one's reveal back."""
+    if state.phase != Phase.RoundTrain:
+        return state.phase == Phase.RoundWitness
+    if state.round.committed.bit_count() >= quorum(state):
+        return True
+    elected = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
+    return all(state.round.committed >> position & 1 or state.clients[index].health != Health.Healthy
+               for position, index in enumerate(elected))
+
+
+def reveal_seed(state: CoordinatorState, signer: bytes, round_height: int, secret: bytes) -> None:
+    """A committed witness opens its commitment once the commitments have closed (``commitments_closed``) and before
+    the round's end begins: its secret is XORed into the round's reveals, from which the next round's seed is
+    drawn."""
+    if state.phase not in (Phase.RoundTrain, Phase.RoundWitness) or closing(state):
+        raise WrongPhase(f"secrets are revealed in RoundTrain and RoundWitness, before the round closes, not "
+                         f"{state.phase.name}")
+    index = _healthy_client(state, signer)
+    if round_height != state.round.height:
+        raise StaleRound(f"the current round is {state.round.height}, not {round_height}")
+    position = _elected_position(state, index)
+    if not commitments_closed(state):
+        raise WrongPhase("secrets are revealed once a quorum of the witnesses (or every one) has committed, or "
+                         "RoundTrain has ended")
+    if not state.round.committed >> position & 1:
+        raise NoCommitment("this witness did not commit to the next seed during RoundTrain: nothing to reveal")
+    if state.round.revealed >> position & 1:
+        raise AlreadyRevealed("this witness already revealed its secret for the round")
+    if seed_commitment(signer, state.round.seed, secret) != state.round.commitments[position]:
+        raise BadReveal("the secret does not open this witness's commitment: only the committed secret is taken")
+    state.round.reveals = mix_reveal(state.round.reveals, secret)
+    state.round.revealed |= 1 << position
+    state.nonce += 1
+
+
+def _withholders_leave(state: CoordinatorState) -> None:
+    """A witness that committed to the next seed and never revealed leaves at the round's end, as unhealthy: a secret
+    kept back to steer the seed costs its holder its place in the epoch."""
+    elected = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
+    for position in withholders(state.round.committed, state.round.revealed):
+        client = state.clients[elected[position]]
+        if client.health == Health.Healthy:
+            client.health = Health.Unhealthy
 
 
 def left_out_counts(state: CoordinatorState) -> list[int]:
@@ -382,7 +467,7 @@ def checkpoint(state: CoordinatorState, signer: bytes, kind: CheckpointKind, rep
 
 def tick(state: CoordinatorState, now: int, entropy: int) -> None:
     """Make every transition that is due at time ``now``; a round this tick starts takes the seed
-    ``next_seed(seed of the round before, entropy)``.
+    ``next_seed(seed of the round before, entropy, that round's reveals)``.
 
     Raises ``NothingToTick`` when nothing is due, so a ticker can tell a useful tick from a wasted one.
     """
@@ -438,7 +523,7 @@ def _tick_waiting(state: CoordinatorState, now: int, entropy: int) -> bool:
     admitted = assign_stages(state.pending, state.config.num_stages)
     if not pipeline_complete(admitted, state.config):
         return False
-    seed = next_seed(state.round.seed, entropy)
+    seed = next_seed(state.round.seed, entropy, state.round.reveals)  # the epoch's last round's reveals
     state.clients, state.pending, state.left_out = admitted, [], no_votes()
     state.round = Round(0, seed, state.step * state.config.global_batch_size)
     _enter(state, Phase.Warmup, now)
@@ -470,7 +555,7 @@ def _tick_warmup(state: CoordinatorState, now: int, entropy: int) -> bool:
 
 
 def _start_round(state: CoordinatorState, now: int, entropy: int, height: int) -> None:
-    seed = next_seed(state.round.seed, entropy)
+    seed = next_seed(state.round.seed, entropy, state.round.reveals)
     state.round = Round(height, seed, state.step * state.config.global_batch_size)
     _enter(state, Phase.RoundTrain, now)
 
@@ -515,6 +600,7 @@ def _tick_witness(state: CoordinatorState, now: int, entropy: int) -> bool:
         return True
     reached_quorum = quorum_reached(state)  # judged with the round's clients, before the unhealthy leave
     state.step += 1
+    _withholders_leave(state)
     _close_round_votes(state)
     if (state.round.height + 1 >= state.config.rounds_per_epoch
             or state.step >= state.config.total_steps

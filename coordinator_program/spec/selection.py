@@ -21,20 +21,25 @@ PROGRAM_ENTROPY = 0
 _U64 = 2**64
 
 
-def next_seed(previous: int, entropy: int) -> int:
-    """The seed of the round a tick starts: the first 8 bytes of sha256(domain ‖ previous ‖ entropy), as
-    little-endian u64s in and out, where ``previous`` is the seed of the round before (0 before a run's first).
+NO_REVEALS = bytes(32)
+"""The reveals of a round nobody opened a commitment in (``beacon``): the XOR of no secrets."""
 
-    Seeds chain, so the next round's witnesses and data are fixed before anyone ticks: no ticker can pick
-    them by choosing when or in which slot to tick (Psyche hashes the tick's clock and slot, which lets a
-    ticker wait for a slot whose seed elects it). ``entropy`` is what the backend adds: the TCP server, the
-    run's one trusted host, adds random bits so that nobody can foresee an election; the program adds 0,
-    because anything a transaction could offer (its clock, its slot, its accounts) is chosen by whoever sends
-    it. On chain an election is thus foreseeable, but no single party can choose it. The round's proofs are
-    deliberately not mixed in: the last witness to prove could then try filter after filter until one
-    elected whom it wanted.
+
+def next_seed(previous: int, entropy: int, reveals: bytes = NO_REVEALS) -> int:
+    """The seed of the round a tick starts: the first 8 bytes of sha256(domain ‖ previous ‖ entropy ‖ reveals), with
+    ``previous`` and ``entropy`` as little-endian u64s and the seed read as one, where ``previous`` is the seed of the
+    round before (0 before a run's first) and ``reveals`` the XOR of the secrets that round's witnesses revealed
+    (``beacon``: each committed to its secret while the round trained, before anyone revealed).
+
+    Nothing a ticker controls goes in (Psyche hashes the tick's clock and slot, which lets a ticker wait for a slot
+    whose seed elects it). ``entropy`` is what the backend adds: the TCP server, the run's one trusted host, adds
+    random bits; the program adds 0, because anything a transaction could offer (its clock, its slot, its accounts)
+    is chosen by whoever sends it. On chain the reveals are what make the next election unforeseeable: one honest
+    witness's secret, fixed by its commitment before any secret was shown, makes the seed uniform to everyone else.
+    The round's proofs are deliberately not mixed in: the last witness to prove could then try filter after filter
+    until one elected whom it wanted.
     """
-    digest = hashlib.sha256(SEED_DOMAIN + struct.pack("<QQ", previous, entropy)).digest()
+    digest = hashlib.sha256(SEED_DOMAIN + struct.pack("<QQ", previous, entropy) + reveals).digest()
     return int.from_bytes(digest[:8], "little")
 
 

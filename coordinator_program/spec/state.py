@@ -30,6 +30,7 @@ from coordinator_program.spec.layout import (
     U64,
     Array,
     Enum8,
+    FixedBytes,
     FixedStr,
     LayoutError,
     Struct,
@@ -63,6 +64,10 @@ class Health(enum.IntEnum):
     Healthy = 0
     Unhealthy = 1
     Withdrawn = 2
+
+
+HASH = FixedBytes(32)
+"""A SHA-256 digest, or a secret of as many bytes."""
 
 
 @dataclasses.dataclass
@@ -126,12 +131,20 @@ def no_parts() -> list[int]:
     return [0] * limits.MAX_WITNESSES
 
 
+def no_commitments() -> list[bytes]:
+    return [bytes(32)] * limits.MAX_WITNESSES
+
+
 @dataclasses.dataclass
 class Round:
     """One round (or the epoch's warmup): its seed decides witnesses and data. A witness's proof comes in parts,
     one per ``limits.PART_CLIENTS`` clients: ``parts[i]`` has bit p set once the witness elected i-th sent part p,
     and ``witnessed`` has bit i set once it sent them all, so a partial proof never counts as a whole one.
-    ``credited`` is how many of the round's clients its end has credited with points so far."""
+    ``credited`` is how many of the round's clients its end has credited with points so far.
+
+    The seed of the next round (``beacon``): ``commitments[i]`` is what the witness elected i-th committed to, bit i of
+    ``committed`` set once it did and of ``revealed`` once it opened it; ``reveals`` is the XOR of the secrets
+    opened so far."""
 
     height: int = 0
     seed: int = 0
@@ -139,6 +152,10 @@ class Round:
     witnessed: int = 0
     parts: list[int] = dataclasses.field(default_factory=no_parts)
     credited: int = 0
+    commitments: list[bytes] = dataclasses.field(default_factory=no_commitments)
+    committed: int = 0
+    revealed: int = 0
+    reveals: bytes = bytes(32)
 
     @property
     def witness_count(self) -> int:
@@ -152,7 +169,11 @@ class Round:
 ROUND_LAYOUT = Struct(Round, [
     F("height", U32), F("seed", U64), F("data_index", U64), F("witnessed", U32),
     F("parts", Array(U32, limits.MAX_WITNESSES)), F("credited", U16),
-], doc="A round: height in the epoch, seed, first sample index, whole proofs, parts per witness, clients credited.")
+    F("commitments", Array(HASH, limits.MAX_WITNESSES)), F("committed", U32), F("revealed", U32),
+    F("reveals", HASH),
+], doc="A round: height in the epoch, seed, first sample index, whole proofs, parts per witness, clients credited, "
+       "and the witnesses' commitments to the next seed, which of them committed and revealed, and the XOR of the "
+       "secrets revealed.")
 
 
 @dataclasses.dataclass

@@ -1,16 +1,18 @@
 """Compute units of every coordinator instruction at 1, 64, 256 and 1,024 clients, and the account's rent.
 
-Run from the repository root: ``python -m tests.benchmarks.program_compute_units``. It drives the committed
-program in LiteSVM through the conformance harness (so every measured call is also checked against the
-specification) and prints, for each instruction, the units of its costliest path at each run size: the
-last join of a permissioned run (scanning every member for its key and for the slot its countersignature names),
-a witness proof part (it tallies its 128 clients' participant and compute keys;
-the quorum's last part ticks), a health check (it reads one count), each tick that ends a round (crediting 128
-clients' points a tick; one run crediting into a ledger full of strangers, each of a tick's 4 new entries
-displacing one), the tick that admits every joiner, the checkpoint that ends cooldown and requeues every client.
-One client cannot train (a pipeline needs a worker per stage and a trainer), so the training instructions have no
-figure at that size. Every transaction is sent with no compute-unit request, so each must stay within the default
-200,000 units of an instruction. Every filter names every client present and working (the costliest tally).
+Run from the repository root: ``python -m tests.benchmarks.program_compute_units``. It drives the committed program
+in LiteSVM through the conformance harness (so every measured call is also checked against the specification) and
+prints, for each instruction, the units of its costliest path at each run size: the last join of a permissioned run
+(scanning every member for its key and for the slot its countersignature names), a witness proof part (it tallies
+its 128 clients' participant and compute keys; the quorum's last part ticks), a commitment to the next seed and its
+reveal in RoundTrain (each finds its signer's place in the election; the reveal also checks that every witness has
+committed), a health check (it reads one count), each tick that ends a round (crediting 128 clients' points a tick;
+one run crediting into a ledger full of strangers, each of a tick's 4 new entries displacing one; the first round's
+last tick removes a witness that committed and withheld its reveal), the tick that admits every joiner, the
+checkpoint that ends cooldown and requeues every client. One client cannot train (a pipeline needs a worker per
+stage and a trainer), so the training instructions have no figure at that size. Every transaction is sent with no
+compute-unit request, so each must stay within the default 200,000 units of an instruction. Every filter names every
+client present and working (the costliest tally).
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ from solders.keypair import Keypair
 
 from coordinator_program.onchain.instance import INSTANCE_SIZE
 from coordinator_program.spec import derived, limits, rules
+from coordinator_program.spec.beacon import seed_commitment
 from coordinator_program.spec.bloom import proof_parts
 from coordinator_program.spec.config import Checkpoint, CheckpointKind, Config, Model, bloom_params, filter_capacity
 from coordinator_program.spec.instructions import (
     CheckpointReport,
+    CommitSeed,
     HealthCheck,
     Instruction,
     JoinRun,
+    RevealSeed,
     SetPaused,
     Tick,
     Update,
@@ -95,6 +100,18 @@ class Bench:
             for ix in ixs:
                 self.call(label, ix, self.of(witness))
 
+    def commit_all(self) -> list[tuple[bytes, bytes]]:
+        """A quorum of the elected witnesses commits to secrets for the next seed, which closes the commitments;
+        returns (witness, secret) pairs."""
+        committers = derived.witnesses(self.state)[:derived.quorum(self.state)]
+        pairs = [(w, hashlib.sha256(b"secret" + w).digest()) for w in committers]
+        seed, height = self.state.round.seed, self.state.round.height
+        for witness, secret in pairs:
+            commitment = seed_commitment(witness, seed, secret)
+            label = "commit_seed (elects twice: its place, still open)"
+            self.call(label, CommitSeed(height, commitment), self.of(witness))
+        return pairs
+
     def join(self, slot: int) -> JoinRun:
         """A join countersigned for ``slot``, valid for a minute (a trainer every eighth slot)."""
         role = Role.Trainer if slot % 8 == 7 else Role.Worker
@@ -124,11 +141,13 @@ class Bench:
         self.call("tick: WaitingForMembers → Warmup (admits all)", Tick(), authority, advance=1)
         self.prove("warmup_witness (a part; the quorum's last ticks)", [c.id for c in self.state.clients])
         lazy = [c.id for c in self.state.clients if c.id not in derived.witnesses(self.state)][:2]
+        for witness, secret in self.commit_all()[:-1]:  # in RoundTrain, the commitments closed; the last withholds
+            self.call("reveal_seed (elects, opens the commitment)", RevealSeed(0, secret), self.of(witness))
         self.prove("witness (a part; the quorum's last ticks)", [c.id for c in self.state.clients if c.id not in lazy])
         strangers = [LedgerEntry(b"\xfe" + i.to_bytes(2, "big") + bytes(29), 10**6, 0)
                      for i in range(limits.MAX_CLIENTS)]
         self.replay.load(dataclasses.replace(self.state, ledger=strangers))  # the costliest crediting: evictions
-        self.end_round("tick: RoundWitness ends (credits 128 clients a tick)")
+        self.end_round("tick: RoundWitness ends (credits 128 clients a tick)")  # the last removes the withholder
         assert self.state.phase == Phase.RoundTrain
         checker = next(c.id for c in self.state.clients if c.id not in lazy)
         self.call("health_check (reads one count)", HealthCheck(lazy[0]), self.of(checker))

@@ -101,7 +101,7 @@ def test_random_sequences_reach_every_instruction_and_many_errors() -> None:
     accepted = {name for name, code in OUTCOMES if code is None}
     # Accepted checkpoints need a complete epoch, which the scenarios below drive instead.
     assert accepted >= {"update", "set_paused", "join_run", "tick", "witness", "warmup_witness", "health_check",
-                        "withdraw"}
+                        "withdraw", "commit_seed", "reveal_seed"}
     assert len({code for _, code in OUTCOMES if code is not None}) >= 15
     assert EARNED["presence"] > 0 and EARNED["compute"] > 0, "no replayed round credited points"
 

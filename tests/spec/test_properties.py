@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import pickle
 
 from hypothesis import HealthCheck as HypothesisHealthCheck
@@ -10,13 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator_program.spec import derived, errors, limits, rules
+from coordinator_program.spec.beacon import seed_commitment
 from coordinator_program.spec.bloom import build_filter, compute_key, participant_key
 from coordinator_program.spec.config import Checkpoint, CheckpointKind
 from coordinator_program.spec.instructions import (
     CheckpointReport,
+    CommitSeed,
     HealthCheck,
     Instruction,
     JoinRun,
+    RevealSeed,
     SetPaused,
     Tick,
     Update,
@@ -45,6 +49,13 @@ def witness_op() -> st.SearchStrategy[tuple]:
                      st.sampled_from(["all", "half", "none", "short"]), st.just(0) | st.integers(-1, 1))
 
 
+def seed_op() -> st.SearchStrategy[tuple]:
+    """A commitment to the next seed or a reveal: by the index-th candidate (``_seeder``), for the current round or
+    a neighbour, opening its commitment with the right secret or a wrong one."""
+    return st.tuples(st.sampled_from(["commit", "reveal"]), st.integers(0, 12) | st.just(0) | st.just(0),
+                     st.just(0) | st.integers(-1, 1), st.sampled_from([True, True, False]))
+
+
 def health_op() -> st.SearchStrategy[tuple]:
     return st.tuples(st.just("health"), st.integers(0, 12), st.integers(0, 12))
 
@@ -58,6 +69,7 @@ op = st.one_of(
     st.tuples(st.just("withdraw"), identity),
     *(tick_op() for _ in range(3)),
     *(witness_op() for _ in range(2)),
+    *(seed_op() for _ in range(2)),
     *(health_op() for _ in range(2)),
     st.tuples(st.just("checkpoint"), st.integers(0, 12), st.sampled_from(list(CheckpointKind)),
               st.sampled_from(["org/a", "org/b", ""])),
@@ -79,6 +91,21 @@ def _prover(state: CoordinatorState, index: int) -> bytes:
     waiting = [w for position, w in enumerate(elected) if not state.round.witnessed >> position & 1]
     candidates = waiting + [c.id for c in state.clients]
     return candidates[index] if index < len(candidates) else IDS[index % len(IDS)]
+
+
+def _seeder(state: CoordinatorState, index: int, reveal: bool) -> bytes:
+    """The index-th of: the elected witnesses yet to commit (to reveal, for a reveal), then the clients, then other
+    identities; most commitments and reveals drawn thus come from a witness that may send them."""
+    elected = derived.witnesses(state) if state.clients else []
+    mask = state.round.committed & ~state.round.revealed if reveal else ~state.round.committed
+    waiting = [w for position, w in enumerate(elected) if mask >> position & 1]
+    candidates = waiting + [c.id for c in state.clients]
+    return candidates[index] if index < len(candidates) else IDS[index % len(IDS)]
+
+
+def secret_of(client: bytes, seed: int) -> bytes:
+    """The secret a generated witness commits to for the round of ``seed``: fixed, so that its reveal can open it."""
+    return hashlib.sha256(b"secret" + client + seed.to_bytes(8, "little")).digest()
 
 
 def build(state: CoordinatorState, step: tuple) -> tuple[Instruction, bytes, int]:
@@ -103,6 +130,13 @@ def build(state: CoordinatorState, step: tuple) -> tuple[Instruction, bytes, int
         if state.phase == Phase.Warmup:
             return WarmupWitness(bloom, bloom), signer, 0
         return Witness(max(0, state.round.height + height_shift), bloom, bloom), signer, 0
+    if kind in ("commit", "reveal"):
+        _, who, height_shift, honest = step
+        signer, height = _seeder(state, who, kind == "reveal"), max(0, state.round.height + height_shift)
+        secret = secret_of(signer, state.round.seed) if honest else bytes(32)
+        if kind == "commit":
+            return CommitSeed(height, seed_commitment(signer, state.round.seed, secret)), signer, 0
+        return RevealSeed(height, secret), signer, 0
     if kind == "health":
         return HealthCheck(_member(state, step[2])), _member(state, step[1]), 0
     if kind == "checkpoint":
@@ -136,6 +170,7 @@ def check_invariants(state: CoordinatorState, before: tuple[int, int, int]) -> N
     if state.phase not in (Phase.RoundTrain, Phase.RoundWitness):
         assert not any(state.presence_votes) and not any(state.compute_votes), "votes belong to a round"
     assert max(state.presence_votes + state.compute_votes) <= state.round.witness_count
+    assert state.round.revealed & ~state.round.committed == 0, "a reveal without a commitment"
 
 
 def fresh_run(prejoin: bool) -> CoordinatorState:
@@ -165,8 +200,8 @@ def test_random_sequences_keep_invariants(prejoin: bool, steps: list[tuple]) -> 
         except errors.CoordinatorError:
             assert state == pickle.loads(snapshot), f"rejected {ix.NAME} changed the state"
             continue
-        if isinstance(ix, (Witness, WarmupWitness)):
-            assert signer in elected, "a proof was accepted from a client that was not elected"
+        if isinstance(ix, (Witness, WarmupWitness, CommitSeed, RevealSeed)):
+            assert signer in elected, f"a {ix.NAME} was accepted from a client that was not elected"
         check_invariants(state, before)
         VISITED.add(state.phase)
     encoded = encode_state(state)

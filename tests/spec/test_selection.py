@@ -25,9 +25,12 @@ def chi_square(observed: list[int], expected: float) -> float:
     return sum((o - expected) ** 2 / expected for o in observed)
 
 
-def test_next_seed_hashes_the_previous_seed_and_the_entropy() -> None:
-    digest = hashlib.sha256(b"psyswarm:seed" + struct.pack("<QQ", 2**64 - 1, 42)).digest()
-    assert next_seed(2**64 - 1, 42) == int.from_bytes(digest[:8], "little")
+def test_next_seed_hashes_the_previous_seed_the_entropy_and_the_reveals() -> None:
+    reveals = bytes(range(32))
+    digest = hashlib.sha256(b"psyswarm:seed" + struct.pack("<QQ", 2**64 - 1, 42) + reveals).digest()
+    assert next_seed(2**64 - 1, 42, reveals) == int.from_bytes(digest[:8], "little")
+    assert next_seed(2**64 - 1, 42) == next_seed(2**64 - 1, 42, bytes(32))  # no reveals: 32 zero bytes
+    assert next_seed(2**64 - 1, 42) != next_seed(2**64 - 1, 42, reveals)
     assert next_seed(2**64 - 1, 43) != next_seed(2**64 - 1, 42) != next_seed(7, 42)
 
 

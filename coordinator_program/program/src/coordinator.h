@@ -37,6 +37,8 @@ typedef enum {
   PSY_OP_WITHDRAW,
   PSY_OP_CLOSE_RUN,
   PSY_OP_RELEASE_SLOT,
+  PSY_OP_COMMIT_SEED,
+  PSY_OP_REVEAL_SEED,
 } psy_op_kind_t;
 
 /* The part and the two filters of a witness or warmup witness instruction (pointers into the instruction data). */
@@ -151,9 +153,10 @@ uint64_t psy_requeue_clients(uint8_t *s);
 
 /* ---- selection (selection.c) and bloom (bloom.c) ------------------------------------------------- */
 
-/* selection.next_seed(previous, 0): the seed of the round after the one whose seed is `previous`. Nothing
- * from the transaction or the clock goes in, so no ticker chooses an election by when it ticks. */
-uint64_t psy_next_seed(uint64_t previous);
+/* selection.next_seed(previous, 0, reveals): the seed of the round after the one whose seed is `previous` and whose
+ * witnesses revealed the XOR `reveals` (32 bytes). Nothing from the transaction or the clock goes in, so no ticker
+ * chooses an election by when it ticks. */
+uint64_t psy_next_seed(uint64_t previous, const uint8_t *reveals);
 /* elect_witnesses: fills order[0..min(k, n)) with the witnesses' client indices, in election order, and
  * returns how many; `order` must have room for n entries (the shuffle works on all of them). */
 uint64_t psy_elect_witnesses(uint64_t seed, uint64_t n, uint64_t k, uint16_t *order);
@@ -185,6 +188,15 @@ uint64_t psy_close_run(const psy_op_t *op);
 uint64_t psy_witness(const psy_op_t *op);
 uint64_t psy_warmup_witness(const psy_op_t *op);
 uint64_t psy_health_check(const psy_op_t *op);
+/* The current round's witnesses' client indices in election order (a heap allocation of the clients' count), and
+ * how many were elected. */
+uint16_t *psy_current_witnesses(uint8_t *s, uint64_t *elected);
+/* rules._elected_position: the witness slot of client `index` in the current round, or PSY_ERR_NOT_A_WITNESS. */
+uint64_t psy_witness_position(uint8_t *s, uint64_t index, uint64_t *position);
+/* beacon.c: rules.commit_seed, rules.reveal_seed, and rules._withholders_leave at the round's end. */
+uint64_t psy_commit_seed(const psy_op_t *op);
+uint64_t psy_reveal_seed(const psy_op_t *op);
+void psy_withholders_leave(uint8_t *s);
 /* The signer's client index if it is a healthy client (rules._healthy_client), else its error. */
 uint64_t psy_healthy_client(uint8_t *s, const uint8_t *signer, uint64_t *index);
 uint64_t psy_tick(uint8_t *s, int64_t now);

@@ -33,6 +33,10 @@ static uint64_t apply(const psy_op_t *op) {
       return psy_close_run(op);
     case PSY_OP_RELEASE_SLOT:
       return psy_release_slot(op);
+    case PSY_OP_COMMIT_SEED:
+      return psy_commit_seed(op);
+    case PSY_OP_REVEAL_SEED:
+      return psy_reveal_seed(op);
     default:
       return psy_withdraw(op);
   }

@@ -104,6 +104,14 @@ uint64_t psy_decode_instruction(const uint8_t *data, uint64_t len, psy_op_t *op)
       op->kind = PSY_OP_RELEASE_SLOT;
       ok = len == PSY_IX_RELEASE_SLOT_DATA_SIZE;
       break;
+    case PSY_IX_COMMIT_SEED_DISCRIMINATOR:
+      op->kind = PSY_OP_COMMIT_SEED;
+      ok = len == PSY_IX_COMMIT_SEED_DATA_SIZE;
+      break;
+    case PSY_IX_REVEAL_SEED_DISCRIMINATOR:
+      op->kind = PSY_OP_REVEAL_SEED;
+      ok = len == PSY_IX_REVEAL_SEED_DATA_SIZE;
+      break;
     default:
       ok = false; /* an unknown discriminator (init_coordinator never reaches here) */
   }

@@ -7,21 +7,38 @@ static bool training(const uint8_t *s) {
   return phase == PSY_PHASE_ROUND_TRAIN || phase == PSY_PHASE_ROUND_WITNESS;
 }
 
+uint16_t *psy_current_witnesses(uint8_t *s, uint64_t *elected) {
+  uint64_t clients = psy_list_count(s, &PSY_CLIENTS);
+  /* At most 2 KiB of the 32 KiB heap, taken at most twice by one instruction (a tick ending a round). */
+  uint16_t *order = psy_alloc(clients * sizeof(uint16_t));
+  *elected = psy_elect_witnesses(PSY_ROUND_SEED_GET(psy_current_round(s)), clients,
+                                 PSY_ACCOUNT_CONFIG_WITNESS_NODES_GET(s), order);
+  return order;
+}
+
+uint64_t psy_witness_position(uint8_t *s, uint64_t index, uint64_t *position) {
+  uint64_t elected;
+  uint16_t *order = psy_current_witnesses(s, &elected);
+  uint64_t at = 0;
+  while (at < elected && order[at] != index) {
+    at++;
+  }
+  if (at == elected) {
+    return PSY_ERR_NOT_A_WITNESS;
+  }
+  *position = at;
+  return PSY_SUCCESS;
+}
+
 /* rules._record_part, for a signer already known to be the healthy client at `index`. */
 static uint64_t record_part(const psy_op_t *op, uint64_t index) {
   uint8_t *s = op->state;
   uint8_t *round = psy_current_round(s);
   uint64_t clients = psy_list_count(s, &PSY_CLIENTS);
-  /* At most 2 KiB: the instruction's only allocation always fits the 32 KiB heap. */
-  uint16_t *order = psy_alloc(clients * sizeof(uint16_t));
-  uint64_t elected =
-      psy_elect_witnesses(PSY_ROUND_SEED_GET(round), clients, PSY_ACCOUNT_CONFIG_WITNESS_NODES_GET(s), order);
-  uint64_t position = 0;
-  while (position < elected && order[position] != index) {
-    position++;
-  }
-  if (position == elected) {
-    return PSY_ERR_NOT_A_WITNESS;
+  uint64_t position;
+  uint64_t err = psy_witness_position(s, index, &position);
+  if (err != PSY_SUCCESS) {
+    return err;
   }
   uint32_t witnessed = PSY_ROUND_WITNESSED_GET(round);
   if ((witnessed >> position) & 1) {

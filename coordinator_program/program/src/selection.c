@@ -2,13 +2,15 @@
  * syscall. */
 #include "coordinator.h"
 
-uint64_t psy_next_seed(uint64_t previous) {
+uint64_t psy_next_seed(uint64_t previous, const uint8_t *reveals) {
   uint8_t packed[16]; /* struct.pack("<QQ", previous, 0): the program adds no entropy (see selection.py) */
   psy_store_u64(packed, previous);
   psy_store_u64(packed + 8, 0);
-  psy_bytes_t pieces[2] = {{(const uint8_t *)PSY_SEED_DOMAIN, sizeof(PSY_SEED_DOMAIN) - 1}, {packed, sizeof packed}};
+  psy_bytes_t pieces[3] = {{(const uint8_t *)PSY_SEED_DOMAIN, sizeof(PSY_SEED_DOMAIN) - 1},
+                           {packed, sizeof packed},
+                           {reveals, PSY_ROUND_REVEALS_SIZE}};
   uint8_t digest[32];
-  sol_sha256(pieces, 2, digest);
+  sol_sha256(pieces, 3, digest);
   return psy_load_u64(digest);
 }
 

@@ -41,10 +41,10 @@ static bool clients_formed(uint8_t *s) {
   return psy_pipeline_formed(s, &census);
 }
 
-/* rules._start_round: a fresh round of `height`, its seed chained from the current one's. */
+/* rules._start_round: a fresh round of `height`, its seed chained from the current one's and its reveals. */
 static void start_round(uint8_t *s, int64_t now, uint64_t height) {
   uint8_t *round = psy_current_round(s);
-  uint64_t seed = psy_next_seed(PSY_ROUND_SEED_GET(round));
+  uint64_t seed = psy_next_seed(PSY_ROUND_SEED_GET(round), round + PSY_ROUND_REVEALS_OFFSET);
   sol_memset_(round, 0, PSY_ROUND_SIZE);
   PSY_ROUND_HEIGHT_SET(round, height);
   PSY_ROUND_SEED_SET(round, seed);
@@ -105,9 +105,9 @@ static uint64_t tick_waiting(uint8_t *s, int64_t now) {
   psy_list_set_count(s, &PSY_CLIENTS, joiners);
   psy_list_set_count(s, &PSY_PENDING, 0);
   sol_memset_(s + PSY_ACCOUNT_LEFT_OUT_OFFSET, 0, PSY_ACCOUNT_LEFT_OUT_SIZE);
-  /* The epoch's warmup is round 0, its seed chained from the last round's. */
+  /* The epoch's warmup is round 0, its seed chained from the last round's and that round's reveals. */
   uint8_t *warmup = psy_current_round(s);
-  uint64_t seed = psy_next_seed(PSY_ROUND_SEED_GET(warmup));
+  uint64_t seed = psy_next_seed(PSY_ROUND_SEED_GET(warmup), warmup + PSY_ROUND_REVEALS_OFFSET);
   sol_memset_(warmup, 0, PSY_ROUND_SIZE);
   PSY_ROUND_SEED_SET(warmup, seed);
   PSY_ROUND_DATA_INDEX_SET(warmup, psy_data_index(s));
@@ -165,6 +165,7 @@ static uint64_t tick_witness(uint8_t *s, int64_t now) {
   bool quorum = reached_quorum(s); /* judged with the round's clients, before the unhealthy leave */
   uint32_t step = PSY_ACCOUNT_STEP_GET(s) + 1;
   PSY_ACCOUNT_STEP_SET(s, step);
+  psy_withholders_leave(s);
   psy_close_round_votes(s);
   uint64_t next_height = (uint64_t)PSY_ROUND_HEIGHT_GET(psy_current_round(s)) + 1;
   if (next_height >= PSY_ACCOUNT_CONFIG_ROUNDS_PER_EPOCH_GET(s) || step >= PSY_ACCOUNT_CONFIG_TOTAL_STEPS_GET(s) ||

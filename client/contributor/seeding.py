@@ -1,0 +1,91 @@
+"""An elected witness's share of the next round's seed (``coordinator_program.spec.beacon``): a fresh secret committed
+as the round opens, revealed as soon as the commitments have closed (a quorum of the witnesses committed, or
+training ended).
+
+The reveal is not optional: a witness that committed and did not reveal by the round's end leaves the epoch, so the
+secret is revealed the moment the state allows it (the runner calls ``on_state`` on every state) and sent again at
+the next poll if it did not get through. The secret lives in memory only: a witness that restarts between its commitment
+and its reveal cannot reveal and leaves at the round's end, as a witness that died would, and joins again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+
+from client.backends.base import BackendError
+from client.contributor.context import ClientContext
+from client.contributor.rounds import RoundKey
+from coordinator_program.spec import derived, rules
+from coordinator_program.spec.beacon import SECRET_BYTES, seed_commitment
+from coordinator_program.spec.errors import AlreadyCommitted, AlreadyRevealed, CoordinatorError
+from coordinator_program.spec.state import CoordinatorState, Phase
+
+log = logging.getLogger("psyswarm.client")
+
+
+class Seeding:
+    """What this client does, when elected, for the next round's seed."""
+
+    def __init__(self, context: ClientContext) -> None:
+        self.context: ClientContext = context
+        self.secrets: dict[tuple[RoundKey, int], bytes] = {}  # (round, its seed) -> the secret committed to
+        self.lock = asyncio.Lock()  # one commitment or reveal at a time: the state polled and pushed both call in
+        self.sent: set[tuple[tuple[RoundKey, int], str]] = set()  # what the coordinator took, by round
+
+    async def act_current(self) -> None:
+        """Commit or reveal for the current round if due (polled in the background)."""
+        await self.act(self.context.state)
+
+    async def on_state(self, state: CoordinatorState) -> None:
+        """``act`` on a state just received; what fails here is tried again by the background poll."""
+        with contextlib.suppress(BackendError, CoordinatorError, OSError):
+            await self.act(state)
+
+    async def act(self, state: CoordinatorState) -> None:
+        """In RoundTrain, commit to a fresh secret; once the commitments have closed, before the round does, reveal
+        it."""
+        if state.phase not in (Phase.RoundTrain, Phase.RoundWitness) or rules.closing(state):
+            return
+        elected = derived.witnesses(state)
+        if self.context.me not in elected:
+            return
+        bit = 1 << elected.index(self.context.me)
+        round_key = (RoundKey.of(state), state.round.seed)
+        async with self.lock:  # a state seen before the other caller's reply may still ask for what it sent
+            if state.phase == Phase.RoundTrain and not state.round.committed & bit:
+                if (round_key, "commit") not in self.sent and not rules.commitments_closed(state):
+                    await self.commit(state, round_key)
+            elif state.round.committed & ~state.round.revealed & bit and rules.commitments_closed(state):
+                if (round_key, "reveal") not in self.sent:
+                    await self.reveal(state, round_key)
+
+    async def commit(self, state: CoordinatorState, round_key: tuple[RoundKey, int]) -> None:
+        if round_key not in self.secrets:  # a commitment resent after a lost reply keeps its secret
+            self.secrets = {k: v for k, v in self.secrets.items() if k[0].epoch >= round_key[0].epoch - 1}
+            self.secrets[round_key] = secrets.token_bytes(SECRET_BYTES)
+        commitment = seed_commitment(self.context.me, state.round.seed, self.secrets[round_key])
+        try:
+            await self.context.backend.commit_seed(state.round.height, commitment)
+        except AlreadyCommitted:
+            pass
+        except CoordinatorError as exc:  # a quorum or the end of training came first: no secret of this witness
+            log.debug("commitment to the next seed for %s refused: %s", round_key[0], exc.detail)
+        self.sent.add((round_key, "commit"))
+
+    async def reveal(self, state: CoordinatorState, round_key: tuple[RoundKey, int]) -> None:
+        secret = self.secrets.get(round_key)
+        if secret is None:
+            log.warning("round %s: this witness committed to the next seed before it restarted and cannot reveal: "
+                        "it leaves the epoch at the round's end and joins again", round_key[0])
+            return
+        try:
+            await self.context.backend.reveal_seed(state.round.height, secret)
+        except AlreadyRevealed:
+            pass
+        else:
+            log.info("round %s: secret for the next seed revealed", round_key[0])
+        self.sent.add((round_key, "reveal"))
+        self.sent = {entry for entry in self.sent if entry[0][0].epoch >= round_key[0].epoch - 1}

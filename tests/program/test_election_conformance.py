@@ -1,0 +1,182 @@
+"""Conformance of the election's beacon (``coordinator_program/spec/beacon.py``): the C program against the
+specification, every operation replayed on both with byte-identical accounts demanded after each.
+
+A round's witnesses commit to secrets while it trains, reveal them once a quorum of them has committed or training
+has ended, and the next round's seed hashes their XOR; a witness that committed and did not reveal leaves at the
+round's end. The attacks: a witness
+that reveals another secret than it committed to, commits again, or copies an honest witness's commitment to cancel
+its secret; a late joiner, or a ticker, that tries to move the next round's seed. Once the commitments are in, the
+only choice left is each committer's reveal or withholding, and withholding costs the committer its place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+from coordinator_chain import Swarm, training_swarm
+from solders.keypair import Keypair
+
+from coordinator_program.spec import derived, errors
+from coordinator_program.spec.beacon import mix_reveal, seed_commitment
+from coordinator_program.spec.instructions import CommitSeed, JoinRun, RevealSeed, Tick
+from coordinator_program.spec.selection import next_seed
+from coordinator_program.spec.state import Health, Phase, Role
+from tests.spec.scenario import MODEL, SMALL
+
+CONFIG = dataclasses.replace(SMALL, min_clients=5, max_clients=10, witness_nodes=3, witness_quorum=2, total_steps=20,
+                             rounds_per_epoch=3)
+"""Eight clients (two workers a stage and two trainers, so that any one may leave), three witnesses, a quorum of
+two."""
+
+
+def secret(swarm: Swarm, witness: bytes, salt: bytes = b"") -> bytes:
+    return hashlib.sha256(b"secret" + salt + witness + swarm.state.round.seed.to_bytes(8, "little")).digest()
+
+
+def commit(swarm: Swarm, witness: bytes, hidden: bytes) -> int | None:
+    state = swarm.state
+    commitment = seed_commitment(witness, state.round.seed, hidden)
+    return swarm.replay.apply(CommitSeed(state.round.height, commitment), swarm.of(witness))
+
+
+def reveal(swarm: Swarm, witness: bytes, hidden: bytes) -> int | None:
+    return swarm.replay.apply(RevealSeed(swarm.state.round.height, hidden), swarm.of(witness))
+
+
+def to_round_witness(swarm: Swarm, authority: Keypair) -> None:
+    """Every witness proves everyone present: the quorum ends RoundTrain, so the commitments close."""
+    assert set(swarm.prove(swarm.clients())) == {None}
+    if swarm.state.phase == Phase.RoundTrain:
+        assert swarm.replay.apply(Tick(), authority, advance=CONFIG.max_round_train_time) is None
+    assert swarm.state.phase == Phase.RoundWitness
+
+
+def end_round(swarm: Swarm, authority: Keypair, advance: int = CONFIG.round_witness_time) -> None:
+    assert swarm.replay.apply(Tick(), authority, advance=advance) is None
+    assert swarm.state.phase == Phase.RoundTrain
+
+
+def started() -> tuple[Swarm, Keypair, list[bytes]]:
+    swarm, authority = training_swarm(CONFIG, MODEL, workers=6, trainers=2)
+    return swarm, authority, derived.witnesses(swarm.state)
+
+
+def test_the_next_seed_hashes_every_revealed_secret() -> None:
+    swarm, authority, elected = started()
+    secrets = [secret(swarm, w) for w in elected]
+    assert commit(swarm, elected[0], secrets[0]) is None
+    assert reveal(swarm, elected[0], secrets[0]) == errors.WrongPhase.code  # not while a commitment may come
+    assert commit(swarm, elected[1], secrets[1]) is None  # a quorum committed: the commitments close
+    assert commit(swarm, elected[2], secrets[2]) == errors.WrongPhase.code  # it could now choose after a reveal
+    assert reveal(swarm, elected[0], secrets[0]) is None  # the rest of the round to reveal
+    seed = swarm.state.round.seed
+    to_round_witness(swarm, authority)
+    assert reveal(swarm, elected[1], secrets[1]) is None
+    clients = swarm.clients()
+    end_round(swarm, authority)
+    assert swarm.state.round.seed == next_seed(seed, 0, mix_reveal(secrets[0], secrets[1]))
+    assert swarm.state.round.seed != next_seed(seed, 0), "the seed a round ahead could foresee"
+    assert swarm.clients() == clients, "every committed witness revealed: no one leaves"
+
+
+def test_a_witness_that_withholds_its_reveal_leaves_at_the_round_end() -> None:
+    swarm, authority, elected = started()
+    withholder, honest, _ = elected
+    secrets = {w: secret(swarm, w) for w in (withholder, honest)}
+    for w in (withholder, honest):
+        assert commit(swarm, w, secrets[w]) is None
+    seed = swarm.state.round.seed
+    to_round_witness(swarm, authority)
+    assert reveal(swarm, honest, secrets[honest]) is None
+    end_round(swarm, authority)
+    assert withholder not in swarm.clients(), "withholding a reveal costs the witness its place"
+    assert honest in swarm.clients()
+    assert swarm.state.round.seed == next_seed(seed, 0, secrets[honest])
+
+
+def test_a_witness_that_never_committed_is_not_punished_and_cannot_reveal() -> None:
+    swarm, authority, elected = started()
+    silent, *others = elected
+    assert commit(swarm, others[0], secret(swarm, others[0])) is None
+    assert reveal(swarm, others[0], secret(swarm, others[0])) == errors.WrongPhase.code  # the others could commit
+    assert commit(swarm, others[1], secret(swarm, others[1])) is None
+    to_round_witness(swarm, authority)
+    assert reveal(swarm, silent, secret(swarm, silent)) == errors.NoCommitment.code
+    for w in others:
+        assert reveal(swarm, w, secret(swarm, w)) is None
+    end_round(swarm, authority)
+    assert silent in swarm.clients()
+
+
+def test_a_committed_witness_can_open_nothing_but_its_own_secret() -> None:
+    """Once committed, a witness can neither change its commitment nor reveal another secret, nor open an honest
+    witness's commitment it copied (which in the XOR would cancel the honest secret); each attempt is refused and
+    leaves the account as it was."""
+    swarm, authority, elected = started()
+    honest, liar, late = elected
+    hidden = {w: secret(swarm, w) for w in elected}
+    assert commit(swarm, honest, hidden[honest]) is None
+    assert commit(swarm, honest, secret(swarm, honest, b"second")) == errors.AlreadyCommitted.code
+    outsider = next(c for c in swarm.clients() if c not in elected)
+    assert swarm.replay.apply(CommitSeed(0, bytes(32)), swarm.of(outsider)) == errors.NotAWitness.code
+    copied = swarm.state.round.commitments[elected.index(honest)]
+    assert swarm.replay.apply(CommitSeed(0, copied), swarm.of(liar)) is None  # the honest witness's commitment
+    assert commit(swarm, late, hidden[late]) == errors.WrongPhase.code  # a quorum committed: closed
+    to_round_witness(swarm, authority)
+    assert reveal(swarm, honest, secret(swarm, honest, b"second")) == errors.BadReveal.code
+    assert swarm.replay.apply(RevealSeed(1, hidden[honest]), swarm.of(honest)) == errors.StaleRound.code
+    assert reveal(swarm, honest, hidden[honest]) is None
+    assert reveal(swarm, honest, hidden[honest]) == errors.AlreadyRevealed.code
+    assert reveal(swarm, liar, hidden[honest]) == errors.BadReveal.code  # bound to the committer's key
+    assert reveal(swarm, late, hidden[late]) == errors.NoCommitment.code
+    seed = swarm.state.round.seed
+    end_round(swarm, authority)
+    assert swarm.state.round.seed == next_seed(seed, 0, hidden[honest]), "the honest secret was not cancelled"
+    assert liar not in swarm.clients(), "the copier could open nothing, so it withheld and left"
+
+
+def committed_round(joiner: bool, tick_late: bool) -> int:
+    """Round 0 with a quorum of its witnesses committed and revealed; a key joins after the commitments when
+    ``joiner`` (and tries to commit), and the ticker ends the round late when ``tick_late``. Returns round 1's seed."""
+    swarm, authority, elected = started()
+    elected = elected[:CONFIG.witness_quorum]  # a quorum commits, which closes the commitments
+    secrets = [secret(swarm, w) for w in elected]
+    for w, hidden in zip(elected, secrets, strict=True):
+        assert commit(swarm, w, hidden) is None
+    if joiner:
+        late, = swarm.new_members(1)
+        assert swarm.replay.apply(JoinRun(swarm.state.run_id, Role.Worker), late) is None
+        assert swarm.replay.apply(CommitSeed(0, bytes(32)), late) == errors.NotAClient.code
+    to_round_witness(swarm, authority)
+    if joiner:
+        assert swarm.replay.apply(RevealSeed(0, bytes(32)), late) == errors.NotAClient.code
+    for w, hidden in zip(elected, secrets, strict=True):
+        assert reveal(swarm, w, hidden) is None
+    end_round(swarm, authority, CONFIG.round_witness_time + (50 if tick_late else 0))
+    assert all(c.health == Health.Healthy for c in swarm.state.clients)
+    return swarm.state.round.seed
+
+
+def test_no_joiner_nor_ticker_changes_the_seed_once_committed() -> None:
+    """The same commitments and reveals give the same next seed whether or not a key joined meanwhile and whenever
+    the round's end is ticked: the reveals are the seed's only input left, each fixed by its commitment."""
+    assert committed_round(False, False) == committed_round(True, False) == committed_round(False, True)
+
+
+def test_the_epochs_last_reveals_seed_the_next_warmup() -> None:
+    swarm, authority, _ = started()
+    for _ in range(CONFIG.rounds_per_epoch):
+        elected = derived.witnesses(swarm.state)[:CONFIG.witness_quorum]
+        secrets = [secret(swarm, w) for w in elected]
+        for w, hidden in zip(elected, secrets, strict=True):
+            assert commit(swarm, w, hidden) is None
+        to_round_witness(swarm, authority)
+        for w, hidden in zip(elected, secrets, strict=True):
+            assert reveal(swarm, w, hidden) is None
+        seed, reveals = swarm.state.round.seed, swarm.state.round.reveals
+        assert swarm.replay.apply(Tick(), authority, advance=CONFIG.round_witness_time) is None
+    assert swarm.state.phase == Phase.Cooldown
+    assert swarm.replay.apply(Tick(), authority, advance=CONFIG.cooldown_time) is None
+    assert swarm.replay.apply(Tick(), authority) is None and swarm.state.phase == Phase.Warmup
+    assert swarm.state.round.seed == next_seed(seed, 0, reveals)
