@@ -85,6 +85,7 @@ def test_the_join_authority_must_be_a_key(tmp_path: Path) -> None:
         assert result.returncode == 2 and says in re.sub(r"\s*│\s*", " ", result.stderr), result.stderr
 
 
+@pytest.mark.slow
 def test_a_permissioned_run_shows_and_keeps_its_join_authority(fake_hub, tmp_path: Path) -> None:
     config, db, port = tmp_path / "state.toml", tmp_path / "run.sqlite", free_port()
     config.write_text(STATE_TOML)
@@ -116,6 +117,7 @@ def test_a_permissioned_run_shows_and_keeps_its_join_authority(fake_hub, tmp_pat
     assert f"permissioned by {authority.pubkey()}, not permissionless" in restarted.stderr, restarted.stderr
 
 
+@pytest.mark.slow
 def test_an_auth_service_told_of_the_wrong_coordinator_refuses_to_start(fake_hub, tmp_path: Path) -> None:
     """The operator points ``auth-service`` at a coordinator whose join authority is another key, or that serves
     another run: its releases would be refused forever (and ended slots never freed), so it stops at startup with

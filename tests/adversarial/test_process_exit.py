@@ -35,6 +35,8 @@ from coordinator_program.spec.state import CoordinatorState, Phase, Role
 from tests.integration.test_swarm import tiny, watch
 from tests.solana.conftest import Localnet, localnet, new_run_id  # noqa: F401 - the fixture, for the no-SOL case
 
+pytestmark = pytest.mark.slow  # each test starts a whole client process: CI runs them with the swarms
+
 STOP_BOUND = STOP_GRACE + 4.0
 """Seconds from SIGTERM to the process's end that a test allows: the command's own bound, plus the teardown of a
 Python process that loaded torch and hivemind on a loaded machine."""
@@ -149,7 +151,6 @@ class SilentHub:
 # ----- SIGTERM ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_sigterm_while_waiting_to_join(swarm: Swarm) -> None:
     start(swarm, tiny())
     swarm.start_client("worker", "worker", "head")
@@ -157,7 +158,6 @@ def test_sigterm_while_waiting_to_join(swarm: Swarm) -> None:
     stop_within_bound(swarm, "worker")
 
 
-@pytest.mark.slow
 def test_sigterm_while_downloading_the_stage_at_warmup(swarm: Swarm, members, monkeypatch: pytest.MonkeyPatch) -> None:
     """The run starts from a Hub checkpoint on an endpoint that never answers: the worker's state download blocks
     (in a thread nothing can interrupt) for as long as its timeout, here far beyond the bound."""
@@ -178,7 +178,6 @@ def test_sigterm_while_downloading_the_stage_at_warmup(swarm: Swarm, members, mo
         hub.close()
 
 
-@pytest.mark.slow
 def test_sigterm_while_training_stalls_on_a_stage_without_worker(swarm: Swarm, members) -> None:
     """Its workers never serve: the trainer's round stalls, waiting for one (for up to max_round_train_time)."""
     start(swarm, tiny(train_time=300).replace("warmup_time = 20", "warmup_time = 2"))

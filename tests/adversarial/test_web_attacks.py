@@ -170,6 +170,7 @@ class SlowHeaders:
                         pass  # closed by the service: the next read says so
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("service", list(SERVICES))
 def test_slow_headers_neither_starve_a_fresh_client_nor_outlive_their_deadline(fake_hub, tmp_path: Path,
                                                                               service: str) -> None:

@@ -120,7 +120,7 @@ def test_a_member_running_two_peers_under_one_key_is_seated_by_neither(make_aver
     for index in range(3):
         before = [flat(p) for p in honest]
         results = average_together([*averagers, *twins], index, [1.0] * 4)
-        assert all(r.group_size <= 2 and r.consecutive_failures == 0 for r in results[:2])
+        assert all(r.group_size <= 2 and r.consecutive_failures == 0 for r in results[:2]), results[:2]
         if all(r.status == AveragingStatus.AVERAGED for r in results[:2]):
             together += 1
             for named in honest:
@@ -145,6 +145,7 @@ class _NegativeWeight(_OtherRound):
         return {"round": averaging_index, "weight": -1.0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("malformed", [_OtherRound, _NegativeWeight])
 def test_a_malformed_groupmate_is_dropped_and_nobody_honest_is_withdrawn(make_averager, malformed) -> None:
     """Three rounds in a row (``max_failures`` of the default settings): the malformed member never enters an

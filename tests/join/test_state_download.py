@@ -162,6 +162,7 @@ def test_state_comes_from_a_sharing_peer_with_a_full_progress_count(make_average
     assert same(joiner.state(), donor.state())
 
 
+@pytest.mark.slow
 def test_a_donor_of_another_model_is_refused_and_the_next_is_used(make_averager, run_id: str) -> None:
     good = Peer(make_averager, run_id, seed=1, step=10)
     liar = Peer(make_averager, run_id, seed=3, step=99)  # fresher, so tried first

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from solders.keypair import Keypair
 
 from client.identity import save_keypair
@@ -20,6 +21,7 @@ def psyswarm(*args: str, home: Path) -> subprocess.CompletedProcess:
                           env=env)
 
 
+@pytest.mark.slow
 def test_authority_commands_point_at_the_servers_authority_key(tmp_path: Path) -> None:
     config, db, port = tmp_path / "state.toml", tmp_path / "run.sqlite", free_port()
     config.write_text(STATE_TOML)

@@ -16,11 +16,13 @@ from coordinator_program.spec.config import Checkpoint, CheckpointKind, Config, 
 from coordinator_program.spec.instructions import (
     INSTRUCTIONS,
     CheckpointReport,
+    CommitSeed,
     HealthCheck,
     InitCoordinator,
     Instruction,
     JoinRun,
     ReleaseSlot,
+    RevealSeed,
     SetPaused,
     Update,
     WarmupWitness,
@@ -65,6 +67,7 @@ WITH_ARGUMENTS: list[Instruction] = [
     SetPaused(True), JoinRun("run-1", Role.Trainer), JoinRun("run-1", Role.Worker, 2),
     Witness(7, b"\x01" * 11, b"\x02" * 3), WarmupWitness(b"", b"\x03"), HealthCheck(bytes(range(1, 33))),
     CheckpointReport(CheckpointKind.Local, "/ckpt/run-1", "epoch-3"), ReleaseSlot(bytes(range(2, 34))),
+    CommitSeed(5, bytes(range(3, 35))), RevealSeed(5, bytes(range(4, 36))),
 ]
 EVERY_INSTRUCTION = WITH_ARGUMENTS + [cls() for cls in INSTRUCTIONS if not dataclasses.fields(cls)]
 

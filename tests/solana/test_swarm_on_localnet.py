@@ -32,6 +32,7 @@ def tiny_spec(run_id: str):
     })
 
 
+@pytest.mark.slow
 def test_a_run_trains_to_the_end_through_the_program(localnet: Localnet, tmp_path: Path) -> None:
     run_id = new_run_id()
     authority = Keypair()

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from client.swarm.demo import PORTS_TAKEN, busy_ports
 
 
@@ -20,6 +22,7 @@ def free_base() -> int:
     raise AssertionError("no free port range")
 
 
+@pytest.mark.slow
 def test_the_demo_takes_the_ports_from_its_base(tmp_path: Path) -> None:
     base, workdir = free_base(), tmp_path / "demo"
     demo = subprocess.Popen([sys.executable, "-m", "client.cli", "demo", "--workdir", str(workdir), "--epochs", "1",

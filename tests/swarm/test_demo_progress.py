@@ -9,7 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_the_demo_reports_progress_before_the_run_starts(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
     began = time.monotonic()

@@ -8,10 +8,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from client.swarm.launcher import Swarm
 from tests.integration.test_swarm import tiny
 
 
+@pytest.mark.slow
 def test_the_bootstrap_node_and_its_helpers_end_within_seconds_of_sigterm(tmp_path: Path) -> None:
     """SIGTERM reaches hivemind's DHT process too, which then cannot answer a shutdown request: the node used to
     wait for it until the launcher's grace ran out and it was killed."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from client.swarm.launcher import free_port
 from coordinator_program.spec import limits
 from coordinator_program.spec.state import Role
@@ -21,6 +23,7 @@ def listening(port: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_worker_listens_on_the_ports_it_was_given(swarm, members) -> None:  # noqa: F811
     start(swarm, tiny())
     grpc_port, dht_port = free_port(), free_port()
