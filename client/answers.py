@@ -23,37 +23,26 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from solders.keypair import Keypair
 
-from client.identity import verify
+from client.identity import canonical, is_hex, verify
 
 DOMAIN = "psyswarm/stage-answer/v1"
-_HEX = re.compile(r"[0-9a-f]*")
-
-
-def _canonical(fields: Mapping[str, Any]) -> bytes:
-    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
 def question_digest(header_fields: Mapping[str, Any]) -> str:
     """sha256 (hex) of a signed request's fields without ``issued_at``: the same for every replica asked."""
     fields = {k: v for k, v in header_fields.items() if k != "issued_at"}
-    return hashlib.sha256(_canonical(fields)).hexdigest()
+    return hashlib.sha256(canonical(fields)).hexdigest()
 
 
 def answer_digest(tensor_digests: Mapping[str, str], loss: float | None) -> str:
     """sha256 (hex) of an answer: its tensors' wire-form digests by name, and its loss (exact: JSON keeps a float's
     repr)."""
-    return hashlib.sha256(_canonical({"tensors": dict(tensor_digests), "loss": loss})).hexdigest()
-
-
-def _is_hex(value: object, nbytes: int) -> bool:
-    return isinstance(value, str) and len(value) == 2 * nbytes and _HEX.fullmatch(value) is not None
+    return hashlib.sha256(canonical({"tensors": dict(tensor_digests), "loss": loss})).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +57,11 @@ class SignedAnswer:
 
     @staticmethod
     def message(question: str, answer: str) -> bytes:
-        return _canonical({"domain": DOMAIN, "question": question, "answer": answer})
+        return canonical({"domain": DOMAIN, "question": question, "answer": answer})
 
     def well_formed(self) -> bool:
-        return (_is_hex(self.worker, 32) and _is_hex(self.question, 32) and _is_hex(self.answer, 32)
-                and _is_hex(self.signature, 64))
+        return (is_hex(self.worker, 32) and is_hex(self.question, 32) and is_hex(self.answer, 32)
+                and is_hex(self.signature, 64))
 
     def verifies(self) -> bool:
         """Well formed and signed by ``worker``; anything malformed is simply false."""

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
@@ -56,6 +59,19 @@ def save_keypair(keypair: Keypair, path: str | os.PathLike[str], *, overwrite: b
         json.dump(list(bytes(keypair)), out)
     os.replace(tmp, file)
     return file
+
+
+_HEX = re.compile(r"[0-9a-f]*")
+
+
+def canonical(fields: Mapping[str, Any]) -> bytes:
+    """The bytes a signature covers: ``fields`` as JSON with sorted keys and no spaces, the same on every machine."""
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+def is_hex(value: object, nbytes: int) -> bool:
+    """Whether ``value`` is ``nbytes`` bytes in lower-case hex, as keys, digests and signatures travel in records."""
+    return isinstance(value, str) and len(value) == 2 * nbytes and _HEX.fullmatch(value) is not None
 
 
 def verify(pubkey: bytes | Pubkey, message: bytes, signature: bytes) -> bool:

@@ -19,12 +19,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 from typing import Any
 
 from solders.keypair import Keypair
 
-from client.identity import verify
+from client.identity import canonical, verify
 
 DOMAIN = "psyswarm/receipt/v1"
 """The tag under which a receipt is signed, so that no other signed message of psyswarm reads as one."""
@@ -80,7 +79,7 @@ class SignedReceipt(Receipt):
         """The canonical bytes signed: every field but the signature, as JSON with sorted keys, under ``DOMAIN``
         (kept once computed: a witness hashes and verifies each receipt)."""
         fields = {name: getattr(self, name) for name in FIELDS if name != "signature"}
-        return json.dumps({"domain": DOMAIN, **fields}, sort_keys=True, separators=(",", ":")).encode()
+        return canonical({"domain": DOMAIN, **fields})
 
     def hash(self) -> str:
         """What the worker's report lists for it: the sha256 (hex) of the signed message."""

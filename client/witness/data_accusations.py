@@ -18,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
+from client.identity import is_hex
 from client.witness.judge import Evidence
-from client.witness.records import SignedRecord, _is_hex, _require
+from client.witness.records import SignedRecord, _require
 
 MAX_EVIDENCE = 16
 """The most pieces of evidence one accusation holds (one per trainer is enough to prove each)."""
@@ -43,7 +44,7 @@ class DataAccusation(SignedRecord):
                      "each piece of accusation.evidence must have exactly the fields request and signature")
             _require(isinstance(piece["request"], str) and 0 < len(piece["request"]) <= MAX_REQUEST_CHARS,
                      f"accusation.evidence request must be text of 1-{MAX_REQUEST_CHARS} characters")
-            _require(_is_hex(piece["signature"], 64), "accusation.evidence signature must be 128 hex characters")
+            _require(is_hex(piece["signature"], 64), "accusation.evidence signature must be 128 hex characters")
 
     def pieces(self) -> list[tuple[str, str]]:
         """The (request, signature) pairs quoted."""

@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import math
-import re
 from collections.abc import Collection
 from typing import Any, ClassVar
 
 from solders.keypair import Keypair
 
-from client.identity import verify
+from client.identity import canonical, is_hex, verify
 from client.receipts import FIELDS as RECEIPT_FIELDS
 from client.receipts import SignedReceipt
 from coordinator_program.spec import derived
@@ -55,7 +53,6 @@ MIN_SECONDS = 1e-6
 """The shortest training time a commitment may claim, other than 0 (not measured): no share trains in less, and
 the floor keeps every rate a reader makes of tokens over seconds finite (2**63 tokens over it are 9.2e24/s)."""
 
-_HEX = re.compile(r"[0-9a-f]*")
 
 
 class RecordError(ValueError):
@@ -72,16 +69,8 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_NUMBER
 
 
-def _is_hex(value: object, nbytes: int) -> bool:
-    return isinstance(value, str) and len(value) == 2 * nbytes and _HEX.fullmatch(value) is not None
-
-
 def _is_text(value: object) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_TEXT and value.isprintable()
-
-
-def canonical(fields: dict[str, Any]) -> bytes:
-    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
 def parse_receipt(value: object) -> SignedReceipt:
@@ -91,17 +80,17 @@ def parse_receipt(value: object) -> SignedReceipt:
              f"a receipt must be an object with exactly the fields {', '.join(sorted(RECEIPT_FIELDS))}")
     receipt = SignedReceipt(**value)  # type: ignore[arg-type]
     for name in ("trainer_id", "worker"):
-        _require(_is_hex(getattr(receipt, name), 32), f"receipt.{name} must be a 64-hex public key")
+        _require(is_hex(getattr(receipt, name), 32), f"receipt.{name} must be a 64-hex public key")
     for name in ("microbatch_id", "stage", "worker_uid", "run"):
         _require(_is_text(getattr(receipt, name)), f"receipt.{name} must be text of 1-{MAX_TEXT} characters")
     _require(_is_number(receipt.sample_start) and _is_number(receipt.sample_end)
              and receipt.sample_start < receipt.sample_end, "receipt samples must be a non-empty range")
     _require(_is_number(receipt.epoch) and _is_number(receipt.round), "receipt epoch and round must be numbers")
-    _require(_is_hex(receipt.input_digest, 32), "receipt.input_digest must be a sha256 hex digest")
+    _require(is_hex(receipt.input_digest, 32), "receipt.input_digest must be a sha256 hex digest")
     for name in ("grad_output_digest", "grad_input_digest"):
         digest = getattr(receipt, name)
-        _require(digest == "" or _is_hex(digest, 32), f"receipt.{name} must be a sha256 hex digest or empty")
-    _require(_is_hex(receipt.signature, 64), "receipt.signature must be 128 hex characters")
+        _require(digest == "" or is_hex(digest, 32), f"receipt.{name} must be a sha256 hex digest or empty")
+    _require(is_hex(receipt.signature, 64), "receipt.signature must be 128 hex characters")
     return receipt
 
 
@@ -150,8 +139,8 @@ class SignedRecord:
 
     def check(self) -> None:
         """Raise ``RecordError`` unless every field has the type, length and range it must have."""
-        _require(_is_hex(self.author, 32), f"{self.KIND}.author must be a 64-hex public key")
-        _require(_is_hex(self.signature, 64), f"{self.KIND}.signature must be 128 hex characters")
+        _require(is_hex(self.author, 32), f"{self.KIND}.author must be a 64-hex public key")
+        _require(is_hex(self.signature, 64), f"{self.KIND}.signature must be 128 hex characters")
         _require(isinstance(self.run_id, str) and valid_run_id(self.run_id), f"{self.KIND}.run_id is not a run id")
         _require(_is_number(self.epoch), f"{self.KIND}.epoch must be a non-negative integer")
         _require(self.round_height() is None or _is_number(self.round_height()),
@@ -215,7 +204,7 @@ class Report(SignedRecord):
         _require(_is_number(self.stage) and self.stage < 256, "report.stage must be a stage number")
         _require(_is_text(self.uid), f"report.uid must be text of 1-{MAX_TEXT} characters")
         _require(isinstance(self.receipts, tuple) and len(self.receipts) <= MAX_RECEIPTS
-                 and all(_is_hex(h, 32) for h in self.receipts),
+                 and all(is_hex(h, 32) for h in self.receipts),
                  f"report.receipts must be a list of at most {MAX_RECEIPTS} sha256 hex digests")
 
 
