@@ -3,6 +3,7 @@ more DHT nodes and SPARTA averagers joined to it, and a fake Hugging Face Hub.""
 
 from __future__ import annotations
 
+import os
 import signal
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -11,6 +12,7 @@ from contextlib import ExitStack
 import hivemind
 import pytest
 import torch
+from hypothesis import settings
 from solders.keypair import Keypair
 
 from client.averaging.gradients import GradientAverager, GradientSettings
@@ -19,6 +21,12 @@ from client.averaging.sparta import SpartaAverager
 from client.pipeline.discovery import start_dht
 from tests.averagers import FAST, GRADIENTS
 from tests.fake_hub import FakeHub
+
+# Property tests draw the same examples on every run, so that a run's verdict is the code's and not the draw's;
+# HYPOTHESIS_PROFILE=explore draws afresh (and keeps what it finds in .hypothesis/) when hunting for new cases.
+settings.register_profile("reproducible", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "reproducible"))
 
 
 @pytest.fixture(autouse=True)

@@ -238,8 +238,8 @@ class StageAverager(StateTransfer, DecentralizedAverager):
                               group_id=group_id, ordered_peer_ids=group_info.peer_ids,
                               result_bound=self._result_bound(group_id), **kwargs)
         self._running_groups[group_id].set_result(runner)
-        async for tensor, update in azip(as_aiter(*tensors), runner):
-            tensor.add_(update, alpha=self._averaging_alpha)
+        async for tensor, averaged in azip(as_aiter(*tensors), runner):
+            tensor.lerp_(averaged, self._averaging_alpha)  # at alpha 1 (every round here) exactly the average
             self.last_updated = get_dht_time()
             self._state_updated.set()
 
