@@ -34,6 +34,9 @@ the round's end credits a chunk of clients a tick: no instruction's cost grows w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 from coordinator_program.spec import limits
 from coordinator_program.spec.beacon import mix_reveal, seed_commitment, withholders
 from coordinator_program.spec.bloom import compute_key, contains_raw, part_count, part_range, participant_key
@@ -471,37 +474,28 @@ def tick(state: CoordinatorState, now: int, entropy: int) -> None:
 
     Raises ``NothingToTick`` when nothing is due, so a ticker can tell a useful tick from a wasted one.
     """
-    handler = _TICKS.get(state.phase)
-    if handler is None:
+    rule = _TICKS.get(state.phase)
+    if rule is None:
         raise (NotInitialized if state.phase == Phase.Uninitialized else RunFinished)("nothing to tick")
-    if not handler(state, now, entropy):
+    if not rule.due(state, now):
         raise NothingToTick(f"{state.phase.name}: no transition is due")
+    rule.transition(state, now, entropy)
     state.nonce += 1
 
 
 def tick_due(state: CoordinatorState, now: int) -> bool:
-    """Whether ``tick(state, now, ...)`` would change anything, judged without changing the state: exactly the
-    condition of each phase's tick below (``False`` where ``tick`` raises). A backend asks this before it copies
-    the state to tick, so a request that leaves nothing due costs no copy nor assignment of the queue's stages."""
-    config = state.config
-    if state.phase == Phase.Paused:
-        return not state.pause_requested
-    if state.phase == Phase.WaitingForMembers:
-        # assign_stages admits every joiner, so too short a queue cannot complete the pipeline.
-        return state.pause_requested or (len(state.pending) >= config.min_clients and pipeline_complete(
-            assign_stages(state.pending, config.num_stages), config))
-    if state.phase == Phase.Warmup:
-        return (any(c.health != Health.Healthy for c in state.clients) or quorum_reached(state)
-                or now >= state.phase_start + config.warmup_time)
-    if state.phase == Phase.RoundTrain:
-        return (quorum_reached(state) or now >= state.phase_start + config.max_round_train_time
-                or not pipeline_formed([c for c in state.clients if c.health == Health.Healthy], config.num_stages))
-    if state.phase == Phase.RoundWitness:
-        return now >= state.phase_start + config.round_witness_time
-    if state.phase == Phase.Cooldown:
-        return (all(cp.saved for cp in state.checkpoints[:config.num_stages])
-                or now >= state.phase_start + config.cooldown_time)
-    return False
+    """Whether ``tick(state, now, ...)`` would change anything (``False`` where it raises), judged without
+    changing the state: a backend asks this before it copies the state to tick, so a request that leaves nothing
+    due costs no copy nor assignment of the queue's stages."""
+    rule = _TICKS.get(state.phase)
+    return rule is not None and rule.due(state, now)
+
+
+class PhaseTick(NamedTuple):
+    """A phase's tick: when it is due, and what it does then (only ever called when due)."""
+
+    due: Callable[[CoordinatorState, int], bool]
+    transition: Callable[[CoordinatorState, int, int], None]
 
 
 def _enter(state: CoordinatorState, phase: Phase, now: int) -> None:
@@ -509,25 +503,31 @@ def _enter(state: CoordinatorState, phase: Phase, now: int) -> None:
     state.phase_start = now
 
 
-def _tick_paused(state: CoordinatorState, now: int, entropy: int) -> bool:
-    if state.pause_requested:
-        return False
+def _resume_due(state: CoordinatorState, now: int) -> bool:
+    return not state.pause_requested
+
+
+def _resume(state: CoordinatorState, now: int, entropy: int) -> None:
     _enter(state, Phase.WaitingForMembers, now)
-    return True
 
 
-def _tick_waiting(state: CoordinatorState, now: int, entropy: int) -> bool:
+def _admission_due(state: CoordinatorState, now: int) -> bool:
+    """A pause was asked for, or the queue completes a pipeline (``assign_stages`` admits every joiner, so too
+    short a queue cannot, and is not assigned)."""
+    config = state.config
+    return state.pause_requested or (len(state.pending) >= config.min_clients and pipeline_complete(
+        assign_stages(state.pending, config.num_stages), config))
+
+
+def _admit(state: CoordinatorState, now: int, entropy: int) -> None:
     if state.pause_requested:
         _enter(state, Phase.Paused, now)
-        return True
-    admitted = assign_stages(state.pending, state.config.num_stages)
-    if not pipeline_complete(admitted, state.config):
-        return False
+        return
     seed = next_seed(state.round.seed, entropy, state.round.reveals)  # the epoch's last round's reveals
-    state.clients, state.pending, state.left_out = admitted, [], no_votes()
+    state.clients = assign_stages(state.pending, state.config.num_stages)
+    state.pending, state.left_out = [], no_votes()
     state.round = Round(0, seed, state.step * state.config.global_batch_size)
     _enter(state, Phase.Warmup, now)
-    return True
 
 
 def _return_to_waiting(state: CoordinatorState, now: int) -> None:
@@ -537,21 +537,23 @@ def _return_to_waiting(state: CoordinatorState, now: int) -> None:
     _enter(state, Phase.WaitingForMembers, now)
 
 
-def _tick_warmup(state: CoordinatorState, now: int, entropy: int) -> bool:
-    changed = False
+def _warmup_due(state: CoordinatorState, now: int) -> bool:
+    return (any(c.health != Health.Healthy for c in state.clients) or quorum_reached(state)
+            or now >= state.phase_start + state.config.warmup_time)
+
+
+def _warm_up(state: CoordinatorState, now: int, entropy: int) -> None:
+    """The unhealthy leave (indices shift, so the warmup's election changed: proofs start over); the first round
+    starts on a quorum of proofs or at the warmup's end, and the run waits again if no pipeline is left."""
     if any(c.health != Health.Healthy for c in state.clients):
         state.clients = [c for c in state.clients if c.health == Health.Healthy]
-        # Indices shifted, so the warmup's election changed: proofs start over.
         state.round.witnessed = 0
         state.round.parts = no_parts()
-        changed = True
         if not pipeline_complete(state.clients, state.config):
             _return_to_waiting(state, now)
-            return True
+            return
     if quorum_reached(state) or now >= state.phase_start + state.config.warmup_time:
         _start_round(state, now, entropy, 0)
-        return True
-    return changed
 
 
 def _start_round(state: CoordinatorState, now: int, entropy: int, height: int) -> None:
@@ -560,17 +562,18 @@ def _start_round(state: CoordinatorState, now: int, entropy: int, height: int) -
     _enter(state, Phase.RoundTrain, now)
 
 
-def _tick_train(state: CoordinatorState, now: int, entropy: int) -> bool:
+def _training_over(state: CoordinatorState, now: int) -> bool:
     """The round's training ends on a quorum of proofs, at its time limit, or as soon as its healthy clients no
     longer form a pipeline (a stage's last worker or the last trainer left): nothing more can be trained, so nobody
     waits. Fewer healthy clients than ``min_clients`` alone does not end it: the rest still train the round (a
     health-checked liar among them must not cost the honest their round), and the epoch ends when it does."""
     healthy = [c for c in state.clients if c.health == Health.Healthy]
-    if (quorum_reached(state) or now >= state.phase_start + state.config.max_round_train_time
-            or not pipeline_formed(healthy, state.config.num_stages)):
-        _enter(state, Phase.RoundWitness, now)
-        return True
-    return False
+    return (quorum_reached(state) or now >= state.phase_start + state.config.max_round_train_time
+            or not pipeline_formed(healthy, state.config.num_stages))
+
+
+def _end_training(state: CoordinatorState, now: int, entropy: int) -> None:
+    _enter(state, Phase.RoundWitness, now)
 
 
 def unproven(round_: Round) -> bool:
@@ -592,12 +595,16 @@ def _close_round_votes(state: CoordinatorState) -> None:
     state.presence_votes, state.compute_votes = no_votes(), no_votes()
 
 
-def _tick_witness(state: CoordinatorState, now: int, entropy: int) -> bool:
-    if now < state.phase_start + state.config.round_witness_time:
-        return False
+def _witnessing_over(state: CoordinatorState, now: int) -> bool:
+    return now >= state.phase_start + state.config.round_witness_time
+
+
+def _end_round(state: CoordinatorState, now: int, entropy: int) -> None:
+    """Credit the next chunk of the round's clients; once every one is credited, the round ends: the step counts,
+    the unhealthy and the withholders leave, and the next round starts unless the epoch is over."""
     credit_chunk(state)
     if state.round.credited < len(state.clients):
-        return True
+        return
     reached_quorum = quorum_reached(state)  # judged with the round's clients, before the unhealthy leave
     state.step += 1
     _withholders_leave(state)
@@ -610,7 +617,6 @@ def _tick_witness(state: CoordinatorState, now: int, entropy: int) -> bool:
         _enter(state, Phase.Cooldown, now)
     else:
         _start_round(state, now, entropy, state.round.height + 1)
-    return True
 
 
 def _peers_hold_every_stage(state: CoordinatorState) -> None:
@@ -621,26 +627,27 @@ def _peers_hold_every_stage(state: CoordinatorState) -> None:
                                   for cp in state.checkpoints[:stages]]
 
 
-def _tick_cooldown(state: CoordinatorState, now: int, entropy: int) -> bool:
-    saved = all(cp.saved for cp in state.checkpoints[:state.config.num_stages])
-    if not saved and now < state.phase_start + state.config.cooldown_time:
-        return False
+def _cooldown_over(state: CoordinatorState, now: int) -> bool:
+    return (all(cp.saved for cp in state.checkpoints[:state.config.num_stages])
+            or now >= state.phase_start + state.config.cooldown_time)
+
+
+def _end_epoch(state: CoordinatorState, now: int, entropy: int) -> None:
     state.epoch += 1
     staying = [c for c in state.clients if c.health == Health.Healthy]
     state.clients, state.left_out = [], no_votes()
     if state.step >= state.config.total_steps:
         _enter(state, Phase.Finished, now)
-        return True
+        return
     state.pending = [Pending(c.id, c.role, c.stage, c.slot) for c in staying] + state.pending
     _enter(state, Phase.Paused if state.pause_requested else Phase.WaitingForMembers, now)
-    return True
 
 
 _TICKS = {
-    Phase.Paused: _tick_paused,
-    Phase.WaitingForMembers: _tick_waiting,
-    Phase.Warmup: _tick_warmup,
-    Phase.RoundTrain: _tick_train,
-    Phase.RoundWitness: _tick_witness,
-    Phase.Cooldown: _tick_cooldown,
+    Phase.Paused: PhaseTick(_resume_due, _resume),
+    Phase.WaitingForMembers: PhaseTick(_admission_due, _admit),
+    Phase.Warmup: PhaseTick(_warmup_due, _warm_up),
+    Phase.RoundTrain: PhaseTick(_training_over, _end_training),
+    Phase.RoundWitness: PhaseTick(_witnessing_over, _end_round),
+    Phase.Cooldown: PhaseTick(_cooldown_over, _end_epoch),
 }

@@ -34,7 +34,7 @@ static bool clients_complete(uint8_t *s) {
   return psy_pipeline_complete(s, &census);
 }
 
-/* The healthy clients still form a pipeline (rules._tick_train). */
+/* The healthy clients still form a pipeline (rules._training_over). */
 static bool clients_formed(uint8_t *s) {
   psy_census_t census;
   psy_census(s, &PSY_CLIENTS, &census);
