@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from client.identity import load_keypair
 from coordinator_program.spec.state import Phase
-from tests.integration.test_hostile_swarm import HOSTILE, caught
+from tests.integration.test_hostile_swarm import assert_none_removed, caught, start_run
 from tests.integration.test_swarm import CommittedLosses, fail_with_logs, watch
 
 ROUNDS = 4
@@ -56,22 +55,15 @@ def test_a_lying_worker_is_caught_accused_and_removed(tmp_path: Path) -> None:
     from client.swarm.launcher import Swarm
 
     swarm = Swarm(tmp_path, CONFIG)
-    swarm.start_server()
-    swarm.start_dht()
     clients = {f"{stage}{i}": ("worker", stage) for stage in ("head", "body1", "tail") for i in range(3)}
-    keys = {name: swarm.start_client(name, role, stage,
-                                     command=HOSTILE + ("liar",) if name == "body10" else ("-m", "client.cli"))
-            for name, (role, stage) in clients.items()}
-    keys["trainer"] = swarm.start_client("trainer", "trainer", extra=("--check-rate", "1"))
-    ids = {name: bytes(load_keypair(key).pubkey()) for name, key in keys.items()}
+    clients["trainer"] = ("trainer", None)
+    ids = start_run(swarm, clients, {"body10": "liar"}, {"trainer": ("--check-rate", "1")})
     honest = {name: id_ for name, id_ in ids.items() if name != "body10"}
     committed = CommittedLosses(swarm)
     try:
         history = asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, 600, committed))
         rounds = [s for s in history if s.phase in (Phase.RoundTrain, Phase.RoundWitness)]
-        for state in rounds:
-            missing = [name for name, id_ in honest.items() if state.client_index(id_) is None]
-            assert not missing, f"honest clients removed in round {state.epoch}.{state.round.height}: {missing}"
+        assert_none_removed(rounds, honest)
         assert any(caught(s, ids["body10"]) for s in rounds), "the lying worker was never removed"
         assert "accused 1 worker(s) of wrong answers" in swarm.log_text("trainer")
         losses = committed.curve(ids["trainer"])
