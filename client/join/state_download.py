@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +39,7 @@ from client.join.checkpoints import (
     read_weights,
     stage_files,
 )
+from client.pipeline.digests import state_digest
 
 if TYPE_CHECKING:
     from client.averaging.sparta import SpartaAverager
@@ -218,11 +219,17 @@ def worker_state_provider(worker: StageWorker, current_step: Callable[[], int]) 
 
 
 def download_from_peers(averager: SpartaAverager, module: nn.Module, identity: dict[str, str], *,
-                        timeout: float = 300.0, chunk_timeout: float = 30.0, progress: bool = True) -> StageState:
-    """Download the state of a same-stage peer that serves one matching ``identity`` and ``module``'s layout."""
+                        timeout: float = 300.0, chunk_timeout: float = 30.0, progress: bool = True,
+                        vouched: Mapping[int, str] | None = None) -> StageState:
+    """Download the state of a same-stage peer that serves one matching ``identity`` and ``module``'s layout.
+
+    ``vouched`` (swarm step → the digest its stage's majority published for it, ``client.witness.digests``): when
+    given and not empty, only a state hashing to one of them is accepted (donors serving another are refused and
+    the next tried), and the state's step is the step of the digest it hashes to, never the donor's claim."""
     from tqdm.auto import tqdm
 
-    expect = StateExpectation.of(identity, module.state_dict())
+    vouched = dict(vouched or {})
+    expect = StateExpectation.of(identity, module.state_dict(), vouched.values())
     future = averager.fetch_state(expect, timeout=timeout, chunk_timeout=chunk_timeout)
     deadline = time.monotonic() + timeout + _HOST_GRACE
     with tqdm(total=expect.nbytes, unit="B", unit_scale=True, desc=f"{identity['stage']} state from peers",
@@ -243,8 +250,13 @@ def download_from_peers(averager: SpartaAverager, module: nn.Module, identity: d
         raise StateDownloadError("no same-stage peer served a usable state: " + "; ".join(refusals))
     # The donor's step is its own claim, and a donor claiming a later one than it holds would spare its poison
     # the sync phases (and have the joiner advertise that step in turn): a state from peers counts as stale,
-    # and the joiner's sync phases replace it partition by partition with the stage's robust average.
-    return StageState(tensors=dict(zip(expect.names, tensors, strict=True)), step=None, source="peers")
+    # and the joiner's sync phases replace it partition by partition with the stage's robust average, unless
+    # it hashes to a digest the stage's majority vouched for, which proves its step.
+    state = dict(zip(expect.names, tensors, strict=True))
+    got = state_digest(state) if vouched else None
+    proven = [step for step, digest in vouched.items() if digest == got]
+    return StageState(tensors=state, step=max(proven, default=None),
+                      source="peers (its digest vouched for)" if proven else "peers")
 
 
 # ----- loading -----------------------------------------------------------------------------------------
