@@ -10,13 +10,15 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from solders.keypair import Keypair
 
 from client.contributor.agreement import Agreement, Outcome
 from client.join.stage_replica import StageReplica
 from client.join.state_download import StateDownloadError, download_from_peers, stage_identity
 from client.witness.digests import StageDigests, majority
-from client.witness.records import Board, StateDigest
+from client.witness.records import Board, RecordError, StateDigest
 from coordinator_program.spec.derived import run_instance
 from coordinator_program.spec.state import CoordinatorState
 from tests.averaging.test_gradients_replica import (  # noqa: F401 (make_replica: a fixture)
@@ -87,6 +89,21 @@ def test_a_digest_record_is_bound_to_its_signer_and_fields() -> None:
     assert not forged.verifies()
     with pytest.raises(ValueError, match="sha256"):
         StateDigest.from_value({**record.to_value(), "digest": "not hex"})
+
+
+FIELD_VALUES = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=80),
+                         st.lists(st.integers(), max_size=3), st.just("ab" * 32), st.just("cd" * 64))
+
+
+@settings(deadline=None)  # a loaded machine's pauses are not the parser's
+@given(st.dictionaries(st.sampled_from(["author", "signature", "run_id", "epoch", "instance", "step", "stage",
+                                        "digest", "extra"]), FIELD_VALUES))
+def test_any_value_read_as_a_digest_record_parses_or_is_refused_with_the_reason(value: dict) -> None:
+    try:
+        record = StateDigest.from_value(value)
+    except RecordError:
+        return
+    assert isinstance(record.step, int) and 0 <= record.stage < 256 and len(record.digest) == 64
 
 
 def test_honest_replicas_stepping_together_publish_equal_digests_and_nobody_resyncs(make_replica,  # noqa: F811
