@@ -30,6 +30,7 @@ from tests.averaging.test_gradients_replica import (  # noqa: F401 (make_replica
     serving,
     step_together,
 )
+from tests.join.test_state_download import wait_until_listed
 
 STAGE = 1  # the replicas serve body1 of the small run's three stages
 
@@ -184,6 +185,7 @@ def test_a_joiner_refuses_a_hostile_donor_s_state_and_loads_the_one_the_majority
     identity = stage_identity(joiner.worker.run_id, joiner.stage, joiner.worker.config.fingerprint())
     module = joiner.worker.compute.module
 
+    wait_until_listed(joiner, 2)  # both donors seen: the hostile one, at the highest priority, is tried first
     believed = download_from_peers(joiner.averager, module, identity, timeout=60, progress=False)
     assert torch.equal(next(iter(believed.tensors.values())), torch.full_like(next(iter(believed.tensors.values())),
                                                                               -3.0))  # the attack, unchecked
