@@ -75,6 +75,8 @@ class Agreement:
             replica.agree(True)
             return Outcome.UNKNOWN
         if found == Verdict.AGREES:
+            if not self.agreed:
+                log.info("stage %s: its state agrees with its stage's majority at step %d", replica.stage, step)
             replica.agree(True)
             self.agreed, self.resynced = True, False
             return Outcome.AGREED

@@ -5,7 +5,6 @@ that loads only a state the majority vouched for, against real StageReplicas, av
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 import pytest
@@ -21,6 +20,7 @@ from client.witness.digests import StageDigests, majority
 from client.witness.records import Board, RecordError, StateDigest
 from coordinator_program.spec.derived import run_instance
 from coordinator_program.spec.state import CoordinatorState
+from tests.averagers import at_once
 from tests.averaging.test_gradients_replica import (  # noqa: F401 (make_replica: a fixture)
     accumulate,
     make_replica,
@@ -48,18 +48,7 @@ def agreements(state: CoordinatorState, replicas: list[StageReplica], *, enforce
 
 def check_together(checks: list[Agreement], epoch: int, step: int) -> list[Outcome]:
     """Every replica publishes and checks at once, as workers do when they leave a round."""
-    outcomes: list[Outcome | None] = [None] * len(checks)
-
-    def run(i: int) -> None:
-        outcomes[i] = checks[i].check(epoch, step)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(checks))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=180)
-    assert all(o is not None for o in outcomes), "a check did not return"
-    return outcomes  # type: ignore[return-value]
+    return at_once([lambda c=c: c.check(epoch, step) for c in checks], timeout=180, what="a check")
 
 
 def same(a: StageReplica, b: StageReplica) -> bool:
