@@ -5,18 +5,15 @@ parameters on CPU, so each step's digests (``client.witness.digests``) must agre
 machine cut short left its shard local, or when the worker lies. What follows a departure:
 
 - it stops serving its state to joiners at once (``StageReplica.agree``), and serves again once it agrees;
-- if it agreed before (it was in step with its stage and fell out), it resynchronises: it downloads a state the
-  stage's majority vouched for, from a donor that serves one (the join path's state download, which refuses any
-  other), and goes on from it; a liar's parameters are bit-identical to the stage's again;
-- if it departs again before agreeing once more, it withdraws from the run: a download carries parameters only, and
-  a worker whose optimizer moments differ too (a cut-short round changed its gradient, which its Adam moments
-  keep) departs again at each step, so resynchronising again would not help; the same if no donor serves a
-  vouched state. Withdrawing is clean: it leaves through the coordinator and may join again, afresh.
-
-A worker that never agreed (a joiner whose moments started afresh from a peer's parameters: its updates differ
-from its stage's from its first step) only loses its place as a donor: withdrawing every honest joiner of a run
-that averages gradients would empty its stages. Its influence on the stage stays what robust gradient averaging
-bounds.
+- it resynchronises: it downloads a state the stage's majority vouched for, from a donor that serves one (the join
+  path's state download, which refuses any other), parameters and optimizer moments both (``replica_tensors``:
+  a cut-short round leaves the worker's own gradient in its Adam moments too, and parameters alone would depart
+  again at the next step), and goes on from it, bit-identical to the stage and taking the stage's steps;
+- if it departs again before agreeing once more, it withdraws from the run: after a resynchronisation an honest
+  replica agrees unless another round is cut short for it at once, a liar does not. It withdraws too if no donor
+  serves a vouched state, having agreed before; a joiner that never agreed then only stops donating, since
+  withdrawing every honest joiner of a stage without a vouched donor would empty it. Withdrawing is clean: it
+  leaves through the coordinator and may join again, afresh.
 
 Where replicas are not identical (``grad_averaging = off``: SPARTA alone) digests are still published, and a stage
 rarely has a majority; nothing is enforced (no resync, no withdrawal) and a departure only stops donating, so an
@@ -44,7 +41,7 @@ class Outcome(enum.Enum):
     SKIPPED = "skipped"  # a syncing worker: it neither publishes nor is checked
     UNKNOWN = "unknown"  # the stage has no majority for the step
     AGREED = "agreed"
-    DEPARTED = "departed"  # not enforced (replicas not identical, or it never agreed): it only stops donating
+    DEPARTED = "departed"  # not enforced, or a joiner with no vouched donor: it only stops donating
     RESYNCED = "resynced"
     WITHDRAW = "withdraw"  # the caller withdraws the worker from the run
 
@@ -82,7 +79,7 @@ class Agreement:
             return Outcome.AGREED
         assert stage_digest is not None
         replica.agree(False)
-        if not (self.enforced and self.agreed):
+        if not self.enforced:
             log.info("stage %s: its state departs from the stage's at step %d; it serves no joiner", replica.stage,
                      step)
             return Outcome.DEPARTED
@@ -96,7 +93,7 @@ class Agreement:
         except StateDownloadError as exc:
             log.error("stage %s: its state departs from the stage's at step %d and it cannot resynchronise: %s",
                       replica.stage, step, exc)
-            return Outcome.WITHDRAW
+            return Outcome.WITHDRAW if self.agreed else Outcome.DEPARTED
         log.warning("stage %s: its state departed from the stage's at step %d; resynchronised to step %d",
                     replica.stage, step, loaded)
         self.resynced = True

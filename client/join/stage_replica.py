@@ -52,6 +52,7 @@ from client.join.state_download import (
     download_from_peers,
     load_local,
     load_stage_state,
+    replica_tensors,
     saved_step,
     stage_identity,
     worker_state_provider,
@@ -265,7 +266,7 @@ class StageReplica:
         """The digest of this worker's stage state as it stands (``client.pipeline.digests``), taken between tasks."""
         compute = self.worker.compute
         with compute.lock:
-            return state_digest(compute.module.state_dict())
+            return state_digest(replica_tensors(compute.module, compute.optimizer.optimizer))
 
     def agree(self, agrees: bool) -> None:
         """Record whether this worker's last digest agreed with its stage's majority: one that departs stops
@@ -274,14 +275,14 @@ class StageReplica:
         self._apply_phase()
 
     def resync(self, vouched: Mapping[int, str], timeout: float = PEER_DOWNLOAD_TIMEOUT) -> int:
-        """Replace this worker's parameters by a state its stage's majority vouched for (``vouched``: step →
-        digest), downloaded from a donor that serves one; returns that state's step. Its optimizer's moments are
-        its own: a download carries parameters only. ``StateDownloadError`` if no donor serves such a state."""
+        """Replace this worker's state (parameters and optimizer moments: ``replica_tensors``) by one its stage's
+        majority vouched for (``vouched``: step → digest), downloaded from a donor that serves one; returns that
+        state's step. ``StateDownloadError`` if no donor serves such a state."""
         found = self._download(vouched, timeout)
         if found.step is None:
             raise StateDownloadError("no donor served a state its stage's majority vouched for")
         compute = self.worker.compute
-        load_stage_state(compute.module, found, compute.lock)
+        load_stage_state(compute.module, found, compute.lock, compute.optimizer.optimizer)
         self.local_step = found.step
         return found.step
 

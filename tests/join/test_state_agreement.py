@@ -225,3 +225,34 @@ def test_where_replicas_are_not_identical_a_departure_only_stops_donating(make_r
     pair = agreements(state, replicas[1:], enforced=False)
     assert check_together(pair, 0, 1) == [Outcome.UNKNOWN] * 2
     assert replicas[2].averager.sharing
+
+
+def test_a_replica_whose_moments_departed_is_resynchronised_with_them_and_steps_with_the_stage_again(
+        make_replica, run_id: str) -> None:  # noqa: F811
+    """A round cut short for one replica leaves its own gradient in its Adam moments as well as in its parameters:
+    the digest covers the moments (``replica_tensors``), so the replica departs, and its resynchronisation brings
+    them from the donor with the parameters, after which it takes the very steps the stage takes."""
+    state = run_state(run_id, grad_averaging="full")
+    replicas = serving([make_replica(state) for _ in range(3)])
+    rounds = [recording(r) for r in replicas]
+    checks = agreements(state, replicas)
+    steps = 0
+
+    def step() -> bool:
+        nonlocal steps
+        for i, replica in enumerate(replicas):
+            accumulate(replica, seed=10 * steps + i, samples=2 + i)
+        step_together(replicas, steps)
+        steps += 1
+        return all(r[-1].complete for r in rounds)
+
+    assert step(), f"the first round did not complete: {rounds}"  # the moments exist and are the stage's
+    assert check_together(checks, 0, 1) == [Outcome.AGREED] * 3
+    odd = replicas[2].worker.compute
+    with torch.no_grad():  # what its own gradient left in its first moment, its parameters untouched
+        odd.optimizer.optimizer.state[next(odd.module.parameters())]["exp_avg"].view(-1)[0] += 1e-3
+    assert same(replicas[2], replicas[0])
+    assert check_together(checks, 0, 1)[2] == Outcome.RESYNCED
+    if step():
+        assert check_together(checks, 0, 2) == [Outcome.AGREED] * 3
+        assert same(replicas[2], replicas[0])
