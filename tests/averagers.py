@@ -6,7 +6,8 @@ Timeouts are short (1 s matchmaking) so that a round takes about a second.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from client.averaging.gradients import GradAveraging, GradientSettings
 from client.averaging.sparta import AveragingResult, SpartaAverager, SpartaSettings
@@ -14,20 +15,27 @@ from client.averaging.sparta import AveragingResult, SpartaAverager, SpartaSetti
 FAST = SpartaSettings(min_matchmaking_time=1.0, request_timeout=0.5, matchmaking_timeout=4.0,
                       allreduce_timeout=8.0, chunk_timeout=1.5)
 GRADIENTS = GradientSettings(GradAveraging.FULL, timeouts=FAST)
+T = TypeVar("T")
+
+
+def at_once(calls: Sequence[Callable[[], T]], *, timeout: float, what: str) -> list[T]:
+    """Run every call in its own thread at the same time (as a stage's peers act); their results in order."""
+    results: list[T | None] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)
+    assert all(r is not None for r in results), f"{what} did not return"
+    return results  # type: ignore[return-value]
 
 
 def average_together(averagers: Sequence[SpartaAverager], index: int, weights: Sequence[float],
                      peers: int | None = None) -> list[AveragingResult]:
     """Run one averaging round on every averager at once (as the peers of a stage would)."""
-    results: list[AveragingResult | None] = [None] * len(averagers)
-
-    def run(i: int) -> None:
-        results[i] = averagers[i].average(index, weights[i], peers=peers)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(averagers))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert all(r is not None for r in results), "an averaging round did not return"
-    return results  # type: ignore[return-value]
+    return at_once([lambda a=a, w=w: a.average(index, w, peers=peers) for a, w in zip(averagers, weights, strict=True)],
+                   timeout=60, what="an averaging round")

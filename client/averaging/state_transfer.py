@@ -12,7 +12,8 @@ The joiner side counts the bytes received (the host reads them for a progress ba
 donor must be on the stage's roster and seal its declaration for its peer id (a member's record naming some
 other peer gets that peer refused at its metadata), and is untrusted even so: tensors of the wrong number,
 shape or dtype, non-finite values, or metadata of another run, stage or model are refused and the next donor
-is tried.
+is tried. Where the stage's majority has vouched for digests of its state (``client.witness.digests``), a state
+that hashes to none of them is refused as well, whatever step or priority its donor claims.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from solders.keypair import Keypair
 
 from client.averaging.membership import STATE_SHARING, Membership, Roster, check, seal
+from client.pipeline.digests import state_digest
 from client.sealed import store_sealed, within_lifetime
 
 logger = get_logger(__name__)
@@ -68,6 +70,7 @@ class StateExpectation:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
+    digests: frozenset[str] = frozenset()  # when given, the state must hash to one (``client.pipeline.digests``)
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -78,14 +81,22 @@ class StateExpectation:
         object.__setattr__(self, "nbytes", sum(sizes))
 
     @classmethod
-    def of(cls, identity: dict[str, Any], tensors: dict[str, torch.Tensor]) -> StateExpectation:
-        """The expectation matching a local module's ``state_dict()``."""
+    def of(cls, identity: dict[str, Any], tensors: dict[str, torch.Tensor],
+           digests: Collection[str] = ()) -> StateExpectation:
+        """The expectation matching a local module's ``state_dict()`` (and, if any are given, one of ``digests``)."""
         return cls(
             identity=dict(identity),
             names=tuple(tensors),
             shapes=tuple(tuple(t.shape) for t in tensors.values()),
             dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in tensors.values()),
+            digests=frozenset(digests),
         )
+
+    def check_digest(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse (ValueError) a complete state that hashes to none of ``digests``, when there are any: whatever
+        the donor says of its step, only a state its stage's majority vouched for is loaded."""
+        if self.digests and state_digest(dict(zip(self.names, tensors, strict=True))) not in self.digests:
+            raise ValueError("its state hashes to no digest its stage's majority published")
 
     def check_metadata(self, metadata: object) -> None:
         if not isinstance(metadata, dict):
@@ -260,6 +271,7 @@ class StateTransfer:
             raise ValueError("it does not share its state")
         if remaining or len(tensors) != len(expect.names):
             raise _BrokenOff(f"its state stopped after {len(tensors)} of {len(expect.names)} tensors")
+        expect.check_digest(tensors)
         return metadata, tensors
 
 

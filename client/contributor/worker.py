@@ -11,7 +11,9 @@
 - Leaving RoundTrain: stop signing receipts for the round, report the last ones, apply the round's accumulated
   gradients (one optimizer step per round); every ``sparta_every`` steps average a SPARTA partition with the
   stage's other workers; every ``snapshot_every`` steps, if active, snapshot the stage for whoever takes it should
-  it empty. Every step moves the sync phases on.
+  it empty. Every step moves the sync phases on. After each step an active worker publishes its signed digest of
+  its stage and compares it with the stage's majority (``agreement``: one that departs stops donating, and where
+  replicas must be identical resynchronises or withdraws).
 - Cooldown: save the stage to the checkpoint directory (or the Hub) and report it to the coordinator.
 """
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 from client.backends.base import BackendError
 from client.contributor.accusing import Accuser
+from client.contributor.agreement import Agreement, Outcome
 from client.contributor.context import ClientContext
 from client.contributor.errors import ContributorRemoved
 from client.contributor.rounds import RoundKey
@@ -37,9 +40,10 @@ from client.pipeline.datacheck import TOKEN_FIELD, DataCheck
 from client.pipeline.worker import StageWorker
 from client.receipts import ReceiptRound
 from client.stages import checkpoint_location, stage_name
+from client.witness.digests import StageDigests
 from client.witness.records import Report
 from coordinator_program.spec import derived, limits
-from coordinator_program.spec.config import CheckpointKind
+from coordinator_program.spec.config import CheckpointKind, GradAveraging
 from coordinator_program.spec.errors import CheckpointTaken, CoordinatorError
 from coordinator_program.spec.state import CoordinatorState, Phase, Role
 
@@ -94,6 +98,7 @@ class WorkerRole:
         self.snapshotted: int | None = None  # the step of this worker's newest snapshot
         self.stepping = False  # an optimizer step is under way on a thread
         self.accuser = Accuser(context)  # a head or tail worker's evidence against trainers that sent other data
+        self.agreement: Agreement | None = None  # its stage's digests against its own, once it holds a stage
 
     @property
     def worker(self) -> StageWorker | None:
@@ -174,6 +179,7 @@ class WorkerRole:
                                           roster=lambda: stage_roster(self.context.state, stage),
                                           say=lambda line: print(line, flush=True))
         replica.worker.port = options.port  # not serving yet: it binds the port when it starts
+        self.agreement = self._agreement(state, stage, replica)
         replica.worker.receipt_round = self._receipt_round
         self.stepped = self.snapshotted = None
         auth = options.auth
@@ -192,6 +198,23 @@ class WorkerRole:
                  "active" if not phase else f"sync phase {int(phase)}")
         if auth is not None and not phase:
             auth.report_synced()
+
+    def _agreement(self, state: CoordinatorState, stage: int, replica: StageReplica) -> Agreement | None:
+        """This worker's check of its digests against its stage's, and the digests a download of the stage must
+        hash to (the stage's majority's for the steps around the swarm's); None without a board."""
+        board = self.context.board
+        if board is None:
+            return None
+        digests = StageDigests(board, stage,
+                               lambda: {key.hex() for key in stage_roster(self.context.state, stage).members})
+
+        def vouched() -> dict[int, str]:
+            now = self.context.state
+            return digests.vouched(now.epoch, range(max(now.step - 1, 0), now.step + 2))
+
+        replica.vouched = vouched
+        return Agreement(replica, digests, self.context.keypair, wait=float(max(state.config.round_witness_time, 1)),
+                         enforced=state.model.grad_averaging != GradAveraging.Off)
 
     def _receipt_round(self) -> ReceiptRound | None:
         """The round the worker signs receipts for: the open one (None between rounds: Backwards are refused)."""
@@ -262,7 +285,24 @@ class WorkerRole:
         if self._snapshot_due(replica, step + 1):
             self.snapshotted = step + 1
             self.context.tasks.spawn(self._save_snapshot(replica, step + 1))
-        self.context.tasks.spawn(self._average(replica, step + 1))
+        self.context.tasks.spawn(self._average_and_check(replica, closing.round.epoch, step + 1))
+
+    async def _average_and_check(self, replica: StageReplica, epoch: int, completed_step: int) -> None:
+        """The SPARTA round due after ``completed_step``, then the check of the state it leaves against the stage's
+        majority (every replica digests the same state: after the step and its averaging round, if any)."""
+        await self._average(replica, completed_step)
+        if self.agreement is not None and self.agreement.replica is replica:
+            await self._check_state(self.agreement, epoch, completed_step)
+
+    async def _check_state(self, agreement: Agreement, epoch: int, step: int) -> None:
+        """Compare this worker's state after ``step`` steps with its stage's majority (``agreement``); a worker that
+        cannot stay in agreement withdraws (``ContributorRemoved`` ends the client)."""
+        if await asyncio.to_thread(agreement.check, epoch, step) != Outcome.WITHDRAW:
+            return
+        with contextlib.suppress(CoordinatorError, BackendError):
+            await self.context.backend.withdraw()
+        raise ContributorRemoved(f"stage {agreement.replica.stage}: its state departed from its stage's majority "
+                                 f"at step {step} and could not be brought back; withdrew from the run")
 
     def _snapshot_due(self, replica: StageReplica, step: int) -> bool:
         """Every ``snapshot_every`` steps, by active workers only: a syncing worker's state is not the stage's."""

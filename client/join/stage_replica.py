@@ -16,8 +16,10 @@ join flow (seeds/contributor-join-flow.txt) and of fault tolerance (seeds/fault-
   (0 while syncing: it receives the average and adds nothing), at most ``sparta_every`` global batches: the
   most any groupmate may claim (``sparta_max_weight``).
 
-Only an active worker serves its state to joiners; its sharing priority is the step its state belongs to,
-so joiners try the freshest donor first.
+Only an active worker serves its state to joiners, and only while its last digest agreed with its stage's majority
+(``agrees``, ``client.witness.digests``); its sharing priority is the step its state belongs to, so joiners try the
+freshest donor first. Where the stage's majority vouched for digests of recent steps (``vouched``), a joiner loads
+only a state that hashes to one of them, at that digest's step, and so does a replica that ``resync``s.
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ from client.join.state_download import (
     download_from_peers,
     load_local,
     load_stage_state,
+    replica_tensors,
     saved_step,
     stage_identity,
     worker_state_provider,
 )
 from client.join.sync import SyncPhase, SyncPolicy, SyncTracker
 from client.pipeline.datacheck import DataCheck
+from client.pipeline.digests import state_digest
 from client.pipeline.discovery import WorkerDirectory
 from client.pipeline.model import ModelSpec
 from client.pipeline.optim import OptimizerConfig
@@ -131,6 +135,8 @@ class StageReplica:
                 self.peers)
         self.local_step: int | None = None  # the swarm step this worker's parameters belong to
         self.samples_since_average = 0
+        self.agrees = True  # whether its last digest agreed with the stage's majority (or there was none)
+        self.vouched: Callable[[], Mapping[int, str]] | None = None  # recent steps' majority digests, if known
 
     @classmethod
     def create(cls, state: CoordinatorState, stage: str, config: ModelSpec, *, dht, keypair: Keypair, host: str,
@@ -247,9 +253,38 @@ class StageReplica:
 
     def _from_peers(self, state: CoordinatorState, swarm_step: Callable[[], int | None]) -> StageState:
         JoinWindow(self.every).wait(swarm_step)
+        return self._download(self.vouched() if self.vouched is not None else {})
+
+    def _download(self, vouched: Mapping[int, str], timeout: float = PEER_DOWNLOAD_TIMEOUT) -> StageState:
         identity = stage_identity(self.worker.run_id, self.stage, self.worker.config.fingerprint())
-        return download_from_peers(self.averager, self.worker.compute.module, identity,
-                                   timeout=PEER_DOWNLOAD_TIMEOUT)
+        return download_from_peers(self.averager, self.worker.compute.module, identity, timeout=timeout,
+                                   vouched=vouched)
+
+    # ----- agreeing with the stage -----
+
+    def digest(self) -> str:
+        """The digest of this worker's stage state as it stands (``client.pipeline.digests``), taken between tasks."""
+        compute = self.worker.compute
+        with compute.lock:
+            return state_digest(replica_tensors(compute.module, compute.optimizer.optimizer))
+
+    def agree(self, agrees: bool) -> None:
+        """Record whether this worker's last digest agreed with its stage's majority: one that departs stops
+        serving its state to joiners at once, and serves again once it agrees."""
+        self.agrees = agrees
+        self._apply_phase()
+
+    def resync(self, vouched: Mapping[int, str], timeout: float = PEER_DOWNLOAD_TIMEOUT) -> int:
+        """Replace this worker's state (parameters and optimizer moments: ``replica_tensors``) by one its stage's
+        majority vouched for (``vouched``: step → digest), downloaded from a donor that serves one; returns that
+        state's step. ``StateDownloadError`` if no donor serves such a state."""
+        found = self._download(vouched, timeout)
+        if found.step is None:
+            raise StateDownloadError("no donor served a state its stage's majority vouched for")
+        compute = self.worker.compute
+        load_stage_state(compute.module, found, compute.lock, compute.optimizer.optimizer)
+        self.local_step = found.step
+        return found.step
 
     # ----- sync phases -----
 
@@ -282,7 +317,7 @@ class StageReplica:
     def _apply_phase(self) -> None:
         if self.worker.sync_phase != int(self.tracker.phase):
             self.worker.sync_phase = int(self.tracker.phase)  # re-announces the DHT record at once
-        self.averager.sharing = self.tracker.shares_state
+        self.averager.sharing = self.tracker.shares_state and self.agrees
         if self.tracker.shares_state and self.local_step is not None:
             self.averager.set_sharing_priority(self.local_step)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +32,7 @@ from client.averaging.state_transfer import SharedState, StateExpectation
 from client.join.checkpoints import (
     CheckpointError,
     FileLimits,
+    OptimizerState,
     check_optimizer_state,
     check_weights,
     load_optimizer_state,
@@ -39,6 +40,7 @@ from client.join.checkpoints import (
     read_weights,
     stage_files,
 )
+from client.pipeline.digests import state_digest
 
 if TYPE_CHECKING:
     from client.averaging.sparta import SpartaAverager
@@ -204,12 +206,49 @@ def stage_identity(run_id: str, stage: str, model_fingerprint: str) -> dict[str,
     return {"run_id": run_id, "stage": stage, "model": model_fingerprint}
 
 
+MOMENTS = "optimizer/"
+"""The prefix of the optimizer's state among a replica's tensors: ``optimizer/<parameter>/<step|exp_avg|exp_avg_sq>``
+(a module's own names hold dots, never a slash)."""
+
+
+def replica_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
+    """Everything a replica's next steps depend on, as one flat state: ``module``'s ``state_dict`` and, for each
+    trainable parameter, AdamW's step and moments (step 0 and zeros where the optimizer has not stepped it yet,
+    which AdamW treats as a fresh state). Two replicas equal here take equal steps on equal gradients, so this is
+    what a donor serves and what a replica's digest covers: a state resynchronised from it agrees from then on,
+    which parameters alone would not (moments that kept a cut-short round's gradient step differently)."""
+    tensors = {name: tensor.detach() for name, tensor in module.state_dict().items()}
+    state = optimizer.state if optimizer is not None else {}
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            entry = state.get(param, {})
+            tensors[f"{MOMENTS}{name}/step"] = entry.get("step", torch.zeros((), dtype=torch.float32)).detach()
+            for moment in ("exp_avg", "exp_avg_sq"):
+                tensors[f"{MOMENTS}{name}/{moment}"] = entry.get(moment, torch.zeros_like(param)).detach()
+    return tensors
+
+
+def split_replica_tensors(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], OptimizerState]:
+    """``replica_tensors`` back into a ``state_dict`` and the optimizer's per-parameter state."""
+    weights: dict[str, torch.Tensor] = {}
+    moments: OptimizerState = {}
+    for name, tensor in tensors.items():
+        if name.startswith(MOMENTS):
+            param, _, key = name.removeprefix(MOMENTS).rpartition("/")
+            moments.setdefault(param, {})[key] = tensor
+        else:
+            weights[name] = tensor
+    return weights, moments
+
+
 def worker_state_provider(worker: StageWorker, current_step: Callable[[], int]) -> Callable[[], SharedState]:
-    """What an active worker serves to joiners: its module's ``state_dict`` and the swarm step it belongs to."""
+    """What an active worker serves to joiners: its ``replica_tensors`` and the swarm step they belong to."""
 
     def provide() -> SharedState:
-        with worker.compute.lock:  # on the CPU, where hivemind sends from, whatever the worker's device
-            state = {k: v.detach().to("cpu", copy=True) for k, v in worker.compute.module.state_dict().items()}
+        compute = worker.compute
+        with compute.lock:  # on the CPU, where hivemind sends from, whatever the worker's device
+            state = {k: v.to("cpu", copy=True) for k, v in replica_tensors(compute.module,
+                                                                             compute.optimizer.optimizer).items()}
         metadata = {**stage_identity(worker.run_id, worker.stage, worker.config.fingerprint()),
                     "step": int(current_step()), "keys": list(state)}
         return SharedState(metadata=metadata, tensors=list(state.values()))
@@ -218,11 +257,17 @@ def worker_state_provider(worker: StageWorker, current_step: Callable[[], int]) 
 
 
 def download_from_peers(averager: SpartaAverager, module: nn.Module, identity: dict[str, str], *,
-                        timeout: float = 300.0, chunk_timeout: float = 30.0, progress: bool = True) -> StageState:
-    """Download the state of a same-stage peer that serves one matching ``identity`` and ``module``'s layout."""
+                        timeout: float = 300.0, chunk_timeout: float = 30.0, progress: bool = True,
+                        vouched: Mapping[int, str] | None = None) -> StageState:
+    """Download the state of a same-stage peer that serves one matching ``identity`` and ``module``'s layout.
+
+    ``vouched`` (swarm step → the digest its stage's majority published for it, ``client.witness.digests``): when
+    given and not empty, only a state hashing to one of them is accepted (donors serving another are refused and
+    the next tried), and the state's step is the step of the digest it hashes to, never the donor's claim."""
     from tqdm.auto import tqdm
 
-    expect = StateExpectation.of(identity, module.state_dict())
+    vouched = dict(vouched or {})
+    expect = StateExpectation.of(identity, replica_tensors(module), vouched.values())  # the layout: values unread
     future = averager.fetch_state(expect, timeout=timeout, chunk_timeout=chunk_timeout)
     deadline = time.monotonic() + timeout + _HOST_GRACE
     with tqdm(total=expect.nbytes, unit="B", unit_scale=True, desc=f"{identity['stage']} state from peers",
@@ -243,8 +288,17 @@ def download_from_peers(averager: SpartaAverager, module: nn.Module, identity: d
         raise StateDownloadError("no same-stage peer served a usable state: " + "; ".join(refusals))
     # The donor's step is its own claim, and a donor claiming a later one than it holds would spare its poison
     # the sync phases (and have the joiner advertise that step in turn): a state from peers counts as stale,
-    # and the joiner's sync phases replace it partition by partition with the stage's robust average.
-    return StageState(tensors=dict(zip(expect.names, tensors, strict=True)), step=None, source="peers")
+    # and the joiner's sync phases replace it partition by partition with the stage's robust average, unless
+    # it hashes to a digest the stage's majority vouched for, which proves its step.
+    # Its optimizer state too, then: the moments of a state nobody vouched for are not loaded, since a donor's
+    # moments alone could make the joiner's first steps as large as it likes.
+    state = dict(zip(expect.names, tensors, strict=True))
+    got = state_digest(state) if vouched else None
+    proven = [step for step, digest in vouched.items() if digest == got]
+    weights, moments = split_replica_tensors(state)
+    return StageState(tensors=weights, step=max(proven, default=None),
+                      source="peers (its digest vouched for)" if proven else "peers",
+                      optimizer=moments if proven else None)
 
 
 # ----- loading -----------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@
 - ``Accusation``: a trainer's evidence that workers answered its questions unlike their stage's majority
   (``accusations``: the signed answers side by side, which any reader checks); the witnesses leave the accused out.
 - ``Ready``: a client's statement that it has loaded the model for an epoch (warmup witnesses read it).
+- ``StateDigest``: a worker's digest of its stage's state after a swarm step (``client.pipeline.digests``), which
+  its stage's replicas compare and joiners check downloads by (``client.witness.digests``).
 
 Every record names its run and is signed by its author's ed25519 key over its canonical JSON. Anyone can
 publish anything, so a record is admitted (``SignedRecord.admit``) only once every field has the type, length
@@ -233,6 +235,28 @@ class Accusation(SignedRecord):
 @dataclasses.dataclass(frozen=True)
 class Ready(SignedRecord):
     KIND = "ready"
+
+
+@dataclasses.dataclass(frozen=True)
+class StateDigest(SignedRecord):
+    """A worker's digest of its stage's state once the swarm completed ``step`` steps, bound to the run's instance
+    (``derived.run_instance``: a record of an earlier run under the same id proves nothing here) and its stage."""
+
+    KIND = "state-digest"
+    instance: str = ""
+    step: int = 0
+    stage: int = 0
+    digest: str = ""
+
+    def round_height(self) -> int:
+        """A digest is filed, and admitted, under the step it describes where a round record names its round."""
+        return self.step
+
+    def check(self) -> None:
+        super().check()
+        _require(_is_text(self.instance), f"state-digest.instance must be text of 1-{MAX_TEXT} characters")
+        _require(_is_number(self.stage) and self.stage < 256, "state-digest.stage must be a stage number")
+        _require(is_hex(self.digest, 32), "state-digest.digest must be a sha256 hex digest")
 
 
 class Board:

@@ -25,6 +25,7 @@ from client.join.state_download import (
     download_from_hub,
     download_from_peers,
     load_stage_state,
+    replica_tensors,
     stage_identity,
     worker_state_provider,
 )
@@ -156,8 +157,10 @@ def test_state_comes_from_a_sharing_peer_with_a_full_progress_count(make_average
                                 progress=False)
     assert (state.step, state.source) == (None, "peers")  # the donor's step is only its claim (see below)
     assert same(state.tensors, donor.state())
-    expected_bytes = sum(t.numel() * t.element_size() for t in donor.state().values())
-    assert joiner.averager.bytes_received == expected_bytes
+    compute = donor.worker.compute  # the donor's parameters and its optimizer's moments (``replica_tensors``)
+    served = replica_tensors(compute.module, compute.optimizer.optimizer)
+    assert len(served) > len(donor.state())
+    assert joiner.averager.bytes_received == sum(t.numel() * t.element_size() for t in served.values())
     load_stage_state(joiner.worker.compute.module, state, joiner.worker.compute.lock)
     assert same(joiner.state(), donor.state())
 
