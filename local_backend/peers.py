@@ -47,6 +47,8 @@ FALLEN_BEHIND = 64 << 10
 (a quarter of it) it gets the whole state and follows by patches again."""
 MAX_UNSENT = 256 << 10
 """Bytes of the server's messages that may wait for a slow connection: a whole state and many replies."""
+TOO_SLOW = "too slow to follow the run's state"
+"""Why a connection that let ``MAX_UNSENT`` bytes pile up was cut off."""
 RESERVED_FILES = 32
 """Descriptors kept out of the connection caps: the listener, the database and its journal, the event loop,
 the standard streams, a module imported late, and the connection accepted before another gives way."""
@@ -201,7 +203,7 @@ class Peer(asyncio.Protocol):
             return
         self._transport.write(data)
         if self._transport.get_write_buffer_size() > MAX_UNSENT:
-            self.close("too slow to follow the run's state")
+            self.close(TOO_SLOW)
 
     def close(self, why: str) -> None:
         """Tell the client why, then close; what it sent that the server had not processed is dropped."""
@@ -284,6 +286,20 @@ class Peers:
         peer.identity = identity
         self._logged_in[peer] = None
         return True
+
+    def broadcast(self, data: bytes, resync: Callable[[], bytes]) -> None:
+        """Queue ``data`` (one frame, encoded once) for every logged-in connection: the same bytes object written
+        to each transport, in one loop with nothing per connection but the write and its checks, for at 1,024
+        followers this loop is most of a change's cost. A connection that has fallen behind is skipped and will get
+        ``resync()`` once it drains; one that lets ``MAX_UNSENT`` bytes pile up even so is cut off."""
+        for peer in list(self._logged_in):  # a close removes a peer from the pool
+            transport = peer._transport
+            if peer.behind:
+                peer.resync = resync
+            elif not transport.is_closing():
+                transport.write(data)
+                if transport.get_write_buffer_size() > MAX_UNSENT:
+                    peer.close(TOO_SLOW)
 
     def forget(self, peer: Peer) -> None:
         self._logging_in.pop(peer, None)

@@ -65,6 +65,7 @@ class CoordinatorServer:
         self.state, self._next_config = open_run(spec, store, authority, join_authority, self._now)
         self.account = encode_state(self.state)  # what the store and every follower hold
         self._full_state = (b"", b"")  # (account, its FullState frame)
+        self._spare: tuple[CoordinatorState, CoordinatorState] | None = None  # (the state, a copy of it)
         self._lock = asyncio.Lock()  # one change at a time
         self._changing: set[asyncio.Task[None]] = set()
         self._serving: asyncio.Task[None] | None = None
@@ -146,23 +147,39 @@ class CoordinatorServer:
 
         A change the coordinator rejects (``CoordinatorError``) or the store cannot keep (``StoreError``)
         leaves memory and disk as they were, and the event loop serves everyone else while the disk is slow or
-        locked. Only under ``self._lock``.
+        locked. The copy is a spare taken after the last change was sent or refused (``_take_spare``), so that
+        copying the 120 KB state does not delay a change's patch. Only under ``self._lock``.
         """
-        candidate = copy_of(self.state)
-        change(candidate)
-        account = encode_state(candidate)
-        await asyncio.to_thread(self.store.save, candidate.run_id, candidate.nonce, account, signer, instruction)
-        self.state = candidate
-        self._broadcast(account)  # now, not after the tick that follows a request: that tick waits, the change not
+        stored = self.account
+        spare, self._spare = self._spare, None
+        candidate = spare[1] if spare is not None and spare[0] is self.state else copy_of(self.state)
+        try:
+            change(candidate)
+            account = encode_state(candidate)
+            patch = p.StatePatch(p.account_nonce(stored), p.account_nonce(account), p.diff(stored, account)).encode()
+            await asyncio.to_thread(self.store.save, candidate.run_id, candidate.nonce, account, signer,
+                                    instruction, (stored, patch))
+            self.state = candidate
+            self._broadcast(account, patch)  # now, not after the tick that follows a request: it waits, the change not
+        finally:
+            asyncio.get_running_loop().call_soon(self._take_spare)
+
+    def _take_spare(self) -> None:
+        """Copy the state for the next change, once this one's patch has gone out (a spare is kept with the state
+        it copies, and used only while that is still the state)."""
+        if self._spare is None or self._spare[0] is not self.state:
+            self._spare = (self.state, copy_of(self.state))
 
     async def _try_tick(self) -> None:
         """Tick once, with random entropy for any seed it draws. A change the store cannot keep is not applied,
         and the next tick tries again."""
         try:
-            await self._withdraw_disconnected_joiners()
             try:
-                # Asked before copying the state: most requests leave nothing due. A round's end credits 128
-                # clients a tick: finish it now rather than a tick interval apart.
+                # Asked before anything else: most requests leave nothing due, and the sweep scans every joiner and
+                # connection. A round's end credits 128 clients a tick: finish it now rather than a tick interval
+                # apart.
+                if rules.tick_due(self.state, self._now()):
+                    await self._withdraw_disconnected_joiners()
                 while rules.tick_due(self.state, now := self._now()):
                     await self._change(bytes(self.authority.pubkey()), Tick().encode(),
                                        lambda state, now=now: rules.tick(state, now, secrets.randbits(64)))
@@ -205,17 +222,12 @@ class CoordinatorServer:
             log.info("phase %s -> %s (epoch %d, %sstep %d/%d, %d clients, %d pending)", previous_phase.name,
                      s.phase.name, epoch, round_, s.step, s.config.total_steps, len(s.clients), len(s.pending))
 
-    def _broadcast(self, new: bytes) -> None:
-        """Send every follower the patch from what it holds to ``new``: encoded once, the same bytes to each. A
-        follower whose connection has fallen behind gets no patch until it drains, then the whole state."""
-        message = p.StatePatch(p.account_nonce(self.account), p.account_nonce(new), p.diff(self.account, new))
+    def _broadcast(self, new: bytes, patch: bytes) -> None:
+        """Send every follower ``patch``, the encoded ``StatePatch`` from the account they hold to ``new``: framed
+        once, the very same bytes object written to each (``Peers.broadcast``). A follower whose connection has
+        fallen behind gets no patch until it drains, then the whole state."""
         self.account = new
-        data = p.frame(message.encode())
-        for peer in self.peers:
-            if peer.behind:
-                peer.resync = self._full_state_frame
-            else:
-                peer.send_frame(data)
+        self.peers.broadcast(p.frame(patch), self._full_state_frame)
 
     def _full_state_frame(self) -> bytes:
         """What subscribers hold, whole: compressed once per change rather than once per login."""

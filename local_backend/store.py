@@ -124,12 +124,19 @@ class RunStore:
         self._held = stored
         return stored.account
 
-    def save(self, run_id: str, nonce: int, account: bytes, signer: bytes, instruction: bytes) -> None:
+    def save(self, run_id: str, nonce: int, account: bytes, signer: bytes, instruction: bytes,
+             patch_from: tuple[bytes, bytes] | None = None) -> None:
         """Record one accepted operation and the state it produced, atomically and durably; ``StoreError``
-        (nothing written) when the database cannot take it."""
+        (nothing written) when the database cannot take it.
+
+        ``patch_from`` is (an account, the encoded ``StatePatch`` from it to ``account``), as the server already
+        made it for its followers: taken when that account is the very bytes object this store last wrote or read,
+        so the 120 KB account is diffed once per change, not twice."""
         held = self._held
         patch = b""
-        if held is not None and held.run_id == run_id and len(held.account) == len(account):
+        if patch_from is not None and held is not None and patch_from[0] is held.account and held.run_id == run_id:
+            patch = patch_from[1]
+        elif held is not None and held.run_id == run_id and len(held.account) == len(account):
             patch = p.StatePatch(held.nonce, nonce, p.diff(held.account, account)).encode()
         patched = held.patched + len(patch) if patch and held is not None else 0
         snapshot = not patch or patched > SNAPSHOT_AFTER

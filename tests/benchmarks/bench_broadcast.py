@@ -238,6 +238,7 @@ def measure(port: int, n: int, processes: int, server: int) -> None:
             arrivals[message[1]].append(message[2:])
 
     latencies, firsts = [], []
+    load = os.getloadavg()[0]
     server_cpu = cpu_seconds(server)
     for worker, size in enumerate(sizes):
         for i in range(size):
@@ -264,7 +265,8 @@ def measure(port: int, n: int, processes: int, server: int) -> None:
     expected = hashlib.sha256(account).hexdigest()
     per_client = statistics.mean(received) / n
     compressed = len(p.frame(p.FullState.of(0, account).encode()))
-    print(f"{n} followers in {processes} processes, {n} state changes (one join each)")
+    print(f"{n} followers in {processes} processes, {n} state changes (one join each), the machine's load "
+          f"{load:.1f} -> {os.getloadavg()[0]:.1f} (1-minute average, as the joins began and ended)")
     print(f"latency request written -> every follower has applied the new state: p50 "
           f"{statistics.median(latencies) * 1e3:.1f} ms, p99 {percentile(latencies, 0.99) * 1e3:.1f} ms, "
           f"max {max(latencies) * 1e3:.1f} ms")

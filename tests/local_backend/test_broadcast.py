@@ -16,7 +16,7 @@ from client.backends.tcp import TcpBackend
 from coordinator_program.spec import rules
 from coordinator_program.spec.errors import CoordinatorError
 from coordinator_program.spec.instructions import JoinRun, Tick, Withdraw
-from coordinator_program.spec.state import Role
+from coordinator_program.spec.state import CoordinatorState, Role, encode_state
 from local_backend import peers
 from local_backend import protocol as p
 from local_backend.server import CoordinatorServer
@@ -150,6 +150,84 @@ def test_a_follower_that_stops_reading_is_held_to_a_bounded_backlog_and_resynchr
             assert lagging.account == server.account
         finally:
             lagging.sock.close()
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_follower_that_stops_reading_holds_up_no_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While one follower reads nothing, another that reads gets every change as a patch from the state it holds,
+    in order, as each is made: the fan-out neither waits for the stalled one nor resynchronises the others."""
+    monkeypatch.setattr(peers, "FALLEN_BEHIND", SMALL_BUFFER // 4)
+
+    async def main() -> None:
+        clock = Clock()
+        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(), clock,
+                                   join_authority=rules.NO_AUTHORITY)
+        port = await server.start(port=0)
+        lagging, steady = Follower(), Follower()
+        try:
+            await lagging.connect(port)
+            await steady.connect(port)
+            held = next(peer for peer in server.peers if peer.identity == bytes(lagging.key.pubkey()))
+            held._transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUFFER)
+            rng = random.Random(11)
+            keys = [bytes(Keypair().pubkey()) for _ in range(10)]
+            changes = 0
+            for _ in range(300):
+                before = server.state.nonce
+                await change_at_random(server, clock, rng, keys)
+                await steady.catch_up(server.state.nonce)  # within catch_up's 10 s a read, or the test fails
+                changes += server.state.nonce - before
+                assert steady.account == server.account
+            assert held.behind and held.resync is not None, "the stalled follower fell behind and was skipped"
+            assert changes > 40 and steady.resyncs == 0, "the reader got every change as a patch"
+            await lagging.catch_up(server.state.nonce)
+            assert lagging.account == server.account
+        finally:
+            lagging.sock.close()
+            steady.sock.close()
+            await server.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("failure", [CoordinatorError("refused after writing"), ValueError("a bug")])
+def test_a_change_that_writes_then_fails_is_never_kept_nor_sent(tmp_path: Path, failure: Exception) -> None:
+    """A change is applied to a spare copy of the state taken after the last one: one that wrote to it before it
+    failed leaves the state as stored, followers get nothing of it, and the changes after it start from the stored
+    state (the written-to copy is never the next change's spare)."""
+    async def main() -> None:
+        clock = Clock()
+        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(), clock,
+                                   join_authority=rules.NO_AUTHORITY)
+        port = await server.start(port=0)
+        raw = Follower()
+        try:
+            await raw.connect(port)
+            joiner, other = bytes(Keypair().pubkey()), bytes(Keypair().pubkey())
+            await server.submit(joiner, JoinRun(SPEC.run_id, Role.Worker).encode())  # a real change first
+            stored = server.account
+
+            def write_then_fail(state: CoordinatorState) -> None:
+                rules.join(state, other, SPEC.run_id, Role.Worker, 255, other)
+                state.nonce += 1
+                raise failure
+
+            with pytest.raises(type(failure)):
+                await server._serialised(lambda: server._change(other, Tick().encode(), write_then_fail))
+            assert server.account == stored == encode_state(server.state), "nothing of it kept, nothing sent"
+            assert server.state.pending_index(other) is None and server.state.pending_index(joiner) is not None
+            await raw.catch_up(server.state.nonce)
+            assert raw.account == server.account
+            await asyncio.sleep(0)  # the spare is taken
+            await server.submit(joiner, Withdraw().encode())
+            await raw.catch_up(server.state.nonce)
+            assert server.state.pending_index(joiner) is None and server.state.pending_index(other) is None
+            assert raw.account == server.account == encode_state(server.state)
+            assert server.state.nonce == p.account_nonce(stored) + 1, "the next change starts from the stored state"
+        finally:
+            raw.sock.close()
             await server.stop()
 
     asyncio.run(main())
