@@ -57,7 +57,7 @@ from client.receipts import ReceiptRound, SignedReceipt
 from client.stages import own_uid, stage_names
 from client.witness.accusations import AccusationError, check_accusation
 from client.witness.records import Accusation, Commitment, Presence, Ready, RecordError, Report, SignedRecord
-from coordinator_program.spec import derived, rules
+from coordinator_program.spec import derived
 from coordinator_program.spec.bloom import proof_parts
 from coordinator_program.spec.selection import Assignment
 from coordinator_program.spec.state import CoordinatorState, Health, Role
@@ -286,5 +286,5 @@ def judge_warmup(state: CoordinatorState, ready: Mapping[str, Ready]) -> Evidenc
 
 def unhealthy_clients(state: CoordinatorState) -> list[bytes]:
     """Healthy-listed clients that a quorum of the previous round's proofs left out: the targets of health
-    checks, by the coordinator's own rule (``rules.missed_by_quorum``), so no check is sent that it refuses."""
-    return [c.id for c in state.clients if c.health == Health.Healthy and rules.missed_by_quorum(state, c.id)]
+    checks, by the coordinator's own rule (``derived.missed_by_quorum``), so no check is sent that it refuses."""
+    return [c.id for c in state.clients if c.health == Health.Healthy and derived.missed_by_quorum(state, c.id)]

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from coordinator_program.spec import limits
 from coordinator_program.spec.config import Config
 from coordinator_program.spec.selection import Assignment, assign_data, effective_quorum, elect_witnesses
-from coordinator_program.spec.state import Client, CoordinatorState, Health, Pending, Role
+from coordinator_program.spec.state import Client, CoordinatorState, Health, Pending, Role, Round
 
 
 def run_instance(state: CoordinatorState) -> str:
@@ -81,3 +81,20 @@ def assign_stages(pending: list[Pending], num_stages: int) -> list[Client]:
             counts[stage] += 1
         admitted.append(Client(joiner.id, joiner.role, stage, Health.Healthy, joiner.slot))
     return admitted
+
+
+def unproven(round_: Round) -> bool:
+    """A round no witness sent a proof for. Nobody can then tell who is alive (every client may be dead), so
+    all its clients leave at the round's end, as withdrawn, rather than stay Healthy and be queued again for
+    the next epoch; the live ones simply join again. Psyche does the same."""
+    return round_.witness_count == 0
+
+
+def missed_by_quorum(state: CoordinatorState, client_id: bytes) -> bool:
+    """The health rule: a client is unhealthy when a quorum of the previous round's proofs of its part leave it out
+    (the epoch's first round has no previous round, and judges no one). A quorum being a strict majority of the
+    witnesses, a client the honest majority saw is left out by too few: no single witness gets a client removed."""
+    index = state.client_index(client_id)
+    if state.round.height == 0 or index is None:
+        return False
+    return state.left_out[index] >= quorum(state)

@@ -50,7 +50,15 @@ from coordinator_program.spec.config import (
     validate_config,
     validate_model,
 )
-from coordinator_program.spec.derived import assign_stages, pipeline_complete, pipeline_formed, quorum, quorum_reached
+from coordinator_program.spec.derived import (
+    assign_stages,
+    missed_by_quorum,
+    pipeline_complete,
+    pipeline_formed,
+    quorum,
+    quorum_reached,
+    unproven,
+)
 from coordinator_program.spec.errors import (
     AlreadyCommitted,
     AlreadyJoined,
@@ -412,16 +420,6 @@ def left_out_counts(state: CoordinatorState) -> list[int]:
     return [sent[i // limits.PART_CLIENTS] - state.presence_votes[i] for i in range(n)]
 
 
-def missed_by_quorum(state: CoordinatorState, client_id: bytes) -> bool:
-    """The health rule: a client is unhealthy when a quorum of the previous round's proofs of its part leave it out
-    (the epoch's first round has no previous round, and judges no one). A quorum being a strict majority of the
-    witnesses, a client the honest majority saw is left out by too few: no single witness gets a client removed."""
-    index = state.client_index(client_id)
-    if state.round.height == 0 or index is None:
-        return False
-    return state.left_out[index] >= quorum(state)
-
-
 def health_check(state: CoordinatorState, signer: bytes, target: bytes) -> None:
     """Mark ``target`` for removal at the end of this round, if a quorum of the previous round's proofs left
     it out (``missed_by_quorum``)."""
@@ -574,13 +572,6 @@ def _training_over(state: CoordinatorState, now: int) -> bool:
 
 def _end_training(state: CoordinatorState, now: int, entropy: int) -> None:
     _enter(state, Phase.RoundWitness, now)
-
-
-def unproven(round_: Round) -> bool:
-    """A round no witness sent a proof for. Nobody can then tell who is alive (every client may be dead), so
-    all its clients leave at the round's end, as withdrawn, rather than stay Healthy and be queued again for
-    the next epoch; the live ones simply join again. Psyche does the same."""
-    return round_.witness_count == 0
 
 
 def _close_round_votes(state: CoordinatorState) -> None:

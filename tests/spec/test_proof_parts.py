@@ -105,7 +105,7 @@ def test_health_reads_the_previous_rounds_counts_per_part() -> None:
     assert state.phase == Phase.RoundTrain and state.round.height == 1
     after = ids(state)
     assert state.left_out[after.index(victim)] == 3 and state.left_out[after.index(bystander)] == 0
-    assert rules.missed_by_quorum(state, victim) and not rules.missed_by_quorum(state, bystander)
+    assert derived.missed_by_quorum(state, victim) and not derived.missed_by_quorum(state, bystander)
     checker = derived.witnesses(state)[0]
     with pytest.raises(errors.ClientHealthy):
         rules.health_check(state, checker, bystander)

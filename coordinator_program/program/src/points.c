@@ -171,7 +171,7 @@ void psy_close_round_votes(uint8_t *s) {
     left_out[i] = sent[i / PSY_PART_CLIENTS] - presence_votes(s)[i];
   }
   if (psy_witness_count(round) == 0) {
-    psy_list_set_count(s, &PSY_CLIENTS, 0); /* rules.unproven: nobody can tell who is alive, so all leave */
+    psy_list_set_count(s, &PSY_CLIENTS, 0); /* derived.unproven: nobody can tell who is alive, so all leave */
     sol_memset_(left_out, 0, PSY_ACCOUNT_LEFT_OUT_SIZE);
   } else {
     psy_keep_healthy_clients(s);
