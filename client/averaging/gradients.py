@@ -367,6 +367,12 @@ class GradientResult:
     seconds: float
     consecutive_failures: int
 
+    @property
+    def shared(self) -> bool:
+        """Whether the stage's replicas that took part stepped on this very gradient: the round brought every part
+        back, or there was nobody to average with. Otherwise this worker's state may honestly differ from theirs."""
+        return self.complete or (self.status == AveragingStatus.SKIPPED and self.group_size == 0 and not self.reason)
+
 
 class GradientAverager:
     """Averages a stage's gradients with its same-stage peers once per optimizer step (host side).
@@ -391,6 +397,7 @@ class GradientAverager:
         self.backup = [torch.zeros(shape).share_memory_() for shape, _ in factors]
         qs = [torch.zeros(shape[1], max(rank, 1)).share_memory_() for shape, _ in factors]
         self.consecutive_failures = 0
+        self.last: GradientResult | None = None  # the last round's result, as ``average`` returned it
         self._pipe = threading.Lock()
         t = settings.timeouts
         self._control: Any = None
@@ -437,6 +444,7 @@ class GradientAverager:
                 group_size=group, refused=self._process.last_refused, complete=complete,
                 seconds=time.monotonic() - started,
                 consecutive_failures=self.consecutive_failures)
+            self.last = outcome
             log.log(logging.WARNING if status == AveragingStatus.FAILED else logging.INFO,
                     "%s gradient round %d: %s%s, group of %d, %.1f s", self.stage, index, status.value,
                     f" ({reason})" if reason else "", outcome.group_size, outcome.seconds)

@@ -15,6 +15,9 @@ machine cut short left its shard local, or when the worker lies. What follows a 
   withdrawing every honest joiner of a stage without a vouched donor would empty it. Withdrawing is clean: it
   leaves through the coordinator and may join again, afresh.
 
+A worker that knows its gradient round was cut short serves no batch from its step until that step's check
+(``doubt``): its answers may then honestly differ from its stage's, and a checked one would accuse it of lying.
+
 Where replicas are not identical (``grad_averaging = off``: SPARTA alone) digests are still published, and a stage
 rarely has a majority; nothing is enforced (no resync, no withdrawal) and a departure only stops donating, so an
 honest run of that kind is not disrupted. A joiner there loads a peer's state as before, as stale (sync phases).
@@ -58,9 +61,26 @@ class Agreement:
         self.agreed = False  # whether its digest ever agreed with the stage's
         self.resynced = False  # whether it resynchronised since it last agreed
 
+    def doubt(self, step: int) -> None:
+        """After the optimizer step of round ``step``: if its gradient round did not bring every part back, this
+        worker's state may honestly differ from its stage's, and a checked answer of it would accuse it of lying.
+        It serves no batch (``StageWorker.unsure``) until the step's ``check``, which ends the doubt whatever it
+        finds (a state its stage has no majority for is not known to differ)."""
+        gradients = self.replica.gradients
+        result = gradients.last if gradients is not None else None
+        if result is not None and not result.shared:
+            self.replica.worker.unsure = (f"its gradient round of step {step} did not complete "
+                                          f"({result.reason or 'no group'})")
+
     def check(self, epoch: int, step: int) -> Outcome:
         """Publish this worker's digest of its state after ``step`` swarm steps, compare it with the stage's
         majority and act on the verdict (blocking: run it in a thread)."""
+        try:
+            return self._check(epoch, step)
+        finally:
+            self.replica.worker.unsure = None
+
+    def _check(self, epoch: int, step: int) -> Outcome:
         replica = self.replica
         if not replica.tracker.shares_state:
             return Outcome.SKIPPED

@@ -279,6 +279,8 @@ class WorkerRole:
         self.stepping = True  # until the step's thread returns, even if this task is cancelled meanwhile
         stats = await asyncio.to_thread(replica.step, step)
         self.stepping, self.stepped = False, step + 1
+        if self.agreement is not None and self.agreement.replica is replica:
+            self.agreement.doubt(step)
         # the next round's samples, each trainer's share once this worker sees it open
         replica.expect_samples(*round_samples(self.context.state, step + 1), round_shares(self.context.state))
         log.info("round %s: stepped on %d samples (grad norm %.3f)", closing.round, stats.samples, stats.grad_norm)

@@ -104,6 +104,9 @@ class StageWorker:
         self.runtime = Runtime(self._execute, name=f"runtime-{stage}", uid=self.uid, max_queue=max_queue,
                                request_timeout=request_timeout, compute_delay=compute_delay)
         self._sync_phase = 0
+        # Why its state may honestly differ from its stage's until its digest is checked (``agreement``): no batch
+        # is served meanwhile, so no answer of it is compared with its stage's then (trainers go to another replica).
+        self.unsure: str | None = None
         # The round receipts are signed for, None refusing Backwards: a coordinated worker role names its open
         # round; standalone, every receipt is of round 0.
         self.receipt_round: Callable[[], ReceiptRound | None] = lambda: ReceiptRound(run_id, 0, 0)
@@ -283,6 +286,9 @@ class StageWorker:
                 f"worker {self.uid} is in sync phase 1 and serves no batches",
                 grpc.StatusCode.FAILED_PRECONDITION,
             )
+        if self.unsure is not None:
+            raise RequestRejected(f"worker {self.uid} serves no batches until its state is checked: {self.unsure}",
+                                  grpc.StatusCode.FAILED_PRECONDITION)
         if not self.trainer_allowed(request.header.pubkey):
             raise RequestRejected(
                 f"trainer {request.trainer} is not one this worker serves (not a trainer of the run's current epoch)",

@@ -4,6 +4,7 @@ that loads only a state the majority vouched for, against real StageReplicas, av
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -13,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from solders.keypair import Keypair
 
+from client.averaging.gradients import GradientResult
+from client.averaging.sparta import AveragingStatus
 from client.contributor.agreement import Agreement, Outcome
 from client.join.stage_replica import StageReplica
 from client.join.state_download import StateDownloadError, download_from_peers, stage_identity
@@ -256,3 +259,39 @@ def test_a_replica_whose_moments_departed_is_resynchronised_with_them_and_steps_
     if step():
         assert check_together(checks, 0, 2) == [Outcome.AGREED] * 3
         assert same(replicas[2], replicas[0])
+
+
+def test_a_replica_whose_round_was_cut_short_serves_no_batch_until_its_state_is_checked(
+        make_replica, run_id: str) -> None:  # noqa: F811
+    """Its answers may honestly differ from its stage's until its digest is checked, and a checked answer would then
+    accuse it of lying: a worker whose gradient round did not bring every part back refuses batches from its step
+    to the end of that step's check, whatever the check finds; one whose round completed is never held back."""
+    state = run_state(run_id, grad_averaging="full")
+    replicas = serving([make_replica(state) for _ in range(3)])
+    rounds = [recording(r) for r in replicas]
+    checks = agreements(state, replicas)
+    for i, replica in enumerate(replicas):
+        accumulate(replica, seed=i, samples=2 + i)
+    step_together(replicas, 0)
+    for check, replica in zip(checks, replicas, strict=True):
+        check.doubt(0)
+        assert (replica.worker.unsure is None) == rounds[replicas.index(replica)][-1].complete
+    cut = replicas[2].gradients
+    assert cut is not None and cut.last is not None
+    cut.last = dataclasses.replace(cut.last, complete=False, reason="a reducer went silent")  # as a loaded machine
+    checks[2].doubt(0)
+    assert replicas[2].worker.unsure == "its gradient round of step 0 did not complete (a reducer went silent)"
+    check_together(checks, 0, 1)
+    assert all(r.worker.unsure is None for r in replicas)  # the check ended every doubt
+
+
+def test_a_complete_or_lonely_round_is_shared_and_any_other_is_not() -> None:
+    """``GradientResult.shared``: whether the stage's replicas that took part stepped on the very same gradient."""
+    done = GradientResult(round=3, status=AveragingStatus.AVERAGED, reason="", weight=4.0, samples=8, group_size=2,
+                          refused=0, complete=True, seconds=0.1, consecutive_failures=0)
+    assert done.shared
+    assert dataclasses.replace(done, status=AveragingStatus.SKIPPED, group_size=0, complete=False).shared  # alone
+    assert not dataclasses.replace(done, complete=False, reason="some peer's parts did not arrive").shared
+    assert not dataclasses.replace(done, status=AveragingStatus.FAILED, complete=False, reason="no group").shared
+    assert not dataclasses.replace(done, status=AveragingStatus.SKIPPED, group_size=0, complete=False,
+                                   reason="no groupmate was admitted").shared

@@ -167,6 +167,25 @@ def test_phase_one_worker_refuses_batches(workers) -> None:
         started["body1"].sync_phase = 3
 
 
+def test_a_worker_unsure_of_its_state_refuses_batches_and_says_why(workers) -> None:
+    """A worker whose gradient round was cut short answers nothing until its digest is checked, so no answer of it
+    is compared with its stage's while they may honestly differ; the trainer goes to another replica."""
+    started, clients = workers
+    started["body1"].unsure = "its gradient round of step 3 did not complete (no group)"
+    try:
+        for method in ("Forward", "Backward"):
+            with pytest.raises(grpc.RpcError) as raised:
+                clients["body1"].call(method, valid("body1", method), timeout=10)
+            assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "until its state is checked: its gradient round of step 3" in raised.value.details()
+        assert started["body1"].drain_receipts() == []  # nothing was computed, nothing receipted
+    finally:
+        started["body1"].unsure = None
+    _, out = decode_message(clients["body1"].call("Forward", valid("body1", "Forward"), timeout=10),
+                            max_elements=10**6)
+    assert out["output"].shape == (B, T, D)  # served again once the check is over
+
+
 def test_half_precision_activations_in_a_half_precision_run(workers) -> None:
     _, clients = workers
     inputs = hidden().half()
