@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from solders.keypair import Keypair
 
 from client.averaging.membership import Declared
 from client.averaging.work import WorkRule, evidence, proven_samples, share_out
+from client.pipeline.admission import GradientRefused
+from client.pipeline.compute import StageCompute
+from client.pipeline.optim import OptimizerConfig
+from client.receipts import ReceiptRound, SignedReceipt
 from tests.averagers import signed_backwards
+from tests.pipeline.conftest import TINY, signed_request
 
 TRAINER = Keypair()
 TRAINERS = frozenset({bytes(TRAINER.pubkey())})
@@ -98,3 +105,23 @@ def test_a_changed_field_breaks_the_signature(start: int, length: int, field: in
     if entry[field] != original:
         found = proven_samples([entry], RULE, 0, TRAINERS)
         assert isinstance(found, str) or found == frozenset(), found
+
+
+def test_a_worker_s_accumulated_backwards_are_its_evidence() -> None:
+    """A real ``StageCompute`` keeps the signed header of each Backward it accumulated — not of one its gradient
+    bound refused — until its step; declared as evidence, they prove exactly the samples it differentiated."""
+    trainer = Keypair()
+    compute = StageCompute(TINY, "body1", OptimizerConfig(), uid="body1.0.0", run_id="run", max_batch_size=4)
+    x, g = torch.randn(2, TINY.seq_len, TINY.d_model), torch.randn(2, TINY.seq_len, TINY.d_model)
+    for start in (0, 4):
+        request = compute.parse(signed_request(trainer, "body1", "Backward", {"input": x, "grad_output": g},
+                                               run_id="run", start=start), backward=True)
+        compute.backward(request, lambda work: SignedReceipt.sign(trainer, work, ReceiptRound("run", 0, 0)))
+    refused = compute.parse(signed_request(trainer, "body1", "Backward", {"input": x, "grad_output": g * 1e30},
+                                           run_id="run", start=8), backward=True)
+    with pytest.raises(GradientRefused):
+        compute.backward(refused, lambda work: SignedReceipt.sign(trainer, work, ReceiptRound("run", 0, 0)))
+    rule = WorkRule("run", "body1", 16)
+    assert proven_samples(evidence(compute.work), rule, 0, frozenset({bytes(trainer.pubkey())})) == {0, 1, 4, 5}
+    compute.step()
+    assert compute.work == []
