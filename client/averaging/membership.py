@@ -80,16 +80,19 @@ def seal(membership: Membership, prefix: str, peer_id: bytes, epoch: int, body: 
 @dataclass(frozen=True)
 class Declared:
     """A groupmate's admitted declaration: its key, what it declared (round, weight and the rest) and, where the
-    round credits work, the samples its evidence proves (None: its declared weight stands)."""
+    round credits work, the samples its evidence proves and its credit for them once shared with the group
+    (``work.share_out``; None: its declared weight stands)."""
 
     member: bytes
     body: dict[str, Any]
     samples: frozenset[int] | None = None
+    credit: float | None = None
 
     @property
     def weight(self) -> float:
-        """The weight it averages with: its declared one, at most its proven samples."""
-        return credited(float(self.body["weight"]), self.samples)
+        """The weight it averages with: its declared one, at most its credit (its proven samples, until shared)."""
+        credit = self.credit if self.credit is not None or self.samples is None else float(len(self.samples))
+        return credited(float(self.body["weight"]), credit)
 
 
 def check(declaration: object, prefix: str, peer_id: bytes, roster: Roster, round_: int,

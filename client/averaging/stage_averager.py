@@ -17,8 +17,8 @@ peers it meets under one DHT prefix. ``StageAverager`` adds, inside that process
   another reducer returns is checked part by part (finite, within ``_result_bound``), and a reducer whose part
   fails keeps its shard at the local values, the rest of the tensor averaged;
 - weights that follow work (``client.averaging.work``), where the round credits it: each groupmate's weight
-  is at most the samples its trainer-signed Backward headers prove, a sample two of them prove counts for
-  neither, and each peer's parts carry the weight every groupmate credits it with;
+  is at most the samples its trainer-signed Backward headers prove, a sample k of them prove credits each
+  1/k, and each peer's parts carry the weight every groupmate credits it with;
 - what the round stands for: the declarations it returns are those of the admitted peers whose contributions
   this peer's reducers did not refuse, so the weight a caller sums never counts a banned sender's claim;
 - state transfer to joiners (``client.averaging.state_transfer``): donors declared in sealed DHT records, tried
@@ -127,7 +127,7 @@ class StageAverager(StateTransfer, DecentralizedAverager):
 
     def _admit(self, group_info: GroupInfo) -> tuple[GroupInfo, dict[PeerID, Declared]]:
         """The group restricted to the peers whose declarations pass, in the leader's order; a key declared by
-        two peers seats neither, and a sample two admitted peers prove counts for neither (``work.share_out``).
+        two peers seats neither, and a sample k admitted peers prove credits each 1/k (``work.share_out``).
         Every honest groupmate computes the same from the same gathered list."""
         checked = {peer: self._check(blob, peer) for peer, blob in zip(group_info.peer_ids, group_info.gathered,
                                                                           strict=True)}
@@ -145,7 +145,7 @@ class StageAverager(StateTransfer, DecentralizedAverager):
                 admitted[peer] = found
         if self._work is not None:
             shared = share_out({peer: declared.samples or frozenset() for peer, declared in admitted.items()})
-            admitted = {peer: dataclasses.replace(declared, samples=shared[peer])
+            admitted = {peer: dataclasses.replace(declared, credit=shared[peer])
                         for peer, declared in admitted.items()}
         kept = [i for i, peer in enumerate(group_info.peer_ids) if peer in admitted]
         group = GroupInfo(group_info.group_id, tuple(group_info.peer_ids[i] for i in kept),

@@ -18,12 +18,15 @@ being the round's own), and each groupmate credits it with the distinct samples 
   window ``[r·n, (r+1)·n)`` (n = the round's global batch: a header of another round, replayed), proves
   nothing and is not counted, without dropping anyone: an honest worker can hold one from a Backward that
   ran while its step was taken, or from a trainer the epoch just dropped;
-- a sample two admitted groupmates both prove counts for neither (``share_out``): a trainer may honestly
-  retry a microbatch on a second worker after the first went silent, and then nobody can tell which of the
-  two gradients holds it; crediting neither means a trainer that signs the same samples for a colluding
-  worker gains that worker nothing, at the cost of the honest worker's credit for those samples only.
+- a sample that k admitted groupmates prove counts once, 1/k to each (``share_out``): a checked microbatch's
+  Backward runs on two replicas of the stage, both accumulate it (``client.pipeline.checks``), and a trainer
+  may retry a microbatch on a second worker after the first went silent, so honest evidence overlaps. The
+  stage's credit then totals the distinct samples it proved, whoever copies whose headers. (Crediting
+  neither would zero every checked sample: measured, a run checking every microbatch skipped nearly all of
+  its body and tail stages' gradient rounds.) The price: a groupmate that copies another's headers from the
+  gathered declarations takes half their credit, see the README's threat model.
 
-The weight used is min(declared, proven samples): a worker may claim less than it did (a syncing worker
+The weight used is min(declared, credited samples): a worker may claim less than it did (a syncing worker
 claims 0 and sends no evidence), never more. Every groupmate computes this from the same gathered
 declarations, so all of them hold the same weights, and a reducer refuses any part sent with another.
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from client.identity import is_hex
@@ -124,14 +128,16 @@ def proven_samples(work: object, rule: WorkRule, round_: int, trainers: frozense
     return frozenset(samples)
 
 
-def share_out(proven: Mapping[Any, frozenset[int]]) -> dict[Any, frozenset[int]]:
-    """Each groupmate's proven samples less those another groupmate proves too (they count for neither)."""
+def share_out(proven: Mapping[Any, frozenset[int]]) -> dict[Any, float]:
+    """Each groupmate's credit: 1/k for each sample it proves that k groupmates prove (exact, so that every
+    groupmate computes the same float whatever order it meets the samples in)."""
     claims = Counter(sample for samples in proven.values() for sample in samples)
-    return {peer: frozenset(s for s in samples if claims[s] == 1) for peer, samples in proven.items()}
+    shared = {peer: Counter(claims[s] for s in samples) for peer, samples in proven.items()}  # k -> its samples
+    return {peer: float(sum(Fraction(n, k) for k, n in counts.items())) for peer, counts in shared.items()}
 
 
-def credited(declared: float, samples: frozenset[int] | None) -> float:
-    """The weight a groupmate averages with: what it declared, at most the samples its evidence proves (None: no
-    rule, the declared weight as it is)."""
-    return declared if samples is None else min(declared, float(len(samples)))
+def credited(declared: float, credit: float | None) -> float:
+    """The weight a groupmate averages with: what it declared, at most its credit (None: no rule, the declared
+    weight as it is)."""
+    return declared if credit is None else min(declared, credit)
 

@@ -161,3 +161,20 @@ def test_a_syncing_worker_steps_with_its_peers_gradient_and_adds_nothing(make_re
 
 def test_a_run_without_gradient_averaging_builds_no_averager(make_replica, run_id: str) -> None:
     assert make_replica(run_state(run_id)).gradients is None
+
+
+def test_a_checked_microbatch_both_replicas_accumulated_still_averages(make_replica, run_id: str) -> None:
+    """A checked microbatch's Backward runs on two replicas and both accumulate it (``client.pipeline.checks``):
+    their evidence overlaps, each is credited half of the shared samples, the round stands for the distinct 8,
+    and the replicas step to the same parameters. (Crediting neither, the first rule tried, skipped nearly every
+    gradient round of a run checking every microbatch.)"""
+    state = run_state(run_id, grad_averaging="full")
+    replicas = serving([make_replica(state) for _ in range(2)])
+    rounds = [recording(replica) for replica in replicas]
+    accumulate(replicas[0], seed=1, samples=6, first=0)  # samples 4-6 are the checked microbatch
+    accumulate(replicas[1], seed=2, samples=4, first=4)
+    step_together(replicas, 0)
+    assert [r[-1].status.value for r in rounds] == ["averaged"] * 2, rounds
+    assert [r[-1].samples for r in rounds] == [8, 8]
+    if all(r[-1].complete for r in rounds):
+        assert all(torch.equal(a, b) for a, b in zip(parameters(replicas[0]), parameters(replicas[1]), strict=True))

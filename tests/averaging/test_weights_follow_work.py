@@ -10,8 +10,9 @@ reverser claims the whole batch and sends -60x the honest mean gradient, with:
 - headers signed by its own key, or by the trainer for the next round's samples: they prove nothing, weight 0;
 - trainer-signed headers altered, or signed for another stage or for a Forward: the signature does not hold
   for the round's run, stage and kind, and it is dropped;
-- an honest worker's own headers, replayed: those samples count for neither, so it gains nothing (and that
-  worker's credit for them is lost: the documented price of not knowing which of the two did the work);
+- an honest worker's own headers, copied: each of the two is credited half of them (groupmates cannot tell a
+  copy from a checked microbatch's duplicate), so the round's weight stays the 8 samples proved and the
+  copier's share is bounded by the robust reduction;
 - more headers than the round has samples (a flood): dropped before a signature is checked.
 
 No honest worker counts a failure in any of them.
@@ -30,7 +31,7 @@ from client.averaging.gradients import GradAveraging, GradientSettings
 from client.averaging.sparta import AveragingStatus
 from client.averaging.work import evidence
 from tests.averagers import FAST, signed_backwards
-from tests.averaging.test_attacks import TRIO, _Reverser, gradient_pairs, reverser_round, shared_gradient
+from tests.averaging.test_attacks import TRIO, _Reverser, reverser_round
 
 ADMITTED = GradientSettings(GradAveraging.FULL, timeouts=TRIO, max_weight=16.0, round_samples=16)
 DROPPED = dataclasses.replace(ADMITTED, timeouts=FAST)  # an honest leader refuses it: groups of two form
@@ -100,14 +101,14 @@ def test_evidence_that_proves_nothing_buys_nothing(make_grad_averager, run_id: s
     assert averaged >= 1
 
 
-def test_a_replayed_honest_header_credits_neither(make_grad_averager, run_id: str) -> None:
-    """The reverser declares the first honest worker's own evidence: samples 0-4 count for neither, so the round
-    is the second honest worker's gradient alone (its 4 samples), never the reverser's."""
+def test_copied_honest_headers_are_credited_once(make_grad_averager, run_id: str) -> None:
+    """The reverser declares the first honest worker's own evidence: samples 0-4 credit each of the two 2, so
+    the round stands for the 8 samples proved, not 12, and the reverser's -60x gradient, weighing 2 of 8, is
+    clipped by the robust reduction: the applied gradient still points with the honest mean."""
     work = honest_work(make_grad_averager, run_id)
     liar = type("GradientAverager", (_Claimant,), {"claim": evidence(work[0])})
-    values, results, _ = reverser_round(make_grad_averager, ADMITTED, 16.0, attacker=liar, work=[*work, []])
+    values, results, target = reverser_round(make_grad_averager, ADMITTED, 16.0, attacker=liar, work=[*work, []])
     for value, result in zip(values, results, strict=True):
         assert result is not None and result.status == AveragingStatus.AVERAGED, result
-        assert (result.group_size, result.samples, result.consecutive_failures) == (3, 4, 0)
-        second = [t for _, t in gradient_pairs(2, shared_gradient())]  # what reverser_round gives it
-        torch.testing.assert_close(flat(value), flat(second), rtol=0, atol=0)
+        assert (result.group_size, result.samples, result.consecutive_failures) == (3, 8, 0)
+        assert float(torch.nn.functional.cosine_similarity(flat(value), target, dim=0)) > 0.5

@@ -80,9 +80,14 @@ def test_an_entry_s_size_is_bounded() -> None:
     assert "malformed tensor digests" in proven_samples([largest], RULE, 0, TRAINERS)
 
 
-def test_a_sample_two_groupmates_prove_counts_for_neither() -> None:
-    shared = share_out({"a": frozenset(range(0, 6)), "b": frozenset(range(4, 8)), "c": frozenset({9})})
-    assert shared == {"a": frozenset(range(0, 4)), "b": frozenset({6, 7}), "c": frozenset({9})}
+def test_a_sample_k_groupmates_prove_credits_each_1_over_k() -> None:
+    """A checked microbatch's Backward runs on two replicas: each is credited half its samples, and the group's
+    credits total the distinct samples proved."""
+    shared = share_out({"a": frozenset(range(0, 6)), "b": frozenset(range(4, 8)), "c": frozenset({5, 9})})
+    assert shared == {"a": 4 + 1 / 2 + 1 / 3, "b": 2 + 1 / 2 + 1 / 3, "c": 1 + 1 / 3}
+    assert sum(shared.values()) == len(set(range(0, 8)) | {9})
+    body = {"round": 0, "weight": 16.0}
+    assert Declared(b"k", body, frozenset(range(6)), credit=shared["a"]).weight == shared["a"]
 
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=70),
