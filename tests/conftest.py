@@ -113,8 +113,11 @@ def make_averager(own_dht, run_id: str) -> Iterator[Callable[..., SpartaAverager
 @pytest.fixture
 def make_grad_averager(own_dht, run_id: str) -> Iterator[Callable[..., GradientAverager]]:
     """``make_grad_averager(pairs, settings)``: a GradientAverager (full mode by default) on a fresh DHT node,
-    with a key of its own on the test's roster (``enrol=False``: a stranger, whose own roster lists it)."""
+    with a key of its own on the test's roster (``enrol=False``: a stranger, whose own roster lists it). The
+    roster's one trainer is ``make_grad_averager.trainer``, whose signed Backwards credit work."""
     members: set[bytes] = set()
+    trainer = Keypair()
+    trainers = frozenset({bytes(trainer.pubkey())})
     with ExitStack() as started:
         def make(pairs: list[tuple[str, torch.Tensor]], settings: GradientSettings | None = None,
                  cls: type[GradientAverager] = GradientAverager, stage: str = "body1",
@@ -122,13 +125,14 @@ def make_grad_averager(own_dht, run_id: str) -> Iterator[Callable[..., GradientA
             keypair = Keypair()
             if enrol:
                 members.add(bytes(keypair.pubkey()))
-            roster = (lambda: Roster(0, frozenset(members))) if enrol else (
-                lambda: Roster(0, frozenset({*members, bytes(keypair.pubkey())})))
+            roster = (lambda: Roster(0, frozenset(members), trainers)) if enrol else (
+                lambda: Roster(0, frozenset({*members, bytes(keypair.pubkey())}), trainers))
             averager = cls(pairs, own_dht(), run_id=run_id, stage=stage, seed=7, settings=settings or GRADIENTS,
                            membership=Membership(keypair, roster))
             started.callback(averager.shutdown)
             return averager
 
+        make.trainer = trainer  # type: ignore[attr-defined]
         yield make
 
 

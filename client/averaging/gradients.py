@@ -27,7 +27,9 @@ sender is banned for the round) and is not retried; a worker whose round failed 
 own gradient, partly averaged at most — and stays consistent. Non-finite averaged elements fall back to the
 local value.
 
-Untrusted groupmates. Each peer declares its round, weight (samples) and the L2 norm of what it will send;
+Untrusted groupmates. Each peer declares its round, weight (samples), the trainer-signed headers of the Backwards
+its gradient sums (in a coordinated run its weight is at most the samples they prove: ``client.averaging.work``)
+and the L2 norm of what it will send;
 every part of its contribution in either phase is bounded by that norm (P̂ and Q̂ are orthonormal). A peer
 claiming more than ``max_weight`` samples (a round's global batch) is dropped before the all-reduce
 (``membership``). A reducer bans for the round any sender whose part is non-finite, larger than it declared,
@@ -78,10 +80,12 @@ from client.averaging.membership import Declared, Membership, Roster
 from client.averaging.rounds import GRACE, Wedged, holding, run_round
 from client.averaging.sparta import AveragingStatus, SpartaSettings, averager_prefix
 from client.averaging.stage_averager import StageAverager
+from client.averaging.work import WorkRule, evidence
 
 if TYPE_CHECKING:
     import hivemind
 
+    from client.pipeline.admission import RequestHeader
     from client.pipeline.worker import StageWorker
 
 log = logging.getLogger("psyswarm.gradients")
@@ -108,6 +112,8 @@ class GradientSettings:
     timeouts: SpartaSettings = SpartaSettings()
     factor: float = 100.0  # a contribution above factor × the group's lower-median norm is refused
     max_weight: float = math.inf  # the most samples a peer may claim (a round's global batch)
+    round_samples: int = 0  # a round's global batch: each weight is at most the samples its trainer-signed
+    # Backwards prove (``client.averaging.work``); 0 takes declared weights as they are (a run without a coordinator)
     min_compression: float = 2.0  # PowerSGD compresses a matrix only if that shrinks it at least this much
 
     def __post_init__(self) -> None:
@@ -116,8 +122,9 @@ class GradientSettings:
         if (self.mode == GradAveraging.POWERSGD) != (1 <= self.rank <= 64):
             raise ValueError(f"rank must be 1..64 with powersgd and 0 otherwise, got {self.rank} with "
                              f"{self.mode.value}")
-        if not (self.factor > 1 and self.max_weight > 0 and self.min_compression >= 1):
-            raise ValueError("factor must exceed 1, max_weight be positive and min_compression at least 1")
+        if not (self.factor > 1 and self.max_weight > 0 and self.min_compression >= 1 and self.round_samples >= 0):
+            raise ValueError("factor must exceed 1, max_weight be positive, min_compression at least 1 and "
+                             "round_samples not negative")
 
 
 def compressed_shape(shape: Sequence[int], rank: int, min_compression: float) -> tuple[int, int] | None:
@@ -231,7 +238,9 @@ class _GradientRounds(StageAverager):
         typical = sorted(norm for weight, norm in declared.values() if weight > 0)
         bound = self._factor * typical[(len(typical) - 1) // 2] if typical else math.inf
         peers = {peer: norm for peer, (_, norm) in declared.items() if norm <= bound}
-        return _GroupLimits(peers, math.sqrt(sum(norm**2 for norm in peers.values())))
+        # a weight-0 peer's parts count in no average, so they widen no bound on what a reducer returns
+        weighing = [norm for peer, norm in peers.items() if declared[peer][0] > 0]
+        return _GroupLimits(peers, math.sqrt(sum(norm**2 for norm in weighing)))
 
     def _result_bound(self, group_id: bytes) -> float:
         """No part of an honest average is larger than the group's ``result_norm``: a reducer is a groupmate
@@ -405,6 +414,7 @@ class GradientAverager:
             self._buffers, dht, names=self.names, shapes=self.shapes, rank=rank, seed=seed, errors=self.errors,
             backup=self.backup, qs=qs, factor=settings.factor, max_weight=settings.max_weight,
             membership=membership, prefix=averager_prefix(run_id, stage, "grad"), min_group_size=t.min_group_size,
+            work=WorkRule(run_id, stage, settings.round_samples) if settings.round_samples else None,
             target_group_size=t.target_group_size, min_matchmaking_time=t.min_matchmaking_time,
             request_timeout=t.request_timeout, allreduce_timeout=t.allreduce_timeout,
             next_chunk_timeout=t.chunk_timeout, allow_state_sharing=False)
@@ -422,10 +432,11 @@ class GradientAverager:
     # ----- the round -----
 
     def average(self, grads: Sequence[torch.Tensor], samples: int, index: int, weight: float, *,
-                peers: int | None = None) -> GradientResult:
+                peers: int | None = None, work: Sequence[tuple[RequestHeader, str]] = ()) -> GradientResult:
         """Replace ``grads`` (this worker's mean gradients over ``samples`` samples, in parameter order) in place by
         the stage's average of round ``index``; blocks for the round. ``peers``: other workers the caller sees
-        in the stage (0 skips the round at once)."""
+        in the stage (0 skips the round at once); ``work``: the signed headers of the Backwards the gradients
+        sum (``StageCompute.work``), this worker's evidence for its weight where the round credits work."""
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weight must be finite and non-negative, got {weight}")
         if len(grads) != len(self._buffers):
@@ -455,7 +466,7 @@ class GradientAverager:
         if not self._process.is_alive():
             return result(AveragingStatus.FAILED, "the averaging process is not running")
         try:
-            gather = self._load(grads, index, weight)
+            gather = self._load(grads, index, weight, work)
             t = self.settings.timeouts
             gathered, failure = run_round(self._process, self._pipe, index, gather, weight,
                                           matchmaking_timeout=t.matchmaking_timeout,
@@ -482,8 +493,10 @@ class GradientAverager:
         t = self.settings.timeouts
         return holding(self._process.lock_averaged_tensors, t.matchmaking_timeout + t.allreduce_timeout + GRACE)
 
-    def _load(self, grads: Sequence[torch.Tensor], index: int, weight: float) -> dict[str, Any]:
-        """Copy the gradients into the shared buffers; returns what this peer declares to its group."""
+    def _load(self, grads: Sequence[torch.Tensor], index: int, weight: float,
+              work: Sequence[tuple[RequestHeader, str]] = ()) -> dict[str, Any]:
+        """Copy the gradients into the shared buffers; returns what this peer declares to its group (its evidence
+        only with a positive weight: a syncing worker proves nothing)."""
         with self._locked(), torch.no_grad():
             squared = 0.0
             errors = iter(self.errors)
@@ -491,7 +504,8 @@ class GradientAverager:
                 buffer.copy_(grad)
                 sent = buffer if shape is None else buffer.reshape(shape) + next(errors)
                 squared += float(torch.linalg.vector_norm(sent, dtype=torch.float64)) ** 2
-        return {"round": index, "weight": float(weight), "norm": math.sqrt(squared), "q": self._process.q_tag}
+        return {"round": index, "weight": float(weight), "norm": math.sqrt(squared), "q": self._process.q_tag,
+                "work": evidence(work) if weight > 0 and self.settings.round_samples else []}
 
     def _apply(self, grads: Sequence[torch.Tensor]) -> None:
         """Whatever the buffers hold after the round (an average, a partial one, or the local values), finite
@@ -504,12 +518,16 @@ class GradientAverager:
     # ----- the optimizer's hook -----
 
     def exchange(self, round_of: Callable[[], int], weight_of: Callable[[int], float],
-                 peers_of: Callable[[], int | None] = lambda: None) -> Callable[[list[torch.Tensor], int], int]:
+                 peers_of: Callable[[], int | None] = lambda: None,
+                 work_of: Callable[[], Sequence[tuple[RequestHeader, str]]] = tuple,
+                 ) -> Callable[[list[torch.Tensor], int], int]:
         """The ``StageOptimizer.gradient_exchange`` hook: averages the step's mean gradients in round
-        ``round_of()`` with weight ``weight_of(samples)``; returns the samples the result stands for."""
+        ``round_of()`` with weight ``weight_of(samples)``, proved by ``work_of()``; returns the samples the result
+        stands for."""
 
         def hook(grads: list[torch.Tensor], samples: int) -> int:
-            return self.average(grads, samples, round_of(), weight_of(samples), peers=peers_of()).samples
+            return self.average(grads, samples, round_of(), weight_of(samples), peers=peers_of(),
+                                work=work_of()).samples
 
         return hook
 

@@ -15,7 +15,10 @@ groupmate is admitted to a round only if
   worker can have processed between two of them). A mean follows a large weight without bound, and in a group
   of two the robust reduction's cap binds nobody (``client.averaging.robust``), so a claim above it is refused
   like a malformed one rather than clipped: a peer that claims what it cannot have done is not trusted with a
-  smaller weight either.
+  smaller weight either;
+- where the round credits work (``work``: a coordinated run's gradient rounds), its evidence — the trainer-signed
+  headers of the Backwards it accumulated — verifies, and its weight becomes at most the samples they prove
+  (``client.averaging.work``; the roster names the epoch's trainers, whose signatures count).
 
 Every groupmate sees the same gathered declarations (the leader hands the same list to all), so the honest ones
 admit the same peers and run the all-reduce among them alone; a leader also refuses a follower whose
@@ -32,6 +35,7 @@ from typing import Any
 
 from solders.keypair import Keypair
 
+from client.averaging.work import WorkRule, credited, proven_samples
 from client.identity import verify
 
 _DOMAIN = "psyswarm.averaging"
@@ -42,10 +46,12 @@ donor under the same rules as a groupmate (roster, epoch, seal over its peer id)
 
 @dataclass(frozen=True)
 class Roster:
-    """The ed25519 public keys allowed to average a stage in ``epoch`` (the coordinator's list)."""
+    """The ed25519 public keys allowed to average a stage in ``epoch`` (the coordinator's list), and those of the
+    epoch's trainers, whose signed Backwards are the only evidence of work a round credits."""
 
     epoch: int
     members: frozenset[bytes]
+    trainers: frozenset[bytes] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -73,20 +79,26 @@ def seal(membership: Membership, prefix: str, peer_id: bytes, epoch: int, body: 
 
 @dataclass(frozen=True)
 class Declared:
-    """A groupmate's admitted declaration: its key and what it declared (round, weight and the rest)."""
+    """A groupmate's admitted declaration: its key, what it declared (round, weight and the rest) and, where the
+    round credits work, the samples its evidence proves and its credit for them once shared with the group
+    (``work.share_out``; None: its declared weight stands)."""
 
     member: bytes
     body: dict[str, Any]
+    samples: frozenset[int] | None = None
+    credit: float | None = None
 
     @property
     def weight(self) -> float:
-        return float(self.body["weight"])
+        """The weight it averages with: its declared one, at most its credit (its proven samples, until shared)."""
+        credit = self.credit if self.credit is not None or self.samples is None else float(len(self.samples))
+        return credited(float(self.body["weight"]), credit)
 
 
 def check(declaration: object, prefix: str, peer_id: bytes, roster: Roster, round_: int,
-          max_weight: float = math.inf) -> Declared | str:
-    """The declaration if ``peer_id`` may take part in round ``round_`` with it, claiming at most ``max_weight``,
-    else why not."""
+          max_weight: float = math.inf, work: WorkRule | None = None) -> Declared | str:
+    """The declaration if ``peer_id`` may take part in round ``round_`` with it, claiming at most ``max_weight``
+    and, under ``work``, proving its samples with evidence (its ``work`` field), else why not."""
     if not isinstance(declaration, dict):
         return "its declaration is not a dict"
     body = {k: v for k, v in declaration.items() if k not in ("epoch", "member", "seal")}
@@ -112,4 +124,7 @@ def check(declaration: object, prefix: str, peer_id: bytes, roster: Roster, roun
         return "its declaration is not plain data"
     if not verify(key, message, sig):
         return "its seal does not hold for its peer id"
-    return Declared(key, body)
+    if work is None:
+        return Declared(key, body)
+    proven = proven_samples(body.get("work"), work, round_, roster.trainers)  # signatures after the seal's
+    return proven if isinstance(proven, str) else Declared(key, body, proven)

@@ -16,6 +16,9 @@ peers it meets under one DHT prefix. ``StageAverager`` adds, inside that process
   coordinate median rather than by the mean, so one admitted liar moves the result by a bounded amount; what
   another reducer returns is checked part by part (finite, within ``_result_bound``), and a reducer whose part
   fails keeps its shard at the local values, the rest of the tensor averaged;
+- weights that follow work (``client.averaging.work``), where the round credits it: each groupmate's weight
+  is at most the samples its trainer-signed Backward headers prove, a sample k of them prove credits each
+  1/k, and each peer's parts carry the weight every groupmate credits it with;
 - what the round stands for: the declarations it returns are those of the admitted peers whose contributions
   this peer's reducers did not refuse, so the weight a caller sums never counts a banned sender's claim;
 - state transfer to joiners (``client.averaging.state_transfer``): donors declared in sealed DHT records, tried
@@ -25,6 +28,7 @@ peers it meets under one DHT prefix. ``StageAverager`` adds, inside that process
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import multiprocessing as mp
 import typing
@@ -43,6 +47,7 @@ from hivemind.utils.asyncio import achain, as_aiter, azip
 from client.averaging.membership import Declared, Membership, Roster, check, seal
 from client.averaging.robust import RobustRunner
 from client.averaging.state_transfer import SharedState, StateTransfer
+from client.averaging.work import WorkRule, share_out
 from client.helper_processes import forking_helpers
 
 logger = get_logger(__name__)
@@ -59,9 +64,12 @@ class StageAverager(StateTransfer, DecentralizedAverager):
         membership: Membership,
         state_provider: Callable[[], SharedState] | None = None,
         max_weight: float = math.inf,
+        work: WorkRule | None = None,
         **kwargs: Any,
     ) -> None:
-        """``max_weight``: the most a groupmate may declare (``membership``: what its role can honestly claim)."""
+        """``max_weight``: the most a groupmate may declare (``membership``: what its role can honestly claim);
+        ``work``: how rounds credit work, each weight then at most the samples a groupmate's evidence proves
+        (``client.averaging.work``; None: declared weights stand)."""
         # Shared with the averager's process, so they must exist before it forks.
         self._round = mp.Value(ctypes.c_int64, -1, lock=False)
         self._group_size = mp.Value(ctypes.c_int32, 0, lock=False)
@@ -71,6 +79,7 @@ class StageAverager(StateTransfer, DecentralizedAverager):
         self._received = mp.Value(ctypes.c_int64, 0, lock=False)
         self._state_provider = state_provider
         self._max_weight = float(max_weight)
+        self._work = work
         self._admitted_by_group: dict[bytes, dict[PeerID, Declared]] = {}  # the process's, during all-reduces
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         # Not hivemind's run_in_background: it sets SIGINT to SIG_IGN in this (host) process, which raises outside
@@ -113,11 +122,13 @@ class StageAverager(StateTransfer, DecentralizedAverager):
             user = self._user_data(blob)
         except Exception as exc:  # a groupmate's bytes: any malformation costs it its place, nothing more
             return f"malformed round data ({type(exc).__name__})"
-        return check(user, self.prefix, peer.to_bytes(), self._roster, int(self._round.value), self._max_weight)
+        return check(user, self.prefix, peer.to_bytes(), self._roster, int(self._round.value), self._max_weight,
+                     self._work)
 
     def _admit(self, group_info: GroupInfo) -> tuple[GroupInfo, dict[PeerID, Declared]]:
         """The group restricted to the peers whose declarations pass, in the leader's order; a key declared by
-        two peers seats neither. Every honest groupmate computes the same from the same gathered list."""
+        two peers seats neither, and a sample k admitted peers prove credits each 1/k (``work.share_out``).
+        Every honest groupmate computes the same from the same gathered list."""
         checked = {peer: self._check(blob, peer) for peer, blob in zip(group_info.peer_ids, group_info.gathered,
                                                                           strict=True)}
         seats: dict[bytes, int] = {}
@@ -132,6 +143,10 @@ class StageAverager(StateTransfer, DecentralizedAverager):
                 logger.warning(f"averaging round {self._round.value}: dropped groupmate {peer}: {found}")
             else:
                 admitted[peer] = found
+        if self._work is not None:
+            shared = share_out({peer: declared.samples or frozenset() for peer, declared in admitted.items()})
+            admitted = {peer: dataclasses.replace(declared, credit=shared[peer])
+                        for peer, declared in admitted.items()}
         kept = [i for i, peer in enumerate(group_info.peer_ids) if peer in admitted]
         group = GroupInfo(group_info.group_id, tuple(group_info.peer_ids[i] for i in kept),
                           tuple(group_info.gathered[i] for i in kept))
@@ -147,7 +162,9 @@ class StageAverager(StateTransfer, DecentralizedAverager):
         if not any(declared.weight > 0 for declared in admitted.values()):
             logger.info(f"averaging round {self._round.value}: every weight in the group is 0, skipped")
             self._close_group(group_info)
-            return {peer: declared.body for peer, declared in admitted.items()}
+            return self._reported(admitted, admitted)
+        if self._work is not None:  # its parts carry the weight every groupmate credits it, not its claim
+            kwargs["weight"] = admitted[self.peer_id].weight
         ids = self._group_ids(group.group_id)
         self._admitted_by_group.update(dict.fromkeys(ids, admitted))
         try:
@@ -156,7 +173,14 @@ class StageAverager(StateTransfer, DecentralizedAverager):
             for group_id in ids:
                 self._admitted_by_group.pop(group_id, None)
         refused = self._refused_senders(ids)
-        return {peer: body for peer, body in gathered.items() if peer not in refused}
+        return self._reported(admitted, [peer for peer in gathered if peer not in refused])
+
+    @staticmethod
+    def _reported(admitted: dict[PeerID, Declared], peers: typing.Iterable[PeerID]) -> dict[PeerID, dict[str, Any]]:
+        """What the host learns of each of ``peers``: its declaration with the weight it averaged with, less its
+        evidence (already checked here)."""
+        return {peer: {**{k: v for k, v in admitted[peer].body.items() if k != "work"},
+                       "weight": admitted[peer].weight} for peer in peers}
 
     def _group_ids(self, group_id: bytes) -> list[bytes]:
         """The ids of the all-reduces one group runs: its own (PowerSGD's phases add theirs)."""

@@ -84,21 +84,25 @@ def sparta_settings(round_witness_time: int) -> SpartaSettings:
 
 def stage_roster(state: CoordinatorState, stage: int) -> Roster:
     """The workers the coordinator lists for ``stage`` (its index) in the current epoch, healthy: the only peers
-    this stage's averaging admits. One the health check marks leaves the roster at once."""
+    this stage's averaging admits. One the health check marks leaves the roster at once. With them, the epoch's
+    trainers (those a worker serves): only their signed Backwards credit a groupmate's gradient weight."""
     return Roster(state.epoch, frozenset(c.id for c in state.clients
-                                         if c.role == Role.Worker and c.stage == stage and c.health == Health.Healthy))
+                                         if c.role == Role.Worker and c.stage == stage and c.health == Health.Healthy),
+                  frozenset(c.id for c in state.clients if c.role == Role.Trainer))
 
 
 def gradient_averager(state: CoordinatorState, worker: StageWorker, dht,
                       roster: Callable[[], Roster]) -> GradientAverager | None:
     """The worker's per-step gradient averager if the run averages gradients (``grad_averaging``), else None.
-    It shares SPARTA's timeouts, and no peer may claim more samples than a round's global batch."""
+    It shares SPARTA's timeouts; no peer may claim more samples than a round's global batch, nor average with
+    more than its trainer-signed Backwards of the round prove (``client.averaging.work``)."""
     mode = GradAveraging(state.model.grad_averaging.name.lower())
     if mode == GradAveraging.OFF:
         return None
     rank = state.model.powersgd_rank if mode == GradAveraging.POWERSGD else 0
     settings = GradientSettings(mode, rank=rank, timeouts=sparta_settings(state.config.round_witness_time),
-                                max_weight=float(state.config.global_batch_size))
+                                max_weight=float(state.config.global_batch_size),
+                                round_samples=state.config.global_batch_size)
     return GradientAverager.for_worker(worker, dht, seed=state.model.init_seed, settings=settings, roster=roster)
 
 
@@ -132,7 +136,7 @@ class StageReplica:
         if gradients is not None:  # sync-phase workers average with weight 0: they receive and add nothing
             worker.compute.optimizer.gradient_exchange = gradients.exchange(
                 lambda: self.gradient_round, lambda samples: self.tracker.averaging_weight(float(samples)),
-                self.peers)
+                self.peers, lambda: worker.compute.work)
         self.local_step: int | None = None  # the swarm step this worker's parameters belong to
         self.samples_since_average = 0
         self.agrees = True  # whether its last digest agreed with the stage's majority (or there was none)

@@ -174,12 +174,18 @@ def authenticate(header: RequestHeader, signature: MetaValue, *, run_id: str) ->
             "either way (a replay, or clocks that disagree)",
             grpc.StatusCode.UNAUTHENTICATED,
         )
-    signed = _hex(signature, 64) and verify(header.pubkey, header.message(), bytes.fromhex(signature))  # type: ignore[arg-type]
-    if not signed:
+    if not signed_by_trainer(header, signature):
         raise RequestRejected(
             f"request is not signed by trainer {header.trainer[:16]}… (missing or bad signature, or altered)",
             grpc.StatusCode.UNAUTHENTICATED,
         )
+
+
+def signed_by_trainer(header: RequestHeader, signature: MetaValue) -> bool:
+    """Whether ``signature`` (hex) is the header's trainer's over exactly this header: what a worker checks of a
+    request, and what a stage's groupmates check of the Backwards a worker says it accumulated
+    (``client.averaging.work``)."""
+    return _hex(signature, 64) and verify(header.pubkey, header.message(), bytes.fromhex(signature))  # type: ignore[arg-type]
 
 
 # ----- forward tickets and differentiated microbatches -----

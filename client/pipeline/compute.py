@@ -119,6 +119,7 @@ class StageCompute:
         self.optimizer = StageOptimizer(self.module, stage, config.num_stages, optimizer)
         self.bound = GradientBound(self.optimizer.clip)
         self.samples_accumulated = 0
+        self.work: list[tuple[RequestHeader, str]] = []  # each accumulated Backward's signed header, this step's
         self.steps = 0
         # Serialises computation with step() and parameter reads coming from other threads.
         self.lock = threading.RLock()
@@ -286,6 +287,7 @@ class StageCompute:
                 else:
                     param.grad.add_(grad)
             self.samples_accumulated += request.batch_size
+            self.work.append((request.header, request.signature))  # the trainer's word for it: the step's weight
         meta: dict[str, object] = {}
         tensors: dict[str, WireTensor] = {}
         grad_input_digest = ""
@@ -317,6 +319,7 @@ class StageCompute:
         with self.lock:
             stats = self.optimizer.step(self.samples_accumulated)
             self.samples_accumulated = 0
+            self.work = []
             self.bound.end_step()
             if stats.samples and stats.applied:
                 self.steps += 1

@@ -265,8 +265,8 @@ class _Reverser(GradientAverager):
 
     honest_mean: list[torch.Tensor] = []
 
-    def _load(self, grads, index, weight):  # type: ignore[no-untyped-def]
-        return super()._load([-60.0 * g for g in self.honest_mean], index, weight)
+    def _load(self, grads, index, weight, work=()):  # type: ignore[no-untyped-def]
+        return super()._load([-60.0 * g for g in self.honest_mean], index, weight)  # it did no work
 
 
 def gradient_pairs(seed: int, shared: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -283,12 +283,14 @@ def shared_gradient(rows: int = 24, cols: int = 32) -> list[torch.Tensor]:
 
 
 def gradient_round(averagers: list[GradientAverager], values: list[list[torch.Tensor]],
-                   weights: list[float]) -> list[Any]:
-    """One gradient round (round 0) run by every averager at once, in place in ``values``; their results."""
+                   weights: list[float], work: list[list[Any]] | None = None) -> list[Any]:
+    """One gradient round (round 0) run by every averager at once, in place in ``values``, each proving its
+    weight with ``work`` (signed Backward headers) if given; their results."""
     results: list[Any] = [None] * len(averagers)
 
     def run(i: int) -> None:
-        results[i] = averagers[i].average(values[i], int(weights[i]), 0, weights[i])
+        results[i] = averagers[i].average(values[i], int(weights[i]), 0, weights[i],
+                                          work=work[i] if work is not None else ())
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(averagers))]
     for thread in threads:
@@ -300,10 +302,12 @@ def gradient_round(averagers: list[GradientAverager], values: list[list[torch.Te
 
 def reverser_round(make_grad_averager, settings: GradientSettings, liar_weight: float, *,
                    liar_reduces: bool = True, attacker: type[_Reverser] | None = None,
+                   work: list[list[Any]] | None = None,
                    ) -> tuple[list[list[torch.Tensor]], list[Any], torch.Tensor]:
     """One gradient round of two honest workers (4 samples each) and a ``_Reverser`` (or ``attacker``) claiming
     ``liar_weight`` (declaring bandwidth 0 unless ``liar_reduces``, so that the honest workers reduce every
-    part): the honest workers' gradients after it, their results, and the honest mean (flat)."""
+    part), each proving its weight with ``work`` if given: the honest workers' gradients after it, their
+    results, and the honest mean (flat)."""
     shared = shared_gradient()
     honest = [gradient_pairs(1, shared), gradient_pairs(2, shared)]
     honest_mean = [(a + b) / 2 for (_, a), (_, b) in zip(*honest, strict=True)]
@@ -313,7 +317,7 @@ def reverser_round(make_grad_averager, settings: GradientSettings, liar_weight: 
     if not liar_reduces:
         averagers[2].process.bandwidth = 0.0  # hivemind gathers it with each step, from the host
     values = [[t.clone() for _, t in p] for p in [*honest, gradient_pairs(3, shared)]]
-    results = gradient_round(averagers, values, [4.0, 4.0, liar_weight])
+    results = gradient_round(averagers, values, [4.0, 4.0, liar_weight], work)
     return values[:2], results[:2], torch.cat([t.flatten() for t in honest_mean])
 
 
@@ -350,7 +354,7 @@ def test_a_member_claiming_more_than_the_round_s_batch_adds_nothing(make_grad_av
 class _Understater(_Reverser):
     """The reverser declaring a hundredth of its contribution's norm: every part it sends is above it."""
 
-    def _load(self, grads, index, weight):  # type: ignore[no-untyped-def]
+    def _load(self, grads, index, weight, work=()):  # type: ignore[no-untyped-def]
         gather = super()._load(grads, index, weight)
         return {**gather, "norm": gather["norm"] / 100}
 

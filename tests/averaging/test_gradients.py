@@ -139,7 +139,7 @@ class _Poisoner(GradientAverager):
 
     poison = float("nan")
 
-    def _load(self, grads, index, weight):  # type: ignore[no-untyped-def]
+    def _load(self, grads, index, weight, work=()):  # type: ignore[no-untyped-def]
         declared = super()._load(grads, index, weight)
         with self._locked():
             for buffer in self._buffers:
@@ -156,7 +156,7 @@ class _LiarAboutNorm(_Poisoner):
 
     poison = 1e30
 
-    def _load(self, grads, index, weight):  # type: ignore[no-untyped-def]
+    def _load(self, grads, index, weight, work=()):  # type: ignore[no-untyped-def]
         return super(_Poisoner, self)._load([torch.full_like(g, self.poison) for g in grads], index, weight)
 
 

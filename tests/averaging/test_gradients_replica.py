@@ -1,7 +1,8 @@
 """Gradient averaging wired into a run's workers (client.join.stage_replica): a run that asks for it averages
 the same-stage workers' gradients before every optimizer step, so replicas that saw different samples step to
 bit-identical parameters (what checked results and state digests compare); a syncing worker (weight 0) steps
-with its peer's gradient and adds nothing to it."""
+with its peer's gradient and adds nothing to it. Each worker's weight is what its trainer-signed Backwards of the
+round prove (``client.averaging.work``), so ``accumulate`` keeps their signed headers as a worker's Backwards do."""
 
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ from client.join.sync import SyncPhase
 from client.pipeline.worker import StepStats
 from coordinator_program.spec.config import parse_run_spec
 from coordinator_program.spec.state import CoordinatorState, Phase
+from tests.averagers import signed_backwards
 from tests.join.test_stage_replica import SPEC, places  # the same small run
+
+TRAINER = Keypair()  # the epoch's one trainer, which signs every Backward here
+TRAINERS = frozenset({bytes(TRAINER.pubkey())})
 
 
 def run_state(run_id: str, **model: object) -> CoordinatorState:
@@ -41,7 +46,8 @@ def make_replica(own_dht) -> Iterator[Callable[[CoordinatorState], StageReplica]
         members.add(bytes(keypair.pubkey()))
         replica = StageReplica.create(state, "body1", model_config(state), dht=own_dht(), keypair=keypair,
                                       host="127.0.0.1", trainer_allowed=lambda pubkey: False,
-                                      roster=lambda: Roster(0, frozenset(members)), say=lambda line: None)
+                                      roster=lambda: Roster(0, frozenset(members), TRAINERS),
+                                      say=lambda line: None)
         made.append(replica)
         return replica
 
@@ -50,8 +56,9 @@ def make_replica(own_dht) -> Iterator[Callable[[CoordinatorState], StageReplica]
         replica.stop()
 
 
-def accumulate(replica: StageReplica, seed: int, samples: int) -> list[torch.Tensor]:
-    """Put a gradient sum over ``samples`` samples in the worker's ``.grad``, as its backward passes would."""
+def accumulate(replica: StageReplica, seed: int, samples: int, first: int = 0) -> list[torch.Tensor]:
+    """Put a gradient sum over ``samples`` samples from sample ``first`` in the worker's ``.grad``, with the signed
+    headers of their Backwards (two samples each), as its backward passes would."""
     generator = torch.Generator().manual_seed(seed)
     compute = replica.worker.compute
     sums = []
@@ -59,6 +66,7 @@ def accumulate(replica: StageReplica, seed: int, samples: int) -> list[torch.Ten
         param.grad = torch.randn(param.shape, generator=generator) * samples
         sums.append(param.grad.clone())
     compute.samples_accumulated = samples
+    compute.work = signed_backwards(TRAINER, replica.worker.run_id, replica.stage, first, first + samples, per=2)
     return sums
 
 
@@ -106,11 +114,12 @@ def test_replicas_that_saw_different_samples_step_to_the_same_parameters(make_re
     assert all(torch.equal(a, b) for a, b in zip(start, parameters(replicas[1]), strict=True))  # the seed
     identical = 0
     for step in range(2):
-        accumulate(replicas[0], seed=2 * step, samples=6)
-        accumulate(replicas[1], seed=2 * step + 1, samples=2)
+        accumulate(replicas[0], seed=2 * step, samples=6, first=8 * step)  # the round's 8 samples, split
+        accumulate(replicas[1], seed=2 * step + 1, samples=2, first=8 * step + 6)
         stats = step_together(replicas, step)
         assert [s.samples for s in stats] == [6, 2] and all(s.applied for s in stats)
         if all(r[-1].complete for r in rounds):  # a round a loaded machine cut short leaves a shard local
+            assert [r[-1].samples for r in rounds] == [8, 8]  # the 6 and 2 samples their Backwards prove
             for a, b in zip(parameters(replicas[0]), parameters(replicas[1]), strict=True):
                 assert torch.equal(a, b), f"step {step}: replicas {float((a - b).abs().max()):.3g} apart"
             identical += 1
@@ -152,3 +161,20 @@ def test_a_syncing_worker_steps_with_its_peers_gradient_and_adds_nothing(make_re
 
 def test_a_run_without_gradient_averaging_builds_no_averager(make_replica, run_id: str) -> None:
     assert make_replica(run_state(run_id)).gradients is None
+
+
+def test_a_checked_microbatch_both_replicas_accumulated_still_averages(make_replica, run_id: str) -> None:
+    """A checked microbatch's Backward runs on two replicas and both accumulate it (``client.pipeline.checks``):
+    their evidence overlaps, each is credited half of the shared samples, the round stands for the distinct 8,
+    and the replicas step to the same parameters. (Crediting neither, the first rule tried, skipped nearly every
+    gradient round of a run checking every microbatch.)"""
+    state = run_state(run_id, grad_averaging="full")
+    replicas = serving([make_replica(state) for _ in range(2)])
+    rounds = [recording(replica) for replica in replicas]
+    accumulate(replicas[0], seed=1, samples=6, first=0)  # samples 4-6 are the checked microbatch
+    accumulate(replicas[1], seed=2, samples=4, first=4)
+    step_together(replicas, 0)
+    assert [r[-1].status.value for r in rounds] == ["averaged"] * 2, rounds
+    assert [r[-1].samples for r in rounds] == [8, 8]
+    if all(r[-1].complete for r in rounds):
+        assert all(torch.equal(a, b) for a, b in zip(parameters(replicas[0]), parameters(replicas[1]), strict=True))

@@ -1,0 +1,114 @@
+"""Weights that follow work, attacked against real hivemind averagers over loopback (issue 20, item 4).
+
+In a round that credits work (``GradientSettings.round_samples``, as every coordinated run's gradient rounds
+do), a groupmate's weight is at most the samples its trainer-signed Backward headers prove
+(``client.averaging.work``). Two honest workers prove samples 0-4 and 4-8 of round 0 (16 samples); the
+reverser claims the whole batch and sends -60x the honest mean gradient, with:
+
+- no evidence (it trained nothing): it averages with weight 0, and the honest workers apply exactly their own
+  mean (on the old code it was admitted at 16 samples and the result was the robust reduction of all three);
+- headers signed by its own key, or by the trainer for the next round's samples: they prove nothing, weight 0;
+- trainer-signed headers altered, or signed for another stage or for a Forward: the signature does not hold
+  for the round's run, stage and kind, and it is dropped;
+- an honest worker's own headers, copied: each of the two is credited half of them (groupmates cannot tell a
+  copy from a checked microbatch's duplicate), so the round's weight stays the 8 samples proved and the
+  copier's share is bounded by the robust reduction;
+- more headers than the round has samples (a flood): dropped before a signature is checked.
+
+No honest worker counts a failure in any of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from solders.keypair import Keypair
+
+from client.averaging.gradients import GradAveraging, GradientSettings
+from client.averaging.sparta import AveragingStatus
+from client.averaging.work import evidence
+from tests.averagers import FAST, signed_backwards
+from tests.averaging.test_attacks import TRIO, _Reverser, reverser_round
+
+ADMITTED = GradientSettings(GradAveraging.FULL, timeouts=TRIO, max_weight=16.0, round_samples=16)
+DROPPED = dataclasses.replace(ADMITTED, timeouts=FAST)  # an honest leader refuses it: groups of two form
+
+
+class _Claimant(_Reverser):
+    """The reverser, declaring ``claim`` (entries in the declaration's form) as its evidence of work."""
+
+    claim: list[Any] = []
+
+    def _load(self, grads, index, weight, work=()):  # type: ignore[no-untyped-def]
+        return {**super()._load(grads, index, weight), "work": self.claim}
+
+
+def honest_work(make_grad_averager, run_id: str) -> list[list[Any]]:
+    trainer = make_grad_averager.trainer
+    return [signed_backwards(trainer, run_id, "body1", 0, 4, per=2),
+            signed_backwards(trainer, run_id, "body1", 4, 8, per=2)]
+
+
+def flat(value: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.flatten() for t in value])
+
+
+def test_a_member_that_trained_nothing_averages_with_weight_0(make_grad_averager, run_id: str) -> None:
+    values, results, target = reverser_round(make_grad_averager, ADMITTED, 16.0,
+                                             work=[*honest_work(make_grad_averager, run_id), []])
+    for value, result in zip(values, results, strict=True):
+        assert result is not None and result.status == AveragingStatus.AVERAGED, result
+        torch.testing.assert_close(flat(value), target, rtol=0, atol=1e-6)
+        assert (result.group_size, result.samples, result.consecutive_failures) == (3, 8, 0)
+
+
+def _altered(trainer: Keypair, run_id: str) -> list[Any]:
+    entries = evidence(signed_backwards(trainer, run_id, "body1", 8, 12))
+    entries[0][3] = 16  # the trainer signed samples 8-9; the copy claims 8-16
+    return entries
+
+
+def _claims(make_grad_averager, run_id: str) -> dict[str, tuple[list[Any], GradientSettings]]:
+    """Each forged or misused evidence, with the settings under which its round forms (admitted at weight 0, or
+    dropped)."""
+    trainer = make_grad_averager.trainer
+    return {
+        "own key": (evidence(signed_backwards(Keypair(), run_id, "body1", 8, 16, per=2)), ADMITTED),
+        "next round": (evidence(signed_backwards(trainer, run_id, "body1", 16, 32, per=2)), ADMITTED),
+        "other stage": (evidence(signed_backwards(trainer, run_id, "body2", 8, 16, per=2)), DROPPED),
+        "forward": (evidence(signed_backwards(trainer, run_id, "body1", 8, 16, per=2, kind="forward")), DROPPED),
+        "altered": (_altered(trainer, run_id), DROPPED),
+        "flood": (evidence(signed_backwards(trainer, run_id, "body1", 8, 9)) * 17, DROPPED),
+    }
+
+
+@pytest.mark.parametrize("claim", ["own key", "next round", "other stage", "forward", "altered", "flood"])
+def test_evidence_that_proves_nothing_buys_nothing(make_grad_averager, run_id: str, claim: str) -> None:
+    entries, settings = _claims(make_grad_averager, run_id)[claim]
+    liar = type("GradientAverager", (_Claimant,), {"claim": entries})
+    values, results, target = reverser_round(make_grad_averager, settings, 16.0, attacker=liar,
+                                             work=[*honest_work(make_grad_averager, run_id), []])
+    averaged = 0
+    for value, result in zip(values, results, strict=True):
+        assert result is not None and result.consecutive_failures == 0, result
+        if result.status == AveragingStatus.AVERAGED:
+            averaged += 1
+            assert result.samples == 8 and result.group_size == (3 if settings is ADMITTED else 2), result
+            torch.testing.assert_close(flat(value), target, rtol=0, atol=1e-6)
+    assert averaged >= 1
+
+
+def test_copied_honest_headers_are_credited_once(make_grad_averager, run_id: str) -> None:
+    """The reverser declares the first honest worker's own evidence: samples 0-4 credit each of the two 2, so
+    the round stands for the 8 samples proved, not 12, and the reverser's -60x gradient, weighing 2 of 8, is
+    clipped by the robust reduction: the applied gradient still points with the honest mean."""
+    work = honest_work(make_grad_averager, run_id)
+    liar = type("GradientAverager", (_Claimant,), {"claim": evidence(work[0])})
+    values, results, target = reverser_round(make_grad_averager, ADMITTED, 16.0, attacker=liar, work=[*work, []])
+    for value, result in zip(values, results, strict=True):
+        assert result is not None and result.status == AveragingStatus.AVERAGED, result
+        assert (result.group_size, result.samples, result.consecutive_failures) == (3, 8, 0)
+        assert float(torch.nn.functional.cosine_similarity(flat(value), target, dim=0)) > 0.5
