@@ -110,7 +110,7 @@ def test_honest_replicas_stepping_together_publish_equal_digests_and_nobody_resy
     agreed = 0
     for step in range(2):
         for i, replica in enumerate(replicas):
-            accumulate(replica, seed=10 * step + i, samples=2 + i)
+            accumulate(replica, seed=10 * step + i, samples=2 + i, first=8 * step)
         step_together(replicas, step)
         if not all(r[-1].complete for r in rounds):  # a loaded machine cut the round short: replicas differ
             continue
@@ -244,7 +244,7 @@ def test_a_replica_whose_moments_departed_is_resynchronised_with_them_and_steps_
     def step() -> bool:
         nonlocal steps
         for i, replica in enumerate(replicas):
-            accumulate(replica, seed=10 * steps + i, samples=2 + i)
+            accumulate(replica, seed=10 * steps + i, samples=2 + i, first=8 * steps)
         step_together(replicas, steps)
         steps += 1
         return all(r[-1].complete for r in rounds)
