@@ -81,6 +81,7 @@ def test_a_stranger_cannot_join_a_stage_s_averaging_or_move_it(make_averager) ->
         assert all(r.consecutive_failures == 0 for r in results[:3])
 
 
+@pytest.mark.slow
 def test_a_member_s_declaration_replayed_by_a_stranger_is_refused(make_averager) -> None:
     """A stranger gathers a member's own sealed declaration (that member's round and weight, its seal over the
     member's peer id) and sends 7.0 everywhere: the seal does not hold for the stranger's peer id, so it is
@@ -178,7 +179,8 @@ class _Header:
         self.value = value
 
 
-@pytest.mark.parametrize("field, value", [("mode", _Header(7)), ("bandwidth", "fast")])
+@pytest.mark.parametrize("field, value", [("mode", _Header(7)),
+                                          pytest.param("bandwidth", "fast", marks=pytest.mark.slow)])
 def test_a_member_s_malformed_hivemind_header_fails_no_honest_round(make_averager, field, value) -> None:
     """A member seals a valid declaration but gathers a hivemind header (bandwidth, mode) that hivemind's load
     balancing cannot take. On the old code every group it was admitted to failed its all-reduce for everyone
@@ -233,7 +235,7 @@ class _Overclaim(SpartaAverager):
                          matchmaking_timeout=s.matchmaking_timeout, allreduce_timeout=s.allreduce_timeout)
 
 
-@pytest.mark.parametrize("declared", [1e30, 4.0], ids=["claimed", "sent"])
+@pytest.mark.parametrize("declared", [pytest.param(1e30, marks=pytest.mark.slow), 4.0], ids=["claimed", "sent"])
 def test_a_member_cannot_outweigh_its_partner_in_a_sparta_pair(make_averager, declared) -> None:
     """A stage of two: an honest worker (weight 4, ``max_weight`` 16: what a worker can process between two
     rounds) and a member sending 7.0 everywhere with weight 1e30, declared as such or under an honest 4. The

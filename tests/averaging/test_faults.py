@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 
 from client.averaging.sparta import AveragingResult, AveragingStatus, SpartaAverager
@@ -111,6 +112,7 @@ def test_a_peer_killed_mid_allreduce_is_dropped_and_the_others_keep_partial_resu
     assert [(o.status, o.remove) for o in outcomes] == [(AveragingStatus.FAILED, False), (AveragingStatus.FAILED, True)]
 
 
+@pytest.mark.slow
 def test_a_stalled_peer_is_dropped_and_everyone_recovers_next_round(make_averager) -> None:
     peers = [tensors(4), tensors(5), tensors(6)]
     local = [values(p) for p in peers]

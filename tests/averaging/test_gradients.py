@@ -160,8 +160,10 @@ class _LiarAboutNorm(_Poisoner):
         return super(_Poisoner, self)._load([torch.full_like(g, self.poison) for g in grads], index, weight)
 
 
-@pytest.mark.parametrize("attacker", [_Poisoner, _HugePoisoner, _LiarAboutNorm])
-@pytest.mark.parametrize("mode", ["full", "powersgd"])
+@pytest.mark.parametrize("mode, attacker", [(mode, attacker) for mode in ("full", "powersgd")
+                                            for attacker in (_Poisoner, _HugePoisoner, _LiarAboutNorm)
+                                            if (mode, attacker) != ("powersgd", _Poisoner)]
+                         + [pytest.param("powersgd", _Poisoner, marks=pytest.mark.slow)])
 def test_a_poisoned_contribution_never_enters_an_honest_average(make_grad_averager, attacker, mode) -> None:
     """Three workers; the third sends NaN or 1e30 values (declaring an honest norm, or the huge one). A NaN part is
     refused; a huge one is clipped by the robust reduction (``client.averaging.robust``), and what the liar returns
@@ -215,7 +217,7 @@ class _SaboteurP(_Saboteur):
 _Saboteur.__name__ = _SaboteurP.__name__ = GradientProcess.__name__
 
 
-@pytest.mark.parametrize("saboteur", [_SaboteurP, _Saboteur])
+@pytest.mark.parametrize("saboteur", [_SaboteurP, pytest.param(_Saboteur, marks=pytest.mark.slow)])
 def test_a_phase_that_loses_a_peer_restores_the_error_feedback_buffer(make_grad_averager, saboteur) -> None:
     """Round 0 completes and moves every error-feedback buffer; in round 1 a groupmate's contribution to one
     phase is refused, so that phase ends without it: the honest workers step with the partial result, and

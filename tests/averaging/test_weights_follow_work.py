@@ -85,7 +85,8 @@ def _claims(make_grad_averager, run_id: str) -> dict[str, tuple[list[Any], Gradi
     }
 
 
-@pytest.mark.parametrize("claim", ["own key", "next round", "other stage", "forward", "altered", "flood"])
+@pytest.mark.parametrize("claim", ["own key", "altered", "flood"] + [
+    pytest.param(claim, marks=pytest.mark.slow) for claim in ("next round", "other stage", "forward")])
 def test_evidence_that_proves_nothing_buys_nothing(make_grad_averager, run_id: str, claim: str) -> None:
     entries, settings = _claims(make_grad_averager, run_id)[claim]
     liar = type("GradientAverager", (_Claimant,), {"claim": entries})
