@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 
 from client.averaging.sparta import AveragingStatus
@@ -113,6 +114,7 @@ def test_an_update_made_during_the_round_is_kept(make_averager) -> None:
     assert_all_close(values(peers[1]), mean)
 
 
+@pytest.mark.slow
 def test_no_group_fails_the_round_without_counting_and_stages_never_mix(make_averager) -> None:
     """Two workers of different stages cannot find each other: each round fails (no group) but blames nobody,
     so the count toward ``remove`` stays 0; a same-stage peer arriving makes the next round succeed."""

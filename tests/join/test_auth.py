@@ -231,6 +231,7 @@ def test_the_token_comes_from_the_flag_then_hf_token(monkeypatch, tmp_path) -> N
         resolve_token(None)
 
 
+@pytest.mark.slow
 def test_the_auth_service_command_serves_joins(fake_hub, tmp_path) -> None:
     fake_hub.users["tok-alice"] = "alice"
     usage = subprocess.run([sys.executable, "-m", "client.cli", "auth-service", "--help"], capture_output=True,

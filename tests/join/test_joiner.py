@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from functools import partial
 
+import pytest
 import torch
 
 from client.averaging.membership import Roster
@@ -43,6 +44,7 @@ def flat(worker: StageWorker) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).clone() for p in worker.parameters()])
 
 
+@pytest.mark.slow
 def test_a_stale_joiner_syncs_through_both_phases(own_dht, run_id: str) -> None:
     shared = own_dht()
     dht_a, dht_j = own_dht(), own_dht()
