@@ -78,6 +78,13 @@ class Follower:
                 self.resyncs += 1
 
 
+async def serving(tmp_path: Path, clock: Clock) -> tuple[CoordinatorServer, int]:
+    """A server of the small run on a free port, its database in ``tmp_path``, open to any joiner."""
+    server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(), clock,
+                               join_authority=rules.NO_AUTHORITY)
+    return server, await server.start(port=0)
+
+
 async def change_at_random(server: CoordinatorServer, clock: Clock, rng: random.Random, keys: list[bytes]) -> None:
     """One request the way a client sends it: a join, a withdrawal or a tick, with time moving on; the
     coordinator's refusals are part of the sequence."""
@@ -94,9 +101,7 @@ async def change_at_random(server: CoordinatorServer, clock: Clock, rng: random.
 def test_a_follower_holds_the_servers_account_after_random_changes(tmp_path: Path) -> None:
     async def main() -> None:
         clock = Clock()
-        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(), clock,
-                                   join_authority=rules.NO_AUTHORITY)
-        port = await server.start(port=0)
+        server, port = await serving(tmp_path, clock)
         client, raw = TcpBackend(f"127.0.0.1:{port}", Keypair()), Follower()
         try:
             await client.connect()
@@ -125,9 +130,7 @@ def test_a_follower_that_stops_reading_is_held_to_a_bounded_backlog_and_resynchr
 
     async def main() -> None:
         clock = Clock()
-        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(), clock,
-                                   join_authority=rules.NO_AUTHORITY)
-        port = await server.start(port=0)
+        server, port = await serving(tmp_path, clock)
         lagging = Follower()
         try:
             await lagging.connect(port)
@@ -162,9 +165,7 @@ def test_a_follower_that_stops_reading_holds_up_no_other(tmp_path: Path, monkeyp
 
     async def main() -> None:
         clock = Clock()
-        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(), clock,
-                                   join_authority=rules.NO_AUTHORITY)
-        port = await server.start(port=0)
+        server, port = await serving(tmp_path, clock)
         lagging, steady = Follower(), Follower()
         try:
             await lagging.connect(port)
@@ -199,9 +200,7 @@ def test_a_change_that_writes_then_fails_is_never_kept_nor_sent(tmp_path: Path, 
     state (the written-to copy is never the next change's spare)."""
     async def main() -> None:
         clock = Clock()
-        server = CoordinatorServer(SPEC, RunStore(tmp_path / "run.sqlite"), Keypair(), clock,
-                                   join_authority=rules.NO_AUTHORITY)
-        port = await server.start(port=0)
+        server, port = await serving(tmp_path, clock)
         raw = Follower()
         try:
             await raw.connect(port)
