@@ -181,10 +181,13 @@ def test_a_joiner_refuses_a_hostile_donor_s_state_and_loads_the_one_the_majority
     believed = download_from_peers(joiner.averager, module, identity, timeout=60, progress=False)
     assert torch.equal(next(iter(believed.tensors.values())), torch.full_like(next(iter(believed.tensors.values())),
                                                                               -3.0))  # the attack, unchecked
+    assert believed.optimizer is None  # its moments are never handed on: nobody vouched for them
     with caplog.at_level(logging.WARNING, logger="psyswarm.state"):
         checked = download_from_peers(joiner.averager, module, identity, timeout=60, progress=False, vouched=vouched)
     assert checked.step == 0 and checked.source.startswith("peers (its digest")
     assert all(torch.equal(checked.tensors[k], v) for k, v in module.state_dict().items())  # the seed, honest_b's
+    trainable = {name for name, param in module.named_parameters() if param.requires_grad}
+    assert isinstance(checked.optimizer, dict) and set(checked.optimizer) == trainable  # a vouched state's moments
     assert any("hashes to no digest" in r.getMessage() for r in caplog.records)
 
     honest_b.averager.sharing = False  # only the hostile donor is left: nothing is loaded
