@@ -126,10 +126,13 @@ class CommittedLosses:
 
     def __call__(self, state: CoordinatorState) -> None:
         self.board = self.board or Board(self.dht, state)
-        key = (state.epoch, state.round.height)
-        if state.phase in (Phase.RoundWitness, Phase.Cooldown) and key not in self.rounds:
-            found = self.board.fetch(Commitment, *key)
-            self.rounds[key] = {author: c.loss for author, c in found.items()}  # type: ignore[attr-defined]
+        if state.phase in (Phase.RoundWitness, Phase.Cooldown):
+            self.rounds.setdefault((state.epoch, state.round.height), {})
+        if state.phase in (Phase.RoundTrain, Phase.RoundWitness, Phase.Cooldown):
+            # a busy trainer's record can land after its round closed: look at the last two rounds on every state
+            for key in sorted(self.rounds)[-2:]:
+                found = self.board.fetch(Commitment, *key)
+                self.rounds[key].update({author: c.loss for author, c in found.items()})  # type: ignore[attr-defined]
 
     def curve(self, trainer: bytes | None = None) -> list[float]:
         """Every committed loss in round order (of one trainer if given)."""
