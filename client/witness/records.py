@@ -36,6 +36,7 @@ from client.identity import canonical, is_hex, verify
 from client.receipts import FIELDS as RECEIPT_FIELDS
 from client.receipts import SignedReceipt
 from coordinator_program.spec import derived
+from coordinator_program.spec.bloom import part_count
 from coordinator_program.spec.config import valid_run_id
 from coordinator_program.spec.state import CoordinatorState
 
@@ -265,15 +266,29 @@ class Board:
     Its keys are named for the run's instance (``derived.run_instance``), not its id alone, so a later run with the
     same id never reads an earlier one's records; ``fetch`` given the run's ``members`` keeps only their records,
     so no stranger on the DHT shows a loss or tokens in its place.
+
+    Each kind of a round's records is spread over ``shards`` keys, one per proof part the run can have
+    (``bloom.part_count`` of its ``max_clients``: one for up to 128 clients, eight at 1,024), and an author files
+    under the shard its key names (``shard_of``). A DHT key is stored and served by the few peers nearest it, so
+    one key holding every author's record would put a 1,024-client round's 650 KB of commitments, read whole by
+    each witness, on the same few peers; spread, each key holds an eighth and a reader fetches the shards at once.
+    The shard follows the key, not the client's index: an index moves as clients leave, a joiner has none, and a
+    record must be found where it was filed. A record filed under another shard than its author's is skipped, so
+    no author can show readers of different shards different records.
     """
 
     def __init__(self, dht, state: CoordinatorState) -> None:
         self.dht, self.run_id, self.instance = dht, state.run_id, derived.run_instance(state)
+        self.shards = part_count(state.config.max_clients)
 
-    def key(self, kind: type[SignedRecord], epoch: int, round_: int | None = None) -> str:
-        """The DHT key of a run's records of ``kind`` for an epoch (and round)."""
+    def shard_of(self, author: str) -> int:
+        """The shard an author (hex key) files under: its key's first 8 bytes, modulo the shards."""
+        return int(author[:16], 16) % self.shards
+
+    def key(self, kind: type[SignedRecord], epoch: int, round_: int | None = None, shard: int = 0) -> str:
+        """The DHT key of shard ``shard`` of a run's records of ``kind`` for an epoch (and round)."""
         where = f"e{epoch}" if round_ is None else f"e{epoch}.r{round_}"
-        return f"{self.instance}.{kind.KIND}.{where}"
+        return f"{self.instance}.{kind.KIND}.{where}.s{shard}"
 
     def publish(self, record: SignedRecord, keypair: Keypair) -> bool:
         """Store ``record``, signed by ``keypair``, for this run; whether the DHT accepted it. A record readers
@@ -282,31 +297,37 @@ class Board:
 
         from client.sealed import store_sealed
 
-        record.admit(bytes(keypair.pubkey()).hex(), self.run_id, record.epoch, record.round_height())
-        key = self.key(type(record), record.epoch, record.round_height())
+        author = bytes(keypair.pubkey()).hex()
+        record.admit(author, self.run_id, record.epoch, record.round_height())
+        key = self.key(type(record), record.epoch, record.round_height(), self.shard_of(author))
         return store_sealed(self.dht, keypair, key, record.to_value(), get_dht_time() + RECORD_TTL)
 
     def fetch(self, kind: type[SignedRecord], epoch: int, round_: int | None = None,
               members: Collection[str] | None = None) -> dict[str, SignedRecord]:
-        """Admitted records by author (hex), of ``members`` only when given; anything malformed, forged, misfiled
-        or foreign is skipped."""
+        """Admitted records by author (hex), of ``members`` only when given, read from every shard at once;
+        anything malformed, forged, misfiled or foreign is skipped."""
         from client.sealed import within_lifetime
 
-        found = self.dht.get(self.key(kind, epoch, round_), latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
+        pending = [self.dht.get(self.key(kind, epoch, round_, shard), latest=True, return_future=True)
+                   for shard in range(self.shards)]
         out: dict[str, SignedRecord] = {}
-        for subkey, item in found.value.items():
-            if members is not None and subkey not in members:
+        for shard, future in enumerate(pending):
+            found = future.result()
+            if found is None or not isinstance(found.value, dict):
                 continue
-            try:
-                record = kind.from_value(item.value)
-                record.admit(subkey, self.run_id, epoch, round_)
-                _require(within_lifetime(item.expiration_time), f"a {kind.KIND} stored to outlive any record")
-            except RecordError as exc:
-                log.debug("skipping a %s under %r: %s", kind.KIND, subkey, exc)
-                continue
-            out[record.author] = record
+            for subkey, item in found.value.items():
+                if members is not None and subkey not in members:
+                    continue
+                try:
+                    record = kind.from_value(item.value)
+                    record.admit(subkey, self.run_id, epoch, round_)
+                    _require(within_lifetime(item.expiration_time), f"a {kind.KIND} stored to outlive any record")
+                    _require(self.shard_of(subkey) == shard, f"a {kind.KIND} filed under another shard than "
+                                                             "its author's")
+                except RecordError as exc:
+                    log.debug("skipping a %s under %r: %s", kind.KIND, subkey, exc)
+                    continue
+                out[record.author] = record
         return out
 
 

@@ -86,9 +86,10 @@ def hostile_trainer() -> None:
         share = next((a for a in derived.data_assignment(state) if a.client == context.me and a.size), None)
         if share is None or context.board is None:
             return
-        key = context.board.key(Commitment, state.epoch, state.round.height)
         others = [c.id.hex() for c in state.clients if c.role == Role.Trainer and c.id != context.me]
-        await asyncio.to_thread(store_junk, context, key, others)
+        for victim in others:  # under the key each victim files its commitment under
+            key = context.board.key(Commitment, state.epoch, state.round.height, context.board.shard_of(victim))
+            await asyncio.to_thread(store_junk, context, key, [victim])
         deadline = time.monotonic() + state.config.max_round_train_time
         while time.monotonic() < deadline:
             found = await asyncio.to_thread(context.board.fetch, Commitment, state.epoch, state.round.height)
@@ -129,7 +130,7 @@ def hostile_worker() -> None:
         if self.worker is None or context.board is None or round_ in attacked:
             return
         attacked.add(round_)
-        key = context.board.key(Report, round_.epoch, round_.height)
+        key = context.board.key(Report, round_.epoch, round_.height, context.board.shard_of(context.me.hex()))
         malformed = {"receipts": 7, "uid": [[{}, "u", {}]]}
         await asyncio.to_thread(plain_dht(context).store, key, malformed, get_dht_time() + 600,
                                 subkey=context.me.hex())

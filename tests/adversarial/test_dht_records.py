@@ -24,6 +24,7 @@ from client.stages import default_index, worker_uid
 from client.witness.judge import judge_round
 from client.witness.records import RECORD_TTL, Board, Commitment, RecordError, Report, last_loss, members
 from tests.pipeline.conftest import TINY, wait_until
+from tests.spec.scenario import SMALL
 from tests.witness.rounds import commitment, honest_round, run_with_keys, shares, workers_by_stage
 
 A_DAY = 24 * 3600.0
@@ -119,6 +120,41 @@ def test_a_record_replayed_into_another_run_is_refused(dht, attacker, run_id) ->
     assert found.run_id == there.run_id  # type: ignore[attr-defined]
     assert attacker.get(there.key(Commitment, 0, 0), latest=True).value[trainer.client.hex()].expiration_time == \
         sealed.expiration_time, "the replay was live on the attacker's node"
+
+
+def test_a_large_runs_records_spread_over_a_key_per_proof_part_and_are_all_read(dht, run_id) -> None:
+    """At 1,024 clients a round's records of a kind spread over eight keys (one per proof part), each author's
+    under the shard its key names; a reader fetches every shard and finds every record."""
+    state, keys = run_with_keys(workers=12, trainers=20, run_id=run_id, config=replace(SMALL, max_clients=1024))
+    commitments, reports = honest_round(state, keys)
+    board = Board(dht, state)
+    assert board.shards == 8
+    for records in (commitments, reports):
+        for author, record in records.items():
+            assert board.publish(record, keys[bytes.fromhex(author)])
+    assert board.fetch(Commitment, 0, 0) == commitments and board.fetch(Report, 0, 0) == reports
+    held = {shard: dht.get(board.key(Commitment, 0, 0, shard), latest=True) for shard in range(board.shards)}
+    filed = {shard: set(found.value) for shard, found in held.items() if found is not None}
+    assert len(filed) > 1, "every commitment landed under one key"
+    assert all(board.shard_of(author) == shard for shard, authors in filed.items() for author in authors)
+
+
+def test_an_author_cannot_show_readers_of_another_shard_another_record(dht, run_id) -> None:
+    """A trainer files a second, cheaper commitment under a shard that is not its own (its sealed subkey there is
+    its to write): readers take only the record filed where its key says."""
+    state, keys = run_with_keys(workers=3, trainers=2, run_id=run_id, config=replace(SMALL, max_clients=1024))
+    commitments, _ = honest_round(state, keys)
+    board = Board(dht, state)
+    trainer = shares(state)[0].client
+    own = commitments[trainer.hex()]
+    assert board.publish(own, keys[trainer])
+    other = (board.shard_of(trainer.hex()) + 1) % board.shards
+    fields = {k: v for k, v in asdict(own).items() if k not in ("author", "signature")}
+    cheaper = Commitment.create(keys[trainer], **{**fields, "loss": 0.001})  # signed: admitted if read anywhere
+    cheaper.admit(trainer.hex(), state.run_id, 0, 0)
+    assert store_sealed(dht, keys[trainer], board.key(Commitment, 0, 0, other), cheaper.to_value(),
+                        get_dht_time() + 60)
+    assert board.fetch(Commitment, 0, 0)[trainer.hex()] == own
 
 
 # --- worker announcements ---------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from solders.keypair import Keypair
 
 from client.witness.judge import judge_round
-from client.witness.records import Commitment, Report
+from client.witness.records import Board, Commitment, Report
 from coordinator_program.facts import config_facts
 from coordinator_program.spec import derived, limits, rules
 from coordinator_program.spec.bloom import build_filter, contains_raw, part_count, participant_key
@@ -125,15 +125,21 @@ def judge_figures() -> None:
     print(f"judge: a round of {len(state.clients):,} clients ({len(commitments)} signed commitments, "
           f"{len(reports)} signed reports): judge_round {judged - started:.2f} s + {len(parts)} proof parts "
           f"{done - judged:.2f} s = {done - started:.2f} s of the round's {WITNESS_TIME} s witness time")
-    # Where the DHT traffic goes: each kind of a round's records lives under one key (``Board.key``), one sealed
-    # subkey per author, so the peers nearest that key store every author's record and serve the whole value to
-    # each of the round's witnesses.
-    commitment_bytes = sum(len(MSGPackSerializer.dumps(c.to_value())) for c in commitments.values())
-    report_bytes = sum(len(MSGPackSerializer.dumps(r.to_value())) for r in reports.values())
+    # Where the DHT traffic goes: each kind of a round's records spreads over one key per proof part
+    # (``Board``), one sealed subkey per author under the key its own key names; the peers nearest each key store
+    # its authors' records and serve them to each of the round's witnesses.
+    board = Board(None, state)
     witnesses = state.config.witness_nodes
-    print(f"DHT per round: the Commitment key holds {len(commitments)} subkeys, {commitment_bytes:,} bytes; the "
-          f"Report key {len(reports)} subkeys, {report_bytes:,} bytes; {witnesses} witnesses each read both: "
-          f"{witnesses * (commitment_bytes + report_bytes) / 1e6:.1f} MB served by the peers nearest two keys")
+    total = 0
+    for kind, records in (("Commitment", commitments), ("Report", reports)):
+        per_key: dict[int, int] = defaultdict(int)
+        for author, record in records.items():
+            per_key[board.shard_of(author)] += len(MSGPackSerializer.dumps(record.to_value()))
+        total += sum(per_key.values())
+        print(f"DHT per round: {len(records)} {kind} records, {sum(per_key.values()):,} bytes over "
+              f"{len(per_key)} keys, {max(per_key.values()):,} bytes under the fullest")
+    print(f"  {witnesses} witnesses each read every key: {witnesses * total / 1e6:.1f} MB a round, "
+          f"{board.shards} keys of each kind fetched at once")
 
 
 def false_positive_figures(filters: int = 10, probes: int = 40_000) -> None:
