@@ -8,9 +8,10 @@ signatures of the replicas that agree on another answer to the very same questio
 evidence's vocabulary, kept free of torch and of the pipeline so that witnesses (``client.witness``) check it
 without running a model.
 
-- The *question* is what the trainer signed for one Forward or Backward, less its time of issue (two replicas
-  are asked at different times): run, stage, kind, trainer, microbatch, samples, wire codec and the digests of the
-  tensors sent (``question_digest``).
+- The *question* is what the trainer signed for one Forward or Backward, less its time of issue and the worker
+  it was sent to (two replicas are asked at different times, each in a request naming itself): run, stage, kind,
+  trainer, microbatch, samples, wire codec and the digests of the tensors sent (``question_digest``). Who
+  answered is the answer's signer.
 - The *answer* is the digest of what came back: each returned tensor's wire-form digest and the loss, if any
   (``answer_digest``).
 - The worker signs both with its identity key (``sign``), one ed25519 signature per answer (tens of
@@ -34,8 +35,9 @@ DOMAIN = "psyswarm/stage-answer/v1"
 
 
 def question_digest(header_fields: Mapping[str, Any]) -> str:
-    """sha256 (hex) of a signed request's fields without ``issued_at``: the same for every replica asked."""
-    fields = {k: v for k, v in header_fields.items() if k != "issued_at"}
+    """sha256 (hex) of a signed request's fields without ``issued_at`` and ``worker``: the same for every replica
+    asked."""
+    fields = {k: v for k, v in header_fields.items() if k not in ("issued_at", "worker")}
     return hashlib.sha256(canonical(fields)).hexdigest()
 
 

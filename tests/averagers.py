@@ -45,13 +45,15 @@ def average_together(averagers: Sequence[SpartaAverager], index: int, weights: S
                    timeout=60, what="an averaging round")
 
 
-def signed_backwards(trainer: Keypair, run_id: str, stage: str, start: int, end: int, *, per: int = 1,
-                     kind: str = "backward") -> list[tuple[RequestHeader, str]]:
-    """The signed headers of Backwards of samples ``[start, end)``, ``per`` samples each, signed by ``trainer``."""
+def signed_backwards(trainer: Keypair, run_id: str, stage: str, start: int, end: int, *, worker: Keypair,
+                     per: int = 1, kind: str = "backward") -> list[tuple[RequestHeader, str]]:
+    """The signed headers of Backwards of samples ``[start, end)``, ``per`` samples each, signed by ``trainer`` for
+    ``worker``."""
     work = []
     for first in range(start, end, per):
         header = RequestHeader(run_id=run_id, stage=stage, kind=kind, trainer=bytes(trainer.pubkey()).hex(),
-                               microbatch_id=f"mb-{first}", sample_start=first, sample_end=min(first + per, end),
-                               dtype="float32", issued_at=now_ms(), digests={"input": f"{first:064x}"})
+                               worker=bytes(worker.pubkey()).hex(), microbatch_id=f"mb-{first}", sample_start=first,
+                               sample_end=min(first + per, end), dtype="float32", issued_at=now_ms(),
+                               digests={"input": f"{first:064x}"})
         work.append((header, bytes(trainer.sign_message(header.message())).hex()))
     return work

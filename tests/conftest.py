@@ -113,16 +113,17 @@ def make_averager(own_dht, run_id: str) -> Iterator[Callable[..., SpartaAverager
 @pytest.fixture
 def make_grad_averager(own_dht, run_id: str) -> Iterator[Callable[..., GradientAverager]]:
     """``make_grad_averager(pairs, settings)``: a GradientAverager (full mode by default) on a fresh DHT node,
-    with a key of its own on the test's roster (``enrol=False``: a stranger, whose own roster lists it). The
-    roster's one trainer is ``make_grad_averager.trainer``, whose signed Backwards credit work."""
+    with a key of its own on the test's roster (``keypair``, or a fresh one; ``enrol=False``: a stranger, whose own
+    roster lists it). The roster's one trainer is ``make_grad_averager.trainer``, whose signed Backwards credit
+    work."""
     members: set[bytes] = set()
     trainer = Keypair()
     trainers = frozenset({bytes(trainer.pubkey())})
     with ExitStack() as started:
         def make(pairs: list[tuple[str, torch.Tensor]], settings: GradientSettings | None = None,
                  cls: type[GradientAverager] = GradientAverager, stage: str = "body1",
-                 enrol: bool = True) -> GradientAverager:
-            keypair = Keypair()
+                 enrol: bool = True, keypair: Keypair | None = None) -> GradientAverager:
+            keypair = keypair or Keypair()
             if enrol:
                 members.add(bytes(keypair.pubkey()))
             roster = (lambda: Roster(0, frozenset(members), trainers)) if enrol else (

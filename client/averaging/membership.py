@@ -17,8 +17,9 @@ groupmate is admitted to a round only if
   like a malformed one rather than clipped: a peer that claims what it cannot have done is not trusted with a
   smaller weight either;
 - where the round credits work (``work``: a coordinated run's gradient rounds), its evidence — the trainer-signed
-  headers of the Backwards it accumulated — verifies, and its weight becomes at most the samples they prove
-  (``client.averaging.work``; the roster names the epoch's trainers, whose signatures count).
+  headers of the Backwards it accumulated, each naming its key as the worker it was sent to — verifies, and its
+  weight becomes at most the samples they prove (``client.averaging.work``; the roster names the epoch's
+  trainers, whose signatures count).
 
 Every groupmate sees the same gathered declarations (the leader hands the same list to all), so the honest ones
 admit the same peers and run the all-reduce among them alone; a leader also refuses a follower whose
@@ -80,19 +81,16 @@ def seal(membership: Membership, prefix: str, peer_id: bytes, epoch: int, body: 
 @dataclass(frozen=True)
 class Declared:
     """A groupmate's admitted declaration: its key, what it declared (round, weight and the rest) and, where the
-    round credits work, the samples its evidence proves and its credit for them once shared with the group
-    (``work.share_out``; None: its declared weight stands)."""
+    round credits work, the samples its evidence proves (None: its declared weight stands)."""
 
     member: bytes
     body: dict[str, Any]
     samples: frozenset[int] | None = None
-    credit: float | None = None
 
     @property
     def weight(self) -> float:
-        """The weight it averages with: its declared one, at most its credit (its proven samples, until shared)."""
-        credit = self.credit if self.credit is not None or self.samples is None else float(len(self.samples))
-        return credited(float(self.body["weight"]), credit)
+        """The weight it averages with: its declared one, at most the samples its evidence proves."""
+        return credited(float(self.body["weight"]), self.samples)
 
 
 def check(declaration: object, prefix: str, peer_id: bytes, roster: Roster, round_: int,
@@ -126,5 +124,5 @@ def check(declaration: object, prefix: str, peer_id: bytes, roster: Roster, roun
         return "its seal does not hold for its peer id"
     if work is None:
         return Declared(key, body)
-    proven = proven_samples(body.get("work"), work, round_, roster.trainers)  # signatures after the seal's
+    proven = proven_samples(body.get("work"), work, round_, roster.trainers, key)  # signatures after the seal's
     return proven if isinstance(proven, str) else Declared(key, body, proven)

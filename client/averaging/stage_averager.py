@@ -17,8 +17,8 @@ peers it meets under one DHT prefix. ``StageAverager`` adds, inside that process
   another reducer returns is checked part by part (finite, within ``_result_bound``), and a reducer whose part
   fails keeps its shard at the local values, the rest of the tensor averaged;
 - weights that follow work (``client.averaging.work``), where the round credits it: each groupmate's weight
-  is at most the samples its trainer-signed Backward headers prove, a sample k of them prove credits each
-  1/k, and each peer's parts carry the weight every groupmate credits it with;
+  is at most the samples its trainer-signed Backward headers prove, each header naming that groupmate as the
+  worker it was sent to, and each peer's parts carry the weight every groupmate credits it with;
 - what the round stands for: the declarations it returns are those of the admitted peers whose contributions
   this peer's reducers did not refuse, so the weight a caller sums never counts a banned sender's claim;
 - state transfer to joiners (``client.averaging.state_transfer``): donors declared in sealed DHT records, tried
@@ -28,7 +28,6 @@ peers it meets under one DHT prefix. ``StageAverager`` adds, inside that process
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import math
 import multiprocessing as mp
 import typing
@@ -47,7 +46,7 @@ from hivemind.utils.asyncio import achain, as_aiter, azip
 from client.averaging.membership import Declared, Membership, Roster, check, seal
 from client.averaging.robust import RobustRunner
 from client.averaging.state_transfer import SharedState, StateTransfer
-from client.averaging.work import WorkRule, share_out
+from client.averaging.work import WorkRule
 from client.helper_processes import forking_helpers
 
 logger = get_logger(__name__)
@@ -127,8 +126,7 @@ class StageAverager(StateTransfer, DecentralizedAverager):
 
     def _admit(self, group_info: GroupInfo) -> tuple[GroupInfo, dict[PeerID, Declared]]:
         """The group restricted to the peers whose declarations pass, in the leader's order; a key declared by
-        two peers seats neither, and a sample k admitted peers prove credits each 1/k (``work.share_out``).
-        Every honest groupmate computes the same from the same gathered list."""
+        two peers seats neither. Every honest groupmate computes the same from the same gathered list."""
         checked = {peer: self._check(blob, peer) for peer, blob in zip(group_info.peer_ids, group_info.gathered,
                                                                           strict=True)}
         seats: dict[bytes, int] = {}
@@ -143,10 +141,6 @@ class StageAverager(StateTransfer, DecentralizedAverager):
                 logger.warning(f"averaging round {self._round.value}: dropped groupmate {peer}: {found}")
             else:
                 admitted[peer] = found
-        if self._work is not None:
-            shared = share_out({peer: declared.samples or frozenset() for peer, declared in admitted.items()})
-            admitted = {peer: dataclasses.replace(declared, credit=shared[peer])
-                        for peer, declared in admitted.items()}
         kept = [i for i, peer in enumerate(group_info.peer_ids) if peer in admitted]
         group = GroupInfo(group_info.group_id, tuple(group_info.peer_ids[i] for i in kept),
                           tuple(group_info.gathered[i] for i in kept))

@@ -4,9 +4,13 @@ Forward and Backward requests come from the network, and a Backward changes the 
 worker serves a request only if
 
 1. a trainer signed it with its ed25519 keypair (the Solana keypair it runs with) over everything that gives
-   the request its meaning: the run, the stage, the kind (forward or backward), the microbatch, the samples it
-   covers, the wire dtype, when it was issued and the digest of every tensor it carries. Nothing in it can be
-   altered, moved to another run, stage or method, or kept and replayed later (``RequestHeader``);
+   the request its meaning: the run, the stage, the kind (forward or backward), the worker it is sent to (that
+   worker's public key, from the signed DHT record the trainer routed by), the microbatch, the samples it covers,
+   the wire dtype, when it was issued and the digest of every tensor it carries. Nothing in it can be altered,
+   moved to another run, stage, method or worker, or kept and replayed later (``RequestHeader``). Naming the
+   worker is what makes a header evidence of *its* work: a groupmate that copies it into its own declaration
+   proves nothing with it (``client.averaging.work``), and a request captured on its way to one replica of a
+   stage is refused by every other;
 2. the signer is a trainer the worker serves (``trainer_allowed``: in a coordinated run, a Trainer of the
    current epoch; standalone, any signer: ``any_signed_trainer``);
 3. a Backward follows a Forward this worker ran for the same trainer, microbatch, samples and input (a ticket,
@@ -105,6 +109,7 @@ class RequestHeader:
     stage: str
     kind: str
     trainer: str  # the signer's public key, 64 lowercase hex characters
+    worker: str  # the public key of the worker it is sent to (its DHT record's), 64 lowercase hex characters
     microbatch_id: str
     sample_start: int
     sample_end: int
@@ -127,6 +132,7 @@ _WIRE = {
     "run_id": "run",
     "stage": "stage",
     "trainer": "trainer",
+    "worker": "worker",
     "microbatch_id": "microbatch",
     "sample_start": "sample_start",
     "sample_end": "sample_end",
@@ -153,8 +159,9 @@ def read_header(
         value = meta.get(name)
         if not isinstance(value, str) or not 0 < len(value) <= max_id_chars or not value.isprintable():
             raise InvalidRequest(f"field {name!r} must be a string of 1..{max_id_chars} printable characters")
-    if not _hex(meta.get("trainer"), 32):
-        raise InvalidRequest("field 'trainer' must be the trainer's public key as 64 lowercase hex characters")
+    for name in ("trainer", "worker"):
+        if not _hex(meta.get(name), 32):
+            raise InvalidRequest(f"field {name!r} must be the {name}'s public key as 64 lowercase hex characters")
     for name in ("sample_start", "sample_end", "issued_at"):
         if not _integer(meta.get(name)):
             raise InvalidRequest(f"field {name!r} must be a non-negative integer")
@@ -163,10 +170,17 @@ def read_header(
     return RequestHeader(kind=kind, digests=digests, **fields)  # type: ignore[arg-type]
 
 
-def authenticate(header: RequestHeader, signature: MetaValue, *, run_id: str) -> None:
-    """Refuse a request for another run, too old or too far ahead of this clock, or not signed by its trainer."""
+def authenticate(header: RequestHeader, signature: MetaValue, *, run_id: str, worker: str) -> None:
+    """Refuse a request for another run or another worker than ``worker`` (this one's public key, hex), too old or
+    too far ahead of this clock, or not signed by its trainer."""
     if header.run_id != run_id:
         raise InvalidRequest(f"request for run {header.run_id!r} sent to a worker of run {run_id!r}")
+    if header.worker != worker:
+        raise InvalidRequest(
+            f"request for worker {header.worker[:16]}… sent to worker {worker[:16]}…: a trainer signs each request "
+            "for the worker it routes it to (a request replayed to another worker of the stage, or an address "
+            "that now serves another key)"
+        )
     age = (now_ms() - header.issued_at) / 1000
     if abs(age) > MAX_REQUEST_AGE:
         raise RequestRejected(

@@ -98,12 +98,13 @@ class StageCompute:
         max_batch_size: int,
         wire_codec: str = DEFAULT_CODEC,
         device: torch.device | str = "cpu",
-        signer: Keypair | None = None,
+        signer: Keypair,
     ) -> None:
         """``wire_codec`` is the run's (``wire``): the only one this stage accepts and answers in. The module and
         its optimizer state live on ``device`` in float32; computation there uses ``device.autocast``. ``signer``
-        (the worker's identity) signs the digest of every answer (``client.answers``), so that a trainer can hold a
-        wrong one against it; ``None`` answers unsigned."""
+        is the worker's identity: every request must name its public key (``admission.RequestHeader.worker``),
+        and it signs the digest of every answer (``client.answers``), so that a trainer can hold a wrong one
+        against it."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         self.wire_codec = codec_name(wire_codec)
@@ -113,6 +114,7 @@ class StageCompute:
         self.run_id = run_id
         self.max_batch_size = max_batch_size
         self.signer = signer
+        self.key = bytes(signer.pubkey()).hex()  # the worker every request it serves must name
         self.module = build_stage(config, stage)
         self.device = torch.device(device)
         self.module.to(self.device)  # before the optimizer, whose state follows its parameters
@@ -154,7 +156,7 @@ class StageCompute:
                 f"{self.wire_codec!r}"
             )
         header = read_header(meta, tensors, "backward" if backward else "forward", MAX_ID_CHARS)
-        authenticate(header, meta.get("signature"), run_id=self.run_id)
+        authenticate(header, meta.get("signature"), run_id=self.run_id, worker=self.key)
         self._check_tensors(tensors, backward)
         batch = int(tensors["input"].shape[0])
         if header.sample_end - header.sample_start != batch:
@@ -239,8 +241,6 @@ class StageCompute:
                 digests: Mapping[str, str] | None = None) -> dict[str, object]:
         """``meta`` with this worker's signed answer added (``client.answers``); ``digests`` are the tensors' if
         already computed."""
-        if self.signer is None:
-            return meta
         digests = digests if digests is not None else {name: tensor_digest(t) for name, t in tensors.items()}
         loss = meta.get("loss")
         answer = answer_digest(digests, loss if isinstance(loss, float) else None)

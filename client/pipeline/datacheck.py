@@ -90,7 +90,7 @@ class WrongData:
         digests = fields.get("digests")
         if not isinstance(digests, dict) or not all(isinstance(d, str) for d in digests.values()):
             raise ValueError("the quoted request's digests must map names to text")
-        for name in ("run_id", "stage", "kind", "trainer", "microbatch_id", "dtype"):
+        for name in ("run_id", "stage", "kind", "trainer", "worker", "microbatch_id", "dtype"):
             if not isinstance(fields[name], str):
                 raise ValueError(f"the quoted request's {name} must be text")
         for name in ("sample_start", "sample_end", "issued_at"):

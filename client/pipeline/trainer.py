@@ -17,8 +17,10 @@ pipeline's bandwidth-delay product, from the trainer's own measurements, or ``ma
 samples a step accumulates does not depend on it: the workers sum the same microbatches' gradients, in another
 order.
 
-Every request is signed with the trainer's keypair over the run, the stage, the kind, the microbatch, its
-sample range and the digests of the tensors sent (``admission.RequestHeader``); a worker's receipt names the
+Every request is signed with the trainer's keypair over the run, the stage, the kind, the worker it is sent to
+(the public key of the signed DHT record the router picked), the microbatch, its sample range and the digests of
+the tensors sent (``admission.RequestHeader``): no other worker accepts it, and only that worker can show it as
+evidence of work in its stage's gradient averaging (``client.averaging.work``). A worker's receipt names the
 trainer by its public key, and the worker signs it for the round the trainer trains (``client.receipts``): the
 trainer keeps it as proof of the work, whatever the worker reports. A microbatch is a consecutive range of
 sample indices, so its receipts can name it by ``[sample_start, sample_end)``.
@@ -389,18 +391,11 @@ class PipelineTrainer:
         """Sign and send one request to ``record``, check the answer, and tell the router how long it took;
         raises ``grpc.RpcError``, ``MessageError`` or ``_BadResponse``."""
         digests = {name: tensor_digest(tensor) for name, tensor in tensors.items()}
-        header = RequestHeader(
-            run_id=self.run_id,
-            stage=stage,
-            kind="backward" if backward else "forward",
-            trainer=self.trainer_id,
-            microbatch_id=micro.id,
-            sample_start=micro.start,
-            sample_end=micro.end,
-            dtype=self.wire_codec,
-            issued_at=now_ms(),
-            digests=digests,
-        )
+        # The worker's key is its signed DHT record's: the request serves that worker only.
+        header = RequestHeader(run_id=self.run_id, stage=stage, kind="backward" if backward else "forward",
+                               trainer=self.trainer_id, worker=record.pubkey, microbatch_id=micro.id,
+                               sample_start=micro.start, sample_end=micro.end, dtype=self.wire_codec,
+                               issued_at=now_ms(), digests=digests)
         request = encode_request(self.keypair, header, tensors)
         router = self.routers[stage]
         batch, length = tensors["input"].shape[:2]

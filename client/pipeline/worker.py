@@ -1,8 +1,9 @@
 """A stage worker: gRPC server, forward/backward queues, one runtime thread, DHT announcements.
 
-gRPC handler threads only validate and admit requests (``admission``: signed by a trainer the worker serves;
-a Backward after its own Forward, once) and queue them; a single runtime thread (``runtime``) drains the queues,
-backward first, so computation never competes with itself for the CPU and parameters change only between tasks.
+gRPC handler threads only validate and admit requests (``admission``: signed for this worker's key by a trainer
+it serves; a Backward after its own Forward, once) and queue them; a single runtime thread (``runtime``) drains the
+queues, backward first, so computation never competes with itself for the CPU and parameters change only between
+tasks.
 Gradients accumulate until ``step()``: the coordinator calls it when a round ends, or, run standalone, the worker
 steps by itself every ``auto_step_samples`` samples.
 

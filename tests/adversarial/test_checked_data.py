@@ -69,12 +69,14 @@ def test_the_head_refuses_other_tokens_and_keeps_evidence_anyone_can_check(stage
     honest, hostile = Keypair(), Keypair()
     right, other = windows(40, 42)[:, :-1], windows(90, 92)[:, :-1]
     for encoding in (torch.uint8, torch.int64):  # both encodings a trainer may send tokens in
-        payload = signed_request(honest, "head", "Forward", {"input": right.to(encoding)}, run_id=RUN, start=40)
+        payload = signed_request(honest, "head", "Forward", {"input": right.to(encoding)}, run_id=RUN, start=40,
+                                 worker=workers["head"].pubkey)
         assert decode_message(call(clients["head"], "Forward", payload), max_elements=1 << 20)[1]["output"].shape \
             == (2, TINY.seq_len, TINY.d_model)
     assert workers["head"].drain_accusations() == []
 
-    payload = signed_request(hostile, "head", "Forward", {"input": other.to(torch.uint8)}, run_id=RUN, start=40)
+    payload = signed_request(hostile, "head", "Forward", {"input": other.to(torch.uint8)}, run_id=RUN, start=40,
+                             worker=workers["head"].pubkey)
     with pytest.raises(grpc.RpcError) as refused:
         call(clients["head"], "Forward", payload)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -89,7 +91,8 @@ def test_the_tail_refuses_other_targets(stages) -> None:
     hostile = Keypair()
     hidden = torch.randn(2, TINY.seq_len, TINY.d_model)
     targets = windows(7, 9)[:, 1:].flip(1).to(torch.uint8)  # the right bytes, backwards
-    payload = signed_request(hostile, "tail", "Backward", {"input": hidden, "targets": targets}, run_id=RUN, start=7)
+    payload = signed_request(hostile, "tail", "Backward", {"input": hidden, "targets": targets}, run_id=RUN, start=7,
+                             worker=workers["tail"].pubkey)
     with pytest.raises(grpc.RpcError, match="targets of samples 7-9 is not the run's dataset"):
         call(clients["tail"], "Backward", payload)
     [evidence] = workers["tail"].drain_accusations()
@@ -102,8 +105,8 @@ def honest_evidence(stage: str = "head", start: int = 40) -> WrongData:
     tensors = {"input": windows(start, start + 2)[:, :-1].to(torch.uint8)}
     if stage != "head":
         tensors = {"input": torch.randn(2, TINY.seq_len, TINY.d_model), "targets": windows(start, start + 2)[:, 1:]}
-    meta, sent = decode_message(signed_request(Keypair(), stage, "Forward", tensors, run_id=RUN, start=start),
-                                max_elements=1 << 20)
+    meta, sent = decode_message(signed_request(Keypair(), stage, "Forward", tensors, run_id=RUN, start=start,
+                                               worker=bytes(Keypair().pubkey())), max_elements=1 << 20)
     header = read_header(meta, sent, "forward", MAX_ID_CHARS)  # as the worker reads it
     return WrongData(header.message().decode(), str(meta["signature"]))
 
@@ -165,7 +168,8 @@ def test_a_convicted_trainer_earns_nothing_and_the_health_check_removes_it() -> 
     try:
         start = hostile.start
         other = dataset.batch([start + 5, start + 6])[:, :-1].to(torch.uint8)
-        payload = signed_request(keys[hostile.client], "head", "Forward", {"input": other}, run_id=run, start=start)
+        payload = signed_request(keys[hostile.client], "head", "Forward", {"input": other}, run_id=run, start=start,
+                                 worker=head.pubkey)
         with pytest.raises(grpc.RpcError, match="not the run's dataset"):
             client.call("Forward", payload, timeout=30)
         evidence = head.drain_accusations()
@@ -230,7 +234,8 @@ def test_a_trainer_cannot_claim_another_trainers_samples_first() -> None:
     def backward(trainer: Keypair, start: int) -> bytes:
         tensors = {"input": torch.randn(2, TINY.seq_len, TINY.d_model),
                    "targets": windows(start, start + 2)[:, 1:].to(torch.uint8)}
-        return call(client, "Backward", signed_request(trainer, "tail", "Backward", tensors, run_id=RUN, start=start))
+        return call(client, "Backward", signed_request(trainer, "tail", "Backward", tensors, run_id=RUN, start=start,
+                                                       worker=tail.pubkey))
 
     try:
         with pytest.raises(grpc.RpcError, match="not this trainer's share of the round") as refused:

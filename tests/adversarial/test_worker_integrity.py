@@ -1,8 +1,9 @@
 """Attacks on a stage worker's parameters over real gRPC on loopback: hostile gradients (overflowing, huge,
 mixed among honest ones, first on a fresh worker, ratcheted, or zero to pull the bound down), Backwards
-without their Forward or replayed, requests unsigned, badly signed, signed by a trainer the worker does not
-serve or for another run, and an optimizer step that would leave the stage non-finite; and honest gradients
-the bound must not refuse (a loss spike, early training's growth).
+without their Forward or replayed (to the same worker or to another of the stage), requests unsigned, badly
+signed, signed by a trainer the worker does not serve or for another run, and an optimizer step that would
+leave the stage non-finite; and honest gradients the bound must not refuse (a loss spike, early training's
+growth).
 
 Each test drives a real ``StageWorker`` of the tiny model through its gRPC surface, as a trainer (honest or
 not) would, and checks the stage's parameters and optimizer state afterwards. Where honest gradients must
@@ -48,7 +49,8 @@ class Wire:
 
     def request(self, method: str, tensors: dict[str, torch.Tensor], **options: object) -> bytes:
         stage = self.worker.stage
-        return signed_request(self.keypair, stage, method, tensors, run_id=RUN, **options)  # type: ignore[arg-type]
+        return signed_request(self.keypair, stage, method, tensors, run_id=RUN, worker=self.worker.pubkey,
+                              **options)  # type: ignore[arg-type]
 
     def send(self, method: str, payload: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
         return decode_message(self.client.call(method, payload, timeout=30), max_elements=1 << 20)
@@ -301,6 +303,34 @@ def test_replayed_backward_is_refused(start) -> None:
         tail.stop(grace=0)
 
 
+def test_a_request_replayed_to_another_worker_of_the_stage_is_refused(start) -> None:
+    """A trainer's Forward and Backward to one body1 worker, captured and sent to another body1 worker (before
+    and after the first served them, and with the metadata's worker relabelled): the other worker computes
+    nothing, accumulates nothing and signs no receipt, since each request names the worker it was signed for.
+    (On the old code the replayed Forward was served and left a ticket, and the replayed Backward was accumulated
+    and receipted by the second worker.)"""
+    intended, other = start(), start()
+    trainer = Wire(intended)
+    inputs, grad = hidden(), hidden(0.01)
+    forward = trainer.request("Forward", {"input": inputs}, microbatch="replayed")
+    backward = trainer.backward_request(inputs, grad, "replayed")
+    elsewhere = Wire(other, trainer.keypair)  # the attacker's connection to the other worker; it holds no key
+    relabelled = {method: _altered(payload, worker=other.pubkey.hex())
+                  for method, payload in (("Forward", forward), ("Backward", backward))}
+    for served in (False, True):
+        for method, payload in (("Forward", forward), ("Backward", backward)):
+            error = elsewhere.refused(method, payload)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, error.details())
+            assert f"request for worker {intended.pubkey.hex()[:16]}" in error.details(), error.details()
+            assert f"sent to worker {other.pubkey.hex()[:16]}" in error.details(), error.details()
+            assert elsewhere.refused(method, relabelled[method]).code() == grpc.StatusCode.UNAUTHENTICATED, method
+        if not served:
+            trainer.send("Forward", forward)  # the worker it was signed for serves it, replays before or after
+            trainer.send("Backward", backward)
+    assert other.compute.samples_accumulated == 0 and other.compute.work == [] and other.drain_receipts() == []
+    assert intended.compute.samples_accumulated == B and len(intended.drain_receipts()) == 1
+
+
 def _meta(payload: bytes) -> dict:
     return decode_message(payload, max_elements=1 << 20)[0]
 
@@ -370,13 +400,14 @@ def test_a_request_signed_for_another_run_is_refused(start) -> None:
     worker = start()
     trainer = Wire(worker)
     inputs = hidden()
-    elsewhere = signed_request(trainer.keypair, "body1", "Forward", {"input": inputs}, run_id="elsewhere")
+    elsewhere = signed_request(trainer.keypair, "body1", "Forward", {"input": inputs}, run_id="elsewhere",
+                               worker=worker.pubkey)
     error = trainer.refused("Forward", elsewhere)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "run 'elsewhere'" in error.details()
     relabelled = trainer.refused("Forward", _altered(elsewhere, run=RUN))
     assert relabelled.code() == grpc.StatusCode.UNAUTHENTICATED
     # A Forward signed for another stage or as a Backward does not pass either.
-    as_head = signed_request(trainer.keypair, "head", "Forward", {"input": inputs}, run_id=RUN)
+    as_head = signed_request(trainer.keypair, "head", "Forward", {"input": inputs}, run_id=RUN, worker=worker.pubkey)
     moved = trainer.refused("Forward", _altered(as_head, stage="body1"))
     assert moved.code() == grpc.StatusCode.UNAUTHENTICATED
 

@@ -30,6 +30,7 @@ import dataclasses
 import math
 import threading
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -304,18 +305,18 @@ def gradient_round(averagers: list[GradientAverager], values: list[list[torch.Te
 
 def reverser_round(make_grad_averager, settings: GradientSettings, liar_weight: float, *,
                    liar_reduces: bool = True, attacker: type[_Reverser] | None = None,
-                   work: list[list[Any]] | None = None,
+                   work: list[list[Any]] | None = None, keys: Sequence[Keypair | None] = (None, None, None),
                    ) -> tuple[list[list[torch.Tensor]], list[Any], torch.Tensor]:
     """One gradient round of two honest workers (4 samples each) and a ``_Reverser`` (or ``attacker``) claiming
     ``liar_weight`` (declaring bandwidth 0 unless ``liar_reduces``, so that the honest workers reduce every
-    part), each proving its weight with ``work`` if given: the honest workers' gradients after it, their
-    results, and the honest mean (flat)."""
+    part), each proving its weight with ``work`` if given and keyed with ``keys`` (None: a fresh key): the
+    honest workers' gradients after it, their results, and the honest mean (flat)."""
     shared = shared_gradient()
     honest = [gradient_pairs(1, shared), gradient_pairs(2, shared)]
     honest_mean = [(a + b) / 2 for (_, a), (_, b) in zip(*honest, strict=True)]
     liar = type("GradientAverager", (attacker or _Reverser,), {"honest_mean": honest_mean})
-    averagers = [make_grad_averager(p, settings) for p in honest]
-    averagers.append(make_grad_averager(gradient_pairs(3, shared), settings, cls=liar))
+    averagers = [make_grad_averager(p, settings, keypair=key) for p, key in zip(honest, keys[:2], strict=True)]
+    averagers.append(make_grad_averager(gradient_pairs(3, shared), settings, cls=liar, keypair=keys[2]))
     if not liar_reduces:
         averagers[2].process.bandwidth = 0.0  # hivemind gathers it with each step, from the host
     values = [[t.clone() for _, t in p] for p in [*honest, gradient_pairs(3, shared)]]

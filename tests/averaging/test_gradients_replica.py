@@ -66,7 +66,8 @@ def accumulate(replica: StageReplica, seed: int, samples: int, first: int = 0) -
         param.grad = torch.randn(param.shape, generator=generator) * samples
         sums.append(param.grad.clone())
     compute.samples_accumulated = samples
-    compute.work = signed_backwards(TRAINER, replica.worker.run_id, replica.stage, first, first + samples, per=2)
+    compute.work = signed_backwards(TRAINER, replica.worker.run_id, replica.stage, first, first + samples, per=2,
+                                    worker=replica.worker.keypair)
     return sums
 
 
@@ -165,9 +166,11 @@ def test_a_run_without_gradient_averaging_builds_no_averager(make_replica, run_i
 
 def test_a_checked_microbatch_both_replicas_accumulated_still_averages(make_replica, run_id: str) -> None:
     """A checked microbatch's Backward runs on two replicas and both accumulate it (``client.pipeline.checks``):
-    their evidence overlaps, each is credited half of the shared samples, the round stands for the distinct 8,
-    and the replicas step to the same parameters. (Crediting neither, the first rule tried, skipped nearly every
-    gradient round of a run checking every microbatch.)"""
+    their evidence overlaps, each header naming its own replica, so each is credited every sample it summed, the
+    round stands for the 10 Backward samples accumulated (6 + 4, the checked 2 on both), and the replicas step to
+    the same parameters. (Crediting neither, the first rule tried, skipped nearly every gradient round of a run
+    checking every microbatch; crediting each half of a shared sample, the rule while headers named no worker,
+    stood for the distinct 8.)"""
     state = run_state(run_id, grad_averaging="full")
     replicas = serving([make_replica(state) for _ in range(2)])
     rounds = [recording(replica) for replica in replicas]
@@ -175,6 +178,6 @@ def test_a_checked_microbatch_both_replicas_accumulated_still_averages(make_repl
     accumulate(replicas[1], seed=2, samples=4, first=4)
     step_together(replicas, 0)
     assert [r[-1].status.value for r in rounds] == ["averaged"] * 2, rounds
-    assert [r[-1].samples for r in rounds] == [8, 8]
+    assert [r[-1].samples for r in rounds] == [10, 10]
     if all(r[-1].complete for r in rounds):
         assert all(torch.equal(a, b) for a, b in zip(parameters(replicas[0]), parameters(replicas[1]), strict=True))

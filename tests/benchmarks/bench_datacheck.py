@@ -35,8 +35,8 @@ from client.pipeline.optim import OptimizerConfig
 RUN = "bench-datacheck"
 
 
-def request(keypair: Keypair, kind: str, tensors: dict[str, torch.Tensor], start: int) -> bytes:
-    header = RequestHeader(run_id=RUN, stage="head", kind=kind, trainer=bytes(keypair.pubkey()).hex(),
+def request(keypair: Keypair, kind: str, tensors: dict[str, torch.Tensor], start: int, worker: str) -> bytes:
+    header = RequestHeader(run_id=RUN, stage="head", kind=kind, trainer=bytes(keypair.pubkey()).hex(), worker=worker,
                            microbatch_id=uuid.uuid4().hex[:12], sample_start=start,
                            sample_end=start + int(tensors["input"].shape[0]), dtype="float32", issued_at=now_ms(),
                            digests={name: tensor_digest(t) for name, t in tensors.items()})
@@ -48,8 +48,8 @@ def head_microbatch(compute: StageCompute, check: DataCheck | None, keypair: Key
     """Seconds the head spends on one microbatch: its Forward and its Backward, each parsed (and checked)."""
     tokens = dataset.batch(list(range(start, start + size)))[:, :-1].to(torch.uint8)
     grad = torch.randn(size, compute.config.seq_len, compute.config.d_model)
-    forward = request(keypair, "forward", {"input": tokens}, start)
-    backward = request(keypair, "backward", {"input": tokens, "grad_output": grad}, start)
+    forward = request(keypair, "forward", {"input": tokens}, start, compute.key)
+    backward = request(keypair, "backward", {"input": tokens, "grad_output": grad}, start, compute.key)
     began = time.perf_counter()
     parsed = compute.parse(forward, backward=False)
     if check is not None:
@@ -69,7 +69,8 @@ def main() -> None:
     args = parser.parse_args()
     config = ModelConfig()
     dataset = open_byte_dataset(["stdlib"], config.seq_len)
-    compute = StageCompute(config, "head", OptimizerConfig(), uid="head.0", run_id=RUN, max_batch_size=32)
+    compute = StageCompute(config, "head", OptimizerConfig(), uid="head.0", run_id=RUN, max_batch_size=32,
+                           signer=Keypair())
     check = DataCheck(dataset, config.vocab, "head")
     keypair = Keypair()
     head_microbatch(compute, check, keypair, dataset, 0, args.microbatch)  # warm up

@@ -27,7 +27,8 @@ ROUNDS = 200
 
 def main() -> None:
     trainer, worker, round_ = Keypair(), Keypair(), ReceiptRound("psyswarm", 0, 0)
-    compute = StageCompute(TINY, "body1", OptimizerConfig(), uid="body1.0.0", run_id="psyswarm", max_batch_size=4)
+    compute = StageCompute(TINY, "body1", OptimizerConfig(), uid="body1.0.0", run_id="psyswarm", max_batch_size=4,
+                           signer=worker)
     x, g = torch.randn(2, TINY.seq_len, TINY.d_model), torch.randn(2, TINY.seq_len, TINY.d_model)
 
     def unsigned(work: Receipt) -> SignedReceipt:
@@ -41,7 +42,7 @@ def main() -> None:
     for i in range(2 * ROUNDS):
         name, sign = ("signed", signed) if i % 2 else ("unsigned", unsigned)
         request = compute.parse(signed_request(trainer, "body1", "Backward", {"input": x, "grad_output": g},
-                                               microbatch=f"m{i}"), backward=True)
+                                               microbatch=f"m{i}", worker=compute.key), backward=True)
         start = time.perf_counter()
         _, receipt = compute.backward(request, sign)
         backward[name].append(time.perf_counter() - start)

@@ -30,14 +30,16 @@ from coordinator_program.spec.config import Config, Model
 REPEATS = 300
 
 
-def backwards(trainer: Keypair, run_id: str, stage: str, count: int, size: int) -> list[tuple[RequestHeader, str]]:
-    """``count`` Backwards of ``size`` samples each, as a trainer signs them (its microbatch ids, two digests)."""
+def backwards(trainer: Keypair, worker: Keypair, run_id: str, stage: str, count: int,
+              size: int) -> list[tuple[RequestHeader, str]]:
+    """``count`` Backwards of ``size`` samples each, as a trainer signs them for ``worker`` (its microbatch ids,
+    two digests)."""
     session = uuid.uuid4().hex[:12]
     work = []
     for i in range(count):
         header = RequestHeader(run_id=run_id, stage=stage, kind="backward", trainer=bytes(trainer.pubkey()).hex(),
-                               microbatch_id=f"{session}/{i}", sample_start=i * size, sample_end=(i + 1) * size,
-                               dtype="float32", issued_at=now_ms(),
+                               worker=bytes(worker.pubkey()).hex(), microbatch_id=f"{session}/{i}",
+                               sample_start=i * size, sample_end=(i + 1) * size, dtype="float32", issued_at=now_ms(),
                                digests={"input": uuid.uuid4().hex * 2, "grad_output": uuid.uuid4().hex * 2})
         work.append((header, bytes(trainer.sign_message(header.message())).hex()))
     return work
@@ -63,7 +65,7 @@ def main() -> None:
           f"round); median of {REPEATS} checks each")
     for label, count, size in [(f"{batch // micro // 2} Backwards of {micro}", batch // micro // 2, micro),
                                (f"the bound, {batch} Backwards of 1", batch, 1)]:
-        work = backwards(trainer, run_id, stage, count, size)
+        work = backwards(trainer, worker, run_id, stage, count, size)
         plain = {"round": 0, "weight": float(count * size), "norm": 1.0, "q": "", "work": []}
         proved = {**plain, "work": evidence(work)}
         sealed_plain, sealed_proved = (seal(membership, prefix, peer, 0, body) for body in (plain, proved))

@@ -36,7 +36,8 @@ class Trainer:
         inputs = torch.randn(MICRO, TINY.seq_len, TINY.d_model)
         grad = torch.randn(MICRO, TINY.seq_len, TINY.d_model) * 0.01
         for method, tensors in (("Forward", {"input": inputs}), ("Backward", {"input": inputs, "grad_output": grad})):
-            request = signed_request(self.keypair, "body1", method, tensors, run_id=RUN, microbatch=name, start=start)
+            request = signed_request(self.keypair, "body1", method, tensors, run_id=RUN, microbatch=name, start=start,
+                                     worker=self.worker.pubkey)
             self.client.call(method, request, timeout=30)
 
     def refused(self, start: int, microbatch: str | None = None) -> str:
@@ -91,9 +92,10 @@ def test_a_forward_outside_the_round_is_refused(worker: StageWorker) -> None:
     trainer = Trainer(worker)
     worker.ledger.expect_samples(BATCH, 2 * BATCH)  # round 1
     inputs = {"input": torch.randn(MICRO, TINY.seq_len, TINY.d_model)}
-    stale = signed_request(trainer.keypair, "body1", "Forward", inputs, run_id=RUN, start=0)
+    stale = signed_request(trainer.keypair, "body1", "Forward", inputs, run_id=RUN, start=0, worker=worker.pubkey)
     with pytest.raises(grpc.RpcError) as raised:
         trainer.client.call("Forward", stale, timeout=30)
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not in the round" in raised.value.details()
-    current = signed_request(trainer.keypair, "body1", "Forward", inputs, run_id=RUN, start=BATCH)
+    current = signed_request(trainer.keypair, "body1", "Forward", inputs, run_id=RUN, start=BATCH,
+                             worker=worker.pubkey)
     assert trainer.client.call("Forward", current, timeout=30)

@@ -37,13 +37,14 @@ def test_a_head_refuses_ids_outside_its_vocabulary_and_keeps_serving(head, bad) 
     before = [p.clone() for p in worker.parameters()]
     with pytest.raises(grpc.RpcError) as raised:
         client.call("Backward", signed_request(TRAINER, "head", "Backward",
-                                               {"input": bad, "grad_output": torch.ones(2, bad.shape[1], 32)}),
-                    timeout=10)
+                                               {"input": bad, "grad_output": torch.ones(2, bad.shape[1], 32)},
+                                               worker=worker.pubkey), timeout=10)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"outside 0..{VOCAB - 1}" in raised.value.details() or "sequence length" in raised.value.details()
     assert worker.compute.samples_accumulated == 0
     assert all(torch.equal(a, b) for a, b in zip(before, worker.parameters(), strict=True))
     ok = torch.full((2, SEQ_LEN), VOCAB - 1, dtype=torch.int64)
-    _, out = decode_message(client.call("Forward", signed_request(TRAINER, "head", "Forward", {"input": ok}),
-                                        timeout=10), max_elements=10**6)
+    _, out = decode_message(client.call("Forward", signed_request(TRAINER, "head", "Forward", {"input": ok},
+                                                                  worker=worker.pubkey), timeout=10),
+                            max_elements=10**6)
     assert out["output"].shape == (2, SEQ_LEN, 32)

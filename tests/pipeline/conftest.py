@@ -69,6 +69,7 @@ def signed_request(
     method: str,
     tensors: dict[str, torch.Tensor],
     *,
+    worker: bytes | str,
     run_id: str = "psyswarm",
     microbatch: str | None = None,
     start: int = 0,
@@ -77,15 +78,16 @@ def signed_request(
     issued_at: int | None = None,
     **meta_overrides: object,
 ) -> bytes:
-    """A Forward or Backward request signed by ``keypair`` as ``PipelineTrainer`` signs one, covering samples
-    ``[start, end)`` (``end`` defaults to ``start + batch``); ``meta_overrides`` then replace metadata fields
-    without re-signing."""
+    """A Forward or Backward request signed by ``keypair`` as ``PipelineTrainer`` signs one for the worker whose
+    public key is ``worker`` (raw or hex), covering samples ``[start, end)`` (``end`` defaults to
+    ``start + batch``); ``meta_overrides`` then replace metadata fields without re-signing."""
     batch = int(tensors["input"].shape[0]) if "input" in tensors and tensors["input"].dim() else 1
     header = RequestHeader(
         run_id=run_id,
         stage=stage,
         kind=method.lower(),
         trainer=bytes(keypair.pubkey()).hex(),
+        worker=worker if isinstance(worker, str) else worker.hex(),
         microbatch_id=microbatch or uuid.uuid4().hex[:12],
         sample_start=start,
         sample_end=start + batch if end is None else end,

@@ -64,16 +64,17 @@ def test_a_gpu_without_bf16_computes_in_float32(one_gpu, monkeypatch) -> None:
 
 
 def test_a_cpu_stage_computes_and_keeps_everything_in_float32() -> None:
+    worker, round_ = Keypair(), ReceiptRound("psyswarm", 0, 0)
     compute = StageCompute(TINY, "body1", OptimizerConfig(), uid="body1.0.0", run_id="psyswarm", max_batch_size=4,
-                           device=parse_device("cpu"))
+                           device=parse_device("cpu"), signer=worker)
     x = torch.randn(2, TINY.seq_len, TINY.d_model, generator=torch.Generator().manual_seed(0))
     grad = torch.randn(2, TINY.seq_len, TINY.d_model, generator=torch.Generator().manual_seed(1))
     expected = compute.module(x)
-    _, out = decode_message(compute.forward(compute.parse(signed_request(TRAINER, "body1", "Forward", {"input": x}),
-                                                          backward=False)), max_elements=10**6)
+    _, out = decode_message(compute.forward(compute.parse(signed_request(TRAINER, "body1", "Forward", {"input": x},
+                                                                         worker=compute.key), backward=False)),
+                            max_elements=10**6)
     assert out["output"].dtype == torch.float32 and torch.equal(out["output"], expected.detach())
-    payload = signed_request(TRAINER, "body1", "Backward", {"input": x, "grad_output": grad})
-    worker, round_ = Keypair(), ReceiptRound("psyswarm", 0, 0)
+    payload = signed_request(TRAINER, "body1", "Backward", {"input": x, "grad_output": grad}, worker=compute.key)
     response, _ = compute.backward(compute.parse(payload, backward=True),
                                    lambda work: SignedReceipt.sign(worker, work, round_))
     _, back = decode_message(response, max_elements=10**6)

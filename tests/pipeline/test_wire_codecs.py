@@ -114,7 +114,7 @@ class Hostile:
 
     def call(self, method: str, tensors: dict, *, microbatch: str, dtype: str = "int8") -> dict:
         payload = signed_request(self.keypair, "body1", method, tensors, run_id=RUN, microbatch=microbatch,
-                                 dtype=dtype)
+                                 dtype=dtype, worker=self.worker.pubkey)
         return decode_message(self.client.call(method, payload, timeout=30), max_elements=1 << 20)[1]
 
     def microbatch(self, inputs: torch.Tensor, grad: object) -> None:

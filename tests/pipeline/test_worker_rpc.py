@@ -20,12 +20,13 @@ from .conftest import TINY, signed_request
 
 B, T, D = 2, TINY.seq_len, TINY.d_model
 MAX_BATCH = 4
+KEYS = {stage: Keypair() for stage in ("head", "body1", "tail")}  # each stage's worker's: requests name it
 
 
 @pytest.fixture(scope="module")
 def workers():
     """One worker per stage without a DHT: only the RPC surface is under test here."""
-    started = {s: StageWorker(TINY, s, max_batch_size=MAX_BATCH).start() for s in ("head", "body1", "tail")}
+    started = {s: StageWorker(TINY, s, max_batch_size=MAX_BATCH, keypair=KEYS[s]).start() for s in KEYS}
     clients = {s: StageClient(w.address, max_message_bytes=64 << 20) for s, w in started.items()}
     yield started, clients
     for client in clients.values():
@@ -38,6 +39,8 @@ TRAINER = Keypair()
 
 
 def request(stage: str, method: str, tensors: dict[str, torch.Tensor], **options: object) -> bytes:
+    """A request signed for the worker of ``stage``."""
+    options.setdefault("worker", bytes(KEYS[stage].pubkey()))
     return signed_request(TRAINER, stage, method, tensors, **options)  # type: ignore[arg-type]
 
 
@@ -68,6 +71,7 @@ BAD = [
      "stage 'body1' sent to a worker of stage"),
     ("head", "Forward", lambda: request("head", "Forward", {"input": tokens()}, trainer=""), "'trainer'"),
     ("head", "Forward", lambda: request("head", "Forward", {"input": tokens()}, trainer="t"), "64 lowercase hex"),
+    ("head", "Forward", lambda: request("head", "Forward", {"input": tokens()}, worker="W" * 64), "'worker'"),
     ("head", "Forward", lambda: request("head", "Forward", {"input": tokens()}, microbatch=7), "'microbatch'"),
     ("head", "Forward", lambda: request("head", "Forward", {"input": tokens()}, dtype="float64"), "'dtype'"),
     ("head", "Forward", lambda: request("head", "Forward", {"input": tokens()}, sample_start=-1), "'sample_start'"),
@@ -192,7 +196,7 @@ def test_half_precision_activations_in_a_half_precision_run(workers) -> None:
     forward = request("body1", "Forward", {"input": inputs}, microbatch="half", dtype="float16")
     with pytest.raises(grpc.RpcError, match="this run's wire codec is 'float32'"):  # the module's run is fp32
         clients["body1"].call("Forward", forward, timeout=10)
-    with StageWorker(TINY, "body1", max_batch_size=MAX_BATCH, wire_codec="float16") as half:
+    with StageWorker(TINY, "body1", max_batch_size=MAX_BATCH, wire_codec="float16", keypair=KEYS["body1"]) as half:
         client = StageClient(half.address, max_message_bytes=64 << 20)
         _, out = decode_message(client.call("Forward", forward, timeout=10), max_elements=10**6)
         assert out["output"].dtype == torch.float16
