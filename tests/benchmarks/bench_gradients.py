@@ -28,17 +28,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import statistics
 import time
 
 import torch
 from bench_sparta import SETTINGS, Run, allreduce_bytes_sent, parse_sparta, reference, system  # this directory
 
 from client.averaging.gradients import GradAveraging, GradientSettings, round_payload
+from client.averaging.sparta import SpartaSettings
 from client.data import open_byte_dataset
 from client.pipeline.model import ModelConfig, build_stage, stage_names
 
-# Gradient rounds run at every step: matchmaking waits a fraction of a second on loopback.
-QUICK = dataclasses.replace(SETTINGS, min_matchmaking_time=0.3, request_timeout=0.15, matchmaking_timeout=5.0)
+
+def quick(matchmaking: float) -> SpartaSettings:
+    """Gradient rounds run at every step: matchmaking waits ``matchmaking`` seconds (a fraction of one on
+    loopback for a pair; groups of three need longer under load) and requests time out at half of it."""
+    return dataclasses.replace(SETTINGS, min_matchmaking_time=matchmaking, request_timeout=matchmaking / 2,
+                               matchmaking_timeout=5.0)
 
 
 def gradient_bytes(config: ModelConfig, settings: GradientSettings, group_size: int) -> dict[str, tuple[int, int]]:
@@ -67,8 +73,14 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--held-out", type=int, default=64)
     parser.add_argument("--last", type=int, default=20, help="rounds averaged for the final training loss")
+    parser.add_argument("--workers-per-stage", type=int, default=2,
+                        help="replicas per stage (the robust reduction differs from the mean from 3 on)")
+    parser.add_argument("--matchmaking", type=float, default=0.3,
+                        help="seconds each gradient round's matchmaking waits for groupmates")
+    parser.add_argument("--undefended", action="store_true",
+                        help="also run each gradient-averaging setting without the averaging layer's defences "
+                             "(hivemind's weighted mean of declared weights), for their cost side by side")
     args = parser.parse_args()
-    args.workers_per_stage = 2
     logging.basicConfig(level=logging.WARNING)
 
     config = ModelConfig(n_layers=args.layers, d_model=args.width, seq_len=args.seq_len)
@@ -76,17 +88,20 @@ def main() -> None:
     held_out = list(range(dataset.num_samples - args.held_out, dataset.num_samples))
     tokens = args.rounds * args.batch_size * config.seq_len
     every, partitions = args.sparta
-    full = GradientSettings(GradAveraging.FULL, timeouts=QUICK)
+    full = GradientSettings(GradAveraging.FULL, timeouts=quick(args.matchmaking))
     ranks = args.rank or [2]
-    powersgd = [GradientSettings(GradAveraging.POWERSGD, rank=rank, timeouts=QUICK) for rank in ranks]
+    powersgd = [GradientSettings(GradAveraging.POWERSGD, rank=rank, timeouts=quick(args.matchmaking)) for rank in ranks]
     print(f"model: {config}")
     print(f"{args.rounds} rounds x {args.batch_size} samples x {config.seq_len} tokens = {tokens:,} tokens, "
-          f"2 workers per stage, {torch.get_num_threads()} torch threads", flush=True)
+          f"{args.workers_per_stage} workers per stage, {torch.get_num_threads()} torch threads", flush=True)
 
     started = time.monotonic()
     runs: list[Run] = [reference(config, dataset, args, held_out)]
     for sparta, gradients in [(None, None), (every, None), (None, full), *((every, p) for p in powersgd)]:
         runs.append(system(config, dataset, args, held_out, sparta, partitions if sparta else 1, gradients))
+        if gradients is not None and args.undefended:
+            runs.append(system(config, dataset, args, held_out, sparta, partitions if sparta else 1, gradients,
+                               defended=False))
 
     base = runs[0]
     print()
@@ -96,13 +111,16 @@ def main() -> None:
         train = run.tail_loss(args.last)
         print(f"  {run.name:70s} training {train:.4f} ({train / base.tail_loss(args.last) - 1:+.2%})  "
               + "  ".join(f"{k} {v:.4f} ({v / base.held_out['model'] - 1:+.2%})" for k, v in run.held_out.items())
+              + (f"  {statistics.median(run.seconds):.3f} s/round (median)" if run.seconds else "")
+              + (f"  {sum(run.shared)}/{len(run.shared)} gradient rounds shared" if run.shared else "")
               + (f"  [{run.lost} rounds lost]" if run.lost else ""))
     print()
-    print("bytes each worker sends per step averaging its gradients (group of 2):")
-    dense = gradient_bytes(config, full, 2)
+    group = args.workers_per_stage
+    print(f"bytes each worker sends per step averaging its gradients (group of {group}):")
+    dense = gradient_bytes(config, full, group)
     total_full = sum(b for _, b in dense.values())
     for settings in powersgd:
-        compressed = gradient_bytes(config, settings, 2)
+        compressed = gradient_bytes(config, settings, group)
         for name, (params, full_bytes) in dense.items():
             print(f"  {name:6s} {params:>9,} parameters: full {full_bytes:>10,} B   PowerSGD rank {settings.rank} "
                   f"{compressed[name][1]:>9,} B   (1/{full_bytes / compressed[name][1]:.1f})")

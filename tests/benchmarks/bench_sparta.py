@@ -23,16 +23,22 @@ without any averaging, to show what SPARTA buys.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import logging
 import statistics
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from bench_robust import weighted_mean  # this directory
+from solders.keypair import Keypair
 
+from client.averaging import robust
 from client.averaging.gradients import GradientAverager, GradientSettings
 from client.averaging.membership import Roster
 from client.averaging.sparta import (
@@ -64,6 +70,8 @@ class Run:
     lost: int = 0  # rounds the trainer gave up on (a worker's admission bound kept refusing a loss spike)
     passes: int = 0
     rounds: list[AveragingResult] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # wall time per round: training, stepping, averaging
+    shared: list[bool] = field(default_factory=list)  # per worker and step: whether its gradient round was shared
 
     def tail_loss(self, last: int) -> float:
         return statistics.fmean(self.losses[-last:])
@@ -93,15 +101,40 @@ def reference(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespac
     return run
 
 
+@contextlib.contextmanager
+def undefended() -> Iterator[None]:
+    """Reducers take hivemind's weighted mean instead of ``robust_mean`` (no weight cap, no clipping), for
+    averagers created inside: each forks its hivemind process, which keeps the module as it was at the fork."""
+    defended = robust.robust_mean
+    robust.robust_mean = lambda parts, weights, kappa=robust.KAPPA: weighted_mean(list(parts), list(weights))
+    try:
+        yield
+    finally:
+        robust.robust_mean = defended
+
+
 def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
-           every: int | None, partitions: int, gradients: GradientSettings | None = None) -> Run:
+           every: int | None, partitions: int, gradients: GradientSettings | None = None,
+           defended: bool = True) -> Run:
     """The pipeline with ``--workers-per-stage`` replicas per stage; SPARTA p = 1/``partitions`` every ``every``
     steps (None: never); with ``gradients``, the stage's workers also average their gradients before every step
-    (``client.averaging.gradients``, used by tests/benchmarks/bench_gradients.py)."""
+    (``client.averaging.gradients``, used by tests/benchmarks/bench_gradients.py), with the averaging layer's
+    defences (robust reduction, weights from the trainer's signed Backwards) or, ``defended`` False, without
+    (hivemind's weighted mean of the declared weights)."""
+    with contextlib.nullcontext() if defended else undefended():
+        return _system(config, dataset, args, held_out, every, partitions, gradients, defended)
+
+
+def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
+            every: int | None, partitions: int, gradients: GradientSettings | None, defended: bool) -> Run:
     replicas_name = f"{args.workers_per_stage} workers/stage"
     if gradients is not None:
         rank = f" rank {gradients.rank}" if gradients.rank else ""
         replicas_name += f", {gradients.mode.value}{rank} gradient averaging"
+        if defended:
+            gradients = dataclasses.replace(gradients, round_samples=args.batch_size, max_weight=args.batch_size)
+        else:
+            replicas_name += " (undefended)"
     run = Run(f"{replicas_name}, SPARTA 1/{partitions} every {every}" if every else
               f"{replicas_name}, no SPARTA" if gradients else f"{replicas_name}, no averaging")
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
@@ -113,7 +146,9 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
                                dht=dhts[j * args.workers_per_stage + i], max_batch_size=args.microbatch_size)
                    for i in range(args.workers_per_stage)] for j, s in enumerate(names)}
     averagers = {}
-    rosters = {s: Roster(0, frozenset(w.pubkey for w in replicas)) for s, replicas in workers.items()}
+    trainer_key = Keypair()
+    rosters = {s: Roster(0, frozenset(w.pubkey for w in replicas), frozenset({bytes(trainer_key.pubkey())}))
+               for s, replicas in workers.items()}
     if every:  # before the workers serve: each averager forks hivemind's process
         averagers = {w.uid: SpartaAverager.for_worker(w, w.dht, partitions=partitions, seed=config.seed,
                                                       roster=functools.partial(lambda s: rosters[s], s),
@@ -127,10 +162,11 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
                 grad_averagers.append(GradientAverager.for_worker(
                     w, w.dht, seed=config.seed, settings=gradients,
                     roster=functools.partial(lambda s: rosters[s], w.stage)))
-                w.compute.optimizer.gradient_exchange = grad_averagers[-1].exchange(lambda: current["round"],
-                                                                                    float)
+                w.compute.optimizer.gradient_exchange = grad_averagers[-1].exchange(
+                    lambda: current["round"], float, work_of=functools.partial(lambda w: w.compute.work, w))
     directory = WorkerDirectory(bootstrap, run_id, config.fingerprint())
-    trainer = PipelineTrainer(config, dataset, directory, run_id=run_id, max_inflight=args.inflight, refresh_period=1.0)
+    trainer = PipelineTrainer(config, dataset, directory, run_id=run_id, max_inflight=args.inflight, refresh_period=1.0,
+                              keypair=trainer_key)
     samples = {w.uid: 0 for replicas in workers.values() for w in replicas}
     try:
         for replicas in workers.values():
@@ -139,6 +175,7 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
         while not all(len(directory.workers(s)) == args.workers_per_stage for s in names):
             time.sleep(0.2)
         for round_ in range(args.rounds):
+            round_started = time.perf_counter()
             try:
                 result = trainer.train(batch(round_, args.batch_size), args.microbatch_size)
             except PipelineError as exc:  # the workers still step on what they accumulated, as the swarm does
@@ -154,10 +191,12 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
                     samples[worker.uid] += sum(r.sample_end - r.sample_start for r in worker.drain_receipts())
             current["round"] = round_
             step_all([w for replicas in workers.values() for w in replicas])
+            run.shared += [a.last is not None and a.last.round == round_ and a.last.shared for a in grad_averagers]
             index = averaging_index(round_ + 1, every) if every else None
             if index is not None:
                 run.rounds += average_all(workers, averagers, samples, index)
                 samples = dict.fromkeys(samples, 0)
+            run.seconds.append(time.perf_counter() - round_started)
             if (round_ + 1) % 50 == 0:
                 print(f"  {run.name}: round {round_ + 1}, loss {statistics.fmean(run.losses[-50:]):.4f}", flush=True)
         modules = {s: [w.compute.module for w in replicas] for s, replicas in workers.items()}
