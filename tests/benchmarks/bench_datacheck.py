@@ -31,6 +31,7 @@ from client.pipeline.datacheck import DataCheck
 from client.pipeline.messages import tensor_digest
 from client.pipeline.model import ModelConfig
 from client.pipeline.optim import OptimizerConfig
+from client.receipts import ReceiptRound, SignedReceipt
 
 RUN = "bench-datacheck"
 
@@ -58,7 +59,7 @@ def head_microbatch(compute: StageCompute, check: DataCheck | None, keypair: Key
     parsed = compute.parse(backward, backward=True)
     if check is not None:
         check.check(parsed)
-    compute.backward(parsed)
+    compute.backward(parsed, lambda work: SignedReceipt.sign(compute.signer, work, ReceiptRound(RUN, 0, 0)))
     return time.perf_counter() - began
 
 
@@ -96,7 +97,7 @@ def main() -> None:
 def _time_check(check: DataCheck, compute: StageCompute, keypair: Keypair, dataset, size: int) -> float:
     """Seconds of the check alone for one microbatch's two requests (the mean of 50)."""
     tokens = dataset.batch(list(range(size)))[:, :-1].to(torch.uint8)
-    parsed = compute.parse(request(keypair, "forward", {"input": tokens}, 0), backward=False)
+    parsed = compute.parse(request(keypair, "forward", {"input": tokens}, 0, compute.key), backward=False)
     began = time.perf_counter()
     for _ in range(50):
         check.check(parsed)
