@@ -11,8 +11,8 @@ groupmate is admitted to a round only if
   reuse a member's declaration: it would have to send its parts as the member);
 - it declares this round and epoch, and no other groupmate declares the same key (one seat per member);
 - its weight is a number from 0 to the most its role can honestly claim in such a round (``max_weight``: a
-  round's global batch for a gradient round, ``sparta_every`` global batches for a SPARTA round, the samples a
-  worker can have processed between two of them). A mean follows a large weight without bound, and in a group
+  round's global batch for a gradient round, the samples a worker can have processed in it; 1 for a SPARTA
+  round, where replicas weigh alike). A mean follows a large weight without bound, and in a group
   of two the robust reduction's cap binds nobody (``client.averaging.robust``), so a claim above it is refused
   like a malformed one rather than clipped: a peer that claims what it cannot have done is not trusted with a
   smaller weight either;

@@ -30,7 +30,7 @@ So one member of a group of three or more cannot move the stage further than κ 
 disagreement, whatever it sends and whatever weight it claims. With k = 2 positive-weight senders there is no
 majority to tell the liar by, and the cap binds nobody: the result is the weighted mean, a group of two trusts
 both. What bounds a liar there is the weight it may claim: no more than ``max_weight``, what its role can
-honestly have done (a round's global batch for gradients, ``sparta_every`` global batches for SPARTA), and
+honestly have done (a round's global batch for gradients; 1 in SPARTA, where replicas weigh alike), and
 every part it sends must carry the weight it declared (``membership``, ``stage_averager``); so its weight is
 ω_b ≤ max_weight / (max_weight + w_h), w_h the honest member's. Capping the larger weight at the smaller would
 halve a liar's pull but weigh honest pairs' unequal samples equally, the commonest honest case (two workers

@@ -16,12 +16,12 @@ change rather than overwriting keeps any optimizer step taken while the network 
 changes are applied: where a group ended up with no weight for some elements (a weighted peer failed
 mid-round and the rest weigh 0) those elements keep their local value instead of becoming NaN.
 
-Weights. A round's weight is the samples the worker processed since the last round, at most
-``max_weight`` = ``sparta_every`` × the round's global batch (a step accumulates one global batch at most);
-a groupmate claiming more is dropped before the all-reduce, and one that sends its parts with another weight
-than it declared is banned by every honest reducer (``stage_averager``): in a group of two, where the
-robust reduction trusts both members, a liar's pull on the result is at most max_weight / (max_weight + the
-honest weight), not everything.
+Weights. A round's weight is the caller's, at most ``max_weight`` (the swarm's replicas weigh 1 each when they
+trained since the last round, 0 otherwise: ``client.join.stage_replica.REPLICA_WEIGHT``); a groupmate claiming
+more is dropped before the all-reduce, and one that sends its parts with another weight than it declared is
+banned by every honest reducer (``stage_averager``): in a group of two, where the robust reduction trusts both
+members, a liar's pull on the result is at most max_weight / (max_weight + the honest weight), one half when
+both weigh alike, not everything.
 
 Faults. A groupmate whose declaration does not pass (a stranger, another round, a malformed, negative or
 too large weight) is dropped before the all-reduce and the others average among themselves (``stage_averager``).

@@ -12,9 +12,8 @@ join flow (seeds/contributor-join-flow.txt) and of fault tolerance (seeds/fault-
   trainers, averaging weight 0) and phase 2 (routed to, weight 0) before full participation — provided the
   stage has another worker to catch up with; a lone worker *is* its stage and starts active.
 - Averaging: after each optimizer step whose number is a multiple of ``sparta_every``, one SPARTA partition
-  with the stage's peers, weighted by the samples this worker processed since the last averaging round
-  (0 while syncing: it receives the average and adds nothing), at most ``sparta_every`` global batches: the
-  most any groupmate may claim (``sparta_max_weight``).
+  with the stage's peers, every replica that trained since the last averaging round weighing ``REPLICA_WEIGHT``
+  (0 while syncing or idle: it receives the average and adds nothing), the most any groupmate may claim.
 
 Only an active worker serves its state to joiners, and only while its last digest agreed with its stage's majority
 (``agrees``, ``client.witness.digests``); its sharing priority is the step its state belongs to, so joiners try the
@@ -106,10 +105,12 @@ def gradient_averager(state: CoordinatorState, worker: StageWorker, dht,
     return GradientAverager.for_worker(worker, dht, seed=state.model.init_seed, settings=settings, roster=roster)
 
 
-def sparta_max_weight(state: CoordinatorState) -> float:
-    """The most samples a worker can process between two SPARTA rounds, so the most weight any groupmate may
-    claim in one: ``sparta_every`` steps of one global batch each (a step accumulates its round's batch only)."""
-    return float(state.model.sparta_every * state.config.global_batch_size)
+REPLICA_WEIGHT = 1.0
+"""What a replica that trained since the last SPARTA round weighs in it, and the most any groupmate may declare.
+SPARTA averages parameters, each replica's a model in its own right, and the method's mean weighs them alike;
+weighing each by the samples it processed would let a member claim a stage's worth of batches nobody can check
+(it takes part in no round's evidence: SPARTA's weight covers ``sparta_every`` steps). Alike, a liar's pull is
+one member's share, 1/2 in a pair and at most the median's share from three on, whatever it claims."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ class StageReplica:
             worker, dht, partitions=state.model.sparta_partitions, seed=state.model.init_seed,
             roster=roster, settings=sparta_settings(state.config.round_witness_time),
             state_provider=worker_state_provider(worker, lambda: replica.local_step or 0),
-            max_weight=sparta_max_weight(state))
+            max_weight=REPLICA_WEIGHT)
         replica = cls(worker, averager, SyncTracker(SyncPolicy.from_model(state.model), say=say),
                       WorkerDirectory(dht, namespace, config.fingerprint()), every=state.model.sparta_every,
                       gradients=gradient_averager(state, worker, dht, roster),
@@ -370,7 +371,7 @@ class StageReplica:
         index = averaging_index(completed_step, self.every)
         if index is None:
             return None
-        weight = self.tracker.averaging_weight(float(self.samples_since_average))
+        weight = self.tracker.averaging_weight(REPLICA_WEIGHT if self.samples_since_average else 0.0)
         self.samples_since_average = 0
         peers = self.peers()
         with self.worker.batches_held():  # averaging happens outside training, even when it outlasts RoundWitness

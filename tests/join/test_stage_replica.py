@@ -5,6 +5,7 @@ Real DHT nodes, real averagers and real workers announcing themselves; the Hub i
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from solders.keypair import Keypair
 from client.averaging.membership import Roster
 from client.contributor.run_model import model_config
 from client.join.checkpoints import save_snapshot, save_stage, snapshot_root
-from client.join.stage_replica import StageReplica, StateSources
+from client.join.stage_replica import REPLICA_WEIGHT, StageReplica, StateSources
 from client.join.sync import SyncPhase
 from coordinator_program.spec import limits
 from coordinator_program.spec.config import Checkpoint, CheckpointKind, parse_run_spec
@@ -241,3 +242,34 @@ def test_a_later_run_of_the_same_id_does_not_see_the_earlier_runs_workers(make_r
     wait_until(lambda: first.peers() == 1 and second.peers() == 1, what="the earlier run's workers to meet")
     assert newcomer.peers() == 0
     assert newcomer.worker.run_id != first.worker.run_id and newcomer.averager.prefix != first.averager.prefix
+
+
+def test_sparta_replicas_weigh_alike_and_one_that_trained_nothing_adds_nothing(make_replica, run_id: str) -> None:
+    """A SPARTA round weighs each replica that trained since the last one ``REPLICA_WEIGHT``, however many samples
+    it processed, and one that trained nothing 0; no member may declare more (the averager's cap), so a member
+    claiming the stage's batches since the last round (what the cap allowed while weights were samples) is
+    refused like a malformed declaration."""
+    state = run_state(run_id, 0)
+    replicas = [make_replica(state) for _ in range(2)]
+    for replica in replicas:
+        replica.load(state, 1, StateSources(), lambda: None)
+        replica.begin(0)
+        replica.start()
+    trained, idle = replicas
+    wait_until(lambda: trained.peers() == 1 and idle.peers() == 1, timeout=20)
+    compute = trained.worker.compute
+    for param in compute.module.parameters():
+        param.grad = torch.ones_like(param)
+    compute.samples_accumulated = 6  # samples of the round's batch, as Backwards leave them
+    assert trained.step(0).applied and trained.samples_since_average == 6
+    idle.step(0)
+    every = SPEC["model"]["sparta_every"]
+    results = {}
+    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, r.average(every))) for r in replicas]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results[trained].weight == REPLICA_WEIGHT and results[idle].weight == 0.0
+    assert trained.samples_since_average == 0
+    assert all(r.averager.max_weight == REPLICA_WEIGHT for r in replicas)
