@@ -171,6 +171,14 @@ class Bench:
         assert self.state.clients == []
 
 
+def print_largest(table: dict[str, dict[int, int]]) -> None:
+    """The costliest tick against what a tick asks for, and the costliest other instruction against the default."""
+    ticks = [units for label, row in table.items() if label.startswith("tick") for units in row.values()]
+    others = [units for label, row in table.items() if not label.startswith("tick") for units in row.values()]
+    print(f"largest tick: {max(ticks):,} CU (it asks for {TICK_UNITS:,}: onchain.budget)")
+    print(f"largest other instruction: {max(others):,} CU (budget {DEFAULT_UNITS:,}, no compute-unit request)")
+
+
 def main() -> int:
     table: dict[str, dict[int, int]] = defaultdict(dict)
     for clients in SIZES:
@@ -179,10 +187,8 @@ def main() -> int:
     for label, row in table.items():
         cells = "".join(f"{row[n]:>16,}" if n in row else f"{'n/a':>16}" for n in SIZES)
         print(f"{label:<52}{cells}")
-    ticks = [units for label, row in table.items() if label.startswith("tick") for units in row.values()]
-    others = [units for label, row in table.items() if not label.startswith("tick") for units in row.values()]
-    print(f"\nlargest tick: {max(ticks):,} CU (it asks for {TICK_UNITS:,}: onchain.budget)")
-    print(f"largest other instruction: {max(others):,} CU (budget {DEFAULT_UNITS:,}, no compute-unit request)")
+    print()
+    print_largest(table)
     chain = ProgramChain()
     for name, size in (("coordinator account", ACCOUNT_SIZE), ("instance account", INSTANCE_SIZE)):
         rent = chain.svm.minimum_balance_for_rent_exemption(size)
