@@ -17,14 +17,17 @@ import copy
 import dataclasses
 import hashlib
 
-from coordinator_chain import Swarm, training_swarm
+from coordinator_chain import ProgramChain, Replay, Swarm, program_instruction, training_swarm
 from solders.keypair import Keypair
+from solders.transaction_metadata import FailedTransactionMetadata
 
-from coordinator_program.spec import derived, errors
+from coordinator_program.onchain.budget import DEFAULT_UNITS, TICK_UNITS, requested_units
+from coordinator_program.spec import derived, errors, limits
 from coordinator_program.spec.beacon import mix_reveal, seed_commitment
 from coordinator_program.spec.instructions import CommitSeed, JoinRun, RevealSeed, Tick, Withdraw
 from coordinator_program.spec.selection import next_seed
-from coordinator_program.spec.state import Health, Phase, Role
+from coordinator_program.spec.state import Client, Health, Phase, Role
+from tests.program.test_conformance import full_config
 from tests.spec.scenario import MODEL, SMALL
 
 CONFIG = dataclasses.replace(SMALL, min_clients=5, max_clients=10, witness_nodes=3, witness_quorum=2, total_steps=20,
@@ -220,3 +223,32 @@ def test_leaving_once_the_next_seed_is_known_re_rolls_no_one_elses_seat() -> Non
         kept = [w for w in staying if w != leaver]
         assert after[:len(kept)] == kept, "a withdrawal moved another client's seat"
         assert len(after) == len(kept) + (leaver in staying)
+
+
+def test_a_tick_that_elects_among_1024_clients_asks_for_what_it_needs() -> None:
+    """At 1,024 clients the tick that starts round 0 ranks every client's ticket (a sha256 each): more than the
+    default 200,000 units an instruction gets, so a tick sent without a request fails and changes nothing, and within
+    what a tick asks for (``onchain.budget``, as the Solana backend sends it), where the program's election equals
+    the specification's."""
+    authority = Keypair()
+    replay = Replay(ProgramChain(), authority, "elect-1024")
+    state = copy.deepcopy(replay.state)
+    state.config, state.model = full_config(limits.MAX_CLIENTS), MODEL
+    state.phase, state.phase_start, state.pause_requested = Phase.Warmup, replay.now, False
+    state.clients = [Client(hashlib.sha256(b"client %d" % i).digest(), Role.Trainer if i % 8 == 7 else Role.Worker,
+                            limits.NO_STAGE if i % 8 == 7 else i % 4) for i in range(limits.MAX_CLIENTS)]
+    state.round.seed = 12345
+    state.round.witnesses = derived.election(state)
+    replay.load(state)
+    replay.chain.set_clock(replay.now + state.config.warmup_time)
+    tick = program_instruction(replay.chain.program_id, Tick, replay.accounts(authority, None), Tick().encode())
+    before = replay.snapshot()
+    unasked = replay.chain.send([tick], [authority])
+    assert isinstance(unasked, FailedTransactionMetadata)
+    assert unasked.meta().compute_units_consumed() == DEFAULT_UNITS, "the default budget ran out"
+    assert replay.snapshot() == before
+    assert requested_units(Tick) == TICK_UNITS
+    assert replay.apply(Tick(), authority) is None  # asks as the clients do; the bytes must match the specification
+    assert replay.state.phase == Phase.RoundTrain
+    assert DEFAULT_UNITS < replay.units <= TICK_UNITS
+    assert len(derived.witnesses(replay.state)) == limits.MAX_WITNESSES
