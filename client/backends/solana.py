@@ -38,6 +38,7 @@ from solana.rpc.commitment import Commitment, Confirmed
 from solana.rpc.core import RPCException, TransactionExpiredBlockheightExceededError
 from solana.rpc.types import TxOpts
 from solana.rpc.websocket_api import SubscriptionError, connect
+from solders.compute_budget import set_compute_unit_limit
 from solders.errors import SignerError
 from solders.instruction import Instruction as SolanaInstruction
 from solders.keypair import Keypair
@@ -59,6 +60,7 @@ from solders.transaction_status import (
 from websockets.exceptions import WebSocketException
 
 from client.backends.base import Backend, BackendError
+from coordinator_program.onchain.budget import requested_units
 from coordinator_program.onchain.idl import IDL_PATH
 from coordinator_program.onchain.instance import decode_instance, instance_address
 from coordinator_program.onchain.program_id import PROGRAM_ID
@@ -268,7 +270,9 @@ class SolanaBackend(Backend):
     async def submit(self, ix: Instruction) -> None:
         self._check_open()
         cosigner = self.authorizer if isinstance(ix, JoinRun) else None
-        await self._send([self.instruction(ix)], ix.NAME, cosigner)
+        units = requested_units(type(ix))  # a tick may elect a round's witnesses: it asks for more than the default
+        budget = [] if units is None else [set_compute_unit_limit(units)]
+        await self._send([*budget, self.instruction(ix)], ix.NAME, cosigner)
         await self.refresh()
 
     async def _send(self, instructions: list[SolanaInstruction], what: str, cosigner: Cosigner | None = None) -> None:

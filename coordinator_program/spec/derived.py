@@ -11,9 +11,10 @@ import hashlib
 from collections.abc import Iterable
 
 from coordinator_program.spec import limits
+from coordinator_program.spec.bloom import part_count
 from coordinator_program.spec.config import Config
 from coordinator_program.spec.selection import Assignment, assign_data, effective_quorum, elect_witnesses
-from coordinator_program.spec.state import Client, CoordinatorState, Health, Pending, Role, Round
+from coordinator_program.spec.state import Client, CoordinatorState, Health, Pending, Phase, Role, Round, no_witnesses
 
 
 def run_instance(state: CoordinatorState) -> str:
@@ -26,10 +27,28 @@ def run_instance(state: CoordinatorState) -> str:
     return f"{state.run_id}.{digest.hexdigest()[:16]}"
 
 
+ELECTING_PHASES = (Phase.Warmup, Phase.RoundTrain, Phase.RoundWitness)
+"""The phases whose round has witnesses: its clients are those the election ranked."""
+
+
+def election(state: CoordinatorState) -> list[int]:
+    """``Round.witnesses`` for the current clients and seed: the elected client indices in slot order, then zeros.
+    Set when a round's clients and seed are set (the warmup's start, a drop in warmup, each round's start); a
+    round's clients do not change until it ends, so the election holds for the whole round."""
+    elected = elect_witnesses(state.round.seed, [c.id for c in state.clients], state.config.witness_nodes)
+    return elected + no_witnesses()[len(elected):]
+
+
+def elected(state: CoordinatorState) -> list[int]:
+    """Client indices of the current round's witnesses, in slot order ([] between epochs)."""
+    if state.phase not in ELECTING_PHASES:
+        return []
+    return state.round.witnesses[:min(state.config.witness_nodes, len(state.clients))]
+
+
 def witnesses(state: CoordinatorState) -> list[bytes]:
     """Identities of the current round's witnesses, in election order."""
-    indices = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
-    return [state.clients[i].id for i in indices]
+    return [state.clients[i].id for i in elected(state)]
 
 
 def quorum(state: CoordinatorState) -> int:
@@ -98,3 +117,11 @@ def missed_by_quorum(state: CoordinatorState, client_id: bytes) -> bool:
     if state.round.height == 0 or index is None:
         return False
     return state.left_out[index] >= quorum(state)
+
+
+def left_out_counts(state: CoordinatorState) -> list[int]:
+    """Per client of the ending round: the proof parts covering it that leave it out (parts sent less its presence
+    votes). A part never sent leaves no one out: a dead or silent witness counts against nobody."""
+    n = len(state.clients)
+    sent = [state.round.part_proofs(p) for p in range(part_count(n))]
+    return [sent[i // limits.PART_CLIENTS] - state.presence_votes[i] for i in range(n)]

@@ -285,16 +285,22 @@ def apply(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, ent
             raise MalformedInstruction(f"{ix.NAME} creates or closes a run: it is not applied to a run's state")
 
 
-TICKS_AFTER = (Witness, WarmupWitness, HealthCheck, CheckpointReport)
+TICKS_AFTER = (Witness, HealthCheck, CheckpointReport)
 """Instructions after which the program ticks, as Psyche's do: a proof that completes a quorum moves the
 run on in the same transaction."""
 
 
 def ticks_after(ix: Instruction, phase_before: Phase) -> bool:
-    """Whether the program ticks after ``ix``, applied in ``phase_before``. A witness proof part taken in RoundWitness
-    does not: the only transition due then is the round's end, whose crediting is a tick's own work, and one
-    instruction holding both a part's tally and a crediting chunk would overrun the compute budget."""
-    return isinstance(ix, TICKS_AFTER) and not (isinstance(ix, Witness) and phase_before == Phase.RoundWitness)
+    """Whether the program ticks after ``ix``, applied in ``phase_before``: never where the tick could start a round,
+    since a round's start elects its witnesses (a sha256 of every client's key, ``derived.election``), a tick's own
+    work, sent with a compute-unit request (``onchain.budget``). So a witness proof part or a health check taken in
+    RoundWitness does not tick (the round's end, with its crediting and the next election, is due then), nor does a
+    warmup proof (its quorum starts the first round on the next tick): one instruction holding both would overrun
+    the default budget, and only a tick then ever needs a request, so no client has to foresee which of its proof
+    parts will complete a quorum (a part's transaction, 1,157 of 1,232 bytes at 1,024 clients, would have room)."""
+    if isinstance(ix, Witness | HealthCheck) and phase_before == Phase.RoundWitness:
+        return False
+    return isinstance(ix, TICKS_AFTER)
 
 
 def apply_then_tick(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, entropy: int,

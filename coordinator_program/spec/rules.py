@@ -11,8 +11,8 @@ The order of the checks is part of the specification: the C program performs the
 that both reject the same operation with the same error.
 
 Phase changes happen only in ``tick``; operations record facts (a join, a witness proof, a health check)
-that the next tick acts on. The on-chain program ticks right after a witness (but for a part taken in RoundWitness),
-warmup witness, health check or checkpoint, as ``instructions.apply_then_tick`` does.
+that the next tick acts on. The on-chain program ticks right after a witness or a health check (but in RoundWitness)
+and a checkpoint, as ``instructions.apply_then_tick`` does: never where the tick could start a round.
 
 Witnesses are trusted only as a majority: a quorum is a strict majority of a round's witnesses
 (``validate_config``), a round's training ends early only on a quorum of proofs (or when its healthy clients no
@@ -23,7 +23,9 @@ can thus neither end a round nor get a client removed. A round nobody proved wit
 Seeds are drawn so that no one foresees an election and no single party chooses one (``beacon``): a round's
 witnesses commit to secrets while it trains (``commit_seed``), reveal them once a quorum of them has committed or
 RoundTrain has ended (``reveal_seed``), and the next round's seed hashes the XOR of what was revealed; a witness
-that committed and did not reveal leaves the epoch at the round's end.
+that committed and did not reveal leaves the epoch at the round's end. The tick that sets a round's seed or clients
+elects its witnesses by rank of a per-key ticket (``selection.elect_witnesses``), kept in ``Round.witnesses``, so a
+client leaving before the round starts, once its seed is known, moves no one else's seat.
 
 Points follow the same majority: at the end of each round a client earns presence when a quorum of the round's
 proofs hold its participant key, and compute (the samples it worked) when a quorum hold its compute key. They go
@@ -52,6 +54,9 @@ from coordinator_program.spec.config import (
 )
 from coordinator_program.spec.derived import (
     assign_stages,
+    elected,
+    election,
+    left_out_counts,
     missed_by_quorum,
     pipeline_complete,
     pipeline_formed,
@@ -94,7 +99,7 @@ from coordinator_program.spec.errors import (
     WrongRunId,
 )
 from coordinator_program.spec.points import credit_chunk
-from coordinator_program.spec.selection import elect_witnesses, next_seed
+from coordinator_program.spec.selection import next_seed
 from coordinator_program.spec.state import (
     CoordinatorState,
     Health,
@@ -264,10 +269,10 @@ def _healthy_client(state: CoordinatorState, signer: bytes) -> int:
 
 def _elected_position(state: CoordinatorState, index: int) -> int:
     """Where client ``index`` stands in the current round's election (its witness slot); ``NotAWitness`` if nowhere."""
-    elected = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
-    if index not in elected:
+    slots = elected(state)
+    if index not in slots:
         raise NotAWitness("the signer was not elected to witness this round")
-    return elected.index(index)
+    return slots.index(index)
 
 
 def _record_part(state: CoordinatorState, signer: bytes, participant_bloom: bytes, batch_bloom: bytes,
@@ -372,9 +377,8 @@ def commitments_closed(state: CoordinatorState) -> bool:
         return state.phase == Phase.RoundWitness
     if state.round.committed.bit_count() >= quorum(state):
         return True
-    elected = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
     return all(state.round.committed >> position & 1 or state.clients[index].health != Health.Healthy
-               for position, index in enumerate(elected))
+               for position, index in enumerate(elected(state)))
 
 
 def reveal_seed(state: CoordinatorState, signer: bytes, round_height: int, secret: bytes) -> None:
@@ -405,19 +409,11 @@ def reveal_seed(state: CoordinatorState, signer: bytes, round_height: int, secre
 def _withholders_leave(state: CoordinatorState) -> None:
     """A witness that committed to the next seed and never revealed leaves at the round's end, as unhealthy: a secret
     kept back to steer the seed costs its holder its place in the epoch."""
-    elected = elect_witnesses(state.round.seed, len(state.clients), state.config.witness_nodes)
+    slots = elected(state)
     for position in withholders(state.round.committed, state.round.revealed):
-        client = state.clients[elected[position]]
+        client = state.clients[slots[position]]
         if client.health == Health.Healthy:
             client.health = Health.Unhealthy
-
-
-def left_out_counts(state: CoordinatorState) -> list[int]:
-    """Per client of the ending round: the proof parts covering it that leave it out (parts sent less its presence
-    votes). A part never sent leaves no one out: a dead or silent witness counts against nobody."""
-    n = len(state.clients)
-    sent = [state.round.part_proofs(p) for p in range(part_count(n))]
-    return [sent[i // limits.PART_CLIENTS] - state.presence_votes[i] for i in range(n)]
 
 
 def health_check(state: CoordinatorState, signer: bytes, target: bytes) -> None:
@@ -525,6 +521,7 @@ def _admit(state: CoordinatorState, now: int, entropy: int) -> None:
     state.clients = assign_stages(state.pending, state.config.num_stages)
     state.pending, state.left_out = [], no_votes()
     state.round = Round(0, seed, state.step * state.config.global_batch_size)
+    state.round.witnesses = election(state)
     _enter(state, Phase.Warmup, now)
 
 
@@ -541,9 +538,11 @@ def _warmup_due(state: CoordinatorState, now: int) -> bool:
 
 
 def _warm_up(state: CoordinatorState, now: int, entropy: int) -> None:
-    """The unhealthy leave (indices shift, so the warmup's election changed: proofs start over); the first round
-    starts on a quorum of proofs or at the warmup's end, and the run waits again if no pipeline is left."""
-    if any(c.health != Health.Healthy for c in state.clients):
+    """The unhealthy leave (a witness among them lets the next ticket in, and slots move: proofs start over, under
+    the warmup's election of the clients left); the first round starts on a quorum of proofs or at the warmup's end,
+    and the run waits again if no pipeline is left. One tick elects once."""
+    dropped = any(c.health != Health.Healthy for c in state.clients)
+    if dropped:
         state.clients = [c for c in state.clients if c.health == Health.Healthy]
         state.round.witnessed = 0
         state.round.parts = no_parts()
@@ -552,11 +551,14 @@ def _warm_up(state: CoordinatorState, now: int, entropy: int) -> None:
             return
     if quorum_reached(state) or now >= state.phase_start + state.config.warmup_time:
         _start_round(state, now, entropy, 0)
+    elif dropped:
+        state.round.witnesses = election(state)
 
 
 def _start_round(state: CoordinatorState, now: int, entropy: int, height: int) -> None:
     seed = next_seed(state.round.seed, entropy, state.round.reveals)
     state.round = Round(height, seed, state.step * state.config.global_batch_size)
+    state.round.witnesses = election(state)
     _enter(state, Phase.RoundTrain, now)
 
 

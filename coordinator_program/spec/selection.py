@@ -1,9 +1,16 @@
 """Everything a round's seed decides, the witnesses and the data each trainer trains on, and how seeds chain.
 
 Both follow from the seed alone through SHA-256, so every client and the on-chain program (which has the
-``sol_sha256`` syscall but no floating point) compute the same answer. Draws use rejection sampling, so
-every index is equally likely, and witnesses come from a partial Fisher-Yates shuffle, which needs
-``witness_nodes`` draws rather than a full shuffle of every client.
+``sol_sha256`` syscall but no floating point) compute the same answer.
+
+Witnesses are elected by rank, not drawn by index: each client holds a ticket, sha256(domain ‖ seed ‖ its key),
+and the lowest tickets win. A ticket depends on its own client's key alone, so who else is in the run moves no
+one's ticket. A draw over client indices would not do: the next round's seed is known once its witnesses have
+revealed, and removing one client (a withdrawal, a health check, a withheld reveal) before that round starts shifts
+every later index, so c colluders choosing whether to leave could pick among 2^c elections. By rank, a client
+leaving only changes whether it is elected (and, if it was, lets in the next ticket in line).
+The data order still draws by index (rejection sampling, so every order is equally likely): whom it favours is a
+sample more or less, not a seat.
 """
 
 from __future__ import annotations
@@ -74,9 +81,17 @@ def shuffled_prefix(seed: int, domain: bytes, n: int, k: int) -> list[int]:
     return order[:min(k, n)]
 
 
-def elect_witnesses(seed: int, num_clients: int, witness_nodes: int) -> list[int]:
-    """Client indices of the round's witnesses, in election order (a witness's slot is its position)."""
-    return shuffled_prefix(seed, WITNESS_DOMAIN, num_clients, witness_nodes)
+def witness_ticket(seed: int, client: bytes) -> bytes:
+    """A client's standing in the round's election: sha256(domain ‖ seed as a little-endian u64 ‖ key), the lower
+    the better. Keys are distinct, so tickets are (a SHA-256 collision aside) and the order has no ties."""
+    return hashlib.sha256(WITNESS_DOMAIN + struct.pack("<Q", seed) + client).digest()
+
+
+def elect_witnesses(seed: int, clients: Sequence[bytes], witness_nodes: int) -> list[int]:
+    """Indices into ``clients`` of the round's witnesses: the ``witness_nodes`` lowest tickets, lowest first (a
+    witness's slot is its position)."""
+    ranked = sorted(range(len(clients)), key=lambda i: witness_ticket(seed, clients[i]))
+    return ranked[:witness_nodes]
 
 
 def effective_quorum(witness_quorum: int, elected: int) -> int:

@@ -131,6 +131,10 @@ def no_parts() -> list[int]:
     return [0] * limits.MAX_WITNESSES
 
 
+def no_witnesses() -> list[int]:
+    return [0] * limits.MAX_WITNESSES
+
+
 def no_commitments() -> list[bytes]:
     return [bytes(32)] * limits.MAX_WITNESSES
 
@@ -140,7 +144,9 @@ class Round:
     """One round (or the epoch's warmup): its seed decides witnesses and data. A witness's proof comes in parts,
     one per ``limits.PART_CLIENTS`` clients: ``parts[i]`` has bit p set once the witness elected i-th sent part p,
     and ``witnessed`` has bit i set once it sent them all, so a partial proof never counts as a whole one.
-    ``credited`` is how many of the round's clients its end has credited with points so far.
+    ``credited`` is how many of the round's clients its end has credited with points so far. ``witnesses`` holds the
+    client indices of its elected witnesses in slot order (zeros past them), chosen once when the round's clients and
+    seed are set (``selection.elect_witnesses``), so that no instruction ranks every client again.
 
     The seed of the next round (``beacon``): ``commitments[i]`` is what the witness elected i-th committed to, bit i of
     ``committed`` set once it did and of ``revealed`` once it opened it; ``reveals`` is the XOR of the secrets
@@ -156,6 +162,7 @@ class Round:
     committed: int = 0
     revealed: int = 0
     reveals: bytes = bytes(32)
+    witnesses: list[int] = dataclasses.field(default_factory=no_witnesses)
 
     @property
     def witness_count(self) -> int:
@@ -170,10 +177,10 @@ ROUND_LAYOUT = Struct(Round, [
     F("height", U32), F("seed", U64), F("data_index", U64), F("witnessed", U32),
     F("parts", Array(U32, limits.MAX_WITNESSES)), F("credited", U16),
     F("commitments", Array(HASH, limits.MAX_WITNESSES)), F("committed", U32), F("revealed", U32),
-    F("reveals", HASH),
+    F("reveals", HASH), F("witnesses", Array(U16, limits.MAX_WITNESSES)),
 ], doc="A round: height in the epoch, seed, first sample index, whole proofs, parts per witness, clients credited, "
-       "and the witnesses' commitments to the next seed, which of them committed and revealed, and the XOR of the "
-       "secrets revealed.")
+       "the witnesses' commitments to the next seed, which of them committed and revealed, the XOR of the "
+       "secrets revealed, and the elected witnesses' client indices in slot order.")
 
 
 @dataclasses.dataclass

@@ -55,9 +55,7 @@ def program_figures() -> None:
     print(f"{'instruction (costliest path)':<56}" + "".join(f"{n:>10,} cl." for n in SIZES))
     for label, row in table.items():
         print(f"{label:<56}" + "".join(f"{row[n]:>14,}" if n in row else f"{'n/a':>14}" for n in SIZES))
-    worst = max(units for row in table.values() for units in row.values())
-    print(f"largest: {worst:,} CU of the {program_compute_units.INSTRUCTION_BUDGET:,} an instruction may use "
-          "without asking for more")
+    program_compute_units.print_largest(table)
 
 
 def proof_and_account_figures() -> None:

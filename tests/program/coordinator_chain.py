@@ -32,6 +32,7 @@ from solders.transaction import VersionedTransaction
 from solders.transaction_metadata import FailedTransactionMetadata, TransactionMetadata
 from solders.transaction_status import InstructionErrorCustom, TransactionErrorInstructionError
 
+from coordinator_program.onchain.budget import requested_units
 from coordinator_program.onchain.instance import CoordinatorInstance, encode_instance, instance_address
 from coordinator_program.program.build import DEFAULT_OUTPUT
 from coordinator_program.spec import derived, rules
@@ -106,10 +107,13 @@ class ProgramChain:
         self.now = now
         self.svm.set_clock(Clock(self.slot, 0, 0, 0, now))
 
-    def send(self, instructions: Sequence[SolanaInstruction], signers: Sequence[Keypair]) -> Result:
-        """One transaction paid by ``signers[0]``; a fresh blockhash after it, so a repeat is not a duplicate."""
+    def send(self, instructions: Sequence[SolanaInstruction], signers: Sequence[Keypair],
+             units: int | None = None) -> Result:
+        """One transaction paid by ``signers[0]``, asking for ``units`` compute units (else ``compute_limit``, else
+        none); a fresh blockhash after it, so a repeat is not a duplicate."""
         unique = list({kp.pubkey(): kp for kp in signers}.values())
-        budget = [] if self.compute_limit is None else [set_compute_unit_limit(self.compute_limit)]
+        limit = units or self.compute_limit
+        budget = [] if limit is None else [set_compute_unit_limit(limit)]
         message = Message.new_with_blockhash([*budget, *instructions], unique[0].pubkey(),
                                              self.svm.latest_blockhash())
         result = self.svm.send_transaction(VersionedTransaction(message, unique))
@@ -246,7 +250,7 @@ class Replay:
         authority_before = self.chain.lamports(self.authority.pubkey())
         instruction = program_instruction(self.chain.program_id, kind, self.accounts(signer, authorizer), data)
         signers = [signer, authorizer or signer]
-        result = self.chain.send([instruction], signers)
+        result = self.chain.send([instruction], signers, requested_units(kind))  # as the clients ask
         try:
             ix = decode_instruction(data)
             if isinstance(ix, CloseRun):

@@ -22,11 +22,10 @@ from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 from solders.transaction_metadata import TransactionMetadata
 
-from coordinator_program.spec import limits, rules
+from coordinator_program.spec import derived, limits, rules
 from coordinator_program.spec.bloom import compute_key, filter_bytes, participant_key
 from coordinator_program.spec.config import Config
 from coordinator_program.spec.instructions import Witness
-from coordinator_program.spec.selection import elect_witnesses
 from coordinator_program.spec.state import Client, Phase, Role, Round, decode_state, encode_state
 
 # (slices, bits per slice, keys inserted per bit of a slice): from the smallest filters to the largest a part
@@ -38,14 +37,14 @@ SEED = 7
 
 
 def training_state(config: Config, witness: bytes, others: list[bytes]) -> rules.CoordinatorState:
-    """Round 0 of an epoch whose one elected witness is ``witness``, among ``others``."""
+    """Round 0 of an epoch whose one elected witness is ``witness``, among ``others``: the round's stored election
+    (``Round.witnesses``, which the program reads rather than ranks again) names it."""
     state = rules.init_coordinator("bloom", bytes(32), bytes(32), now=0)
     state.config = config
     state.phase = Phase.RoundTrain
-    clients = [Client(o, Role.Worker, 0) for o in others]
-    clients.insert(elect_witnesses(SEED, len(others) + 1, 1)[0], Client(witness, Role.Trainer, limits.NO_STAGE))
-    state.clients = clients
-    state.round = Round(height=0, seed=SEED)
+    state.clients = [Client(witness, Role.Trainer, limits.NO_STAGE)] + [Client(o, Role.Worker, 0) for o in others]
+    state.round = Round(height=0, seed=SEED, witnesses=[0] * limits.MAX_WITNESSES)
+    assert derived.witnesses(state) == [witness]
     return state
 
 

@@ -148,14 +148,15 @@ def test_permissioned_run_through_every_instruction() -> None:
     assert apply(Withdraw(), late[1]) is None  # a pending joiner leaves at once
     assert apply(Withdraw(), late[1]) == errors.NotJoined.code
 
-    # Warmup: two of three proofs reach the quorum and start round 0 at once.
+    # Warmup: two of three proofs reach the quorum, and the next tick starts round 0 (a warmup proof never ticks).
     assert apply(Tick(), authority, advance=1) is None and swarm.state.phase == Phase.Warmup
     assert [c.stage for c in swarm.state.clients][:4] == [2, 0, 1, 0]
     outsider = next(c for c in swarm.clients() if c not in derived.witnesses(swarm.state))
     assert apply(WarmupWitness(b"", b""), swarm.of(outsider)) == errors.NotAWitness.code
     assert apply(Witness(0, b"", b""), swarm.of(outsider)) == errors.WrongPhase.code
     assert swarm.prove(swarm.clients())[:2] == [None, None]
-    assert swarm.state.phase == Phase.RoundTrain
+    assert swarm.state.phase == Phase.Warmup
+    assert apply(Tick(), authority) is None and swarm.state.phase == Phase.RoundTrain
 
     # Round 0 leaves one client out of every filter; round 1 judges it by them.
     lazy = next(c.id for c in swarm.state.clients if c.id not in derived.witnesses(swarm.state)
@@ -320,8 +321,10 @@ def end_round(swarm: Swarm, authority: Keypair, config: Config) -> None:
 def test_full_run(clients: int) -> None:
     """An epoch at full capacity: every join, warmup, three rounds with 32 witnesses each sending its proof in parts
     (one per 128 clients), health checks, a withdrawal, a saved checkpoint ending cooldown, and everyone queued for
-    the next epoch. Every transaction is sent without a compute-unit request: each part tallies 128 clients at most,
-    and a round's end credits 128 clients a tick, so each fits the default 200,000 units."""
+    the next epoch. Transactions ask for compute units as the clients do (``onchain.budget``): a tick, which may
+    elect a round's witnesses (a sha256 of every client's key), asks for more; every other instruction for none:
+    each part tallies 128 clients at most, so it fits the default 200,000 units. The program's election must equal
+    the specification's at every size."""
     chain = ProgramChain()
     authority = Keypair()
     swarm = Swarm(Replay(chain, authority, "full"))
@@ -337,8 +340,9 @@ def test_full_run(clients: int) -> None:
     assert apply(Tick(), authority, advance=1) is None
     assert swarm.state.phase == Phase.Warmup and len(swarm.state.clients) == clients
 
-    assert swarm.prove(swarm.clients()).count(None) == config.witness_quorum
-    assert swarm.state.phase == Phase.RoundTrain
+    assert swarm.prove(swarm.clients()).count(None) == config.witness_nodes
+    assert swarm.state.phase == Phase.Warmup  # a warmup proof never ticks: round 0's start elects, a tick's work
+    assert apply(Tick(), authority) is None and swarm.state.phase == Phase.RoundTrain
     lazy = [c for c in swarm.clients() if c not in derived.witnesses(swarm.state)][:3]
     assert swarm.prove([c for c in swarm.clients() if c not in lazy]).count(None) == config.witness_nodes
     assert swarm.state.phase == Phase.RoundWitness  # the quorum ended training early

@@ -6,22 +6,28 @@ has ended, and the next round's seed hashes their XOR; a witness that committed 
 round's end. The attacks: a witness
 that reveals another secret than it committed to, commits again, or copies an honest witness's commitment to cancel
 its secret; a late joiner, or a ticker, that tries to move the next round's seed. Once the commitments are in, the
-only choice left is each committer's reveal or withholding, and withholding costs the committer its place.
+only choice left is each committer's reveal or withholding, and withholding costs the committer its place. And once
+the secrets are revealed the next seed is known: a client that then leaves (or is removed) before the next round
+starts must not re-roll who else the next round elects, as a draw over client indices would.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 
-from coordinator_chain import Swarm, training_swarm
+from coordinator_chain import ProgramChain, Replay, Swarm, program_instruction, training_swarm
 from solders.keypair import Keypair
+from solders.transaction_metadata import FailedTransactionMetadata
 
-from coordinator_program.spec import derived, errors
+from coordinator_program.onchain.budget import DEFAULT_UNITS, TICK_UNITS, requested_units
+from coordinator_program.spec import derived, errors, limits
 from coordinator_program.spec.beacon import mix_reveal, seed_commitment
-from coordinator_program.spec.instructions import CommitSeed, JoinRun, RevealSeed, Tick
+from coordinator_program.spec.instructions import CommitSeed, JoinRun, RevealSeed, Tick, Withdraw
 from coordinator_program.spec.selection import next_seed
-from coordinator_program.spec.state import Health, Phase, Role
+from coordinator_program.spec.state import Client, Health, Phase, Role
+from tests.program.test_conformance import full_config
 from tests.spec.scenario import MODEL, SMALL
 
 CONFIG = dataclasses.replace(SMALL, min_clients=5, max_clients=10, witness_nodes=3, witness_quorum=2, total_steps=20,
@@ -180,3 +186,69 @@ def test_the_epochs_last_reveals_seed_the_next_warmup() -> None:
     assert swarm.replay.apply(Tick(), authority, advance=CONFIG.cooldown_time) is None
     assert swarm.replay.apply(Tick(), authority) is None and swarm.state.phase == Phase.Warmup
     assert swarm.state.round.seed == next_seed(seed, 0, reveals)
+
+
+RANKED = dataclasses.replace(CONFIG, min_clients=8, max_clients=64, witness_nodes=8, witness_quorum=5)
+"""Forty clients (ten workers a stage and ten trainers), eight witnesses, a quorum of five."""
+
+
+def test_leaving_once_the_next_seed_is_known_re_rolls_no_one_elses_seat() -> None:
+    """The attack: round 0's witnesses have revealed, so round 1's seed is known to all, and any client may still
+    withdraw before round 1 starts, which moves every later client down an index. Replayed on the program from the
+    same state, with no one leaving and with each client in turn leaving: round 1 must elect the same witnesses, in
+    the same order, less the leaver, and only when the leaver held a seat one more behind them (the next in line).
+    So colluders choosing who of them leaves choose among no other elections."""
+    swarm, authority = training_swarm(RANKED, MODEL, workers=30, trainers=10)
+    elected = derived.witnesses(swarm.state)[:RANKED.witness_quorum]
+    secrets = [secret(swarm, w) for w in elected]
+    for w, hidden in zip(elected, secrets, strict=True):
+        assert commit(swarm, w, hidden) is None
+    to_round_witness(swarm, authority)
+    for w, hidden in zip(elected, secrets, strict=True):
+        assert reveal(swarm, w, hidden) is None
+    known = copy.deepcopy(swarm.state)
+
+    def next_election(leaver: bytes | None) -> list[bytes]:
+        swarm.replay.load(copy.deepcopy(known))
+        if leaver is not None:
+            assert swarm.replay.apply(Withdraw(), swarm.of(leaver)) is None
+        end_round(swarm, authority)
+        assert swarm.state.round.seed == next_seed(known.round.seed, 0, known.round.reveals)
+        return derived.witnesses(swarm.state)
+
+    staying = next_election(None)
+    assert len(staying) == RANKED.witness_nodes
+    for leaver in [c.id for c in known.clients]:
+        after = next_election(leaver)
+        kept = [w for w in staying if w != leaver]
+        assert after[:len(kept)] == kept, "a withdrawal moved another client's seat"
+        assert len(after) == len(kept) + (leaver in staying)
+
+
+def test_a_tick_that_elects_among_1024_clients_asks_for_what_it_needs() -> None:
+    """At 1,024 clients the tick that starts round 0 ranks every client's ticket (a sha256 each): more than the
+    default 200,000 units an instruction gets, so a tick sent without a request fails and changes nothing, and within
+    what a tick asks for (``onchain.budget``, as the Solana backend sends it), where the program's election equals
+    the specification's."""
+    authority = Keypair()
+    replay = Replay(ProgramChain(), authority, "elect-1024")
+    state = copy.deepcopy(replay.state)
+    state.config, state.model = full_config(limits.MAX_CLIENTS), MODEL
+    state.phase, state.phase_start, state.pause_requested = Phase.Warmup, replay.now, False
+    state.clients = [Client(hashlib.sha256(b"client %d" % i).digest(), Role.Trainer if i % 8 == 7 else Role.Worker,
+                            limits.NO_STAGE if i % 8 == 7 else i % 4) for i in range(limits.MAX_CLIENTS)]
+    state.round.seed = 12345
+    state.round.witnesses = derived.election(state)
+    replay.load(state)
+    replay.chain.set_clock(replay.now + state.config.warmup_time)
+    tick = program_instruction(replay.chain.program_id, Tick, replay.accounts(authority, None), Tick().encode())
+    before = replay.snapshot()
+    unasked = replay.chain.send([tick], [authority])
+    assert isinstance(unasked, FailedTransactionMetadata)
+    assert unasked.meta().compute_units_consumed() == DEFAULT_UNITS, "the default budget ran out"
+    assert replay.snapshot() == before
+    assert requested_units(Tick) == TICK_UNITS
+    assert replay.apply(Tick(), authority) is None  # asks as the clients do; the bytes must match the specification
+    assert replay.state.phase == Phase.RoundTrain
+    assert DEFAULT_UNITS < replay.units <= TICK_UNITS
+    assert len(derived.witnesses(replay.state)) == limits.MAX_WITNESSES

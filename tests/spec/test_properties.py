@@ -30,7 +30,7 @@ from coordinator_program.spec.instructions import (
     apply,
     decode_instruction,
 )
-from coordinator_program.spec.state import CoordinatorState, Phase, Role, decode_state, encode_state
+from coordinator_program.spec.state import CoordinatorState, Health, Phase, Role, decode_state, encode_state
 from tests.spec.scenario import AUTHORITY, MODEL, RUN_ID, SMALL, ident, new_run
 
 IDS = [ident(i) for i in range(1, 11)]
@@ -41,7 +41,7 @@ identity = st.sampled_from(IDS)
 
 
 def tick_op() -> st.SearchStrategy[tuple]:
-    return st.tuples(st.just("tick"), st.sampled_from([0, 1, 2, 5, 20, 60]))
+    return st.tuples(st.just("tick"), st.sampled_from([0, 1, 2, 3, 5, 20, 60]))
 
 
 def witness_op() -> st.SearchStrategy[tuple]:
@@ -103,6 +103,14 @@ def _seeder(state: CoordinatorState, index: int, reveal: bool) -> bytes:
     return candidates[index] if index < len(candidates) else IDS[index % len(IDS)]
 
 
+def _suspect(state: CoordinatorState, index: int) -> bytes:
+    """The index-th of: the healthy clients a quorum of the previous round's proofs left out, then the clients, then
+    other identities; most health checks drawn thus name a client they may remove."""
+    missed = [c.id for c in state.clients if c.health == Health.Healthy and derived.missed_by_quorum(state, c.id)]
+    candidates = missed + [c.id for c in state.clients]
+    return candidates[index] if index < len(candidates) else IDS[index % len(IDS)]
+
+
 def secret_of(client: bytes, seed: int) -> bytes:
     """The secret a generated witness commits to for the round of ``seed``: fixed, so that its reveal can open it."""
     return hashlib.sha256(b"secret" + client + seed.to_bytes(8, "little")).digest()
@@ -138,7 +146,7 @@ def build(state: CoordinatorState, step: tuple) -> tuple[Instruction, bytes, int
             return CommitSeed(height, seed_commitment(signer, state.round.seed, secret)), signer, 0
         return RevealSeed(height, secret), signer, 0
     if kind == "health":
-        return HealthCheck(_member(state, step[2])), _member(state, step[1]), 0
+        return HealthCheck(_suspect(state, step[2])), _member(state, step[1]), 0
     if kind == "checkpoint":
         _, who, cp_kind, repo = step
         return CheckpointReport(cp_kind, repo, "main"), _member(state, who), 0
@@ -164,6 +172,7 @@ def check_invariants(state: CoordinatorState, before: tuple[int, int, int]) -> N
     if state.phase in RUN_PHASES:
         assert derived.pipeline_complete(state.clients, config), "a run phase without a complete pipeline"
         assert state.round.witness_count <= min(config.witness_nodes, len(ids))
+        assert state.round.witnesses == derived.election(state), "the stored election is the round's clients' ranks"
     assert all(c.stage < config.num_stages for c in state.clients if c.role == Role.Worker)
     ledger = [entry.id for entry in state.ledger]
     assert ledger == sorted(set(ledger)) and len(ledger) <= limits.MAX_CLIENTS, "the ledger is sorted by id, once each"

@@ -1,10 +1,14 @@
-"""Witness election and data assignment: deterministic from the seed, unbiased over many seeds."""
+"""Witness election and data assignment: deterministic from the seed, unbiased over many seeds; and an election that
+no client's leaving can re-roll for the others."""
 
 from __future__ import annotations
 
 import hashlib
 import struct
 from collections import Counter
+
+from hypothesis import given
+from hypothesis import strategies as st
 
 from coordinator_program.spec.selection import (
     assign_data,
@@ -14,6 +18,7 @@ from coordinator_program.spec.selection import (
     shuffled_prefix,
     strict_majority,
     uniform_below,
+    witness_ticket,
 )
 
 # Chi-square critical values at p = 0.001 (so a correct implementation fails about once in a thousand runs,
@@ -53,13 +58,49 @@ def test_uniform_below_rejects_the_biased_tail() -> None:
     assert uniform_below(iter([2**64 - 2]), 3) == (2**64 - 2) % 3
 
 
+def keys(n: int) -> list[bytes]:
+    return [hashlib.sha256(b"client %d" % i).digest() for i in range(n)]
+
+
 def test_election_is_deterministic_distinct_and_bounded() -> None:
-    a = elect_witnesses(123, 50, 7)
-    assert a == elect_witnesses(123, 50, 7)
+    a = elect_witnesses(123, keys(50), 7)
+    assert a == elect_witnesses(123, keys(50), 7)
     assert len(a) == len(set(a)) == 7 and all(0 <= i < 50 for i in a)
-    assert elect_witnesses(124, 50, 7) != a
-    assert sorted(elect_witnesses(5, 3, 32)) == [0, 1, 2]
-    assert elect_witnesses(5, 0, 4) == []
+    assert elect_witnesses(124, keys(50), 7) != a
+    assert sorted(elect_witnesses(5, keys(3), 32)) == [0, 1, 2]
+    assert elect_witnesses(5, [], 4) == []
+
+
+def test_the_elected_hold_the_lowest_tickets_lowest_first() -> None:
+    clients = keys(40)
+    elected = elect_witnesses(9, clients, 5)
+    tickets = [witness_ticket(9, clients[i]) for i in elected]
+    assert tickets == sorted(tickets)
+    assert max(tickets) < min(witness_ticket(9, c) for i, c in enumerate(clients) if i not in elected)
+    expected = hashlib.sha256(b"psyswarm:witness" + struct.pack("<Q", 9) + clients[0]).digest()
+    assert witness_ticket(9, clients[0]) == expected
+
+
+@given(seed=st.integers(0, 2**64 - 1), n=st.integers(1, 80), witness_nodes=st.integers(1, 32), data=st.data())
+def test_a_client_leaving_re_rolls_no_one_elses_election(seed: int, n: int, witness_nodes: int,
+                                                         data: st.DataObject) -> None:
+    """The attack: with the next round's seed known (its witnesses have revealed), a colluder withdraws, or is
+    removed, before the round starts, so every client after it moves down an index. Each other client must keep
+    its standing: the elected stay elected, in the same order; the only newcomer is the next in line, and only
+    when the leaver held a seat. So c colluders choosing whether to leave choose among no other elections."""
+    clients = keys(n)
+    leaver = data.draw(st.integers(0, n - 1))
+    before = [clients[i] for i in elect_witnesses(seed, clients, witness_nodes)]
+    rest = clients[:leaver] + clients[leaver + 1:]
+    after = [rest[i] for i in elect_witnesses(seed, rest, witness_nodes)]
+    kept = [c for c in before if c != clients[leaver]]
+    assert after[:len(kept)] == kept
+    newcomers = after[len(kept):]
+    if clients[leaver] in before:
+        ranked = sorted(rest, key=lambda c: witness_ticket(seed, c))
+        assert newcomers == ranked[len(kept):len(kept) + 1]
+    else:
+        assert newcomers == []
 
 
 def test_election_is_unbiased_over_seeds() -> None:
@@ -67,7 +108,7 @@ def test_election_is_unbiased_over_seeds() -> None:
     counts = Counter()
     first = Counter()
     for seed in range(trials):
-        elected = elect_witnesses(seed, n, w)
+        elected = elect_witnesses(seed, keys(n), w)
         counts.update(elected)
         first[elected[0]] += 1
     assert chi_square([counts[i] for i in range(n)], trials * w / n) < CHI2_CRIT_0001[9]

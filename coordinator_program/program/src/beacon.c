@@ -73,10 +73,9 @@ static bool commitments_closed_in_training(uint8_t *s) {
   if (count >= psy_quorum(s)) {
     return true;
   }
-  uint64_t elected;
-  uint16_t *order = psy_current_witnesses(s, &elected);
+  uint64_t elected = psy_elected_count(s);
   for (uint64_t position = 0; position < elected; position++) {
-    const uint8_t *client = psy_list_entry(s, &PSY_CLIENTS, order[position]);
+    const uint8_t *client = psy_list_entry(s, &PSY_CLIENTS, psy_elected_client(s, position));
     if (!((committed >> position) & 1) && PSY_CLIENT_HEALTH_GET(client) == PSY_HEALTH_HEALTHY) {
       return false;
     }
@@ -130,12 +129,11 @@ void psy_withholders_leave(uint8_t *s) {
   uint8_t *round = psy_current_round(s);
   uint32_t missing = PSY_ROUND_COMMITTED_GET(round) & ~PSY_ROUND_REVEALED_GET(round);
   if (missing == 0) {
-    return; /* the common case costs no election */
+    return; /* the common case reads no election */
   }
-  uint64_t elected;
-  uint16_t *order = psy_current_witnesses(s, &elected);
+  uint64_t elected = psy_elected_count(s);
   for (uint64_t position = 0; position < elected; position++) {
-    uint8_t *client = psy_list_entry(s, &PSY_CLIENTS, order[position]);
+    uint8_t *client = psy_list_entry(s, &PSY_CLIENTS, psy_elected_client(s, position));
     if (((missing >> position) & 1) && PSY_CLIENT_HEALTH_GET(client) == PSY_HEALTH_HEALTHY) {
       PSY_CLIENT_HEALTH_SET(client, PSY_HEALTH_UNHEALTHY);
     }

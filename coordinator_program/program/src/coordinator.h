@@ -157,9 +157,9 @@ uint64_t psy_requeue_clients(uint8_t *s);
  * witnesses revealed the XOR `reveals` (32 bytes). Nothing from the transaction or the clock goes in, so no ticker
  * chooses an election by when it ticks. */
 uint64_t psy_next_seed(uint64_t previous, const uint8_t *reveals);
-/* elect_witnesses: fills order[0..min(k, n)) with the witnesses' client indices, in election order, and
- * returns how many; `order` must have room for n entries (the shuffle works on all of them). */
-uint64_t psy_elect_witnesses(uint64_t seed, uint64_t n, uint64_t k, uint16_t *order);
+/* derived.election: sets the round's witnesses (Round.witnesses) from its seed and the current clients' keys, the
+ * lowest witness tickets first; one sha256 a client, so only the ticks that set a round's clients or seed call it. */
+void psy_elect(uint8_t *s);
 /* selection.shuffled_prefix(seed, DATA_DOMAIN, n, n): the order in which trainers take their shares. */
 void psy_data_order(uint64_t seed, uint64_t n, uint16_t *order);
 
@@ -188,9 +188,10 @@ uint64_t psy_close_run(const psy_op_t *op);
 uint64_t psy_witness(const psy_op_t *op);
 uint64_t psy_warmup_witness(const psy_op_t *op);
 uint64_t psy_health_check(const psy_op_t *op);
-/* The current round's witnesses' client indices in election order (a heap allocation of the clients' count), and
- * how many were elected. */
-uint16_t *psy_current_witnesses(uint8_t *s, uint64_t *elected);
+/* derived.elected: how many witnesses the current round has; psy_elected_client: the client index in slot
+ * `position` (below that count), read from the round's witnesses. */
+uint64_t psy_elected_count(uint8_t *s);
+uint64_t psy_elected_client(uint8_t *s, uint64_t position);
 /* rules._elected_position: the witness slot of client `index` in the current round, or PSY_ERR_NOT_A_WITNESS. */
 uint64_t psy_witness_position(uint8_t *s, uint64_t index, uint64_t *position);
 /* beacon.c: rules.commit_seed, rules.reveal_seed, and rules._withholders_leave at the round's end. */

@@ -2,13 +2,14 @@
  * ticks after applying (instructions.apply_then_tick). */
 #include "coordinator.h"
 
-/* instructions.ticks_after: the instructions after which the program ticks, but for a witness proof part taken in
- * RoundWitness (the round's end is a tick's own work). */
+/* instructions.ticks_after: the instructions after which the program ticks, but never where the tick could start a
+ * round (and so elect its witnesses, a tick's own work): not a witness proof part or a health check taken in
+ * RoundWitness, nor a warmup proof. */
 static bool ticks_after(psy_op_kind_t kind, uint64_t phase_before) {
-  if (kind == PSY_OP_WITNESS) {
+  if (kind == PSY_OP_WITNESS || kind == PSY_OP_HEALTH_CHECK) {
     return phase_before != PSY_PHASE_ROUND_WITNESS;
   }
-  return kind == PSY_OP_WARMUP_WITNESS || kind == PSY_OP_HEALTH_CHECK || kind == PSY_OP_CHECKPOINT;
+  return kind == PSY_OP_CHECKPOINT;
 }
 
 static uint64_t apply(const psy_op_t *op) {

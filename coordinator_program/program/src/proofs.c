@@ -7,20 +7,20 @@ static bool training(const uint8_t *s) {
   return phase == PSY_PHASE_ROUND_TRAIN || phase == PSY_PHASE_ROUND_WITNESS;
 }
 
-uint16_t *psy_current_witnesses(uint8_t *s, uint64_t *elected) {
-  uint64_t clients = psy_list_count(s, &PSY_CLIENTS);
-  /* At most 2 KiB of the 32 KiB heap, taken at most twice by one instruction (a tick ending a round). */
-  uint16_t *order = psy_alloc(clients * sizeof(uint16_t));
-  *elected = psy_elect_witnesses(PSY_ROUND_SEED_GET(psy_current_round(s)), clients,
-                                 PSY_ACCOUNT_CONFIG_WITNESS_NODES_GET(s), order);
-  return order;
+uint64_t psy_elected_count(uint8_t *s) {
+  uint64_t k = PSY_ACCOUNT_CONFIG_WITNESS_NODES_GET(s);
+  uint64_t n = psy_list_count(s, &PSY_CLIENTS);
+  return k < n ? k : n;
+}
+
+uint64_t psy_elected_client(uint8_t *s, uint64_t position) {
+  return psy_load_u16(psy_current_round(s) + PSY_ROUND_WITNESSES_OFFSET + position * sizeof(uint16_t));
 }
 
 uint64_t psy_witness_position(uint8_t *s, uint64_t index, uint64_t *position) {
-  uint64_t elected;
-  uint16_t *order = psy_current_witnesses(s, &elected);
+  uint64_t elected = psy_elected_count(s);
   uint64_t at = 0;
-  while (at < elected && order[at] != index) {
+  while (at < elected && psy_elected_client(s, at) != index) {
     at++;
   }
   if (at == elected) {

@@ -1,5 +1,5 @@
-/* selection.c: the round seed, the witness election and the trainers' data order of selection.py, on the sol_sha256
- * syscall. */
+/* selection.c: the round seed, the witness election and the trainers' data order of selection.py and derived.py, on
+ * the sol_sha256 syscall. */
 #include "coordinator.h"
 
 uint64_t psy_next_seed(uint64_t previous, const uint8_t *reveals) {
@@ -73,10 +73,48 @@ static uint64_t shuffled_prefix(words_t *w, uint64_t n, uint64_t k, uint16_t *or
   return drawn;
 }
 
-uint64_t psy_elect_witnesses(uint64_t seed, uint64_t n, uint64_t k, uint16_t *order) {
-  words_t w;
-  start_words(&w, PSY_WITNESS_DOMAIN, sizeof(PSY_WITNESS_DOMAIN) - 1, seed);
-  return shuffled_prefix(&w, n, k, order);
+/* Tickets compare as bytes (memcmp's order): by their first 8 bytes read big-endian, then by the rest. */
+static bool ticket_below(const uint8_t *a, const uint8_t *b) {
+  uint64_t x = __builtin_bswap64(psy_load_u64(a)), y = __builtin_bswap64(psy_load_u64(b));
+  return x != y ? x < y : psy_memcmp(a + 8, b + 8, 24) < 0;
+}
+
+/* derived.election: the current clients' lowest witness tickets (selection.witness_ticket), lowest first, written to
+ * the round's witnesses in slot order with zeros past them. One sha256 a client; a ticket beats the last elected
+ * one only rarely, so keeping the elected sorted costs little. */
+void psy_elect(uint8_t *s) {
+  uint8_t *round = psy_current_round(s);
+  uint64_t n = psy_list_count(s, &PSY_CLIENTS);
+  uint64_t k = PSY_ACCOUNT_CONFIG_WITNESS_NODES_GET(s);
+  k = k < n ? k : n;
+  uint8_t prefix[sizeof(PSY_WITNESS_DOMAIN) - 1 + 8]; /* domain ‖ seed: the part every ticket shares */
+  sol_memcpy_(prefix, PSY_WITNESS_DOMAIN, sizeof(PSY_WITNESS_DOMAIN) - 1);
+  psy_store_u64(prefix + sizeof(PSY_WITNESS_DOMAIN) - 1, PSY_ROUND_SEED_GET(round));
+  uint8_t (*tickets)[32] = psy_alloc(PSY_MAX_WITNESSES * 32); /* the elected's tickets, 1 KiB of the heap */
+  uint16_t elected[PSY_MAX_WITNESSES];
+  uint64_t count = 0;
+  psy_bytes_t pieces[2] = {{prefix, sizeof prefix}, {0, PSY_PUBKEY_BYTES}};
+  for (uint64_t i = 0; i < n && k > 0; i++) {
+    pieces[1].addr = psy_list_entry(s, &PSY_CLIENTS, i);
+    uint8_t ticket[32];
+    sol_sha256(pieces, 2, ticket);
+    if (count == k && !ticket_below(ticket, tickets[k - 1])) {
+      continue;
+    }
+    uint64_t at = count < k ? count++ : k - 1; /* the last place, taken from the highest ticket when full */
+    while (at > 0 && ticket_below(ticket, tickets[at - 1])) {
+      sol_memcpy_(tickets[at], tickets[at - 1], 32);
+      elected[at] = elected[at - 1];
+      at--;
+    }
+    sol_memcpy_(tickets[at], ticket, 32);
+    elected[at] = (uint16_t)i;
+  }
+  uint8_t *slots = round + PSY_ROUND_WITNESSES_OFFSET;
+  sol_memset_(slots, 0, PSY_ROUND_WITNESSES_SIZE);
+  for (uint64_t position = 0; position < count; position++) {
+    psy_store_u16(slots + position * sizeof(uint16_t), elected[position]);
+  }
 }
 
 void psy_data_order(uint64_t seed, uint64_t n, uint16_t *order) {

@@ -49,6 +49,7 @@ static void start_round(uint8_t *s, int64_t now, uint64_t height) {
   PSY_ROUND_HEIGHT_SET(round, height);
   PSY_ROUND_SEED_SET(round, seed);
   PSY_ROUND_DATA_INDEX_SET(round, psy_data_index(s));
+  psy_elect(s);
   enter(s, PSY_PHASE_ROUND_TRAIN, now);
 }
 
@@ -111,6 +112,7 @@ static uint64_t tick_waiting(uint8_t *s, int64_t now) {
   sol_memset_(warmup, 0, PSY_ROUND_SIZE);
   PSY_ROUND_SEED_SET(warmup, seed);
   PSY_ROUND_DATA_INDEX_SET(warmup, psy_data_index(s));
+  psy_elect(s);
   enter(s, PSY_PHASE_WARMUP, now);
   return PSY_SUCCESS;
 }
@@ -120,7 +122,7 @@ static uint64_t tick_warmup(uint8_t *s, int64_t now) {
   uint64_t clients = psy_list_count(s, &PSY_CLIENTS);
   psy_keep_healthy_clients(s);
   if (psy_list_count(s, &PSY_CLIENTS) != clients) {
-    /* Indices shifted, so the warmup's election changed: proofs start over. */
+    /* Slots moved (and a leaving witness let the next ticket in): proofs start over. */
     uint8_t *round = psy_current_round(s);
     PSY_ROUND_WITNESSED_SET(round, 0);
     sol_memset_(round + PSY_ROUND_PARTS_OFFSET, 0, PSY_ROUND_PARTS_SIZE);
@@ -137,6 +139,9 @@ static uint64_t tick_warmup(uint8_t *s, int64_t now) {
   if (reached_quorum(s) || phase_time_reached(s, now, PSY_ACCOUNT_CONFIG_WARMUP_TIME_GET(s))) {
     start_round(s, now, 0);
     return PSY_SUCCESS;
+  }
+  if (changed) {
+    psy_elect(s); /* the warmup's election of the clients left (a round starting elects anew) */
   }
   return changed ? PSY_SUCCESS : NOTHING;
 }
