@@ -1,4 +1,5 @@
-"""Benchmark: per-step gradient averaging with 2 workers per stage against the same model trained in one process.
+"""Benchmark: per-step gradient averaging with 2 (or ``--workers-per-stage``) workers per stage against the same
+model trained in one process.
 
 Every run trains on the same batches (the same tokens in the same order) with the real system on loopback, as
 tests/benchmarks/bench_sparta.py sets it up (in-process gRPC workers, a routing trainer, hivemind averaging),
@@ -6,7 +7,9 @@ side by side:
 
 - one process (``client/pipeline/local.py``), the reference;
 - 2 workers per stage, no averaging; SPARTA only; full gradient averaging; PowerSGD (rank ``--rank``) plus
-  SPARTA, Node0's production setting.
+  SPARTA, Node0's production setting; with ``--undefended``, each gradient-averaging setting also without the
+  averaging layer's defences (hivemind's weighted mean of the declared weights, where the defended runs reduce
+  each part robustly and weigh each worker by the samples its trainer-signed Backwards prove).
 
 Prints the loss of each (training: mean of the last rounds; held-out) against one process (aim: PowerSGD +
 SPARTA within 1 %), and the bytes each worker sends per step averaging its gradients, PowerSGD against the full
