@@ -123,14 +123,23 @@ class CommittedLosses:
         self.dht = start_dht([swarm.peer])
         self.board: Board | None = None  # named for the run's instance, which the first state gives
         self.rounds: dict[tuple[int, int], dict[str, float]] = {}
+        self.heights: dict[int, int] = {}  # the highest round seen in each epoch
 
     def __call__(self, state: CoordinatorState) -> None:
         self.board = self.board or Board(self.dht, state)
-        if state.phase in (Phase.RoundWitness, Phase.Cooldown):
-            self.rounds.setdefault((state.epoch, state.round.height), {})
-        if state.phase in (Phase.RoundTrain, Phase.RoundWitness, Phase.Cooldown):
-            # a busy trainer's record can land after its round closed: look at the last two rounds on every state
-            for key in sorted(self.rounds)[-2:]:
+        # The observer hands on the newest state, so a watcher busy fetching can miss a round's witness phase:
+        # every round below the current height is over, and so is the current one once it is witnessed.
+        epoch, height = state.epoch, state.round.height
+        self.heights[epoch] = max(self.heights.get(epoch, 0), height)
+        for e, top in self.heights.items():
+            last = top if e < epoch or state.phase in (Phase.RoundWitness, Phase.Cooldown) else top - 1
+            for r in range(last + 1):
+                self.rounds.setdefault((e, r), {})
+        # a busy trainer's record can land after its round closed: look again at the last two rounds, and at
+        # any round still without a record, on every state
+        recent = sorted(self.rounds)[-2:]
+        for key in sorted(self.rounds):
+            if not self.rounds[key] or key in recent:
                 found = self.board.fetch(Commitment, *key)
                 self.rounds[key].update({author: c.loss for author, c in found.items()})  # type: ignore[attr-defined]
 
