@@ -170,16 +170,21 @@ def test_no_joiner_nor_ticker_changes_the_seed_once_committed() -> None:
     assert committed_round(False, False) == committed_round(True, False) == committed_round(False, True)
 
 
+def commit_and_reveal(swarm, authority, elected: list[bytes]) -> None:
+    """The ``elected`` commit to their secrets while the round trains, the round reaches RoundWitness, and they
+    reveal: the next round's seed is then known to all."""
+    secrets = [secret(swarm, w) for w in elected]
+    for w, hidden in zip(elected, secrets, strict=True):
+        assert commit(swarm, w, hidden) is None
+    to_round_witness(swarm, authority)
+    for w, hidden in zip(elected, secrets, strict=True):
+        assert reveal(swarm, w, hidden) is None
+
+
 def test_the_epochs_last_reveals_seed_the_next_warmup() -> None:
     swarm, authority, _ = started()
     for _ in range(CONFIG.rounds_per_epoch):
-        elected = derived.witnesses(swarm.state)[:CONFIG.witness_quorum]
-        secrets = [secret(swarm, w) for w in elected]
-        for w, hidden in zip(elected, secrets, strict=True):
-            assert commit(swarm, w, hidden) is None
-        to_round_witness(swarm, authority)
-        for w, hidden in zip(elected, secrets, strict=True):
-            assert reveal(swarm, w, hidden) is None
+        commit_and_reveal(swarm, authority, derived.witnesses(swarm.state)[:CONFIG.witness_quorum])
         seed, reveals = swarm.state.round.seed, swarm.state.round.reveals
         assert swarm.replay.apply(Tick(), authority, advance=CONFIG.round_witness_time) is None
     assert swarm.state.phase == Phase.Cooldown
@@ -199,13 +204,7 @@ def test_leaving_once_the_next_seed_is_known_re_rolls_no_one_elses_seat() -> Non
     the same order, less the leaver, and only when the leaver held a seat one more behind them (the next in line).
     So colluders choosing who of them leaves choose among no other elections."""
     swarm, authority = training_swarm(RANKED, MODEL, workers=30, trainers=10)
-    elected = derived.witnesses(swarm.state)[:RANKED.witness_quorum]
-    secrets = [secret(swarm, w) for w in elected]
-    for w, hidden in zip(elected, secrets, strict=True):
-        assert commit(swarm, w, hidden) is None
-    to_round_witness(swarm, authority)
-    for w, hidden in zip(elected, secrets, strict=True):
-        assert reveal(swarm, w, hidden) is None
+    commit_and_reveal(swarm, authority, derived.witnesses(swarm.state)[:RANKED.witness_quorum])
     known = copy.deepcopy(swarm.state)
 
     def next_election(leaver: bytes | None) -> list[bytes]:
