@@ -17,7 +17,7 @@ from solders.keypair import Keypair
 from client.averaging.gradients import GradAveraging, GradientResult
 from client.averaging.membership import Roster
 from client.contributor.run_model import model_config
-from client.join.stage_replica import StageReplica
+from client.join.stage_replica import REPLICA_WEIGHT, StageReplica
 from client.join.sync import SyncPhase
 from client.pipeline.worker import StepStats
 from coordinator_program.spec.config import parse_run_spec
@@ -109,7 +109,7 @@ def test_replicas_that_saw_different_samples_step_to_the_same_parameters(make_re
     replicas = serving([make_replica(state) for _ in range(2)])
     assert replicas[0].gradients is not None and replicas[0].gradients.settings.mode == GradAveraging(mode)
     assert replicas[0].gradients.settings.max_weight == 8  # no peer may claim more than a round's batch
-    assert replicas[0].averager.max_weight == 8 * state.model.sparta_every  # nor a SPARTA round's batches
+    assert replicas[0].averager.max_weight == REPLICA_WEIGHT  # SPARTA weighs replicas alike
     rounds = [recording(replica) for replica in replicas]
     start = parameters(replicas[0])
     assert all(torch.equal(a, b) for a, b in zip(start, parameters(replicas[1]), strict=True))  # the seed
