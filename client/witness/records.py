@@ -270,8 +270,9 @@ class Board:
     Each kind of a round's records is spread over ``shards`` keys, one per proof part the run can have
     (``bloom.part_count`` of its ``max_clients``: one for up to 128 clients, eight at 1,024), and an author files
     under the shard its key names (``shard_of``). A DHT key is stored and served by the few peers nearest it, so
-    one key holding every author's record would put a 1,024-client round's 650 KB of commitments, read whole by
-    each witness, on the same few peers; spread, each key holds an eighth and a reader fetches the shards at once.
+    one key holding every author's record would put a 1,024-client round's megabyte of commitments (1.07 MB in
+    ``bench_scale``), read whole by each witness, on the same few peers; spread, each key holds about an eighth and a
+    reader fetches the shards at once.
     The shard follows the key, not the client's index: an index moves as clients leave, a joiner has none, and a
     record must be found where it was filed. A record filed under another shard than its author's is skipped, so
     no author can show readers of different shards different records.
