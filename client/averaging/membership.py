@@ -24,10 +24,20 @@ groupmate is admitted to a round only if
 Every groupmate sees the same gathered declarations (the leader hands the same list to all), so the honest ones
 admit the same peers and run the all-reduce among them alone; a leader also refuses a follower whose
 declaration does not pass before the group forms.
+
+Some refusals prove a lie (``falsehood``): the seal holds, so the member signed the declaration, and what it
+signed is something no honest worker declares, whatever the timing or its view of the roster: a weight that is not
+a number from 0 to ``max_weight``, or evidence of work that is malformed or holds a header not signed for the
+member itself (forged, or copied from a groupmate). Such a declaration is evidence anyone can check with the run's
+settings alone; the groupmates that gathered it hand it on, and the witnesses leave its signer out of the round
+(``client.contributor.accusing``). Other refusals (not on the roster, another epoch or round, a second seat, a
+seal that does not hold) prove nothing against the key: they happen to honest peers between rounds or epochs,
+and an unsealed declaration is nobody's word.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -37,7 +47,7 @@ from typing import Any
 from solders.keypair import Keypair
 
 from client.averaging.work import WorkRule, credited, proven_samples
-from client.identity import verify
+from client.identity import is_hex, verify
 
 _DOMAIN = "psyswarm.averaging"
 STATE_SHARING = -1
@@ -126,3 +136,33 @@ def check(declaration: object, prefix: str, peer_id: bytes, roster: Roster, roun
         return Declared(key, body)
     proven = proven_samples(body.get("work"), work, round_, roster.trainers, key)  # signatures after the seal's
     return proven if isinstance(proven, str) else Declared(key, body, proven)
+
+
+def falsehood(declaration: object, prefix: str, peer_id: bytes, max_weight: float,
+              work: WorkRule | None) -> tuple[bytes, str] | None:
+    """The member that sealed ``declaration`` and the lie it proves (module docstring), or None where it proves
+    none: it is not sealed by the key it names for ``peer_id`` under ``prefix``, or it is what an honest worker
+    could have declared."""
+    if not isinstance(declaration, dict):
+        return None
+    body = {k: v for k, v in declaration.items() if k not in ("epoch", "member", "seal")}
+    member, signature, epoch = declaration.get("member"), declaration.get("seal"), declaration.get("epoch")
+    if not (is_hex(member, 32) and is_hex(signature, 64) and isinstance(epoch, int) and not isinstance(epoch, bool)):
+        return None
+    key = bytes.fromhex(member)  # type: ignore[arg-type]
+    try:
+        message = _message(prefix, epoch, peer_id, body)
+    except (TypeError, ValueError):
+        return None
+    if not verify(key, message, bytes.fromhex(signature)):  # type: ignore[arg-type]
+        return None
+    weight = body.get("weight")
+    if not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 <= weight <= max_weight:
+        return key, f"it sealed weight {weight!r}, where a worker can have at most {max_weight:g}"
+    if work is None:
+        return None
+    listed = body.get("work")
+    if isinstance(listed, list | tuple):  # more Backwards than a round's samples: a step spanning a round's end may
+        work = dataclasses.replace(work, round_samples=max(1, len(listed)))  # list that many, honestly
+    proven = proven_samples(listed, work, 0, frozenset(), key)
+    return (key, f"it sealed evidence that is not its own: {proven}") if isinstance(proven, str) else None

@@ -21,15 +21,19 @@ peers it meets under one DHT prefix. ``StageAverager`` adds, inside that process
   worker it was sent to, and each peer's parts carry the weight every groupmate credits it with;
 - what the round stands for: the declarations it returns are those of the admitted peers whose contributions
   this peer's reducers did not refuse, so the weight a caller sums never counts a banned sender's claim;
+- evidence of lies: a refused declaration that proves a roster member lied (``membership.falsehood``) is kept,
+  with the prefix and peer id its seal covers, for the host to hand on as an accusation (``drain_lies``);
 - state transfer to joiners (``client.averaging.state_transfer``): donors declared in sealed DHT records, tried
   only when a roster member sealed them, and every state checked as it arrives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import multiprocessing as mp
+import queue
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,13 +47,17 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time, get_logger
 from hivemind.utils.asyncio import achain, as_aiter, azip
 
-from client.averaging.membership import Declared, Membership, Roster, check, seal
+from client.averaging.membership import Declared, Membership, Roster, check, falsehood, seal
 from client.averaging.robust import RobustRunner
 from client.averaging.state_transfer import SharedState, StateTransfer
 from client.averaging.work import WorkRule
 from client.helper_processes import forking_helpers
 
 logger = get_logger(__name__)
+
+MAX_LIES = 64
+"""Proven lies the averaging process keeps for its host between two drains (more are dropped: one per liar and
+round is all an accusation needs)."""
 
 
 class StageAverager(StateTransfer, DecentralizedAverager):
@@ -80,6 +88,7 @@ class StageAverager(StateTransfer, DecentralizedAverager):
         self._max_weight = float(max_weight)
         self._work = work
         self._admitted_by_group: dict[bytes, dict[PeerID, Declared]] = {}  # the process's, during all-reduces
+        self._lies: mp.Queue = mp.Queue(MAX_LIES)  # the process's proven lies, for the host (``drain_lies``)
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         # Not hivemind's run_in_background: it sets SIGINT to SIG_IGN in this (host) process, which raises outside
         # the main thread and leaves Ctrl+C ignored for good. The averaging process is deaf to Ctrl+C instead:
@@ -110,6 +119,15 @@ class StageAverager(StateTransfer, DecentralizedAverager):
         """Groupmates of the last step dropped because their declaration did not pass."""
         return int(self._refused.value)
 
+    def drain_lies(self) -> list[dict[str, Any]]:
+        """The refused declarations that proved a lie since the last drain, each as evidence anyone can check:
+        ``{"prefix", "peer" (hex), "declaration"}`` (``membership.falsehood`` with this averager's limits)."""
+        lies = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                lies.append(self._lies.get_nowait())
+        return lies
+
     # ----- averager process -----
 
     async def _set_roster(self, roster: Roster) -> None:
@@ -124,11 +142,24 @@ class StageAverager(StateTransfer, DecentralizedAverager):
         return check(user, self.prefix, peer.to_bytes(), self._roster, int(self._round.value), self._max_weight,
                      self._work)
 
+    def _keep_if_lie(self, blob: bytes, peer: PeerID) -> None:
+        """Keep a refused declaration for the host if it proves that a member of the roster lied
+        (``membership.falsehood``; a stranger's lies are refused like the rest of it: it has no place to lose)."""
+        try:
+            declaration = self._user_data(blob)
+        except Exception:  # a groupmate's bytes: unreadable ones prove nothing against anyone
+            return
+        lie = falsehood(declaration, self.prefix, peer.to_bytes(), self._max_weight, self._work)
+        if lie is not None and lie[0] in self._roster.members:
+            with contextlib.suppress(queue.Full):
+                self._lies.put_nowait({"prefix": self.prefix, "peer": peer.to_bytes().hex(),
+                                       "declaration": declaration})
+
     def _admit(self, group_info: GroupInfo) -> tuple[GroupInfo, dict[PeerID, Declared]]:
         """The group restricted to the peers whose declarations pass, in the leader's order; a key declared by
         two peers seats neither. Every honest groupmate computes the same from the same gathered list."""
-        checked = {peer: self._check(blob, peer) for peer, blob in zip(group_info.peer_ids, group_info.gathered,
-                                                                          strict=True)}
+        blobs = dict(zip(group_info.peer_ids, group_info.gathered, strict=True))
+        checked = {peer: self._check(blob, peer) for peer, blob in blobs.items()}
         seats: dict[bytes, int] = {}
         for found in checked.values():
             if isinstance(found, Declared):
@@ -139,6 +170,7 @@ class StageAverager(StateTransfer, DecentralizedAverager):
                 found = "its key is declared by another peer of the group too"
             if isinstance(found, str):
                 logger.warning(f"averaging round {self._round.value}: dropped groupmate {peer}: {found}")
+                self._keep_if_lie(blobs[peer], peer)
             else:
                 admitted[peer] = found
         kept = [i for i, peer in enumerate(group_info.peer_ids) if peer in admitted]
@@ -202,6 +234,7 @@ class StageAverager(StateTransfer, DecentralizedAverager):
         found = self._check(request.gather, context.remote_id)
         if isinstance(found, str):
             logger.info(f"refused {context.remote_id} a place in an averaging group: {found}")
+            self._keep_if_lie(request.gather, context.remote_id)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for response in super().rpc_join_group(request, context):

@@ -1,61 +1,141 @@
-"""Checked data in a run: the head and tail workers accuse the trainers whose tokens they refused, and witnesses
-convict the trainers the evidence proves (``client.pipeline.datacheck``, ``client.witness.data_accusations``).
+"""Accusations a run's workers publish, and what witnesses make of them.
 
-- ``Accuser`` (a head or tail worker): publishes, each round, an ``DataAccusation`` holding the signed requests its
-  worker refused for their tokens (``StageWorker.drain_accusations``);
-- ``Convictions`` (any elected witness): checks every piece of evidence the round's accusations quote against the
-  run's dataset, opened the first time there is one to check (a body worker, which trains on nothing, opens it
+Checked data (``client.pipeline.datacheck``, ``client.witness.data_accusations``): the head and tail workers accuse
+the trainers whose tokens they refused, and witnesses convict the trainers the evidence proves.
+False declarations (``client.averaging.membership.falsehood``): a worker whose averager refused a groupmate's sealed
+declaration as a lie no honest worker tells (a weight above what a worker can have, evidence of work forged or
+copied) accuses that groupmate with the declaration itself, and witnesses convict the workers it proves.
+
+- ``Accuser`` (a worker): publishes, each round, one record holding the round's evidence of one kind: a
+  ``DataAccusation`` with the signed requests its worker refused for their tokens (``StageWorker.drain_accusations``),
+  or an ``Accusation`` with the declarations its averagers refused as lies (``StageReplica.drain_lies``);
+- ``Convictions`` (any elected witness): checks every piece of evidence the round's data accusations quote against
+  the run's dataset, opened the first time there is one to check (a body worker, which trains on nothing, opens it
   then); each piece is checked once. A witness that cannot open the dataset convicts no one and says so: the
   trainer keeps whatever its other records earn it in that witness's proof.
+- ``false_declarers`` (any elected witness): the workers of the epoch that a round's accusations prove sealed a
+  false declaration in their own stage's averaging; each is checked with the run's settings alone
+  (``declaration_lie``), so an accusation against an honest worker proves nothing, whoever files it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
 
+from solders.keypair import Keypair
+
+from client.averaging.membership import falsehood
+from client.averaging.sparta import averager_prefix
+from client.averaging.work import WorkRule
 from client.contributor.context import ClientContext
 from client.contributor.errors import CannotContribute
 from client.contributor.rounds import RoundKey
 from client.contributor.run_model import building_the_model, model_config, run_dataset
 from client.data import SampleDataset
+from client.identity import is_hex
+from client.join.stage_replica import REPLICA_WEIGHT
 from client.pipeline.datacheck import WrongData, proven
+from client.stages import stage_names
 from client.witness.data_accusations import MAX_EVIDENCE, DataAccusation
+from client.witness.judge import accused_items
+from client.witness.records import MAX_ACCUSATIONS, Accusation, SignedRecord
 from coordinator_program.spec import derived
 from coordinator_program.spec.state import CoordinatorState, Role
 
 log = logging.getLogger("psyswarm.client")
 
+FALSE_DECLARATION = ("sealed an averaging declaration no honest worker makes (its own seal proves it): not present, "
+                     "not credited")
 MAX_VERDICTS = 1 << 14
 """Pieces of evidence a witness remembers having checked (then it forgets them all and checks again)."""
 
 
 class Accuser:
-    """The evidence a head or tail worker publishes: every piece kept in the round, one record per round."""
+    """A worker's evidence of one kind: every piece kept in the round (one per ``identity``, at most ``most``), in one
+    record per round, published again whenever it grew."""
 
-    def __init__(self, context: ClientContext) -> None:
+    def __init__(self, context: ClientContext, record: Callable[[Keypair, str, RoundKey, list[Any]], SignedRecord],
+                 accused: str, identity: Callable[[Any], Hashable] = lambda piece: piece,
+                 most: int = MAX_EVIDENCE) -> None:
+        """``record`` makes the round's record from the keypair, the run id, the round and the pieces; ``accused``
+        says, for the log, whom they accuse of what."""
         self.context: ClientContext = context
+        self.record, self.accused, self.identity, self.most = record, accused, identity, most
         self.round: RoundKey | None = None
-        self.pieces: list[WrongData] = []
+        self.pieces: dict[Hashable, Any] = {}
         self.published = 0
 
-    async def publish(self, round_: RoundKey, found: list[WrongData]) -> None:
-        """Add ``found`` to ``round_``'s evidence (at most ``MAX_EVIDENCE`` pieces) and publish it if it grew."""
+    async def publish(self, round_: RoundKey, found: list[Any]) -> None:
+        """Add ``found`` to ``round_``'s evidence and publish it if it grew."""
         if round_ != self.round:
-            self.round, self.pieces, self.published = round_, [], 0
-        self.pieces = (self.pieces + found)[:MAX_EVIDENCE]
+            self.round, self.pieces, self.published = round_, {}, 0
+        for piece in found:
+            if len(self.pieces) < self.most:
+                self.pieces.setdefault(self.identity(piece), piece)
         board = self.context.board
         if board is None or len(self.pieces) == self.published:
             return
-        record = DataAccusation.create(self.context.keypair, run_id=board.run_id, epoch=round_.epoch,
-                                       round=round_.height,
-                                       evidence=tuple({"request": p.request, "signature": p.signature}
-                                                      for p in self.pieces))
+        record = self.record(self.context.keypair, board.run_id, round_, list(self.pieces.values()))
         if await asyncio.to_thread(board.publish, record, self.context.keypair):
             self.published = len(self.pieces)
-            log.warning("round %s: accused %d trainer(s) of sending tokens that are not the run's dataset", round_,
-                        len(self.pieces))
+            log.warning("round %s: accused %d %s", round_, len(self.pieces), self.accused)
+
+
+def wrong_data_accuser(context: ClientContext) -> Accuser:
+    """A head or tail worker's accuser of the trainers whose tokens it refused (``StageWorker.drain_accusations``)."""
+    return Accuser(context, lambda keypair, run_id, round_, pieces: DataAccusation.create(
+        keypair, run_id=run_id, epoch=round_.epoch, round=round_.height,
+        evidence=tuple({"request": p.request, "signature": p.signature} for p in pieces)),
+        "trainer(s) of sending tokens that are not the run's dataset")
+
+
+def false_declaration_accuser(context: ClientContext) -> Accuser:
+    """A worker's accuser of the groupmates whose declarations its averagers refused as lies
+    (``StageReplica.drain_lies``): one piece per liar and round."""
+    return Accuser(context, lambda keypair, run_id, round_, pieces: Accusation.create(
+        keypair, run_id=run_id, epoch=round_.epoch, round=round_.height, accusations=tuple(pieces)),
+        "groupmate(s) of sealing an averaging declaration no honest worker makes",
+        identity=lambda piece: str(piece["declaration"].get("member")), most=MAX_ACCUSATIONS)
+
+
+def declaration_lie(item: object, state: CoordinatorState) -> bytes | None:
+    """The worker that ``item`` (``{"prefix", "peer", "declaration"}``, as ``StageAverager.drain_lies`` keeps it)
+    proves sealed a false declaration in its own stage's averaging this epoch, under this run's settings; None
+    where it proves nothing."""
+    if not (isinstance(item, dict) and set(item) == {"prefix", "peer", "declaration"}
+            and isinstance(item["declaration"], dict) and isinstance(item["peer"], str) and len(item["peer"]) <= 256):
+        return None
+    declaration, prefix = item["declaration"], item["prefix"]
+    try:
+        peer = bytes.fromhex(item["peer"])  # a libp2p peer id: a multihash, of no fixed length
+    except ValueError:
+        return None
+    if declaration.get("epoch") != state.epoch or not is_hex(declaration.get("member"), 32):
+        return None
+    member = bytes.fromhex(declaration["member"])
+    names = stage_names(state.config.num_stages)
+    stage = next((names[c.stage] for c in state.clients if c.id == member and c.role == Role.Worker), None)
+    if stage is None:
+        return None
+    batch, namespace = state.config.global_batch_size, derived.run_instance(state)  # the workers' run id
+    if prefix == averager_prefix(namespace, stage, "grad"):
+        limits: tuple[float, WorkRule | None] = (float(batch), WorkRule(namespace, stage, batch))
+    elif prefix == averager_prefix(namespace, stage, "sparta"):
+        limits = (REPLICA_WEIGHT, None)
+    else:
+        return None
+    lie = falsehood(declaration, prefix, peer, *limits)
+    return lie[0] if lie is not None and lie[0] == member else None
+
+
+def false_declarers(state: CoordinatorState, accusations: Mapping[str, Accusation]) -> set[bytes]:
+    """The workers that an admitted accusation of this round proves sealed a false declaration (``declaration_lie``;
+    other items, such as a trainer's wrong answers, are the judge's)."""
+    found = {declaration_lie(item, state) for item in accused_items(state, accusations)}
+    return {liar for liar in found if liar is not None}
 
 
 class Convictions:

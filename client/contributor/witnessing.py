@@ -1,7 +1,8 @@
 """Witnessing, which any client elected for a round does whatever its role: judge the round's signed records
 and send the proof, and health-check the clients the previous round's witnesses missed. The proof leaves out the
 workers a trainer's accusation proves answered wrong, the trainers a worker's accusation proves sent other data
-than the run's (``accusing``), and the trainers that published presences alone for ``idle.IDLE_ROUNDS`` rounds
+than the run's, the workers a groupmate's accusation proves sealed a false averaging declaration (``accusing``),
+and the trainers that published presences alone for ``idle.IDLE_ROUNDS`` rounds
 while others trained.
 
 A witness sends its proof as soon as every batch is in (opportunistic witnessing), or at RoundWitness with what
@@ -19,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from client.contributor.accusing import Convictions
+from client.contributor.accusing import FALSE_DECLARATION, Convictions, false_declarers
 from client.contributor.context import ClientContext
 from client.contributor.rounds import RoundKey
 from client.contributor.tasks import POLL_INTERVAL
@@ -89,6 +90,7 @@ class Witnessing:
             presences = await asyncio.to_thread(board.fetch, Presence, state.epoch, height, counted)
             accusations = await asyncio.to_thread(board.fetch, Accusation, state.epoch, height, counted)
             evidence = judge_round(state, commitments, reports, presences, accusations)  # type: ignore[arg-type]
+            convict(evidence, false_declarers(state, accusations), FALSE_DECLARATION)  # type: ignore[arg-type]
             wrong_data = await asyncio.to_thread(board.fetch, DataAccusation, state.epoch, height, counted)
             convict(evidence, await self.convictions.convicted(state, wrong_data))  # type: ignore[arg-type]
             if candidates(state, evidence):  # present without a commitment while others committed: idle lately?

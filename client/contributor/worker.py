@@ -7,7 +7,8 @@
   and publish signed reports of the receipts issued, as they come. A report must list every receipt the worker
   signed for the round: the trainers hold them, and the witnesses charge an omission to the worker
   (``client.witness.judge``). The head and the tail also check the tokens they receive against the run's dataset,
-  and publish accusations with the signed requests of the trainers whose tokens they refused (``accusing``).
+  and publish accusations with the signed requests of the trainers whose tokens they refused (``accusing``); every
+  worker accuses, with their own sealed declarations, the groupmates its averagers refused for a proven lie.
 - Leaving RoundTrain: stop signing receipts for the round, report the last ones, apply the round's accumulated
   gradients (one optimizer step per round); every ``sparta_every`` steps average a SPARTA partition with the
   stage's other workers; every ``snapshot_every`` steps, if active, snapshot the stage for whoever takes it should
@@ -26,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from client.backends.base import BackendError
-from client.contributor.accusing import Accuser
+from client.contributor.accusing import false_declaration_accuser, wrong_data_accuser
 from client.contributor.agreement import Agreement, Outcome
 from client.contributor.context import ClientContext
 from client.contributor.errors import ContributorRemoved
@@ -97,7 +98,8 @@ class WorkerRole:
         self.stepped: int | None = None  # the swarm steps the stage's parameters hold, once this worker stepped
         self.snapshotted: int | None = None  # the step of this worker's newest snapshot
         self.stepping = False  # an optimizer step is under way on a thread
-        self.accuser = Accuser(context)  # a head or tail worker's evidence against trainers that sent other data
+        self.accuser = wrong_data_accuser(context)  # a head or tail worker's, against trainers that sent other data
+        self.liars = false_declaration_accuser(context)  # against groupmates whose declarations proved a lie
         self.agreement: Agreement | None = None  # its stage's digests against its own, once it holds a stage
 
     @property
@@ -257,6 +259,8 @@ class WorkerRole:
             return
         self.round_receipts.extend(r.hash() for r in worker.drain_receipts())
         await self.accuser.publish(round_, worker.drain_accusations())
+        if self.replica is not None:
+            await self.liars.publish(round_, self.replica.drain_lies())
         if self.reported == Reported(round_, len(self.round_receipts)):
             return  # nothing new: the DHT already has this report (an empty one proves presence)
         report = Report.create(context.keypair, run_id=board.run_id, epoch=round_.epoch, round=round_.height,

@@ -380,6 +380,12 @@ class StageReplica:
             log.error("stage %s: %d averaging rounds in a row failed", self.stage, result.consecutive_failures)
         return result
 
+    def drain_lies(self) -> list[dict[str, object]]:
+        """The declarations this replica's averagers refused as proven lies since the last drain (SPARTA's and the
+        gradients', ``StageAverager.drain_lies``), to publish as accusations."""
+        lies = self.averager.averager.drain_lies()
+        return lies + self.gradients.process.drain_lies() if self.gradients is not None else lies
+
     def stop(self) -> None:
         self.worker.stop()
         self.averager.shutdown()

@@ -50,7 +50,7 @@ costs a witness at most one verification per stage and sample of the trainer's s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
 from client.receipts import ReceiptRound, SignedReceipt
@@ -156,17 +156,22 @@ def proven_wrong(state: CoordinatorState, accusations: Mapping[str, Accusation])
     names = stage_names(state.config.num_stages)
     stage_of = {c.id.hex(): names[c.stage] for c in state.clients if c.role == Role.Worker}
     found: set[bytes] = set()
+    for item in accused_items(state, accusations):
+        try:
+            found.add(bytes.fromhex(check_accusation(item, stage_of)))
+        except AccusationError:
+            continue
+    return found
+
+
+def accused_items(state: CoordinatorState, accusations: Mapping[str, Accusation]) -> Iterator[object]:
+    """Every item of every admitted accusation of this round (a record that does not pass is skipped whole)."""
     for author in accusations:
         try:
             record = admitted(Accusation, accusations, author, state, state.round.height)
         except RecordError:
             continue
-        for item in record.accusations:  # type: ignore[attr-defined]
-            try:
-                found.add(bytes.fromhex(check_accusation(item, stage_of)))
-            except AccusationError:
-                continue
-    return found
+        yield from record.accusations  # type: ignore[attr-defined]
 
 
 def present_workers(state: CoordinatorState, reports: Mapping[str, Report], evidence: Evidence) -> Reported:

@@ -1,7 +1,7 @@
 """A contributor that misbehaves on purpose, for the swarm-level adversarial tests.
 
-``python tests/adversarial/hostile.py trainer|wrong-data|idle|worker|liar join-run ARGS...`` patches the real
-client in this process, then runs ``psyswarm join-run ARGS...``: everything it does goes through the real code
+``python tests/adversarial/hostile.py trainer|wrong-data|idle|worker|liar|overclaimer join-run ARGS...`` patches the
+real client in this process, then runs ``psyswarm join-run ARGS...``: everything it does goes through the real code
 paths and the real wire.
 
 A hostile trainer
@@ -20,6 +20,11 @@ A lying trainer sends plausible data that is not the run's: real text, each samp
 sample's tokens (``OtherText``); everything else it does honestly, a presence each round included.
 
 An idle trainer publishes its presence each round and trains nothing.
+
+An overclaiming worker attacks its stage's gradient averaging: it sends −60 × its gradient and seals, in every
+round, a weight of twice the round's global batch, more than any worker can have processed; it never withdraws,
+though its state departs from its stage's; and it runs a stranger beside it (a DHT node and key of its own, on no
+roster) that joins each of its rounds with that gradient times 1e3.
 
 A hostile worker computes honestly (the lying worker above computes wrong), but
 - tries to hijack its same-stage peers: it announces its own address under their uids;
@@ -214,6 +219,55 @@ def lying_trainer() -> None:
     PipelineTrainer.__init__ = with_other_text
 
 
+def overclaiming_worker() -> None:
+    from client.averaging.gradients import GradientAverager
+    from client.contributor.agreement import Agreement, Outcome
+
+    load = GradientAverager._load
+
+    def overclaim(self, grads, index, weight, work=()):
+        declared = load(self, [grad * -60 for grad in grads], index, weight, work)
+        return {**declared, "weight": 2 * self.settings.max_weight}
+
+    check = Agreement.check
+
+    def stay(self, epoch, step):  # its state departs from the stage's (it steps alone): it stays all the same
+        outcome = check(self, epoch, step)
+        return Outcome.DEPARTED if outcome == Outcome.WITHDRAW else outcome
+
+    for_worker = GradientAverager.for_worker.__func__
+
+    def with_a_stranger(cls, worker, dht, *, seed, settings, roster):
+        """The member's averager, and beside it a stranger's: a DHT node and key of its own, off the roster, that
+        joins every round the member does, with the member's poisoned gradient times 1e3."""
+        import threading
+
+        import hivemind
+        from solders.keypair import Keypair
+
+        from client.averaging.membership import Membership
+
+        member = for_worker(cls, worker, dht, seed=seed, settings=settings, roster=roster)
+        node = hivemind.DHT(initial_peers=dht.get_visible_maddrs(), start=True)
+        named = [(n, p.detach().clone()) for n, p in worker.compute.module.named_parameters() if p.requires_grad]
+        stranger = cls(named, node, run_id=worker.run_id, stage=worker.stage, seed=seed, settings=settings,
+                       membership=Membership(Keypair(), roster))
+        average = member.average
+
+        def joined_by_the_stranger(grads, samples, index, weight, **options):
+            poison = [grad.detach().cpu() * 1e3 for grad in grads]
+            threading.Thread(target=stranger.average, args=(poison, samples, index, settings.max_weight),
+                             daemon=True).start()
+            return average(grads, samples, index, weight, **options)
+
+        member.average = joined_by_the_stranger
+        return member
+
+    GradientAverager._load = overclaim
+    GradientAverager.for_worker = classmethod(with_a_stranger)
+    Agreement.check = stay
+
+
 def idle_trainer() -> None:
     from client.contributor.trainer import TrainerRole
 
@@ -226,7 +280,7 @@ def idle_trainer() -> None:
 def main() -> None:
     role, *argv = sys.argv[1:]
     {"trainer": hostile_trainer, "worker": hostile_worker, "liar": lying_worker, "wrong-data": lying_trainer,
-     "idle": idle_trainer}[role]()
+     "idle": idle_trainer, "overclaimer": overclaiming_worker}[role]()
     from client.cli import main as psyswarm
 
     sys.argv = ["psyswarm", *argv]
