@@ -32,12 +32,13 @@ member itself (forged, or copied from a groupmate). Such a declaration is eviden
 settings alone; the groupmates that gathered it hand it on, and the witnesses leave its signer out of the round
 (``client.contributor.accusing``). Other refusals (not on the roster, another epoch or round, a second seat, a
 seal that does not hold) prove nothing against the key: they happen to honest peers between rounds or epochs,
-and an unsealed declaration is nobody's word.
+and an unsealed declaration is nobody's word. Nor does evidence listing more Backwards than the round has samples:
+it is refused before any signature is read, and checking it for a lie would cost what its length is bounded to
+spare.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -162,7 +163,7 @@ def falsehood(declaration: object, prefix: str, peer_id: bytes, max_weight: floa
     if work is None:
         return None
     listed = body.get("work")
-    if isinstance(listed, list | tuple):  # more Backwards than a round's samples: a step spanning a round's end may
-        work = dataclasses.replace(work, round_samples=max(1, len(listed)))  # list that many, honestly
-    proven = proven_samples(listed, work, 0, frozenset(), key)
+    if isinstance(listed, list | tuple) and len(listed) > work.round_samples:
+        return None  # refused unread (a flood costs no one its signatures), and a step spanning a round's end might
+    proven = proven_samples(listed, work, 0, frozenset(), key)  # list that many honestly
     return (key, f"it sealed evidence that is not its own: {proven}") if isinstance(proven, str) else None

@@ -182,6 +182,8 @@ def test_an_accusation_proves_only_what_its_sealer_sealed() -> None:
     }
     for why, item in moved.items():
         assert declaration_lie(item, state) is None, why
+    flood = grad(4.0, [["not", "a", "header"]] * (state.config.global_batch_size + 1))
+    assert declaration_lie(piece(keys[liar], state, flood), state) is None  # refused unread: proves nothing
     state.clients.append(dataclasses.replace(state.clients[0], id=bytes(stranger.pubkey())))  # not a worker of 1
     for junk in (None, 7, "x", [], {}, {"prefix": 1, "peer": 2, "declaration": 3},
                  {"prefix": genuine["prefix"], "peer": PEER.hex(), "declaration": {"member": "ab", "seal": 5}}):
