@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 
 import pytest
+from solders.compute_budget import set_compute_unit_limit
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 
 from client.backends.base import BackendError
 from client.backends.solana import SolanaBackend, resolve_url, websocket_url
+from coordinator_program.onchain.budget import TICK_UNITS
 from coordinator_program.onchain.program_id import PROGRAM_ID, PROGRAM_KEYPAIR_PATH
 from coordinator_program.spec.config import Checkpoint, CheckpointKind, Config, Model
 from coordinator_program.spec.instructions import (
@@ -24,6 +27,7 @@ from coordinator_program.spec.instructions import (
     ReleaseSlot,
     RevealSeed,
     SetPaused,
+    Tick,
     Update,
     WarmupWitness,
     Witness,
@@ -88,3 +92,25 @@ def test_anchorpy_builds_the_specifications_bytes(ix: Instruction) -> None:
                 "coordinatorInstance": backend.instance_address, "coordinatorAccount": backend.coordinator_address}
     assert [(m.pubkey, m.is_signer, m.is_writable) for m in built.accounts] == [
         (expected.get(a.name, Pubkey.default()), a.signer, a.mut) for a in ix.ACCOUNTS]
+
+
+@pytest.mark.parametrize("ix", EVERY_INSTRUCTION, ids=lambda ix: ix.NAME)
+def test_a_tick_alone_asks_for_more_compute_units(ix: Instruction, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tick that elects a round's witnesses costs about 360,000 units at 1,024 clients, above the default
+    200,000: its transaction carries ComputeBudget's request (``onchain.budget``), and no other does."""
+    backend = SolanaBackend("http://127.0.0.1:1", Keypair(), "run-1", authorizer=Keypair())
+    backend.coordinator_address = Pubkey.new_unique()
+    sent: list[list[object]] = []
+
+    async def send(instructions: list[object], what: str, cosigner: object = None) -> None:
+        sent.append(instructions)
+
+    async def refresh() -> None:
+        return None
+
+    monkeypatch.setattr(backend, "_send", send)
+    monkeypatch.setattr(backend, "refresh", refresh)
+    asyncio.run(backend.submit(ix))
+    expected = [set_compute_unit_limit(TICK_UNITS)] if isinstance(ix, Tick) else []
+    assert sent == [[*expected, backend.instruction(ix)]]
+    assert TICK_UNITS <= 1_400_000
