@@ -21,6 +21,8 @@ copied) accuses that groupmate with the declaration itself, and witnesses convic
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
@@ -131,11 +133,23 @@ def declaration_lie(item: object, state: CoordinatorState) -> bytes | None:
     return lie[0] if lie is not None and lie[0] == member else None
 
 
-def false_declarers(state: CoordinatorState, accusations: Mapping[str, Accusation]) -> set[bytes]:
+def false_declarers(state: CoordinatorState, accusations: Mapping[str, Accusation],
+                    verdicts: dict[tuple[int, str], bytes | None] | None = None) -> set[bytes]:
     """The workers that an admitted accusation of this round proves sealed a false declaration (``declaration_lie``;
-    other items, such as a trainer's wrong answers, are the judge's)."""
-    found = {declaration_lie(item, state) for item in accused_items(state, accusations)}
-    return {liar for liar in found if liar is not None}
+    other items, such as a trainer's wrong answers, are the judge's). ``verdicts``: a witness's memory of the items
+    it checked, by epoch and content, so that each costs its signatures once however often it polls (cleared past
+    ``MAX_VERDICTS``)."""
+    verdicts = {} if verdicts is None else verdicts
+    if len(verdicts) > MAX_VERDICTS:
+        verdicts.clear()
+    found: set[bytes] = set()
+    for item in accused_items(state, accusations):
+        key = (state.epoch, hashlib.sha256(json.dumps(item, sort_keys=True, default=repr).encode()).hexdigest())
+        if key not in verdicts:
+            verdicts[key] = declaration_lie(item, state)
+        if verdicts[key] is not None:
+            found.add(verdicts[key])  # type: ignore[arg-type]
+    return found
 
 
 class Convictions:

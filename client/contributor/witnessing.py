@@ -65,6 +65,7 @@ class Witnessing:
         self.health_checked: set[RoundKey] = set()
         self.witness_seen: tuple[RoundKey, float] | None = None  # the round last judged in RoundWitness, and when
         self.convictions: Convictions = Convictions(context)
+        self.declarations: dict[tuple[int, str], bytes | None] = {}  # false-declaration items checked, and whom
 
     async def witness_current(self) -> None:
         """Prove the current round or warmup if this client witnesses it (polled in the background)."""
@@ -90,7 +91,8 @@ class Witnessing:
             presences = await asyncio.to_thread(board.fetch, Presence, state.epoch, height, counted)
             accusations = await asyncio.to_thread(board.fetch, Accusation, state.epoch, height, counted)
             evidence = judge_round(state, commitments, reports, presences, accusations)  # type: ignore[arg-type]
-            convict(evidence, false_declarers(state, accusations), FALSE_DECLARATION)  # type: ignore[arg-type]
+            liars = false_declarers(state, accusations, self.declarations)  # type: ignore[arg-type]
+            convict(evidence, liars, FALSE_DECLARATION)  # type: ignore[arg-type]
             wrong_data = await asyncio.to_thread(board.fetch, DataAccusation, state.epoch, height, counted)
             convict(evidence, await self.convictions.convicted(state, wrong_data))  # type: ignore[arg-type]
             if candidates(state, evidence):  # present without a commitment while others committed: idle lately?

@@ -28,6 +28,7 @@ from solders.keypair import Keypair
 from client.averaging.membership import Membership, Roster, seal
 from client.averaging.sparta import AveragingStatus, averager_prefix
 from client.averaging.work import evidence
+from client.contributor import accusing
 from client.contributor.accusing import FALSE_DECLARATION, declaration_lie, false_declarers
 from client.witness.data_accusations import convict
 from client.witness.judge import judge_round
@@ -209,3 +210,18 @@ def test_the_witness_leaves_the_liar_out_and_everyone_else_in(author_role: Role)
     stale = Accusation.create(keys[author], run_id=state.run_id, epoch=state.epoch, round=state.round.height + 1,
                               accusations=(lie,))
     assert false_declarers(state, {author.hex(): stale}) == set()  # filed for another round: not admitted
+
+
+def test_a_witness_checks_each_item_once_however_often_it_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An item may carry a round's batch of signed headers: a witness polling the round checks it once."""
+    state, keys = run_with_keys(workers=7, trainers=1)
+    liar, accuser = workers_of(state, 1)[:2]
+    lie = piece(keys[liar], state, grad(state.config.global_batch_size + 1, []))
+    records = {accuser.hex(): Accusation.create(keys[accuser], run_id=state.run_id, epoch=state.epoch,
+                                                round=state.round.height, accusations=(lie,))}
+    checked: list[object] = []
+    check = accusing.declaration_lie
+    monkeypatch.setattr(accusing, "declaration_lie", lambda item, state_: checked.append(item) or check(item, state_))
+    verdicts: dict[tuple[int, str], bytes | None] = {}
+    assert [false_declarers(state, records, verdicts) for _ in range(3)] == [{liar}] * 3
+    assert len(checked) == 1
