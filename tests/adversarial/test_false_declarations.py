@@ -26,7 +26,7 @@ import pytest
 from solders.keypair import Keypair
 
 from client.averaging.membership import Membership, Roster, seal
-from client.averaging.sparta import AveragingStatus, averager_prefix
+from client.averaging.sparta import averager_prefix
 from client.averaging.work import evidence
 from client.contributor import accusing
 from client.contributor.accusing import FALSE_DECLARATION, declaration_lie, false_declarers
@@ -37,7 +37,7 @@ from coordinator_program.spec.derived import run_instance
 from coordinator_program.spec.state import CoordinatorState, Role
 from tests.averagers import average_together, signed_backwards
 from tests.averaging.test_attacks import TRIO, reverser_round, tensors
-from tests.averaging.test_weights_follow_work import DROPPED, _Claimant, honest_work
+from tests.averaging.test_weights_follow_work import ADMITTED, _Claimant, honest_work
 from tests.spec.scenario import SMALL
 from tests.witness.rounds import STAGES, honest_round, run_with_keys
 
@@ -79,7 +79,8 @@ def run_id(run: tuple[CoordinatorState, dict[bytes, Keypair]]) -> str:
 
 def test_a_copier_s_own_declaration_convicts_it_and_no_one_else(make_grad_averager, run, run_id: str) -> None:
     """Real averagers: the reverser declares the first honest worker's evidence (dropped, as
-    ``test_weights_follow_work`` shows); what the honest averagers keep of it convicts the reverser."""
+    ``test_weights_follow_work`` shows); what the honest averagers keep of it convicts the reverser. (Groups of
+    three: the reverser meets an honest worker, as a leader or a follower, whichever forms the group.)"""
     state, keys = run
     for client in state.clients:  # the three workers share the averagers' stage
         if client.role == Role.Worker:
@@ -94,7 +95,7 @@ def test_a_copier_s_own_declaration_convicts_it_and_no_one_else(make_grad_averag
     making.trainer = make_grad_averager.trainer  # type: ignore[attr-defined]
     work = honest_work(making, run_id, workers)
     copier = type("GradientAverager", (_Claimant,), {"claim": evidence(work[0])})
-    reverser_round(making, DROPPED, 16.0, attacker=copier, keys=workers, work=[*work, []])
+    reverser_round(making, ADMITTED, 16.0, attacker=copier, keys=workers, work=[*work, []])  # groups of three
     lies = made[0].process.drain_lies() + made[1].process.drain_lies()
     assert lies, "no honest averager kept the copier's declaration"
     assert {declaration_lie(item, state) for item in lies} == {bytes(workers[2].pubkey())}
@@ -102,17 +103,22 @@ def test_a_copier_s_own_declaration_convicts_it_and_no_one_else(make_grad_averag
 
 
 def test_only_a_member_s_lie_is_kept(make_averager) -> None:
-    """SPARTA replicas weigh at most 1; a member and a stranger (its own roster lists it) each seal 5."""
+    """SPARTA replicas weigh at most 1; a member, then a stranger (its own roster lists it), each seal 5 in a round
+    with the two honest replicas (groups of three: each liar meets them)."""
     honest = [make_averager(tensors(i), settings=TRIO, max_weight=1.0) for i in range(2)]
-    liar = Keypair()
+    liar, key = Keypair(), Keypair()
     member = make_averager(tensors(2), keypair=liar, settings=TRIO, max_weight=10.0)
-    members, key = make_averager.members, Keypair()  # type: ignore[attr-defined]
+    members = make_averager.members  # type: ignore[attr-defined]
     stranger = make_averager(tensors(3), keypair=key, enrol=False, settings=TRIO, max_weight=10.0,
                              roster=lambda: Roster(0, frozenset(members) | {bytes(key.pubkey())}))
-    results = average_together([*honest, member, stranger], 0, [1.0, 1.0, 5.0, 5.0])
-    assert [(r.status, r.group_size) for r in results[:2]] == [(AveragingStatus.AVERAGED, 2)] * 2, results
-    kept = honest[0].averager.drain_lies() + honest[1].averager.drain_lies()
+
+    def kept_after(index: int, attacker: Any) -> list[dict[str, Any]]:
+        average_together([*honest, attacker], index, [1.0, 1.0, 5.0])
+        return honest[0].averager.drain_lies() + honest[1].averager.drain_lies()
+
+    kept = kept_after(0, member)
     assert kept and {item["declaration"]["member"] for item in kept} == {bytes(liar.pubkey()).hex()}
+    assert kept_after(1, stranger) == []
 
 
 def test_each_lie_convicts_its_sealer() -> None:

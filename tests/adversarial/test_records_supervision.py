@@ -118,7 +118,7 @@ def witnessing_worker(run_id: str, dht, hold_one: bool = False):
     role = contributor.role
     assert isinstance(role, WorkerRole)
     role.stage = stage
-    role.replica = SimpleNamespace(worker=worker)  # type: ignore[assignment]
+    role.replica = SimpleNamespace(worker=worker, drain_lies=list)  # type: ignore[assignment]  # no averagers, no lies
     role.open_round = OpenRound(RoundKey(state.epoch, state.round.height), state.step)
     mine = [r for s in shares(state) for r in share_receipts(state, keys, s) if r["worker_uid"] == worker.uid]
     return state, keys, board, backend, contributor, worker, me, mine
