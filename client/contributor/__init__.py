@@ -8,7 +8,8 @@
 - ``trainer``: the trainer role, its share of each round's global batch through the epoch's workers, a signed
   presence and a signed commitment of its result;
 - ``witnessing``: what an elected witness does whatever its role: the proof of a round's records, sent as soon
-  as every batch is in (opportunistic) or at RoundWitness with what it has, and health checks; ``seeding`` its
+  as every batch is in (opportunistic) or at RoundWitness with what it has, and health checks; ``accusing`` the
+  evidence workers publish and what witnesses make of it (averaging declarations included); ``seeding`` its
   share of the next round's seed (a secret committed in RoundTrain, revealed in RoundWitness);
 - ``run_model`` the model the run names, as workers, trainers and ``psyswarm status`` build it; ``status`` what the
   live line shows; ``tasks`` the supervised background work; ``context`` what the roles share; ``rounds`` and
@@ -26,5 +27,5 @@ bounded: the clean leave gets ``runner.STOP_TIMEOUT`` seconds, and threads still
 left.
 
 May import: coordinator_program, client.identity, client.receipts, client.stages, client.backends, client.witness,
-client.pipeline, client.join, client.data, client.models.
+client.pipeline, client.averaging, client.join, client.data, client.models.
 """
