@@ -242,13 +242,13 @@ def overclaiming_worker() -> None:
         joins every round the member does, with the member's poisoned gradient times 1e3."""
         import threading
 
-        import hivemind
         from solders.keypair import Keypair
 
         from client.averaging.membership import Membership
+        from client.pipeline.discovery import start_dht
 
         member = for_worker(cls, worker, dht, seed=seed, settings=settings, roster=roster)
-        node = hivemind.DHT(initial_peers=dht.get_visible_maddrs(), start=True)
+        node = start_dht([str(address) for address in dht.get_visible_maddrs()])  # a helper: it dies with this process
         named = [(n, p.detach().clone()) for n, p in worker.compute.module.named_parameters() if p.requires_grad]
         stranger = cls(named, node, run_id=worker.run_id, stage=worker.stage, seed=seed, settings=settings,
                        membership=Membership(Keypair(), roster))
