@@ -48,7 +48,7 @@ from typing import Any
 from solders.keypair import Keypair
 
 from client.averaging.work import WorkRule, credited, proven_samples
-from client.identity import is_hex, verify
+from client.identity import verify
 
 _DOMAIN = "psyswarm.averaging"
 STATE_SHARING = -1
@@ -108,25 +108,17 @@ def check(declaration: object, prefix: str, peer_id: bytes, roster: Roster, roun
           max_weight: float = math.inf, work: WorkRule | None = None) -> Declared | str:
     """The declaration if ``peer_id`` may take part in round ``round_`` with it, claiming at most ``max_weight``
     and, under ``work``, proving its samples with evidence (its ``work`` field), else why not."""
-    if not isinstance(declaration, dict):
-        return "its declaration is not a dict"
-    body = {k: v for k, v in declaration.items() if k not in ("epoch", "member", "seal")}
-    member, signature, epoch = declaration.get("member"), declaration.get("seal"), declaration.get("epoch")
-    if not (isinstance(member, str) and isinstance(signature, str) and isinstance(epoch, int)):
-        return "its declaration is not sealed"
-    try:
-        key, sig = bytes.fromhex(member), bytes.fromhex(signature)
-    except ValueError:
-        return "its key or seal is not hex"
+    opened = _opened(declaration)
+    if isinstance(opened, str):
+        return opened
+    key, sig, epoch, body = opened
     if key not in roster.members:
         return "its key is not on the stage's roster"
     if epoch != roster.epoch or body.get("round") != round_:
         return f"it declares epoch {epoch} round {body.get('round')!r}, not epoch {roster.epoch} round {round_}"
-    weight = body.get("weight")
-    if not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 <= weight < math.inf:
-        return f"it declares weight {weight!r}"
-    if weight > max_weight:
-        return f"it declares weight {weight!r}, above the {max_weight:g} a worker can claim in a round"
+    refusal = _weight_refusal(body.get("weight"), max_weight)
+    if refusal:
+        return refusal
     try:
         message = _message(prefix, epoch, peer_id, body)
     except (TypeError, ValueError):
@@ -139,31 +131,50 @@ def check(declaration: object, prefix: str, peer_id: bytes, roster: Roster, roun
     return proven if isinstance(proven, str) else Declared(key, body, proven)
 
 
+def _opened(declaration: object) -> tuple[bytes, bytes, int, dict[str, Any]] | str:
+    """A declaration's key, seal, epoch and body (what the seal covers besides them), unverified; or why it has
+    none."""
+    if not isinstance(declaration, dict):
+        return "its declaration is not a dict"
+    body = {k: v for k, v in declaration.items() if k not in ("epoch", "member", "seal")}
+    member, signature, epoch = declaration.get("member"), declaration.get("seal"), declaration.get("epoch")
+    if not (isinstance(member, str) and isinstance(signature, str) and isinstance(epoch, int)):
+        return "its declaration is not sealed"
+    try:
+        return bytes.fromhex(member), bytes.fromhex(signature), epoch, body
+    except ValueError:
+        return "its key or seal is not hex"
+
+
+def _weight_refusal(weight: object, max_weight: float) -> str:
+    """Why ``weight`` is not one a worker can declare, or ""."""
+    if not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 <= weight < math.inf:
+        return f"it declares weight {weight!r}"
+    if weight > max_weight:
+        return f"it declares weight {weight!r}, above the {max_weight:g} a worker can claim in a round"
+    return ""
+
+
 def falsehood(declaration: object, prefix: str, peer_id: bytes, max_weight: float,
               work: WorkRule | None) -> tuple[bytes, str] | None:
     """The member that sealed ``declaration`` and the lie it proves (module docstring), or None where it proves
     none: it is not sealed by the key it names for ``peer_id`` under ``prefix``, or it is what an honest worker
     could have declared."""
-    if not isinstance(declaration, dict):
+    opened = _opened(declaration)
+    if isinstance(opened, str):
         return None
-    body = {k: v for k, v in declaration.items() if k not in ("epoch", "member", "seal")}
-    member, signature, epoch = declaration.get("member"), declaration.get("seal"), declaration.get("epoch")
-    if not (is_hex(member, 32) and is_hex(signature, 64) and isinstance(epoch, int) and not isinstance(epoch, bool)):
-        return None
-    key = bytes.fromhex(member)  # type: ignore[arg-type]
+    key, sig, epoch, body = opened
     try:
         message = _message(prefix, epoch, peer_id, body)
     except (TypeError, ValueError):
         return None
-    if not verify(key, message, bytes.fromhex(signature)):  # type: ignore[arg-type]
+    if not verify(key, message, sig):
         return None
-    weight = body.get("weight")
-    if not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 <= weight <= max_weight:
-        return key, f"it sealed weight {weight!r}, where a worker can have at most {max_weight:g}"
-    if work is None:
-        return None
+    refusal = _weight_refusal(body.get("weight"), max_weight)
+    if refusal:
+        return key, f"it sealed what a worker cannot: {refusal}"
     listed = body.get("work")
-    if isinstance(listed, list | tuple) and len(listed) > work.round_samples:
-        return None  # refused unread (a flood costs no one its signatures), and a step spanning a round's end might
-    proven = proven_samples(listed, work, 0, frozenset(), key)  # list that many honestly
+    if work is None or isinstance(listed, list | tuple) and len(listed) > work.round_samples:
+        return None  # a flood is refused unread (it costs no one its signatures); a step spanning a round's end
+    proven = proven_samples(listed, work, 0, frozenset(), key)  # might list that many honestly
     return (key, f"it sealed evidence that is not its own: {proven}") if isinstance(proven, str) else None

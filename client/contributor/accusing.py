@@ -21,8 +21,6 @@ copied) accuses that groupmate with the declaration itself, and witnesses convic
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
@@ -42,7 +40,7 @@ from client.join.stage_replica import REPLICA_WEIGHT
 from client.pipeline.datacheck import WrongData, proven
 from client.stages import stage_names
 from client.witness.data_accusations import MAX_EVIDENCE, DataAccusation
-from client.witness.judge import accused_items
+from client.witness.judge import admitted_accusations
 from client.witness.records import MAX_ACCUSATIONS, Accusation, SignedRecord
 from coordinator_program.spec import derived
 from coordinator_program.spec.state import CoordinatorState, Role
@@ -134,21 +132,22 @@ def declaration_lie(item: object, state: CoordinatorState) -> bytes | None:
 
 
 def false_declarers(state: CoordinatorState, accusations: Mapping[str, Accusation],
-                    verdicts: dict[tuple[int, str], bytes | None] | None = None) -> set[bytes]:
+                    verdicts: dict[tuple[int, str, int], bytes | None] | None = None) -> set[bytes]:
     """The workers that an admitted accusation of this round proves sealed a false declaration (``declaration_lie``;
     other items, such as a trainer's wrong answers, are the judge's). ``verdicts``: a witness's memory of the items
-    it checked, by epoch and content, so that each costs its signatures once however often it polls (cleared past
-    ``MAX_VERDICTS``)."""
+    it checked, by epoch, record signature and place (the signature covers the item), so that each costs its
+    signatures once however often it polls (cleared past ``MAX_VERDICTS``)."""
     verdicts = {} if verdicts is None else verdicts
     if len(verdicts) > MAX_VERDICTS:
         verdicts.clear()
     found: set[bytes] = set()
-    for item in accused_items(state, accusations):
-        key = (state.epoch, hashlib.sha256(json.dumps(item, sort_keys=True, default=repr).encode()).hexdigest())
-        if key not in verdicts:
-            verdicts[key] = declaration_lie(item, state)
-        if verdicts[key] is not None:
-            found.add(verdicts[key])  # type: ignore[arg-type]
+    for record in admitted_accusations(state, accusations):
+        for place, item in enumerate(record.accusations):  # type: ignore[attr-defined]
+            key = (state.epoch, record.signature, place)
+            if key not in verdicts:
+                verdicts[key] = declaration_lie(item, state)
+            if verdicts[key] is not None:
+                found.add(verdicts[key])  # type: ignore[arg-type]
     return found
 
 

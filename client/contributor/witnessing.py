@@ -65,7 +65,7 @@ class Witnessing:
         self.health_checked: set[RoundKey] = set()
         self.witness_seen: tuple[RoundKey, float] | None = None  # the round last judged in RoundWitness, and when
         self.convictions: Convictions = Convictions(context)
-        self.declarations: dict[tuple[int, str], bytes | None] = {}  # false-declaration items checked, and whom
+        self.declarations: dict[tuple[int, str, int], bytes | None] = {}  # false-declaration items checked, and whom
 
     async def witness_current(self) -> None:
         """Prove the current round or warmup if this client witnesses it (polled in the background)."""

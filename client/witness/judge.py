@@ -156,7 +156,8 @@ def proven_wrong(state: CoordinatorState, accusations: Mapping[str, Accusation])
     names = stage_names(state.config.num_stages)
     stage_of = {c.id.hex(): names[c.stage] for c in state.clients if c.role == Role.Worker}
     found: set[bytes] = set()
-    for item in accused_items(state, accusations):
+    for item in (item for record in admitted_accusations(state, accusations)
+                 for item in record.accusations):  # type: ignore[attr-defined]
         try:
             found.add(bytes.fromhex(check_accusation(item, stage_of)))
         except AccusationError:
@@ -164,14 +165,13 @@ def proven_wrong(state: CoordinatorState, accusations: Mapping[str, Accusation])
     return found
 
 
-def accused_items(state: CoordinatorState, accusations: Mapping[str, Accusation]) -> Iterator[object]:
-    """Every item of every admitted accusation of this round (a record that does not pass is skipped whole)."""
+def admitted_accusations(state: CoordinatorState, accusations: Mapping[str, Accusation]) -> Iterator[Accusation]:
+    """Every admitted accusation of this round (a record that does not pass is skipped whole)."""
     for author in accusations:
         try:
-            record = admitted(Accusation, accusations, author, state, state.round.height)
+            yield admitted(Accusation, accusations, author, state, state.round.height)  # type: ignore[misc]
         except RecordError:
             continue
-        yield from record.accusations  # type: ignore[attr-defined]
 
 
 def present_workers(state: CoordinatorState, reports: Mapping[str, Report], evidence: Evidence) -> Reported:

@@ -228,6 +228,6 @@ def test_a_witness_checks_each_item_once_however_often_it_polls(monkeypatch: pyt
     checked: list[object] = []
     check = accusing.declaration_lie
     monkeypatch.setattr(accusing, "declaration_lie", lambda item, state_: checked.append(item) or check(item, state_))
-    verdicts: dict[tuple[int, str], bytes | None] = {}
+    verdicts: dict[tuple[int, str, int], bytes | None] = {}
     assert [false_declarers(state, records, verdicts) for _ in range(3)] == [{liar}] * 3
     assert len(checked) == 1

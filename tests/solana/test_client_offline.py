@@ -113,4 +113,3 @@ def test_a_tick_alone_asks_for_more_compute_units(ix: Instruction, monkeypatch: 
     asyncio.run(backend.submit(ix))
     expected = [set_compute_unit_limit(TICK_UNITS)] if isinstance(ix, Tick) else []
     assert sent == [[*expected, backend.instruction(ix)]]
-    assert TICK_UNITS <= 1_400_000
