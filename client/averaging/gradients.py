@@ -76,6 +76,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.math import orthogonalize_
 
+from client.averaging import demo
 from client.averaging.membership import Declared, Membership, Roster
 from client.averaging.rounds import GRACE, Wedged, holding, run_round
 from client.averaging.sparta import AveragingStatus, SpartaSettings, averager_prefix
@@ -101,6 +102,7 @@ class GradAveraging(Enum):
     OFF = "off"
     FULL = "full"
     POWERSGD = "powersgd"
+    DEMO = "demo"
 
 
 @dataclass(frozen=True)
@@ -115,13 +117,25 @@ class GradientSettings:
     round_samples: int = 0  # a round's global batch: each weight is at most the samples its trainer-signed
     # Backwards prove (``client.averaging.work``); 0 takes declared weights as they are (a run without a coordinator)
     min_compression: float = 2.0  # PowerSGD compresses a matrix only if that shrinks it at least this much
+    chunk: int = 0  # DeMo's chunk (elements per DCT), 2..demo.MAX_CHUNK
+    topk: int = 0  # DeMo's coefficients sent per chunk, 1..chunk - 1
+    beta: float = 0.999  # DeMo's momentum decay
 
     def __post_init__(self) -> None:
         if self.mode == GradAveraging.OFF:
-            raise ValueError("GradientSettings describe averaging: mode must be full or powersgd")
+            raise ValueError("GradientSettings describe averaging: mode must be full, powersgd or demo")
         if (self.mode == GradAveraging.POWERSGD) != (1 <= self.rank <= 64):
             raise ValueError(f"rank must be 1..64 with powersgd and 0 otherwise, got {self.rank} with "
                              f"{self.mode.value}")
+        if self.mode == GradAveraging.DEMO:
+            if not (2 <= self.chunk <= demo.MAX_CHUNK and 1 <= self.topk < self.chunk):
+                raise ValueError(f"demo needs a chunk of 2..{demo.MAX_CHUNK} elements and a topk of 1..chunk - 1, "
+                                 f"got chunk {self.chunk} topk {self.topk}")
+            if not 0 <= self.beta < 1:
+                raise ValueError(f"demo's momentum beta must be in [0, 1), got {self.beta}")
+        elif self.chunk or self.topk:
+            raise ValueError(f"chunk and topk must be 0 unless mode is demo, got chunk {self.chunk} topk "
+                             f"{self.topk} with {self.mode.value}")
         if not (self.factor > 1 and self.max_weight > 0 and self.min_compression >= 1 and self.round_samples >= 0):
             raise ValueError("factor must exceed 1, max_weight be positive, min_compression at least 1 and "
                              "round_samples not negative")
@@ -147,9 +161,14 @@ def seeded_matrix(seed: int, name: str, rows: int, cols: int) -> torch.Tensor:
     return torch.from_numpy((words / 2.0**31 - 1.0).astype(np.float32)).reshape(rows, cols)
 
 
-def round_payload(shapes: Sequence[Sequence[int]], settings: GradientSettings) -> list[list[int]]:
+def round_payload(shapes: Sequence[Sequence[int]], settings: GradientSettings, group_size: int = 1) -> list[list[int]]:
     """Elements of each tensor that the all-reduces of one round carry, one list per all-reduce (PowerSGD: the
-    P factors, then the Q factors with the tensors sent in full), for gradients of ``shapes``."""
+    P factors, then the Q factors with the tensors sent in full; DeMo: the most a union of ``group_size`` peers'
+    picks can hold, with the tensors sent in full), for gradients of ``shapes``."""
+    if settings.mode == GradAveraging.DEMO:
+        union = min(settings.chunk, settings.topk * group_size)
+        counts = [demo.chunk_count(shape, settings.chunk) for shape in shapes]
+        return [[math.prod(shape) if n is None else n * union for shape, n in zip(shapes, counts, strict=True)]]
     rank = settings.rank if settings.mode == GradAveraging.POWERSGD else 0
     factors = [compressed_shape(shape, rank, settings.min_compression) for shape in shapes]
     full = [math.prod(shape) for shape, factor in zip(shapes, factors, strict=True) if factor is None]
@@ -172,20 +191,26 @@ class _GroupLimits:
 
 
 class _GradientRounds(StageAverager):
-    """hivemind's averaging process for gradients: the contribution checks, and PowerSGD's two phases.
+    """hivemind's averaging process for gradients: the contribution checks, PowerSGD's two phases and DeMo's round.
 
-    ``GradientProcess`` orders a round's methods: StageAverager's membership check → this class's limits (on
-    the admitted peers) → ``_aggregate_phases`` (PowerSGD's two phases, or hivemind's single all-reduce in full mode).
+    ``GradientProcess`` orders a round's methods: StageAverager's membership check (DeMo: and the declared
+    indices) → this class's limits (on the admitted peers) → ``_aggregate_phases`` (PowerSGD's two phases,
+    DeMo's all-reduce over the union of indices, or hivemind's single all-reduce in full mode).
     """
 
     def __init__(self, grads: Sequence[torch.Tensor], dht: Any, *, names: Sequence[str],
                  shapes: Sequence[tuple[int, int] | None], rank: int, seed: int, errors: Sequence[torch.Tensor],
                  backup: Sequence[torch.Tensor], qs: Sequence[torch.Tensor], factor: float,
-                 **kwargs: Any) -> None:
+                 demo_chunks: Sequence[int | None] = (), momenta: Sequence[torch.Tensor] = (),
+                 chunk: int = 0, topk: int = 0, beta: float = 0.0, **kwargs: Any) -> None:
+        """``demo_chunks``: in DeMo mode, each gradient's chunk count (None: sent in full), with ``momenta`` the
+        momentum of each chunked one (chunks × ``chunk``), ``topk`` and ``beta`` as in ``GradientSettings``."""
         # All shared with the averaging process, so they must exist before it forks.
         self._names, self._shapes, self._rank, self._seed = list(names), list(shapes), rank, seed
         self._errors, self._backup, self._qs = list(errors), list(backup), list(qs)
         self._factor = factor
+        self._demo_chunks, self._momenta = list(demo_chunks), list(momenta)
+        self._chunk, self._topk, self._beta = chunk, topk, beta
         self._outcome = mp.Value(ctypes.c_int32, 0, lock=False)
         self._tag = mp.Array(ctypes.c_char, _TAG_BYTES, lock=False)  # group id of the last complete phase Q
         self._limits: dict[bytes, _GroupLimits] = {}
@@ -208,6 +233,22 @@ class _GradientRounds(StageAverager):
         return bytes(self._tag.raw).rstrip(b"\0").hex()
 
     # ----- contribution checks -----
+
+    def _check(self, blob: bytes, peer: PeerID) -> Declared | str:
+        """StageAverager's membership check, then (DeMo) the declared indices: one well-formed list per chunked
+        gradient, so that every admitted peer computes the same union from them."""
+        found = super()._check(blob, peer)
+        if not self._chunk or isinstance(found, str):
+            return found
+        counts = [n for n in self._demo_chunks if n is not None]
+        declared = found.body.get("idx")
+        if not isinstance(declared, list | tuple) or len(declared) != len(counts):
+            return f"it declares no list of {len(counts)} index lists (DeMo)"
+        for i, (positions, n) in enumerate(zip(declared, counts, strict=True)):
+            refusal = demo.index_refusal(positions, n, self._chunk, self._topk)
+            if refusal:
+                return f"it declares, for chunked gradient {i}, {refusal}"
+        return found
 
     def _group_ids(self, group_id: bytes) -> list[bytes]:
         return [group_id, *(group_id + phase.name.encode() for phase in AllReducePhases)]
@@ -279,7 +320,7 @@ class _GradientRounds(StageAverager):
 
     async def _aggregate_phases(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         """Reached through StageAverager's ``super()`` once the group check passed."""
-        if not self.powersgd:
+        if not self.powersgd and not self._chunk:
             gathered = await DecentralizedAverager._aggregate_with_group(self, group_info, min_vector_size, **kwargs)
             self._outcome.value = _COMPLETE if self._complete(group_info.group_id) else _PARTIAL
             return gathered
@@ -290,6 +331,10 @@ class _GradientRounds(StageAverager):
                 None, load_balance_peers, self.total_size, bandwidths, min_vector_size)
             kwargs.pop("tensor_infos", None)  # they describe the gradients, not the phases' factors
             async with enter_asynchronously(self.get_tensors()) as grads:
+                if self._chunk:
+                    complete = await self._demo(grads, users, group_info, fractions, kwargs)
+                    self._outcome.value = _COMPLETE if complete else _PARTIAL
+                    return dict(zip(group_info.peer_ids, users, strict=True))
                 for error, backup in zip(self._errors, self._backup, strict=True):
                     backup.copy_(error)
                 try:
@@ -343,6 +388,33 @@ class _GradientRounds(StageAverager):
             self._tag.raw = phase_q[:_TAG_BYTES].ljust(_TAG_BYTES, b"\0")
         return complete
 
+    # ----- DeMo -----
+
+    async def _demo(self, grads: Sequence[torch.Tensor], users: list[Any], group_info: GroupInfo, fractions: Any,
+                    kwargs: dict[str, Any]) -> bool:
+        """DeMo's round, in place in ``grads``: each chunked gradient becomes the IDCT of the group's average of
+        its coefficients at the union of the declared indices (zeros elsewhere), the rest is averaged in full.
+        The momentum moves only when the all-reduce heard from everyone (otherwise it stays as it was before the
+        round, like PowerSGD's error feedback): m ← β·m + g, less what this peer sent (decoupled momentum). True
+        when the all-reduce was complete; raises when it fails."""
+        chunked = [(g, n) for g, n in zip(grads, self._demo_chunks, strict=True) if n is not None]
+        full = [g for g, n in zip(grads, self._demo_chunks, strict=True) if n is None]
+        candidates = [self._beta * m + demo.chunked(g, self._chunk)
+                      for (g, _), m in zip(chunked, self._momenta, strict=True)]
+        coefficients = [demo.encode(c) for c in candidates]
+        unions = [demo.union([user["idx"][i] for user in users], self._chunk, self._topk) for i in range(len(chunked))]
+        sent = [c.reshape(-1)[u] for c, u in zip(coefficients, unions, strict=True)]
+        await self._run_allreduce_inplace_([*sent, *full], group_info, peer_fractions=fractions, **kwargs)
+        complete = self._complete(group_info.group_id)
+        if complete and float(kwargs["weight"]) > 0:  # a weight-0 peer's coefficients went into no average
+            for (g, _), m, c, coefficient, u in zip(chunked, self._momenta, candidates, coefficients, unions,
+                                                    strict=True):
+                m.copy_(c - demo.decode(demo.scatter(coefficient.reshape(-1)[u], u, c)))
+                m.reshape(-1)[g.numel():] = 0  # the padding stands for no parameter
+        for (g, _), c, averaged, u in zip(chunked, candidates, sent, unions, strict=True):
+            g.copy_(demo.unchunked(demo.decode(demo.scatter(averaged, u, c)), g.shape))
+        return complete
+
     def _complete(self, group_id: bytes) -> bool:
         """Whether the all-reduce of ``group_id`` heard from every sender and every reducer, and kept every
         result (a reducer whose result was refused counts as failed: ``RobustRunner``)."""
@@ -372,7 +444,8 @@ class GradientResult:
     # limit that this worker's reducers did not ban (never a dropped or refused one's claim); this worker's otherwise
     group_size: int  # admitted peers in the group, this one included (0 when none formed)
     refused: int  # groupmates dropped because their declaration did not pass
-    complete: bool  # every peer's parts arrived (PowerSGD: its error feedback moved; otherwise it was restored)
+    complete: bool  # every peer's parts arrived (PowerSGD: its error feedback moved, DeMo: its momentum; otherwise
+    # they were restored)
     seconds: float
     consecutive_failures: int
 
@@ -405,6 +478,9 @@ class GradientAverager:
         self.errors = [torch.zeros(shape).share_memory_() for shape, _ in factors]
         self.backup = [torch.zeros(shape).share_memory_() for shape, _ in factors]
         qs = [torch.zeros(shape[1], max(rank, 1)).share_memory_() for shape, _ in factors]
+        chunk = settings.chunk if settings.mode == GradAveraging.DEMO else 0
+        self.demo_chunks = [demo.chunk_count(p.shape, chunk) if chunk else None for _, p in named_parameters]
+        self.momenta = [torch.zeros(n, chunk).share_memory_() for n in self.demo_chunks if n is not None]
         self.consecutive_failures = 0
         self.last: GradientResult | None = None  # the last round's result, as ``average`` returned it
         self._pipe = threading.Lock()
@@ -412,7 +488,8 @@ class GradientAverager:
         self._control: Any = None
         self._process = self.process_class(
             self._buffers, dht, names=self.names, shapes=self.shapes, rank=rank, seed=seed, errors=self.errors,
-            backup=self.backup, qs=qs, factor=settings.factor, max_weight=settings.max_weight,
+            backup=self.backup, qs=qs, factor=settings.factor, demo_chunks=self.demo_chunks, momenta=self.momenta,
+            chunk=chunk, topk=settings.topk, beta=settings.beta, max_weight=settings.max_weight,
             membership=membership, prefix=averager_prefix(run_id, stage, "grad"), min_group_size=t.min_group_size,
             work=WorkRule(run_id, stage, settings.round_samples) if settings.round_samples else None,
             target_group_size=t.target_group_size, min_matchmaking_time=t.min_matchmaking_time,
@@ -496,16 +573,22 @@ class GradientAverager:
     def _load(self, grads: Sequence[torch.Tensor], index: int, weight: float,
               work: Sequence[tuple[RequestHeader, str]] = ()) -> dict[str, Any]:
         """Copy the gradients into the shared buffers; returns what this peer declares to its group (its evidence
-        only with a positive weight: a syncing worker proves nothing)."""
+        only with a positive weight: a syncing worker proves nothing; in DeMo mode, the positions of its top
+        coefficients, and a norm that bounds its whole momentum: any of its coefficients at a union of indices
+        lies within it, the DCT being orthonormal)."""
         with self._locked(), torch.no_grad():
             squared = 0.0
-            errors = iter(self.errors)
-            for buffer, grad, shape in zip(self._buffers, grads, self.shapes, strict=True):
+            errors, momenta, indices = iter(self.errors), iter(self.momenta), []
+            for buffer, grad, shape, chunks in zip(self._buffers, grads, self.shapes, self.demo_chunks, strict=True):
                 buffer.copy_(grad)
                 sent = buffer if shape is None else buffer.reshape(shape) + next(errors)
+                if chunks is not None:
+                    sent = self.settings.beta * next(momenta) + demo.chunked(buffer, self.settings.chunk)
+                    indices.append(demo.top_positions(demo.encode(sent), self.settings.topk))
                 squared += float(torch.linalg.vector_norm(sent, dtype=torch.float64)) ** 2
-        return {"round": index, "weight": float(weight), "norm": math.sqrt(squared), "q": self._process.q_tag,
-                "work": evidence(work) if weight > 0 and self.settings.round_samples else []}
+        declaration = {"round": index, "weight": float(weight), "norm": math.sqrt(squared), "q": self._process.q_tag,
+                       "work": evidence(work) if weight > 0 and self.settings.round_samples else []}
+        return {**declaration, "idx": indices} if self.settings.mode == GradAveraging.DEMO else declaration
 
     def _apply(self, grads: Sequence[torch.Tensor]) -> None:
         """Whatever the buffers hold after the round (an average, a partial one, or the local values), finite
