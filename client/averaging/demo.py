@@ -23,6 +23,7 @@ limits of the averaging layer rely on.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -94,6 +95,16 @@ def index_refusal(declared: Any, chunks: int, chunk: int, topk: int) -> str:
     if not bool((np.diff(positions, axis=1) > 0).all()):
         return "indices that are not ascending and distinct within each chunk"
     return ""
+
+
+def digest(declared: Sequence[Sequence[int]]) -> str:
+    """The SHA-256 (hex) of well-formed index declarations, one per chunked tensor (positions below 256, so one
+    byte each; every length is fixed by the run's settings and the tensors' shapes): what a peer seals, as the
+    declarations themselves are too large for the seal's path (``client.averaging.gradients``)."""
+    hashed = hashlib.sha256()
+    for positions in declared:
+        hashed.update(bytes(positions))
+    return hashed.hexdigest()
 
 
 def union(declarations: Sequence[Sequence[int]], chunk: int, topk: int) -> torch.Tensor:

@@ -66,6 +66,7 @@ import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
@@ -202,14 +203,16 @@ class _GradientRounds(StageAverager):
                  shapes: Sequence[tuple[int, int] | None], rank: int, seed: int, errors: Sequence[torch.Tensor],
                  backup: Sequence[torch.Tensor], qs: Sequence[torch.Tensor], factor: float,
                  demo_chunks: Sequence[int | None] = (), momenta: Sequence[torch.Tensor] = (),
-                 chunk: int = 0, topk: int = 0, beta: float = 0.0, **kwargs: Any) -> None:
+                 indices: Sequence[torch.Tensor] = (), chunk: int = 0, topk: int = 0, beta: float = 0.0,
+                 **kwargs: Any) -> None:
         """``demo_chunks``: in DeMo mode, each gradient's chunk count (None: sent in full), with ``momenta`` the
-        momentum of each chunked one (chunks × ``chunk``), ``topk`` and ``beta`` as in ``GradientSettings``."""
+        momentum of each chunked one (chunks × ``chunk``), ``indices`` the positions the host picked for the next
+        round (chunks × ``topk``, uint8), ``topk`` and ``beta`` as in ``GradientSettings``."""
         # All shared with the averaging process, so they must exist before it forks.
         self._names, self._shapes, self._rank, self._seed = list(names), list(shapes), rank, seed
         self._errors, self._backup, self._qs = list(errors), list(backup), list(qs)
         self._factor = factor
-        self._demo_chunks, self._momenta = list(demo_chunks), list(momenta)
+        self._demo_chunks, self._momenta, self._indices = list(demo_chunks), list(momenta), list(indices)
         self._chunk, self._topk, self._beta = chunk, topk, beta
         self._outcome = mp.Value(ctypes.c_int32, 0, lock=False)
         self._tag = mp.Array(ctypes.c_char, _TAG_BYTES, lock=False)  # group id of the last complete phase Q
@@ -232,22 +235,46 @@ class _GradientRounds(StageAverager):
     def q_tag(self) -> str:
         return bytes(self._tag.raw).rstrip(b"\0").hex()
 
+    # ----- DeMo's index declarations -----
+
+    async def _step(self, *, step: StepControl, future_for_init: Any) -> Any:
+        """hivemind's step, the DeMo indices the host picked added to what this peer gathers: they travel beside
+        the sealed declaration (which holds their digest), because hivemind's control pipe from the host, read
+        without blocking, fails on a message larger than one read (and then every later one)."""
+        if self._chunk:
+            bandwidth, mode, user = self.serializer.loads(step.data_for_gather)
+            declaration = {**self.serializer.loads(user), "idx": [t.tolist() for t in self._indices]}
+            step._data_for_gather = self.serializer.dumps([bandwidth, mode, self.serializer.dumps(declaration)])
+        return await super()._step(step=step, future_for_init=future_for_init)
+
+    def _user_data(self, blob: bytes) -> Any:
+        """A groupmate's sealed declaration, less the DeMo indices beside it (``_declared_indices``)."""
+        user = super()._user_data(blob)
+        return {k: v for k, v in user.items() if k != "idx"} if isinstance(user, dict) else user
+
+    def _declared_indices(self, blob: bytes) -> Any:
+        """The DeMo indices a groupmate gathered beside its declaration (unchecked: ``_check`` checks them)."""
+        user = super()._user_data(blob)
+        return user.get("idx") if isinstance(user, dict) else None
+
     # ----- contribution checks -----
 
     def _check(self, blob: bytes, peer: PeerID) -> Declared | str:
         """StageAverager's membership check, then (DeMo) the declared indices: one well-formed list per chunked
-        gradient, so that every admitted peer computes the same union from them."""
+        gradient, the ones its seal covers (by digest), so that every admitted peer computes the same union."""
         found = super()._check(blob, peer)
         if not self._chunk or isinstance(found, str):
             return found
         counts = [n for n in self._demo_chunks if n is not None]
-        declared = found.body.get("idx")
+        declared = self._declared_indices(blob)
         if not isinstance(declared, list | tuple) or len(declared) != len(counts):
             return f"it declares no list of {len(counts)} index lists (DeMo)"
         for i, (positions, n) in enumerate(zip(declared, counts, strict=True)):
             refusal = demo.index_refusal(positions, n, self._chunk, self._topk)
             if refusal:
                 return f"it declares, for chunked gradient {i}, {refusal}"
+        if demo.digest(declared) != found.body.get("idx_digest"):
+            return "it declares indices that its seal does not cover"
         return found
 
     def _group_ids(self, group_id: bytes) -> list[bytes]:
@@ -332,7 +359,7 @@ class _GradientRounds(StageAverager):
             kwargs.pop("tensor_infos", None)  # they describe the gradients, not the phases' factors
             async with enter_asynchronously(self.get_tensors()) as grads:
                 if self._chunk:
-                    complete = await self._demo(grads, users, group_info, fractions, kwargs)
+                    complete = await self._demo(grads, group_info, fractions, kwargs)
                     self._outcome.value = _COMPLETE if complete else _PARTIAL
                     return dict(zip(group_info.peer_ids, users, strict=True))
                 for error, backup in zip(self._errors, self._backup, strict=True):
@@ -390,7 +417,7 @@ class _GradientRounds(StageAverager):
 
     # ----- DeMo -----
 
-    async def _demo(self, grads: Sequence[torch.Tensor], users: list[Any], group_info: GroupInfo, fractions: Any,
+    async def _demo(self, grads: Sequence[torch.Tensor], group_info: GroupInfo, fractions: Any,
                     kwargs: dict[str, Any]) -> bool:
         """DeMo's round, in place in ``grads``: each chunked gradient becomes the IDCT of the group's average of
         its coefficients at the union of the declared indices (zeros elsewhere), the rest is averaged in full.
@@ -402,7 +429,8 @@ class _GradientRounds(StageAverager):
         candidates = [self._beta * m + demo.chunked(g, self._chunk)
                       for (g, _), m in zip(chunked, self._momenta, strict=True)]
         coefficients = [demo.encode(c) for c in candidates]
-        unions = [demo.union([user["idx"][i] for user in users], self._chunk, self._topk) for i in range(len(chunked))]
+        declared = [self._declared_indices(blob) for blob in group_info.gathered]
+        unions = [demo.union([d[i] for d in declared], self._chunk, self._topk) for i in range(len(chunked))]
         sent = [c.reshape(-1)[u] for c, u in zip(coefficients, unions, strict=True)]
         await self._run_allreduce_inplace_([*sent, *full], group_info, peer_fractions=fractions, **kwargs)
         complete = self._complete(group_info.group_id)
@@ -481,6 +509,8 @@ class GradientAverager:
         chunk = settings.chunk if settings.mode == GradAveraging.DEMO else 0
         self.demo_chunks = [demo.chunk_count(p.shape, chunk) if chunk else None for _, p in named_parameters]
         self.momenta = [torch.zeros(n, chunk).share_memory_() for n in self.demo_chunks if n is not None]
+        self.indices = [torch.zeros(n * settings.topk, dtype=torch.uint8).share_memory_()
+                        for n in self.demo_chunks if n is not None]
         self.consecutive_failures = 0
         self.last: GradientResult | None = None  # the last round's result, as ``average`` returned it
         self._pipe = threading.Lock()
@@ -489,7 +519,7 @@ class GradientAverager:
         self._process = self.process_class(
             self._buffers, dht, names=self.names, shapes=self.shapes, rank=rank, seed=seed, errors=self.errors,
             backup=self.backup, qs=qs, factor=settings.factor, demo_chunks=self.demo_chunks, momenta=self.momenta,
-            chunk=chunk, topk=settings.topk, beta=settings.beta, max_weight=settings.max_weight,
+            indices=self.indices, chunk=chunk, topk=settings.topk, beta=settings.beta, max_weight=settings.max_weight,
             membership=membership, prefix=averager_prefix(run_id, stage, "grad"), min_group_size=t.min_group_size,
             work=WorkRule(run_id, stage, settings.round_samples) if settings.round_samples else None,
             target_group_size=t.target_group_size, min_matchmaking_time=t.min_matchmaking_time,
@@ -573,22 +603,25 @@ class GradientAverager:
     def _load(self, grads: Sequence[torch.Tensor], index: int, weight: float,
               work: Sequence[tuple[RequestHeader, str]] = ()) -> dict[str, Any]:
         """Copy the gradients into the shared buffers; returns what this peer declares to its group (its evidence
-        only with a positive weight: a syncing worker proves nothing; in DeMo mode, the positions of its top
-        coefficients, and a norm that bounds its whole momentum: any of its coefficients at a union of indices
-        lies within it, the DCT being orthonormal)."""
+        only with a positive weight: a syncing worker proves nothing; in DeMo mode, the digest of the positions of
+        its top coefficients, which the shared ``indices`` hand to the averaging process, and a norm that bounds
+        its whole momentum: any of its coefficients at a union of indices lies within it, the DCT being
+        orthonormal)."""
         with self._locked(), torch.no_grad():
             squared = 0.0
             errors, momenta, indices = iter(self.errors), iter(self.momenta), []
+            shared = iter(self.indices)
             for buffer, grad, shape, chunks in zip(self._buffers, grads, self.shapes, self.demo_chunks, strict=True):
                 buffer.copy_(grad)
                 sent = buffer if shape is None else buffer.reshape(shape) + next(errors)
                 if chunks is not None:
                     sent = self.settings.beta * next(momenta) + demo.chunked(buffer, self.settings.chunk)
                     indices.append(demo.top_positions(demo.encode(sent), self.settings.topk))
+                    next(shared).copy_(torch.tensor(indices[-1], dtype=torch.uint8))
                 squared += float(torch.linalg.vector_norm(sent, dtype=torch.float64)) ** 2
         declaration = {"round": index, "weight": float(weight), "norm": math.sqrt(squared), "q": self._process.q_tag,
                        "work": evidence(work) if weight > 0 and self.settings.round_samples else []}
-        return {**declaration, "idx": indices} if self.settings.mode == GradAveraging.DEMO else declaration
+        return {**declaration, "idx_digest": demo.digest(indices)} if indices else declaration
 
     def _apply(self, grads: Sequence[torch.Tensor]) -> None:
         """Whatever the buffers hold after the round (an average, a partial one, or the local values), finite

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from hivemind.averaging import DecentralizedAverager
 
 from client.averaging import demo
 from client.averaging.gradients import GradAveraging, GradientAverager, GradientProcess, GradientSettings
@@ -130,32 +131,44 @@ def test_demo_averages_the_peers_coefficients_at_the_union_of_their_indices(make
         torch.testing.assert_close(averager.momenta[0], demo.decode(coefficients), rtol=0, atol=1e-5)
 
 
-class _MalformedIndices(GradientAverager):
-    """A roster member that declares malformed indices (sealed with its own key, so only their form is wrong)."""
+class _MalformedIndices(GradientProcess):
+    """A roster member's averaging process that gathers ``malformed`` indices beside its sealed declaration."""
 
     malformed: Any = None
 
-    def _load(self, grads, index, weight, work=()):  # type: ignore[no-untyped-def]
-        declaration = super()._load(grads, index, weight, work)
-        return {**declaration, "idx": [self.malformed]}
+    async def _step(self, *, step, future_for_init):  # type: ignore[no-untyped-def]
+        if self.malformed is None:  # the control: an honest peer
+            return await super()._step(step=step, future_for_init=future_for_init)
+        bandwidth, mode, user = self.serializer.loads(step.data_for_gather)
+        declaration = {**self.serializer.loads(user), "idx": [self.malformed]}
+        step._data_for_gather = self.serializer.dumps([bandwidth, mode, self.serializer.dumps(declaration)])
+        return await DecentralizedAverager._step(self, step=step, future_for_init=future_for_init)  # not the honest one
 
 
 @pytest.mark.parametrize("malformed", [
+    None,  # the control: it meets the others, so the liars below would too
     list(range(24 * TOPK + 1)),  # too many
     [CHUNK] * (24 * TOPK),  # out of range
     pytest.param([float(i % TOPK) for i in range(24 * TOPK)], marks=pytest.mark.slow),  # not ints
+    pytest.param(list(range(TOPK)) * 24, marks=pytest.mark.slow),  # well-formed, but not those its seal covers
 ])
 def test_a_peer_declaring_malformed_indices_is_dropped_and_the_others_average(make_grad_averager, malformed) -> None:
-    """Three members, one declaring malformed indices: an honest leader refuses it a place, an honest follower
-    of it drops it, so it never shapes the union; the honest two average as if it were not there."""
+    """Three members, one gathering malformed indices (or others than its seal covers): an honest leader refuses
+    it a place, an honest follower of it drops it, so it never shapes the union; the honest two average as if it
+    were not there."""
     pairs = [alike(1), alike(2), alike(3)]
     expected, _ = demo_average([grads(p) for p in pairs[:2]])
     averagers = [make_grad_averager(p, demo_settings()) for p in pairs[:2]]
+    bad = type(GradientProcess.__name__, (_MalformedIndices,), {"malformed": malformed})  # hivemind's RPC names
     averagers.append(make_grad_averager(pairs[2], demo_settings(),
-                                        cls=type("_Bad", (_MalformedIndices,), {"malformed": malformed})))
+                                        cls=type("Liar", (GradientAverager,), {"process_class": bad})))
     for index in range(3):  # the liar may lead a group one honest peer joined, leaving that peer alone a round
         values = [grads(p) for p in pairs]
         results = together(averagers, values, index, [1.0, 1.0, 1.0])
+        if malformed is None:  # the control: a third peer that declares well-formed indices joins the group
+            if [r.group_size for r in results] == [3, 3, 3]:
+                return
+            continue
         assert all(r.group_size <= 2 for r in results[:2])
         if [(r.status, r.group_size) for r in results[:2]] == [(AveragingStatus.AVERAGED, 2)] * 2:
             for value in values[:2]:
@@ -163,7 +176,7 @@ def test_a_peer_declaring_malformed_indices_is_dropped_and_the_others_average(ma
             return
         for averager in averagers[:2]:  # momentum 0 and no complete round: nothing moved
             assert float(averager.momenta[0].abs().sum()) == 0
-    pytest.fail("the honest pair never averaged without the liar")
+    pytest.fail("the honest pair never averaged without the liar" if malformed else "the control never met")
 
 
 class _Saboteur(GradientProcess):

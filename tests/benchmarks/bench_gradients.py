@@ -7,18 +7,21 @@ side by side:
 
 - one process (``client/pipeline/local.py``), the reference;
 - 2 workers per stage, no averaging; SPARTA only; full gradient averaging; PowerSGD (rank ``--rank``) plus
-  SPARTA, Node0's production setting; with ``--undefended``, each gradient-averaging setting also without the
+  SPARTA, Node0's production setting; DeMo (``--demo CHUNK/TOPK``, momentum ``--demo-beta``) plus SPARTA; with
+  ``--undefended``, each gradient-averaging setting also without the
   averaging layer's defences (hivemind's weighted mean of the declared weights, where the defended runs reduce
   each part robustly and weigh each worker by the samples its trainer-signed Backwards prove).
 
 Prints the loss of each (training: mean of the last rounds; held-out) against one process (aim: PowerSGD +
 SPARTA within 1 %), and the bytes each worker sends per step averaging its gradients, PowerSGD against the full
 gradient (hivemind's all-reduce messages for a group of 2, computed with hivemind's own partitioner and
-serializer from the actual tensor sizes; aim: at most 1/32).
+serializer from the actual tensor sizes; aim: at most 1/32). DeMo's all-reduce carries the union of the group's
+declared indices, at most ``group size × TOPK`` per chunk (counted at that bound), and each worker also declares
+its ``TOPK`` positions per chunk (one byte each in msgpack), shown beside it.
 
 Run::
 
-    python tests/benchmarks/bench_gradients.py [--rounds 120] [--rank 2] [--sparta 5/20]
+    python tests/benchmarks/bench_gradients.py [--rounds 120] [--rank 2] [--demo 64/4] [--sparta 5/20]
 
 The figures in the README come from two settings of 100 rounds (``--rounds 100 --last 20 --layers 3 --seq-len 64
 --lr 2e-3``): ``--width 128 --rank 2 --rank 8 --rank 32``, and ``--width 512 --rank 8``, where rank 8 sends 1/41 of
@@ -36,7 +39,9 @@ import time
 
 import torch
 from bench_sparta import SETTINGS, Run, allreduce_bytes_sent, parse_sparta, reference, system  # this directory
+from hivemind.utils.serializer import MSGPackSerializer
 
+from client.averaging import demo
 from client.averaging.gradients import GradAveraging, GradientSettings, round_payload
 from client.averaging.sparta import SpartaSettings
 from client.data import open_byte_dataset
@@ -56,9 +61,29 @@ def gradient_bytes(config: ModelConfig, settings: GradientSettings, group_size: 
     for name in stage_names(config.num_stages):
         shapes = [tuple(p.shape) for p in build_stage(config, name).parameters() if p.requires_grad]
         sent = sum(allreduce_bytes_sent([torch.zeros(n) for n in phase], group_size)
-                   for phase in round_payload(shapes, settings))
+                   for phase in round_payload(shapes, settings, group_size))
         out[name] = (sum(torch.Size(s).numel() for s in shapes), sent)
     return out
+
+
+def declared_index_bytes(config: ModelConfig, settings: GradientSettings) -> dict[str, int]:
+    """Per stage: bytes of the indices a DeMo worker declares each step (msgpack, as hivemind gathers them)."""
+    out = {}
+    for name in stage_names(config.num_stages):
+        counts = [demo.chunk_count(p.shape, settings.chunk) for p in build_stage(config, name).parameters()
+                  if p.requires_grad]
+        indices = [list(range(settings.topk)) * n for n in counts if n is not None]
+        out[name] = len(MSGPackSerializer.dumps(indices))
+    return out
+
+
+def parse_demo(text: str) -> tuple[int, int]:
+    """``CHUNK/TOPK`` (DeMo: TOPK DCT coefficients sent of each CHUNK elements)."""
+    chunk, _, topk = text.partition("/")
+    try:
+        return int(chunk), int(topk)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected CHUNK/TOPK such as 64/4") from None
 
 
 def main() -> None:
@@ -68,6 +93,10 @@ def main() -> None:
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--inflight", type=int, default=4)
     parser.add_argument("--rank", type=int, action="append", help="PowerSGD's rank (repeatable; default 2)")
+    parser.add_argument("--demo", type=parse_demo, action="append", default=[],
+                        help="DeMo's CHUNK/TOPK (repeatable; default: no DeMo run)")
+    parser.add_argument("--demo-beta", type=float, action="append",
+                        help="DeMo's momentum decay (repeatable, each with every --demo; default 0.999)")
     parser.add_argument("--sparta", type=parse_sparta, default=(5, 20),
                         help="EVERY/P of the SPARTA runs (default 5/20: Node0's 5%% every 5 steps)")
     parser.add_argument("--layers", type=int, default=ModelConfig.n_layers)
@@ -94,13 +123,15 @@ def main() -> None:
     full = GradientSettings(GradAveraging.FULL, timeouts=quick(args.matchmaking))
     ranks = args.rank or [2]
     powersgd = [GradientSettings(GradAveraging.POWERSGD, rank=rank, timeouts=quick(args.matchmaking)) for rank in ranks]
+    demos = [GradientSettings(GradAveraging.DEMO, chunk=chunk, topk=topk, beta=beta, timeouts=quick(args.matchmaking))
+             for chunk, topk in args.demo for beta in args.demo_beta or [0.999]]
     print(f"model: {config}")
     print(f"{args.rounds} rounds x {args.batch_size} samples x {config.seq_len} tokens = {tokens:,} tokens, "
           f"{args.workers_per_stage} workers per stage, {torch.get_num_threads()} torch threads", flush=True)
 
     started = time.monotonic()
     runs: list[Run] = [reference(config, dataset, args, held_out)]
-    for sparta, gradients in [(None, None), (every, None), (None, full), *((every, p) for p in powersgd)]:
+    for sparta, gradients in [(None, None), (every, None), (None, full), *((every, p) for p in [*powersgd, *demos])]:
         runs.append(system(config, dataset, args, held_out, sparta, partitions if sparta else 1, gradients))
         if gradients is not None and args.undefended:
             runs.append(system(config, dataset, args, held_out, sparta, partitions if sparta else 1, gradients,
@@ -129,6 +160,16 @@ def main() -> None:
                   f"{compressed[name][1]:>9,} B   (1/{full_bytes / compressed[name][1]:.1f})")
         total = sum(b for _, b in compressed.values())
         print(f"  all stages: full {total_full:,} B, PowerSGD rank {settings.rank} {total:,} B "
+              f"(1/{total_full / total:.1f})")
+    for settings in demos[:: len(args.demo_beta or [0.999])]:  # bytes do not depend on beta
+        compressed, declared = gradient_bytes(config, settings, group), declared_index_bytes(config, settings)
+        what = f"DeMo {settings.chunk}/{settings.topk}"
+        for name, (params, full_bytes) in dense.items():
+            sent = compressed[name][1] + declared[name]
+            print(f"  {name:6s} {params:>9,} parameters: full {full_bytes:>10,} B   {what} at most "
+                  f"{compressed[name][1]:>9,} B + {declared[name]:,} B of indices   (1/{full_bytes / sent:.1f})")
+        total = sum(b for _, b in compressed.values()) + sum(declared.values())
+        print(f"  all stages: full {total_full:,} B, {what} at most {total:,} B with its indices "
               f"(1/{total_full / total:.1f})")
     print(f"\n{time.monotonic() - started:.0f} s in all", flush=True)
 

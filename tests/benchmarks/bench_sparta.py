@@ -129,7 +129,8 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
             every: int | None, partitions: int, gradients: GradientSettings | None, defended: bool) -> Run:
     replicas_name = f"{args.workers_per_stage} workers/stage"
     if gradients is not None:
-        rank = f" rank {gradients.rank}" if gradients.rank else ""
+        rank = (f" rank {gradients.rank}" if gradients.rank else
+                f" {gradients.chunk}/{gradients.topk} beta {gradients.beta:g}" if gradients.chunk else "")
         replicas_name += f", {gradients.mode.value}{rank} gradient averaging"
         if defended:
             gradients = dataclasses.replace(gradients, round_samples=args.batch_size, max_weight=args.batch_size)
