@@ -32,13 +32,13 @@ def alike(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def demo_average(values: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """What a group of alike peers with momentum 0 ends with: the IDCT of the mean of their coefficients at the
-    union of their top-k positions (and the bias averaged in full); and that union."""
+    """What a group of alike peers with momentum 0 ends with: the sign of the IDCT of the mean of their
+    coefficients at the union of their top-k positions (and the bias averaged in full); and that union."""
     coefficients = [demo.encode(demo.chunked(v[0], CHUNK)) for v in values]
     union = demo.union([demo.top_positions(c, TOPK) for c in coefficients], CHUNK, TOPK)
     mean = torch.stack([c.reshape(-1)[union] for c in coefficients]).mean(0)
     matrix = demo.unchunked(demo.decode(demo.scatter(mean, union, coefficients[0])), values[0][0].shape)
-    return [matrix, torch.stack([v[1] for v in values]).mean(0)], union
+    return [matrix.sign(), torch.stack([v[1] for v in values]).mean(0)], union
 
 
 # ----- the codec -----
@@ -113,8 +113,8 @@ def test_demo_settings_are_validated(changes: dict[str, Any], message: str) -> N
 @pytest.mark.parametrize("peers", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_demo_averages_the_peers_coefficients_at_the_union_of_their_indices(make_grad_averager, peers) -> None:
     """Momentum 0: each peer sends its gradient's DCT coefficients at the union U of the declared top-k positions;
-    every peer ends with the IDCT of their mean at U (alike peers: the robust reduction is the mean), the bias
-    averaged in full, and a momentum holding exactly what it did not send."""
+    every peer ends with the sign of the IDCT of their mean at U (alike peers: the robust reduction is the mean),
+    the bias averaged in full, and a momentum holding exactly what it did not send."""
     pairs = [alike(seed) for seed in range(1, peers + 1)]
     values = [grads(p) for p in pairs]
     expected, union = demo_average([grads(p) for p in pairs])
