@@ -79,9 +79,15 @@ static bool ticket_below(const uint8_t *a, const uint8_t *b) {
   return x != y ? x < y : psy_memcmp(a + 8, b + 8, 24) < 0;
 }
 
+/* selection.elect_witnesses' rank: a late client (a joiner, in an epoch's first two elections) after every other. */
+static bool ranks_below(bool late_a, const uint8_t *a, bool late_b, const uint8_t *b) {
+  return late_a != late_b ? late_b : ticket_below(a, b);
+}
+
 /* derived.election: the current clients' lowest witness tickets (selection.witness_ticket), lowest first, written to
- * the round's witnesses in slot order with zeros past them. One sha256 a client; a ticket beats the last elected
- * one only rarely, so keeping the elected sorted costs little. */
+ * the round's witnesses in slot order with zeros past them; at height 0 (an epoch's warmup and round 0) the veterans
+ * rank first. One sha256 a client; a ticket beats the last elected one only rarely, so keeping the elected sorted
+ * costs little. */
 void psy_elect(uint8_t *s) {
   uint8_t *round = psy_current_round(s);
   uint64_t n = psy_list_count(s, &PSY_CLIENTS);
@@ -93,21 +99,27 @@ void psy_elect(uint8_t *s) {
   uint8_t (*tickets)[32] = psy_alloc(PSY_MAX_WITNESSES * 32); /* the elected's tickets, 1 KiB of the heap */
   uint16_t elected[PSY_MAX_WITNESSES];
   uint64_t count = 0;
+  bool late[PSY_MAX_WITNESSES]; /* the elected's lateness, beside their tickets */
+  bool first_two = PSY_ROUND_HEIGHT_GET(round) == 0;
   psy_bytes_t pieces[2] = {{prefix, sizeof prefix}, {0, PSY_PUBKEY_BYTES}};
   for (uint64_t i = 0; i < n && k > 0; i++) {
-    pieces[1].addr = psy_list_entry(s, &PSY_CLIENTS, i);
+    const uint8_t *client = psy_list_entry(s, &PSY_CLIENTS, i);
+    pieces[1].addr = client;
     uint8_t ticket[32];
     sol_sha256(pieces, 2, ticket);
-    if (count == k && !ticket_below(ticket, tickets[k - 1])) {
+    bool is_late = first_two && !PSY_CLIENT_VETERAN_GET(client);
+    if (count == k && !ranks_below(is_late, ticket, late[k - 1], tickets[k - 1])) {
       continue;
     }
-    uint64_t at = count < k ? count++ : k - 1; /* the last place, taken from the highest ticket when full */
-    while (at > 0 && ticket_below(ticket, tickets[at - 1])) {
+    uint64_t at = count < k ? count++ : k - 1; /* the last place, taken from the highest rank when full */
+    while (at > 0 && ranks_below(is_late, ticket, late[at - 1], tickets[at - 1])) {
       sol_memcpy_(tickets[at], tickets[at - 1], 32);
+      late[at] = late[at - 1];
       elected[at] = elected[at - 1];
       at--;
     }
     sol_memcpy_(tickets[at], ticket, 32);
+    late[at] = is_late;
     elected[at] = (uint16_t)i;
   }
   uint8_t *slots = round + PSY_ROUND_WITNESSES_OFFSET;
