@@ -65,8 +65,29 @@ _HEX = re.compile(r"[0-9a-f]*")
 
 
 def canonical(fields: Mapping[str, Any]) -> bytes:
-    """The bytes a signature covers: ``fields`` as JSON with sorted keys and no spaces, the same on every machine."""
-    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    """The bytes a signature covers: ``fields`` as JSON with sorted keys and no spaces, the same on every machine.
+    ``ValueError`` where they cannot be (``to_json``)."""
+    return to_json(fields, sort_keys=True, separators=(",", ":"))
+
+
+def to_json(value: Any, **options: Any) -> bytes:
+    """``json.dumps(value, **options)`` encoded, for values that may hold what another party sent: ``ValueError``
+    for anything JSON cannot hold, nesting deeper than the encoder's stack included. A peer's msgpack arrives
+    up to 1,023 levels deep, past which ``json`` raises RecursionError, an error no caller refusing bad input
+    expects (it would end a witness's or an averager's round instead of refusing one record)."""
+    try:
+        return json.dumps(value, **options).encode()
+    except RecursionError:
+        raise ValueError("it is nested too deeply to be JSON") from None
+
+
+def from_json(data: str | bytes) -> Any:
+    """``json.loads`` for text another party sent: ``ValueError`` for anything that is not JSON, nesting deeper than
+    the parser's stack included (``json`` raises RecursionError there: ``to_json``)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("its JSON is nested too deeply") from None
 
 
 def is_hex(value: object, nbytes: int) -> bool:

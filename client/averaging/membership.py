@@ -39,7 +39,6 @@ spare.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ from typing import Any
 from solders.keypair import Keypair
 
 from client.averaging.work import WorkRule, credited, proven_samples
-from client.identity import verify
+from client.identity import to_json, verify
 
 _DOMAIN = "psyswarm.averaging"
 STATE_SHARING = -1
@@ -79,8 +78,9 @@ class Membership:
 
 
 def _message(prefix: str, epoch: int, peer_id: bytes, body: dict[str, Any]) -> bytes:
-    return json.dumps([_DOMAIN, prefix, int(epoch), peer_id.hex(), body], sort_keys=True, separators=(",", ":"),
-                      allow_nan=False).encode()
+    """What a seal covers; ``ValueError`` or ``TypeError`` where ``body`` (a groupmate's) is not plain data."""
+    return to_json([_DOMAIN, prefix, int(epoch), peer_id.hex(), body], sort_keys=True, separators=(",", ":"),
+                   allow_nan=False)
 
 
 def seal(membership: Membership, prefix: str, peer_id: bytes, epoch: int, body: dict[str, Any]) -> dict[str, Any]:

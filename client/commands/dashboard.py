@@ -10,7 +10,6 @@ and its log goes to stderr without ever blocking the server, even when nothing r
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import urllib.parse
 import urllib.request
@@ -21,6 +20,7 @@ import typer
 from client.commands.connect import ProgramId, RunId, Server, Url
 from client.commands.pipeline import InitialPeers
 from client.commands.signals import sigterm_interrupts
+from client.identity import from_json
 
 MAX_CONTRIBUTORS_BYTES = 1 << 20
 """The most of the auth service's answer read: a contributor map of a full swarm is a few tens of KiB."""
@@ -122,7 +122,7 @@ def contributors_reader(auth_url: str):
             body = r.read(MAX_CONTRIBUTORS_BYTES + 1)
         if len(body) > MAX_CONTRIBUTORS_BYTES:
             raise ValueError(f"the auth service's contributor map is over {MAX_CONTRIBUTORS_BYTES} bytes")
-        return contributor_map(json.loads(body))
+        return contributor_map(from_json(body))
 
     return read
 

@@ -29,7 +29,7 @@ from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 from solders.signature import Signature
 
-from client.identity import verify
+from client.identity import from_json, verify
 from client.stages import stage_name
 from local_backend.auth.protocol import NONCE_BYTES, canonical, token_sha256
 
@@ -275,7 +275,7 @@ class AuthSession:
 
 def _json(data: bytes, *, strict: bool = True) -> dict[str, Any]:
     try:
-        value = json.loads(data)
+        value = from_json(data)
     except ValueError:
         value = None
     if isinstance(value, dict):

@@ -17,7 +17,6 @@ around each averaging round; donors additionally serve their state only between 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from client.averaging.state_transfer import SharedState, StateExpectation
+from client.identity import from_json
 from client.join.checkpoints import (
     CheckpointError,
     FileLimits,
@@ -128,7 +128,7 @@ def download_from_hub(repo_id: str, stage: str, *, limits: FileLimits, revision:
         raise StateDownloadError(f"could not download {where}: {exc}") from None
     meta: object = None
     try:
-        meta = json.loads(Path(hf_hub_download(filename=meta_file, **common)).read_text())
+        meta = from_json(Path(hf_hub_download(filename=meta_file, **common)).read_text())
     except EntryNotFoundError:
         log.info("%s has no %s: its step is unknown, so the node will sync", repo_id, meta_file)
     except (HfHubHTTPError, OSError, ValueError) as exc:
@@ -153,7 +153,7 @@ def load_local(directory: Path, stage: str, limits: FileLimits) -> StageState | 
         return None
     meta: object = None
     try:
-        meta = json.loads(meta_file.read_text())
+        meta = from_json(meta_file.read_text())
     except (OSError, ValueError) as exc:
         log.info("no readable step in %s (%s): the node will sync", meta_file, exc)
     optimizer = _read_optimizer(optim_file, str(optim_file), limits.optimizer) if optim_file.exists() else None
@@ -166,7 +166,7 @@ def saved_step(directory: Path, stage: str) -> int | None:
     meta_file = directory / stage_files(stage)[2]
     try:
         with meta_file.open("rb") as f:
-            meta = json.loads(f.read(4096))
+            meta = from_json(f.read(4096))
         return _step_of(meta, str(meta_file))
     except (OSError, ValueError, StateDownloadError):
         return None

@@ -24,7 +24,6 @@ nothing.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
 import threading
@@ -33,7 +32,7 @@ import grpc
 import torch
 
 from client.data import SampleDataset
-from client.identity import verify
+from client.identity import from_json, verify
 from client.pipeline.admission import DOMAIN, RequestHeader
 from client.pipeline.compute import StageRequest
 from client.pipeline.messages import tensor_digest
@@ -81,8 +80,8 @@ class WrongData:
         if not isinstance(self.request, str) or len(self.request) > MAX_REQUEST_CHARS:
             raise ValueError(f"the quoted request must be text of at most {MAX_REQUEST_CHARS} characters")
         try:
-            fields = json.loads(self.request)
-        except json.JSONDecodeError:
+            fields = from_json(self.request)
+        except ValueError:
             raise ValueError("the quoted request is not JSON") from None
         names = {f.name for f in dataclasses.fields(RequestHeader)} | {"domain"}
         if not isinstance(fields, dict) or set(fields) != names or fields.pop("domain") != DOMAIN:

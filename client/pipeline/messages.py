@@ -25,6 +25,8 @@ import sys
 
 import torch
 
+from client.identity import from_json
+
 MAGIC = b"PSW1"
 MAX_META_BYTES = 4096
 MAX_NDIM = 4
@@ -179,8 +181,8 @@ class _Reader:
 
 def _decode_meta(raw: memoryview) -> dict[str, MetaValue]:
     try:
-        meta = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        meta = from_json(bytes(raw).decode("utf-8"))
+    except ValueError as exc:  # not UTF-8, not JSON, or nested too deeply
         raise MessageError(f"metadata is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(meta, dict):
         raise MessageError("metadata must be a JSON object")

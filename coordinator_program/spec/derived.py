@@ -34,8 +34,19 @@ ELECTING_PHASES = (Phase.Warmup, Phase.RoundTrain, Phase.RoundWitness)
 def election(state: CoordinatorState) -> list[int]:
     """``Round.witnesses`` for the current clients and seed: the elected client indices in slot order, then zeros.
     Set when a round's clients and seed are set (the warmup's start, a drop in warmup, each round's start); a
-    round's clients do not change until it ends, so the election holds for the whole round."""
-    elected = elect_witnesses(state.round.seed, [c.id for c in state.clients], state.config.witness_nodes)
+    round's clients do not change until it ends, so the election holds for the whole round.
+
+    An epoch's first two elections (its warmup's and round 0's, both of height 0) rank its veterans first.
+    Their seeds are known from the epoch before's last round on (the warmup's chains from that round's reveals,
+    round 0's from the warmup's, which has none), before the epoch's joins close: a joiner could grind keypairs
+    until one held a low ticket under them and join with it, and win every seat of both, then choose round 1's
+    seed as round 0's only committers. A veteran, a client of that last round, held its key before those
+    reveals were shown, so its tickets are as unforeseeable to it as to anyone; round 0's witnesses are
+    veterans, and their commit-reveal makes round 1's seed unforeseeable when every client's key is already
+    fixed. Joiners fill only the seats veterans cannot (an epoch with fewer veterans than seats, the run's first)."""
+    veterans = [c.veteran for c in state.clients] if state.round.height == 0 else None
+    elected = elect_witnesses(state.round.seed, [c.id for c in state.clients], state.config.witness_nodes,
+                              veterans)
     return elected + no_witnesses()[len(elected):]
 
 
@@ -98,7 +109,7 @@ def assign_stages(pending: list[Pending], num_stages: int) -> list[Client]:
         if joiner.role == Role.Worker and stage == limits.NO_STAGE:
             stage = counts.index(min(counts))
             counts[stage] += 1
-        admitted.append(Client(joiner.id, joiner.role, stage, Health.Healthy, joiner.slot))
+        admitted.append(Client(joiner.id, joiner.role, stage, Health.Healthy, joiner.slot, joiner.veteran))
     return admitted
 
 

@@ -370,7 +370,7 @@ class Struct(Type):
 
 
 def pack_rows(elem: Type, rows: Sequence[Any], out: bytearray) -> bool:
-    """Append ``rows`` of the flat struct ``elem`` (fields of ints, enums and fixed bytes only) with one
+    """Append ``rows`` of the flat struct ``elem`` (fields of ints, enums, bools and fixed bytes only) with one
     ``struct.pack``, checking each column at once, and say whether it did. It declines, appending nothing, for
     any other type or any value that ``Struct.encode`` might reject, which then encodes (or rejects) row by row:
     the account's 1,024 clients, joiners and ledger entries are packed on every change the server makes."""
@@ -384,6 +384,8 @@ def pack_rows(elem: Type, rows: Sequence[Any], out: bytearray) -> bool:
             formats.append(f.type.fmt[1:])
         elif isinstance(f.type, Enum8) and kinds == {f.type.cls}:
             formats.append("B")
+        elif isinstance(f.type, Bool) and kinds == {bool}:
+            formats.append("?")  # struct packs a bool as the byte 0 or 1, as Bool.encode does
         elif isinstance(f.type, FixedBytes) and kinds == {bytes} and set(map(len, column)) == {f.type.size}:
             formats.append(f"{f.type.size}s")
         else:

@@ -25,7 +25,10 @@ witnesses commit to secrets while it trains (``commit_seed``), reveal them once 
 RoundTrain has ended (``reveal_seed``), and the next round's seed hashes the XOR of what was revealed; a witness
 that committed and did not reveal leaves the epoch at the round's end. The tick that sets a round's seed or clients
 elects its witnesses by rank of a per-key ticket (``selection.elect_witnesses``), kept in ``Round.witnesses``, so a
-client leaving before the round starts, once its seed is known, moves no one else's seat.
+client leaving before the round starts, once its seed is known, moves no one else's seat. An epoch's warmup and
+round 0 take seeds known before its joins close, so their elections rank first its veterans, the clients of the
+epoch before's last round, whose keys predate those seeds: a joiner cannot grind a key into their seats
+(``derived.election``).
 
 Points follow the same majority: at the end of each round a client earns presence when a quorum of the round's
 proofs hold its participant key, and compute (the samples it worked) when a quorum hold its compute key. They go
@@ -527,7 +530,7 @@ def _admit(state: CoordinatorState, now: int, entropy: int) -> None:
 
 def _return_to_waiting(state: CoordinatorState, now: int) -> None:
     """Send the epoch's clients back to the front of the queue, keeping each worker's stage."""
-    state.pending = [Pending(c.id, c.role, c.stage, c.slot) for c in state.clients] + state.pending
+    state.pending = [Pending(c.id, c.role, c.stage, c.slot, c.veteran) for c in state.clients] + state.pending
     state.clients = []
     _enter(state, Phase.WaitingForMembers, now)
 
@@ -632,7 +635,7 @@ def _end_epoch(state: CoordinatorState, now: int, entropy: int) -> None:
     if state.step >= state.config.total_steps:
         _enter(state, Phase.Finished, now)
         return
-    state.pending = [Pending(c.id, c.role, c.stage, c.slot) for c in staying] + state.pending
+    state.pending = [Pending(c.id, c.role, c.stage, c.slot, veteran=True) for c in staying] + state.pending
     _enter(state, Phase.Paused if state.pause_requested else Phase.WaitingForMembers, now)
 
 

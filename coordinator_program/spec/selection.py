@@ -8,7 +8,9 @@ and the lowest tickets win. A ticket depends on its own client's key alone, so w
 one's ticket. A draw over client indices would not do: the next round's seed is known once its witnesses have
 revealed, and removing one client (a withdrawal, a health check, a withheld reveal) before that round starts shifts
 every later index, so c colluders choosing whether to leave could pick among 2^c elections. By rank, a client
-leaving only changes whether it is elected (and, if it was, lets in the next ticket in line).
+leaving only changes whether it is elected (and, if it was, lets in the next ticket in line). A ticket is as
+unforeseeable as its seed only to a client whose key was fixed first: an epoch's first two seeds are known while its
+joins are open, so its first two elections rank the clients that held their keys before (``derived.election``).
 The data order still draws by index (rejection sampling, so every order is equally likely): whom it favours is a
 sample more or less, not a seat.
 """
@@ -87,11 +89,15 @@ def witness_ticket(seed: int, client: bytes) -> bytes:
     return hashlib.sha256(WITNESS_DOMAIN + struct.pack("<Q", seed) + client).digest()
 
 
-def elect_witnesses(seed: int, clients: Sequence[bytes], witness_nodes: int) -> list[int]:
+def elect_witnesses(seed: int, clients: Sequence[bytes], witness_nodes: int,
+                    first: Sequence[bool] | None = None) -> list[int]:
     """Indices into ``clients`` of the round's witnesses: the ``witness_nodes`` lowest tickets, lowest first (a
-    witness's slot is its position)."""
-    ranked = sorted(range(len(clients)), key=lambda i: witness_ticket(seed, clients[i]))
-    return ranked[:witness_nodes]
+    witness's slot is its position); where ``first`` is given, the clients it marks rank before all others
+    (``derived.election``: an epoch's veterans, in its first two elections)."""
+    def rank(i: int) -> tuple[bool, bytes]:
+        return (first is not None and not first[i], witness_ticket(seed, clients[i]))
+
+    return sorted(range(len(clients)), key=rank)[:witness_nodes]
 
 
 def effective_quorum(witness_quorum: int, elected: int) -> int:

@@ -72,17 +72,20 @@ HASH = FixedBytes(32)
 
 @dataclasses.dataclass
 class Client:
-    """An admitted member of the current epoch."""
+    """An admitted member of the current epoch; a ``veteran`` was a client of the last round of the epoch before
+    (``derived.election``)."""
 
     id: bytes
     role: Role
     stage: int
     health: Health = Health.Healthy
     slot: int = limits.NO_SLOT
+    veteran: bool = False
 
 
 CLIENT_LAYOUT = Struct(Client, [
-    F("id", PUBKEY), F("role", Enum8(Role)), F("stage", U8), F("slot", U16), F("health", Enum8(Health)),
+    F("id", PUBKEY), F("role", Enum8(Role)), F("stage", U8), F("slot", U16), F("veteran", BOOL),
+    F("health", Enum8(Health)),
 ], doc="An admitted client; stage is 255 for trainers, slot 65535 for a joiner no join authority placed.")
 
 
@@ -95,9 +98,11 @@ class Pending:
     role: Role
     stage: int
     slot: int = limits.NO_SLOT
+    veteran: bool = False  # a client of the last round of the epoch before, queued again at its end
 
 
-PENDING_LAYOUT = Struct(Pending, [F("id", PUBKEY), F("role", Enum8(Role)), F("stage", U8), F("slot", U16)],
+PENDING_LAYOUT = Struct(Pending, [F("id", PUBKEY), F("role", Enum8(Role)), F("stage", U8), F("slot", U16),
+                                  F("veteran", BOOL)],
                         doc="A joiner waiting for admission; stage 255 means 'any', slot 65535 'none'.")
 
 

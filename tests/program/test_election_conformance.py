@@ -17,7 +17,7 @@ import copy
 import dataclasses
 import hashlib
 
-from coordinator_chain import ProgramChain, Replay, Swarm, program_instruction, training_swarm
+from coordinator_chain import ProgramChain, Replay, Swarm, key, program_instruction, training_swarm
 from solders.keypair import Keypair
 from solders.transaction_metadata import FailedTransactionMetadata
 
@@ -25,7 +25,7 @@ from coordinator_program.onchain.budget import DEFAULT_UNITS, TICK_UNITS, reques
 from coordinator_program.spec import derived, errors, limits
 from coordinator_program.spec.beacon import mix_reveal, seed_commitment
 from coordinator_program.spec.instructions import CommitSeed, JoinRun, RevealSeed, Tick, Withdraw
-from coordinator_program.spec.selection import next_seed
+from coordinator_program.spec.selection import elect_witnesses, next_seed, witness_ticket
 from coordinator_program.spec.state import Client, Health, Phase, Role
 from tests.program.test_conformance import full_config
 from tests.spec.scenario import MODEL, SMALL
@@ -251,3 +251,62 @@ def test_a_tick_that_elects_among_1024_clients_asks_for_what_it_needs() -> None:
     assert replay.state.phase == Phase.RoundTrain
     assert DEFAULT_UNITS < replay.units <= TICK_UNITS
     assert len(derived.witnesses(replay.state)) == limits.MAX_WITNESSES
+
+
+GROUND = dataclasses.replace(CONFIG, max_clients=16)
+"""Eight clients and room for joiners."""
+
+
+def ground_keys(swarm: Swarm, seeds: list[int], n: int, beating: list[bytes]) -> list[Keypair]:
+    """``n`` funded keypairs whose tickets under every one of ``seeds`` beat every ticket of ``beating``: what a
+    joiner grinds offline, a keypair and two sha256 a try."""
+    best = {seed: min(witness_ticket(seed, other) for other in beating) for seed in seeds}
+    found, tries = [], 0
+    while len(found) < n:
+        keypair = Keypair.from_seed(hashlib.sha256(b"ground %d" % tries).digest())
+        tries += 1
+        if all(witness_ticket(seed, key(keypair)) < best[seed] for seed in seeds):
+            found.append(keypair)
+    swarm.replay.chain.fund(*found)
+    swarm.members.update({key(kp): kp for kp in found})
+    return found
+
+
+def test_keys_ground_for_an_epoch_s_first_seeds_win_none_of_its_first_seats() -> None:
+    """The attack: once an epoch's last round has revealed, the next epoch's warmup seed, and round 0's (chained from
+    it: the warmup has no reveals), are known while joins are still open. A joiner grinds keypairs until each one's
+    tickets beat every client's under both seeds, and joins with them: by rank alone they would win every seat of
+    both elections and, as round 0's only committers, choose round 1's seed. Veterans, the clients of that last
+    round, rank first in an epoch's first two elections: no ground key is elected in either, and the program agrees
+    byte for byte."""
+    swarm, authority = training_swarm(GROUND, MODEL, workers=6, trainers=2)
+    for _ in range(GROUND.rounds_per_epoch - 1):
+        commit_and_reveal(swarm, authority, derived.witnesses(swarm.state)[:GROUND.witness_quorum])
+        end_round(swarm, authority)
+    commit_and_reveal(swarm, authority, derived.witnesses(swarm.state)[:GROUND.witness_quorum])  # the epoch's last
+    warmup = next_seed(swarm.state.round.seed, 0, swarm.state.round.reveals)
+    veterans = swarm.clients()
+    ground = {key(kp) for kp in ground_keys(swarm, [warmup, next_seed(warmup, 0)], GROUND.witness_nodes, veterans)}
+    for joiner in ground:
+        assert swarm.replay.apply(JoinRun("swarm", Role.Trainer), swarm.of(joiner)) is None
+    assert swarm.replay.apply(Tick(), authority, advance=GROUND.round_witness_time) is None
+    assert swarm.state.phase == Phase.Cooldown
+    assert swarm.replay.apply(Tick(), authority, advance=GROUND.cooldown_time) is None
+    assert [p.veteran for p in swarm.state.pending] == [True] * len(veterans) + [False] * len(ground)
+    assert swarm.replay.apply(Tick(), authority) is None and swarm.state.phase == Phase.Warmup
+    assert swarm.state.round.seed == warmup
+    for phase in (Phase.Warmup, Phase.RoundTrain):
+        everyone = swarm.clients()
+        by_ticket = {everyone[i] for i in elect_witnesses(swarm.state.round.seed, everyone, GROUND.witness_nodes)}
+        assert by_ticket == ground, "the ground keys hold the lowest tickets: by rank alone they win every seat"
+        elected = derived.witnesses(swarm.state)
+        assert len(elected) == GROUND.witness_nodes and set(elected) <= set(veterans)
+        if phase == Phase.Warmup:
+            assert swarm.replay.apply(Tick(), authority, advance=GROUND.warmup_time) is None
+            assert swarm.state.phase == Phase.RoundTrain and swarm.state.round.height == 0
+    commit_and_reveal(swarm, authority, derived.witnesses(swarm.state)[:GROUND.witness_quorum])
+    end_round(swarm, authority)  # round 1: every client ranks by ticket alone, under a seed no one foresaw
+    assert swarm.state.round.height == 1
+    everyone = swarm.clients()
+    assert derived.witnesses(swarm.state) == [everyone[i] for i in elect_witnesses(swarm.state.round.seed, everyone,
+                                                                                    GROUND.witness_nodes)]

@@ -153,7 +153,7 @@ def test_anchorpy_decodes_the_instance_account() -> None:
         decode_instance(encode_state(busy_state())[:INSTANCE_SIZE])
 
 
-def test_account_with_1024_clients_fits_123264_bytes() -> None:
+def test_account_with_1024_clients_fits_125312_bytes() -> None:
     """Issue 22's bound: 1,024 clients, 1,024 pending joiners (each entry with the join authority's slot, which
     lets the coordinator hold a contributor to its cap) and a ledger of 1,024 contributors, and no witness filter
     kept (health checks read per-client counts), fit 120,000 bytes (Psyche's 64-client account is 119,160). Issue
@@ -161,12 +161,13 @@ def test_account_with_1024_clients_fits_123264_bytes() -> None:
     every stage shared), so that no worker can move another stage's: 2,413 bytes more. Issue 23's beacon keeps each
     witness's commitment to the next seed, two masks and the XOR of the reveals in the round: 1,064 bytes, whatever
     the number of clients; the election by rank keeps the elected witnesses' client indices (64 bytes), so that no
-    witness instruction ranks every client again."""
+    witness instruction ranks every client again. Marking each client and joiner a veteran or not (a byte each), so
+    that an epoch's first elections rank the clients whose keys predate their seeds first: 2,048 bytes."""
     assert limits.MAX_CLIENTS == 1024
     assert ACCOUNT_LAYOUT.offsets()["ledger"][1] == 40 * limits.MAX_CLIENTS
     assert ACCOUNT_LAYOUT.offsets()["checkpoints"][1] == 161 * limits.MAX_STAGES
     assert ROUND_LAYOUT.size == 154 + 32 * limits.MAX_WITNESSES + 4 + 4 + 32 + 2 * limits.MAX_WITNESSES
-    assert ACCOUNT_SIZE <= 123_264
+    assert ACCOUNT_SIZE <= 125_312
 
 
 SAMPLES: list[Instruction] = [
@@ -317,10 +318,13 @@ def _field_values(t: Type, loose: bool) -> st.SearchStrategy[Any]:
         good = st.integers(t.lo, t.hi)
     elif isinstance(t, Enum8):
         good = st.sampled_from(list(t.cls))
+    elif isinstance(t, Bool):
+        good = st.booleans()
     else:
         assert isinstance(t, FixedBytes)
         good = st.binary(min_size=t.size, max_size=t.size)
-    bad = st.one_of(_LOOSE_INT, st.binary(max_size=40), st.sampled_from([bytearray(32), Role.Trainer, Health.Healthy]))
+    bad = st.one_of(_LOOSE_INT, st.binary(max_size=40),
+                    st.sampled_from([bytearray(32), Role.Trainer, Health.Healthy, 2]))
     return st.one_of(good, bad) if loose else good
 
 

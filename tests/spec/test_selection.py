@@ -81,6 +81,19 @@ def test_the_elected_hold_the_lowest_tickets_lowest_first() -> None:
     assert witness_ticket(9, clients[0]) == expected
 
 
+@given(seed=st.integers(0, 2**64 - 1), first=st.lists(st.booleans(), min_size=1, max_size=60),
+       witness_nodes=st.integers(1, 32))
+def test_the_clients_ranked_first_take_the_seats_before_any_other(seed: int, first: list[bool],
+                                                                  witness_nodes: int) -> None:
+    """An epoch's first elections rank its veterans first (``derived.election``): each is elected before any other
+    client, by its ticket, and the others fill only the seats left, by theirs."""
+    clients = keys(len(first))
+    elected = elect_witnesses(seed, clients, witness_nodes, first)
+    ranked = sorted((i for i in range(len(clients)) if first[i]), key=lambda i: witness_ticket(seed, clients[i]))
+    ranked += sorted((i for i in range(len(clients)) if not first[i]), key=lambda i: witness_ticket(seed, clients[i]))
+    assert elected == ranked[:witness_nodes]
+
+
 @given(seed=st.integers(0, 2**64 - 1), n=st.integers(1, 80), witness_nodes=st.integers(1, 32), data=st.data())
 def test_a_client_leaving_re_rolls_no_one_elses_election(seed: int, n: int, witness_nodes: int,
                                                          data: st.DataObject) -> None:

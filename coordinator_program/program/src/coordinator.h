@@ -98,8 +98,9 @@ static const psy_list_t PSY_PENDING = {PSY_ACCOUNT_NUM_PENDING_OFFSET, PSY_ACCOU
 
 _Static_assert(PSY_CLIENT_ID_OFFSET == 0 && PSY_PENDING_ID_OFFSET == 0, "both lists start entries with the id");
 _Static_assert(PSY_CLIENT_ROLE_OFFSET == PSY_PENDING_ROLE_OFFSET && PSY_CLIENT_STAGE_OFFSET == PSY_PENDING_STAGE_OFFSET &&
-                   PSY_CLIENT_SLOT_OFFSET == PSY_PENDING_SLOT_OFFSET,
-               "both lists keep role, stage and slot at the same place");
+                   PSY_CLIENT_SLOT_OFFSET == PSY_PENDING_SLOT_OFFSET &&
+                   PSY_CLIENT_VETERAN_OFFSET == PSY_PENDING_VETERAN_OFFSET,
+               "both lists keep role, stage, slot and the veteran's flag at the same place");
 
 static inline uint64_t psy_list_count(const uint8_t *s, const psy_list_t *list) {
   return psy_load_u16(s + list->count_offset);

@@ -79,30 +79,43 @@ static bool ticket_below(const uint8_t *a, const uint8_t *b) {
   return x != y ? x < y : psy_memcmp(a + 8, b + 8, 24) < 0;
 }
 
-/* derived.election: the current clients' lowest witness tickets (selection.witness_ticket), lowest first, written to
- * the round's witnesses in slot order with zeros past them. One sha256 a client; a ticket beats the last elected
- * one only rarely, so keeping the elected sorted costs little. */
-void psy_elect(uint8_t *s) {
-  uint8_t *round = psy_current_round(s);
-  uint64_t n = psy_list_count(s, &PSY_CLIENTS);
-  uint64_t k = PSY_ACCOUNT_CONFIG_WITNESS_NODES_GET(s);
-  k = k < n ? k : n;
+/* Which clients a pass of the election ranks (selection.elect_witnesses' `first`). */
+typedef enum { EVERY_CLIENT, VETERANS, JOINERS } ranked_t;
+
+/* The election so far: the `count` elected of at most `k`, sorted by rank, with their tickets. */
+typedef struct {
+  uint64_t k;
+  uint64_t count;
+  uint8_t (*tickets)[32];
+  uint16_t elected[PSY_MAX_WITNESSES];
+} election_t;
+
+/* One pass of derived.election: the lowest witness tickets (selection.witness_ticket) among the clients `ranked`
+ * names, inserted into the election so far (kept sorted, lowest first) after those already there, up to its `k`.
+ * One sha256 a client; a ticket beats the last elected one only rarely, so keeping the elected sorted costs little. */
+static void rank_tickets(uint8_t *s, ranked_t ranked, election_t *e) {
+  uint64_t n = psy_list_count(s, &PSY_CLIENTS), k = e->k;
+  uint8_t (*tickets)[32] = e->tickets;
+  uint16_t *elected = e->elected;
+  uint64_t floor = e->count; /* an earlier pass's elected rank before every client of this one */
   uint8_t prefix[sizeof(PSY_WITNESS_DOMAIN) - 1 + 8]; /* domain ‖ seed: the part every ticket shares */
   sol_memcpy_(prefix, PSY_WITNESS_DOMAIN, sizeof(PSY_WITNESS_DOMAIN) - 1);
-  psy_store_u64(prefix + sizeof(PSY_WITNESS_DOMAIN) - 1, PSY_ROUND_SEED_GET(round));
-  uint8_t (*tickets)[32] = psy_alloc(PSY_MAX_WITNESSES * 32); /* the elected's tickets, 1 KiB of the heap */
-  uint16_t elected[PSY_MAX_WITNESSES];
-  uint64_t count = 0;
+  psy_store_u64(prefix + sizeof(PSY_WITNESS_DOMAIN) - 1, PSY_ROUND_SEED_GET(psy_current_round(s)));
   psy_bytes_t pieces[2] = {{prefix, sizeof prefix}, {0, PSY_PUBKEY_BYTES}};
-  for (uint64_t i = 0; i < n && k > 0; i++) {
-    pieces[1].addr = psy_list_entry(s, &PSY_CLIENTS, i);
-    uint8_t ticket[32];
-    sol_sha256(pieces, 2, ticket);
-    if (count == k && !ticket_below(ticket, tickets[k - 1])) {
+  uint64_t filled = e->count;
+  for (uint64_t i = 0; i < n && k > floor; i++) {
+    const uint8_t *client = psy_list_entry(s, &PSY_CLIENTS, i);
+    if (ranked != EVERY_CLIENT && (PSY_CLIENT_VETERAN_GET(client) != 0) != (ranked == VETERANS)) {
       continue;
     }
-    uint64_t at = count < k ? count++ : k - 1; /* the last place, taken from the highest ticket when full */
-    while (at > 0 && ticket_below(ticket, tickets[at - 1])) {
+    pieces[1].addr = client;
+    uint8_t ticket[32];
+    sol_sha256(pieces, 2, ticket);
+    if (filled == k && !ticket_below(ticket, tickets[k - 1])) {
+      continue;
+    }
+    uint64_t at = filled < k ? filled++ : k - 1; /* the last place, taken from the highest ticket when full */
+    while (at > floor && ticket_below(ticket, tickets[at - 1])) {
       sol_memcpy_(tickets[at], tickets[at - 1], 32);
       elected[at] = elected[at - 1];
       at--;
@@ -110,10 +123,28 @@ void psy_elect(uint8_t *s) {
     sol_memcpy_(tickets[at], ticket, 32);
     elected[at] = (uint16_t)i;
   }
+  e->count = filled;
+}
+
+/* derived.election: the current clients' lowest witness tickets, lowest first, written to the round's witnesses in
+ * slot order with zeros past them; at height 0 (an epoch's warmup and round 0) the veterans rank first, the joiners
+ * filling the seats left. */
+void psy_elect(uint8_t *s) {
+  uint8_t *round = psy_current_round(s);
+  uint64_t n = psy_list_count(s, &PSY_CLIENTS);
+  uint64_t k = PSY_ACCOUNT_CONFIG_WITNESS_NODES_GET(s);
+  k = k < n ? k : n;
+  election_t e = {.k = k, .count = 0, .tickets = psy_alloc(PSY_MAX_WITNESSES * 32)}; /* 1 KiB of the heap */
+  if (PSY_ROUND_HEIGHT_GET(round) == 0) {
+    rank_tickets(s, VETERANS, &e);
+    rank_tickets(s, JOINERS, &e);
+  } else {
+    rank_tickets(s, EVERY_CLIENT, &e);
+  }
   uint8_t *slots = round + PSY_ROUND_WITNESSES_OFFSET;
   sol_memset_(slots, 0, PSY_ROUND_WITNESSES_SIZE);
-  for (uint64_t position = 0; position < count; position++) {
-    psy_store_u16(slots + position * sizeof(uint16_t), elected[position]);
+  for (uint64_t position = 0; position < e.count; position++) {
+    psy_store_u16(slots + position * sizeof(uint16_t), e.elected[position]);
   }
 }
 

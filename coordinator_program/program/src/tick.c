@@ -203,7 +203,10 @@ static uint64_t tick_cooldown(uint8_t *s, int64_t now) {
     enter(s, PSY_PHASE_FINISHED, now);
     return PSY_SUCCESS;
   }
-  psy_keep_healthy_clients(s); /* the healthy stay, at the front of the queue */
+  psy_keep_healthy_clients(s); /* the healthy stay, at the front of the queue, as veterans */
+  for (uint64_t i = 0; i < psy_list_count(s, &PSY_CLIENTS); i++) {
+    PSY_CLIENT_VETERAN_SET(psy_list_entry(s, &PSY_CLIENTS, i), 1);
+  }
   uint64_t err = psy_requeue_clients(s);
   if (err != PSY_SUCCESS) {
     return err;
