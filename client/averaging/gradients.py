@@ -16,26 +16,9 @@ Q is warm-started from the previous round's averaged Q when every peer of the gr
 same complete round (they declare its tag), and otherwise drawn afresh from the run's seed and the round, so
 that peers never multiply by different Qs.
 
-DeMo (``client.averaging.demo``: Psyche's DisTrO) sends, for each chunked gradient g (vectors and tensors smaller
-than a chunk go in full), the fast-moving components of a momentum m, in one all-reduce:
-
-    declare:  c = DCT(β·m + g, per chunk of ``chunk``);  the ``topk`` largest |c| of each chunk, their positions
-    average:  U = the union of the admitted peers' positions (sorted: the same on every peer);  a = avg(c[U])
-    result:   sign(IDCT(a scattered at U, zeros elsewhere));  momentum: m ← β·m + g − IDCT(c[U] at U)  (decoupled)
-
-The positions are untrusted input: a groupmate whose list is malformed (count, type, range, order) or not the one
-its seal covers (the sealed declaration holds their digest; the lists themselves travel beside it, too large for
-hivemind's control pipe from the host) is dropped like any groupmate whose declaration does not pass. Its declared
-norm bounds its whole momentum, so every part it sends (c at U, the full tensors) lies within it. The result goes
-through sign(), as in Psyche, although the worker's AdamW follows (which normalises each parameter's step by its
-own running scale anyway): a component leaves the momentum only when it has grown large, often after many steps,
-so the decoded averages are bursts that would inflate AdamW's second moment for many steps after; their signs keep
-every step's scale alike. Measured (tests/benchmarks/bench_gradients.py's README setting, DeMo 64/4 with SPARTA,
-100 rounds, training loss against one process, single runs that vary by a few points): with sign +8.6 % and
-+4.7 % at β 0.999, +3.6 % and +6.1 % at β 0.9; without sign +12.9 % (β 0.999) and +13.4 % (β 0.9). β made no
-difference beyond that noise; the default is 0.9 because the declared norm bounds the whole momentum, which at
-0.999 holds up to a thousand steps of untransmitted gradient and so loosens every groupmate's limit. DeMo's
-momentum moves, like PowerSGD's error feedback, only when the round fully succeeded.
+DeMo (``client.averaging.demo``: Psyche's DisTrO) sends, for each chunked gradient, the largest DCT coefficients
+of a decoupled momentum at the union of the positions the admitted peers declared, in one all-reduce, and steps on
+the sign of the decoded average (the round, and why the sign: ``demo``'s docstring).
 
 Error feedback with a backup (the seeds' multi-party stack). hivemind's PowerSGDGradientAverager adds the
 gradient to the error buffer before phase P and keeps it there when a phase fails, so a failed worker counts
@@ -287,16 +270,9 @@ class _GradientRounds(StageAverager):
         if not self._chunk or isinstance(found, str):
             return found
         counts = [n for n in self._demo_chunks if n is not None]
-        declared = self._declared_indices(blob)
-        if not isinstance(declared, list | tuple) or len(declared) != len(counts):
-            return f"it declares no list of {len(counts)} index lists (DeMo)"
-        for i, (positions, n) in enumerate(zip(declared, counts, strict=True)):
-            refusal = demo.index_refusal(positions, n, self._chunk, self._topk)
-            if refusal:
-                return f"it declares, for chunked gradient {i}, {refusal}"
-        if demo.digest(declared) != found.body.get("idx_digest"):
-            return "it declares indices that its seal does not cover"
-        return found
+        refusal = demo.declaration_refusal(self._declared_indices(blob), counts, self._chunk, self._topk,
+                                           found.body.get("idx_digest"))
+        return refusal or found
 
     def _group_ids(self, group_id: bytes) -> list[bytes]:
         return [group_id, *(group_id + phase.name.encode() for phase in AllReducePhases)]
@@ -440,28 +416,16 @@ class _GradientRounds(StageAverager):
 
     async def _demo(self, grads: Sequence[torch.Tensor], group_info: GroupInfo, fractions: Any,
                     kwargs: dict[str, Any]) -> bool:
-        """DeMo's round, in place in ``grads``: each chunked gradient becomes the sign of the IDCT of the group's
-        average of its coefficients at the union of the declared indices (zeros elsewhere), the rest is averaged
-        in full. The momentum moves only when the all-reduce heard from everyone (otherwise it stays as it was
-        before the round, like PowerSGD's error feedback): m ← β·m + g, less what this peer sent (decoupled
-        momentum). True when the all-reduce was complete; raises when it fails."""
-        chunked = [(g, n) for g, n in zip(grads, self._demo_chunks, strict=True) if n is not None]
+        """DeMo's round in ``grads`` (``demo.Sending``): momentum moves only if complete (True); raises if failed."""
+        chunked = [g for g, n in zip(grads, self._demo_chunks, strict=True) if n is not None]
         full = [g for g, n in zip(grads, self._demo_chunks, strict=True) if n is None]
-        candidates = [self._beta * m + demo.chunked(g, self._chunk)
-                      for (g, _), m in zip(chunked, self._momenta, strict=True)]
-        coefficients = [demo.encode(c) for c in candidates]
         declared = [self._declared_indices(blob) for blob in group_info.gathered]
-        unions = [demo.union([d[i] for d in declared], self._chunk, self._topk) for i in range(len(chunked))]
-        sent = [c.reshape(-1)[u] for c, u in zip(coefficients, unions, strict=True)]
-        await self._run_allreduce_inplace_([*sent, *full], group_info, peer_fractions=fractions, **kwargs)
+        sending = demo.Sending.of(chunked, self._momenta, declared, self._chunk, self._topk, self._beta)
+        await self._run_allreduce_inplace_([*sending.sent, *full], group_info, peer_fractions=fractions, **kwargs)
         complete = self._complete(group_info.group_id)
         if complete and float(kwargs["weight"]) > 0:  # a weight-0 peer's coefficients went into no average
-            for (g, _), m, c, coefficient, u in zip(chunked, self._momenta, candidates, coefficients, unions,
-                                                    strict=True):
-                m.copy_(c - demo.decode(demo.scatter(coefficient.reshape(-1)[u], u, c)))
-                m.reshape(-1)[g.numel():] = 0  # the padding stands for no parameter
-        for (g, _), c, averaged, u in zip(chunked, candidates, sent, unions, strict=True):
-            g.copy_(demo.unchunked(demo.decode(demo.scatter(averaged, u, c)), g.shape).sign())  # why: module docstring
+            sending.keep_unsent(chunked, self._momenta)
+        sending.step_on_average(chunked)
         return complete
 
     def _complete(self, group_id: bytes) -> bool:
