@@ -180,8 +180,12 @@ def test_survivors_of_a_worker_killed_mid_allreduce_step_and_keep_their_error_fe
         assert (failed["status"], failed["group_size"], failed["complete"]) == (
             AveragingStatus.AVERAGED.value, 3, False)
         assert failed["errors_after"] == failed["errors_before"] == failed["backup"]
-        for round_ in range(STALL + 1, ROUNDS):  # training goes on, the two of them
-            r = survivor[round_]
-            assert (r["status"], r["group_size"], r["complete"]) == (AveragingStatus.AVERAGED.value, 2, True)
-            assert r["errors_after"] != r["errors_before"]
+        after = [survivor[round_] for round_ in range(STALL + 1, ROUNDS)]  # training goes on, the two of them
+        for r in after:  # a pair's round that loses a part under load keeps its error feedback, as above
+            assert (r["status"], r["group_size"]) == (AveragingStatus.AVERAGED.value, 2)
+            if r["complete"]:
+                assert r["errors_after"] != r["errors_before"]
+            else:
+                assert r["errors_after"] == r["errors_before"] == r["backup"]
+        assert any(r["complete"] for r in after), "the two survivors never completed a round together"
         assert survivor[ROUNDS - 1]["loss"] < survivor[0]["loss"]
