@@ -26,6 +26,12 @@ def test_a_sigtermed_worker_withdraws_at_once_and_its_restart_resumes_at_its_ste
     me = bytes(load_keypair(tmp_path / "keys" / f"{name}.json").pubkey())
     try:
         asyncio.run(watch(swarm, lambda s: s.phase == Phase.RoundTrain and s.step >= 3, 240))
+        # the coordinator counts a step when its round closes; the worker applies it a moment later
+        stepped = re.compile(r"body1\.\S+ step 3:")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not stepped.search(swarm.log_text(name)):
+            time.sleep(0.2)
+        assert stepped.search(swarm.log_text(name)), swarm.log_text(name)[-3000:]
         proc = swarm.procs[name]
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
