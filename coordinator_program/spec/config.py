@@ -103,6 +103,7 @@ class GradAveraging(enum.IntEnum):
     Off = 0
     Full = 1
     PowerSGD = 2
+    DeMo = 3
 
 
 class WireCodec(enum.IntEnum):
@@ -148,6 +149,9 @@ class Model:
     lr_floor_micros: int = 0
     grad_averaging: GradAveraging = GradAveraging.Off
     powersgd_rank: int = 0
+    demo_chunk: int = 0
+    demo_topk: int = 0
+    demo_beta_permille: int = 0  # DeMo's momentum decay β, in thousandths
     wire_codec: WireCodec = WireCodec.Float32
 
 
@@ -177,6 +181,9 @@ MODEL_LAYOUT = Struct(Model, [
     Field("lr_floor_micros", U32),
     Field("grad_averaging", Enum8(GradAveraging)),
     Field("powersgd_rank", U8),
+    Field("demo_chunk", U8),
+    Field("demo_topk", U8),
+    Field("demo_beta_permille", U16),
     Field("wire_codec", Enum8(WireCodec)),
 ], doc="The model and training hyperparameters every client shares.")
 
@@ -348,11 +355,38 @@ def validate_schedule(m: Model, total_steps: int) -> None:
 
 
 def validate_grad_averaging(m: Model) -> None:
+    """Each compressed mode's settings are in range with that mode and 0 without it, so one on-chain description
+    never means two things."""
+    validate_powersgd(m)
+    validate_demo(m)
+
+
+def validate_powersgd(m: Model) -> None:
     if m.grad_averaging == GradAveraging.PowerSGD:
         _need(1 <= m.powersgd_rank <= limits.MAX_POWERSGD_RANK, "powersgd_rank",
               f"must be between 1 and {limits.MAX_POWERSGD_RANK} with powersgd gradient averaging")
     else:
         _need(m.powersgd_rank == 0, "powersgd_rank", "must be 0 unless grad_averaging is powersgd")
+
+
+DEMO_FIELDS = ("demo_chunk", "demo_topk", "demo_beta_permille")
+
+
+def validate_demo(m: Model) -> None:
+    """DeMo keeps fewer coefficients than a chunk holds (else it would send everything, uncompressed) and a decay
+    below 1 (else its momentum would never forget)."""
+    if m.grad_averaging == GradAveraging.DeMo:
+        _need(2 <= m.demo_chunk <= limits.MAX_DEMO_CHUNK, "demo_chunk",
+              f"must be between 2 and {limits.MAX_DEMO_CHUNK} with demo gradient averaging")
+        _need(1 <= m.demo_topk <= m.demo_chunk - 1, "demo_topk",
+              f"must be between 1 and demo_chunk - 1 ({m.demo_chunk - 1}) with demo gradient averaging")
+        _need(0 <= m.demo_beta_permille <= limits.MAX_DEMO_BETA_PERMILLE, "demo_beta_permille",
+              f"must be between 0 and {limits.MAX_DEMO_BETA_PERMILLE} (demo_beta below 1) with demo gradient "
+              "averaging")
+    else:
+        for name in DEMO_FIELDS:
+            _need(getattr(m, name) == 0, name,
+                  "must be 0 unless grad_averaging is demo (leave demo_chunk, demo_topk and demo_beta out)")
 
 
 def validate_checkpoint(cp: Checkpoint) -> None:
@@ -454,13 +488,20 @@ def _take_section(doc: dict[str, Any], section: str, cls: type, converters: dict
     return out
 
 
+def _whole_units(key: str, value: Any, per_one: int, unit: str, below: float) -> int:
+    """A number in [0, ``below``) given as a decimal, in whole ``unit`` (1/``per_one`` each): the program has no
+    floating point, and a value that is not whole would round to something its writer did not ask for."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < below:
+        raise InvalidConfig(f"{key}: must be a number in [0, {below:g}), got {value!r}")
+    units = round(value * per_one)
+    if not math.isclose(units, value * per_one, rel_tol=1e-6, abs_tol=1e-9):
+        raise InvalidConfig(f"{key}: {value!r} is not a whole number of {unit}")
+    return units
+
+
 def _micros(key: str, value: Any, least: int) -> int:
-    """A rate given as a number, in whole millionths (the program has no floating point)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 4294:
-        raise InvalidConfig(f"{key}: must be a number in [0, 4294), got {value!r}")
-    micros = round(value * 1_000_000)
-    if not math.isclose(micros, value * 1_000_000, rel_tol=1e-6, abs_tol=1e-9):
-        raise InvalidConfig(f"{key}: {value!r} is not a whole number of millionths")
+    """A rate given as a number, in whole millionths."""
+    micros = _whole_units(key, value, 1_000_000, "millionths", 4294)
     if micros < least:
         raise InvalidConfig(f"{key}: must be at least {least / 1_000_000:f}, got {value!r}")
     return micros
@@ -472,6 +513,15 @@ def _learning_rate(value: Any) -> dict[str, int]:
 
 def _lr_floor(value: Any) -> dict[str, int]:
     return {"lr_floor_micros": _micros("lr_floor", value, 0)}
+
+
+def _demo_beta(value: Any) -> dict[str, int]:
+    return {"demo_beta_permille": _whole_units("demo_beta", value, 1000, "thousandths", 1)}
+
+
+DEFAULT_DEMO_BETA_PERMILLE = 900
+"""DeMo's β when ``state.toml`` gives none: the client's default (``GradientSettings.beta``; why 0.9 and not
+Psyche's 0.999: ``client.averaging.demo``)."""
 
 
 def _digest(key: str) -> Any:
@@ -493,6 +543,7 @@ def _choice(key: str, names: dict[str, enum.IntEnum]) -> Any:
 MODEL_KEYS = {
     "learning_rate": _learning_rate,
     "lr_floor": _lr_floor,
+    "demo_beta": _demo_beta,
     "config_sha256": _digest("config_sha256"),
     "tokenizer_sha256": _digest("tokenizer_sha256"),
     "dataset_sha256": _digest("dataset_sha256"),
@@ -500,11 +551,19 @@ MODEL_KEYS = {
     "lr_schedule": _choice("lr_schedule", {"constant": Schedule.Constant, "linear_warmup": Schedule.LinearWarmup,
                                            "warmup_cosine": Schedule.WarmupCosine}),
     "grad_averaging": _choice("grad_averaging", {"off": GradAveraging.Off, "full": GradAveraging.Full,
-                                                 "powersgd": GradAveraging.PowerSGD}),
+                                                 "powersgd": GradAveraging.PowerSGD, "demo": GradAveraging.DeMo}),
     "wire_codec": _choice("wire_codec", {"float32": WireCodec.Float32, "float16": WireCodec.Float16,
                                          "bfloat16": WireCodec.BFloat16, "int8": WireCodec.Int8Block}),
 }
 """``[model]`` keys that are not written as their encoded field: rates as numbers, digests in hex, enums by name."""
+
+
+def _mode_defaults(model_args: dict[str, Any]) -> dict[str, Any]:
+    """What a ``[model]`` that leaves a mode's setting out means: DeMo's β is then the client's default, not 0 (no
+    momentum at all), which a writer who left it out would not expect."""
+    if model_args.get("grad_averaging") == GradAveraging.DeMo:
+        return {"demo_beta_permille": DEFAULT_DEMO_BETA_PERMILLE}
+    return {}
 
 
 def parse_run_spec(doc: dict[str, Any], resolve_model: Callable[[Model], Model] | None = None) -> RunSpec:
@@ -548,8 +607,9 @@ def parse_run_spec(doc: dict[str, Any], resolve_model: Callable[[Model], Model] 
             f"max_clients to {largest_max_clients(error_rate['rate'])} or raise bloom_error_rate (at most 0.00097)")
     validate_config(config)
 
-    model = Model(**_take_section(doc, "model", Model, MODEL_KEYS,
-                                  derived=("learning_rate_micros", "lr_floor_micros")))
+    model_args = _take_section(doc, "model", Model, MODEL_KEYS,
+                               derived=("learning_rate_micros", "lr_floor_micros", "demo_beta_permille"))
+    model = Model(**{**_mode_defaults(model_args), **model_args})
     if resolve_model is not None:
         model = resolve_model(model)
     validate_model(model, config)

@@ -57,6 +57,13 @@ SOURCE_REVISION_BYTES = 40
 MAX_POWERSGD_RANK = 64
 """The largest rank of PowerSGD's low-rank gradient factors."""
 
+MAX_DEMO_CHUNK = 128
+"""The most elements DeMo transforms as one chunk: a position within it is one byte on the wire
+(``client.averaging.demo.MAX_CHUNK``, which must agree)."""
+
+MAX_DEMO_BETA_PERMILLE = 999
+"""DeMo's largest momentum decay, in thousandths: below 1, or the momentum would never decay."""
+
 NO_STAGE = 0xFF
 """The stage of a trainer, and of a worker that lets the coordinator choose its stage."""
 

@@ -13,6 +13,8 @@ from hivemind.averaging import DecentralizedAverager
 from client.averaging import demo
 from client.averaging.gradients import GradAveraging, GradientAverager, GradientProcess, GradientSettings
 from client.averaging.sparta import AveragingStatus
+from coordinator_program.spec import limits
+from coordinator_program.spec.config import DEFAULT_DEMO_BETA_PERMILLE
 from tests.averaging.test_gradients import QUICK, assert_close, grads, together
 
 CHUNK, TOPK = 32, 4
@@ -106,6 +108,13 @@ def test_demo_settings_are_validated(changes: dict[str, Any], message: str) -> N
         GradientSettings(GradAveraging.DEMO, **changes)
     with pytest.raises(ValueError, match="chunk and topk must be 0 unless mode is demo"):
         GradientSettings(GradAveraging.FULL, chunk=64, topk=4)
+
+
+def test_the_run_setting_s_bounds_and_default_are_the_client_s() -> None:
+    """A run's on-chain description bounds DeMo's chunk, and fills a β its state.toml leaves out, as the client does;
+    the specification imports no client, so only this test ties them."""
+    assert limits.MAX_DEMO_CHUNK == demo.MAX_CHUNK
+    assert DEFAULT_DEMO_BETA_PERMILLE / 1000 == GradientSettings().beta
 
 
 # ----- real averagers -----

@@ -63,9 +63,26 @@ HF_BASE = Model(n_layers=4, n_heads=2, d_model=16, seq_len=8, architecture="llam
                 tokenizer_sha256=b"\xff" * 32)
 
 
+CHUNKS = st.sampled_from([0, 1, 2, 3, 64, 127, limits.MAX_DEMO_CHUNK, limits.MAX_DEMO_CHUNK + 1, 255])
+BETAS = st.sampled_from([0, 1, 900, limits.MAX_DEMO_BETA_PERMILLE, limits.MAX_DEMO_BETA_PERMILLE + 1, 65535])
+AVERAGING = st.sampled_from([
+    {}, {"grad_averaging": GradAveraging.Full},
+    {"grad_averaging": GradAveraging.PowerSGD, "powersgd_rank": 1},
+    {"grad_averaging": GradAveraging.PowerSGD, "powersgd_rank": limits.MAX_POWERSGD_RANK},
+    {"grad_averaging": GradAveraging.DeMo, "demo_chunk": 2, "demo_topk": 1, "demo_beta_permille": 0},
+    {"grad_averaging": GradAveraging.DeMo, "demo_chunk": 3, "demo_topk": 2, "demo_beta_permille": 1},
+    {"grad_averaging": GradAveraging.DeMo, "demo_chunk": 64, "demo_topk": 4, "demo_beta_permille": 900},
+    {"grad_averaging": GradAveraging.DeMo, "demo_chunk": limits.MAX_DEMO_CHUNK, "demo_topk": limits.MAX_DEMO_CHUNK - 1,
+     "demo_beta_permille": limits.MAX_DEMO_BETA_PERMILLE}])
+"""A gradient averaging mode with valid settings: one field replaced at random would seldom make DeMo's three
+agree, so a valid DeMo model is the base that the boundary values then break, one setting or the mode at a time."""
+DEMO_OUTCOMES: Counter[int | None] = Counter()
+
+
 @st.composite
 def models(draw: st.DrawFn) -> Model:
-    """A psyswarm or an HF model description with up to three fields replaced by boundary values."""
+    """A psyswarm or an HF model description, averaging gradients in any mode, with up to three fields replaced
+    by boundary values."""
     fields = {"n_layers": U8, "n_heads": U8, "d_model": U16, "seq_len": U16, "microbatch_size": U16,
               "learning_rate_micros": U32, "sparta_every": U16, "sparta_partitions": U16,
               "dataset": st.one_of(TEXT, DATASETS), "dataset_sha256": DIGESTS,
@@ -73,10 +90,12 @@ def models(draw: st.DrawFn) -> Model:
               "tokenizer": st.sampled_from(list(Tokenizer)), "tokenizer_sha256": DIGESTS,
               "lr_schedule": st.sampled_from(list(Schedule)), "warmup_steps": U32, "lr_floor_micros": U32,
               "grad_averaging": st.sampled_from(list(GradAveraging)), "powersgd_rank": U8,
+              "demo_chunk": CHUNKS, "demo_topk": CHUNKS, "demo_beta_permille": BETAS,
               "wire_codec": st.sampled_from(list(WireCodec))}
     chosen = draw(st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True))
     base = draw(st.sampled_from([Model(n_layers=4, n_heads=2, d_model=16, seq_len=8), HF_BASE]))
     base = dataclasses.replace(base, dataset=draw(st.sampled_from(["stdlib", "./tokens"])))  # local: any pin
+    base = dataclasses.replace(base, **draw(AVERAGING))
     return Model(**{**base.__dict__, **{name: draw(fields[name]) for name in chosen}})
 
 
@@ -97,7 +116,10 @@ def replay() -> Replay:
 @given(configs(), models(), checkpoints)
 def test_update_validation_matches_the_specification(replay: Replay, config: Config, model: Model,
                                                      checkpoint: Checkpoint) -> None:
-    OUTCOMES[replay.apply(Update(config, model, checkpoint), replay.authority)] += 1
+    outcome = replay.apply(Update(config, model, checkpoint), replay.authority)
+    OUTCOMES[outcome] += 1
+    if model.grad_averaging == GradAveraging.DeMo:
+        DEMO_OUTCOMES[outcome] += 1
 
 
 def test_update_validation_cases_reach_every_outcome(replay: Replay) -> None:
@@ -106,6 +128,7 @@ def test_update_validation_cases_reach_every_outcome(replay: Replay) -> None:
         test_update_validation_matches_the_specification(replay)
     assert OUTCOMES[None] >= 20
     assert OUTCOMES[errors.InvalidConfig.code] >= 100 and OUTCOMES[errors.InvalidCheckpoint.code] >= 20
+    assert DEMO_OUTCOMES[None] >= 10 and DEMO_OUTCOMES[errors.InvalidConfig.code] >= 20  # DeMo compared both ways
     assert limits.MAX_BLOOM_BYTES * 8 == 16 * 240  # the base config's filter fills the largest slot exactly
 
 

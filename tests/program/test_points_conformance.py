@@ -84,6 +84,9 @@ LLAMA = Model(n_layers=4, n_heads=2, d_model=16, seq_len=8, architecture="llama"
               lr_floor_micros=100, grad_averaging=GradAveraging.PowerSGD, powersgd_rank=8,
               wire_codec=WireCodec.BFloat16)
 
+DEMO = dataclasses.replace(LLAMA, grad_averaging=GradAveraging.DeMo, powersgd_rank=0, demo_chunk=64, demo_topk=4,
+                           demo_beta_permille=900)
+
 
 @pytest.mark.parametrize(("model", "error"), [
     (LLAMA, None),
@@ -102,6 +105,12 @@ LLAMA = Model(n_layers=4, n_heads=2, d_model=16, seq_len=8, architecture="llama"
     (dataclasses.replace(MODEL, source="org/x"), errors.InvalidConfig),
     (dataclasses.replace(LLAMA, powersgd_rank=0), errors.InvalidConfig),
     (dataclasses.replace(LLAMA, grad_averaging=GradAveraging.Off), errors.InvalidConfig),  # a rank without it
+    (DEMO, None),
+    (dataclasses.replace(DEMO, demo_chunk=129), errors.InvalidConfig),
+    (dataclasses.replace(DEMO, demo_topk=64), errors.InvalidConfig),  # as many as the chunk holds
+    (dataclasses.replace(DEMO, demo_beta_permille=1000), errors.InvalidConfig),
+    (dataclasses.replace(DEMO, grad_averaging=GradAveraging.Full), errors.InvalidConfig),  # settings without it
+    (dataclasses.replace(LLAMA, demo_beta_permille=900), errors.InvalidConfig),  # a β with powersgd
 ], ids=lambda v: "" if not isinstance(v, Model) else f"{v.architecture}-{v.lr_schedule.name}")
 def test_model_descriptions_are_accepted_or_refused_alike(model: Model, error: type | None) -> None:
     authority = Keypair()

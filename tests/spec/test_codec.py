@@ -162,7 +162,8 @@ def test_account_with_1024_clients_fits_125312_bytes() -> None:
     witness's commitment to the next seed, two masks and the XOR of the reveals in the round: 1,064 bytes, whatever
     the number of clients; the election by rank keeps the elected witnesses' client indices (64 bytes), so that no
     witness instruction ranks every client again. Marking each client and joiner a veteran or not (a byte each), so
-    that an epoch's first elections rank the clients whose keys predate their seeds first: 2,048 bytes."""
+    that an epoch's first elections rank the clients whose keys predate their seeds first: 2,048 bytes. Issue 25's
+    DeMo settings (chunk, top-k and β in thousandths): 4 bytes, 125,271 in all."""
     assert limits.MAX_CLIENTS == 1024
     assert ACCOUNT_LAYOUT.offsets()["ledger"][1] == 40 * limits.MAX_CLIENTS
     assert ACCOUNT_LAYOUT.offsets()["checkpoints"][1] == 161 * limits.MAX_STAGES
@@ -178,6 +179,8 @@ SAMPLES: list[Instruction] = [
                                       tokenizer_sha256=b"\x07" * 32, lr_schedule=Schedule.WarmupCosine,
                                       warmup_steps=3, lr_floor_micros=10, grad_averaging=GradAveraging.PowerSGD,
                                       powersgd_rank=4, wire_codec=WireCodec.Int8Block), Checkpoint()),
+    Update(SMALL, dataclasses.replace(MODEL, grad_averaging=GradAveraging.DeMo, demo_chunk=128, demo_topk=127,
+                                      demo_beta_permille=999, wire_codec=WireCodec.BFloat16), Checkpoint()),
     SetPaused(True),
     JoinRun("run-1", Role.Worker, 2),
     JoinRun("run-1", Role.Trainer, limits.NO_STAGE, 17, 1_700_000_000),

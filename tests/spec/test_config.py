@@ -139,7 +139,8 @@ toml_values = st.recursive(
     max_leaves=8,
 )
 known_keys = st.sampled_from(["min_clients", "max_clients", "num_stages", "witness_nodes", "bloom_error_rate",
-                              "n_layers", "d_model", "learning_rate", "kind", "repo", "dataset"])
+                              "n_layers", "d_model", "learning_rate", "kind", "repo", "dataset",
+                              "grad_averaging", "demo_chunk", "demo_beta"])
 
 
 @settings(max_examples=300, deadline=None)
@@ -171,6 +172,7 @@ def test_validate_config_cli_prints_the_derived_facts(tmp_path: Path) -> None:
 # --- the model's on-chain description (issue 13) -----------------------------------------------------------
 
 DIGEST = bytes(range(32))
+DEMO = {"grad_averaging": GradAveraging.DeMo, "demo_chunk": 64, "demo_topk": 4, "demo_beta_permille": 900}
 LLAMA = Model(n_layers=4, architecture="llama", source="HuggingFaceTB/SmolLM2-135M", source_revision="main",
               config_sha256=DIGEST, tokenizer=Tokenizer.Model, tokenizer_sha256=bytes(range(1, 33)))
 
@@ -185,6 +187,9 @@ LLAMA = Model(n_layers=4, architecture="llama", source="HuggingFaceTB/SmolLM2-13
     Model(lr_schedule=Schedule.WarmupCosine, warmup_steps=0, lr_floor_micros=0),
     Model(grad_averaging=GradAveraging.PowerSGD, powersgd_rank=64, wire_codec=WireCodec.Int8Block),
     Model(grad_averaging=GradAveraging.Full, wire_codec=WireCodec.BFloat16),
+    Model(grad_averaging=GradAveraging.DeMo, demo_chunk=2, demo_topk=1, demo_beta_permille=0),
+    Model(grad_averaging=GradAveraging.DeMo, demo_chunk=128, demo_topk=127, demo_beta_permille=999),
+    Model(grad_averaging=GradAveraging.DeMo, demo_chunk=64, demo_topk=4, demo_beta_permille=900),
 ])
 def test_valid_model_descriptions_are_accepted(model: Model) -> None:
     validate_model(model, GOOD)
@@ -209,6 +214,19 @@ def test_valid_model_descriptions_are_accepted(model: Model) -> None:
     ("powersgd_rank", {"grad_averaging": GradAveraging.PowerSGD}),
     ("powersgd_rank", {"grad_averaging": GradAveraging.PowerSGD, "powersgd_rank": 65}),
     ("powersgd_rank", {"grad_averaging": GradAveraging.Full, "powersgd_rank": 4}),
+    ("powersgd_rank", {**DEMO, "powersgd_rank": 4}),
+    ("demo_chunk", {**DEMO, "demo_chunk": 0}),
+    ("demo_chunk", {**DEMO, "demo_chunk": 1, "demo_topk": 1}),
+    ("demo_chunk", {**DEMO, "demo_chunk": 129}),
+    ("demo_topk", {**DEMO, "demo_topk": 0}),
+    ("demo_topk", {**DEMO, "demo_topk": 64}),
+    ("demo_topk", {**DEMO, "demo_chunk": 2, "demo_topk": 2}),
+    ("demo_beta_permille", {**DEMO, "demo_beta_permille": 1000}),
+    ("demo_beta_permille", {**DEMO, "demo_beta_permille": -1}),
+    ("demo_chunk", {"grad_averaging": GradAveraging.Full, "demo_chunk": 64}),
+    ("demo_topk", {"grad_averaging": GradAveraging.PowerSGD, "powersgd_rank": 4, "demo_topk": 4}),
+    ("demo_beta_permille", {"demo_beta_permille": 900}),
+    ("demo_chunk", {**DEMO, "grad_averaging": GradAveraging.PowerSGD, "powersgd_rank": 4}),
 ])
 def test_model_description_rule_names_the_field(field: str, changes: dict) -> None:
     with pytest.raises(InvalidConfig, match=f"^InvalidConfig: {field}:"):
@@ -261,7 +279,7 @@ def test_state_toml_model_keys() -> None:
     ({"tokenizer_sha256": 5}, "tokenizer_sha256: must be 64 lowercase hex"),
     ({"tokenizer": "bpe"}, "tokenizer: must be one of bytes, model"),
     ({"lr_schedule": "cosine"}, "lr_schedule: must be one of constant, linear_warmup, warmup_cosine"),
-    ({"grad_averaging": True}, "grad_averaging: must be one of off, full, powersgd"),
+    ({"grad_averaging": True}, "grad_averaging: must be one of off, full, powersgd, demo"),
     ({"wire_codec": "int4"}, "wire_codec: must be one of float32, float16, bfloat16, int8"),
     ({"lr_floor": -0.1}, "lr_floor: must be a number"),
     ({"lr_floor": 1e-9}, "lr_floor: 1e-09 is not a whole number of millionths"),
@@ -280,6 +298,53 @@ def test_state_toml_model_errors_name_the_key(changes: dict, fragment: str) -> N
     with pytest.raises(InvalidConfig) as info:
         parse_run_spec({"run_id": "ok", "model": {**HF_TOML, **changes}})
     assert fragment in info.value.detail
+
+
+DEMO_TOML = {"grad_averaging": "demo", "demo_chunk": 64, "demo_topk": 4, "demo_beta": 0.999}
+
+
+@pytest.mark.parametrize(("changes", "settings"), [
+    ({}, (64, 4, 999)),
+    ({"demo_beta": 0}, (64, 4, 0)),  # a β of 0 written down stays 0
+    ({"demo_beta": 0.9}, (64, 4, 900)),
+    ({"demo_beta": None}, (64, 4, 900)),  # left out: the client's default
+    ({"demo_chunk": 128, "demo_topk": 127, "demo_beta": 0.001}, (128, 127, 1)),
+])
+def test_state_toml_demo_keys(changes: dict, settings: tuple[int, int, int]) -> None:
+    table = {key: value for key, value in {**DEMO_TOML, **changes}.items() if value is not None}
+    model = parse_run_spec({"run_id": "ok", "model": table}).model
+    assert model.grad_averaging == GradAveraging.DeMo
+    assert (model.demo_chunk, model.demo_topk, model.demo_beta_permille) == settings
+    assert model.powersgd_rank == 0
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"demo_beta": 1}, "demo_beta: must be a number in [0, 1), got 1"),
+    ({"demo_beta": 1.5}, "demo_beta: must be a number in [0, 1), got 1.5"),
+    ({"demo_beta": -0.1}, "demo_beta: must be a number in [0, 1), got -0.1"),
+    ({"demo_beta": True}, "demo_beta: must be a number in [0, 1), got True"),
+    ({"demo_beta": "0.9"}, "demo_beta: must be a number in [0, 1), got '0.9'"),
+    ({"demo_beta": float("nan")}, "demo_beta: must be a number in [0, 1), got nan"),
+    ({"demo_beta": 0.9995}, "demo_beta: 0.9995 is not a whole number of thousandths"),
+    ({"demo_beta": 0.0001}, "demo_beta: 0.0001 is not a whole number of thousandths"),
+    ({"demo_beta_permille": 900}, "demo_beta_permille: unknown key in [model]; did you mean 'demo_beta'?"),
+    ({"demo_chunk": "64"}, "demo_chunk: must be an integer, got '64'"),
+    ({"demo_topk": 4.0}, "demo_topk: must be an integer, got 4.0"),
+    ({"demo_chunk": False}, "demo_chunk: must be an integer, got False"),
+    ({"demo_chunk": 1}, "demo_chunk: must be between 2 and 128 with demo gradient averaging"),
+    ({"demo_chunk": 129}, "demo_chunk: must be between 2 and 128 with demo gradient averaging"),
+    ({"demo_topk": 0}, "demo_topk: must be between 1 and demo_chunk - 1 (63) with demo gradient averaging"),
+    ({"demo_topk": 64}, "demo_topk: must be between 1 and demo_chunk - 1 (63) with demo gradient averaging"),
+    ({"grad_averaging": "full"}, "demo_chunk: must be 0 unless grad_averaging is demo (leave demo_chunk, "
+                                 "demo_topk and demo_beta out)"),
+    ({"grad_averaging": "full", "demo_chunk": 0, "demo_topk": 0}, "demo_beta_permille: must be 0 unless"),
+    ({"grad_averaging": "powersgd", "powersgd_rank": 4, "demo_chunk": 0}, "demo_topk: must be 0 unless"),
+    ({"powersgd_rank": 4}, "powersgd_rank: must be 0 unless grad_averaging is powersgd"),
+])
+def test_state_toml_demo_errors_are_one_line_and_name_the_key(changes: dict, message: str) -> None:
+    with pytest.raises(InvalidConfig) as info:
+        parse_run_spec({"run_id": "ok", "model": {**DEMO_TOML, **changes}})
+    assert info.value.detail.startswith(message) and "\n" not in info.value.detail
 
 
 def test_resolve_model_fills_the_digests_before_validation() -> None:

@@ -130,13 +130,30 @@ static bool valid_schedule(const uint8_t *m, uint64_t total_steps) {
   return warmup + 1 <= total_steps && floor <= PSY_MODEL_LEARNING_RATE_MICROS_GET(m);
 }
 
-/* config.validate_grad_averaging */
-static bool valid_grad_averaging(const uint8_t *m) {
+/* config.validate_powersgd */
+static bool valid_powersgd(const uint8_t *m) {
   uint64_t rank = PSY_MODEL_POWERSGD_RANK_GET(m);
   if (PSY_MODEL_GRAD_AVERAGING_GET(m) == PSY_GRAD_AVERAGING_POWER_SGD) {
     return rank >= 1 && rank <= PSY_MAX_POWERSGD_RANK;
   }
   return rank == 0;
+}
+
+/* config.validate_demo: a topk below the chunk, a decay below 1 */
+static bool valid_demo(const uint8_t *m) {
+  uint64_t chunk = PSY_MODEL_DEMO_CHUNK_GET(m);
+  uint64_t topk = PSY_MODEL_DEMO_TOPK_GET(m);
+  uint64_t beta = PSY_MODEL_DEMO_BETA_PERMILLE_GET(m);
+  if (PSY_MODEL_GRAD_AVERAGING_GET(m) == PSY_GRAD_AVERAGING_DE_MO) {
+    return chunk >= 2 && chunk <= PSY_MAX_DEMO_CHUNK && topk >= 1 && topk < chunk &&
+           beta <= PSY_MAX_DEMO_BETA_PERMILLE;
+  }
+  return chunk == 0 && topk == 0 && beta == 0;
+}
+
+/* config.validate_grad_averaging: each compressed mode's settings in range with it, 0 without it */
+static bool valid_grad_averaging(const uint8_t *m) {
+  return valid_powersgd(m) && valid_demo(m);
 }
 
 uint64_t psy_validate_model(const uint8_t *m, const uint8_t *c) {
