@@ -1,6 +1,6 @@
 """A worker's state against its stage's majority after each step: publish its digest, compare, and act on a departure.
 
-Same-stage replicas that average gradients every step (``grad_averaging = full | powersgd``) hold bit-identical
+Same-stage replicas that average gradients every step (``grad_averaging = full | powersgd | demo``) hold bit-identical
 parameters on CPU, so each step's digests (``client.witness.digests``) must agree. One departs when a round a loaded
 machine cut short left its shard local, or when the worker lies. What follows a departure:
 

@@ -7,8 +7,8 @@
   of every worker its checks found wrong (``client.pipeline.checks``).
 
 Checks run only where a stage's replicas are identical, in runs that average gradients every step
-(``grad_averaging`` full or powersgd); with SPARTA alone replicas differ between averaging rounds, so honest answers
-differ too, and nothing is compared.
+(``grad_averaging`` full, powersgd or demo); with SPARTA alone replicas differ between averaging rounds, so honest
+answers differ too, and nothing is compared.
 """
 
 from __future__ import annotations

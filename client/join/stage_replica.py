@@ -90,18 +90,32 @@ def stage_roster(state: CoordinatorState, stage: int) -> Roster:
                   frozenset(c.id for c in state.clients if c.role == Role.Trainer))
 
 
-def gradient_averager(state: CoordinatorState, worker: StageWorker, dht,
-                      roster: Callable[[], Roster]) -> GradientAverager | None:
-    """The worker's per-step gradient averager if the run averages gradients (``grad_averaging``), else None.
-    It shares SPARTA's timeouts; no peer may claim more samples than a round's global batch, nor average with
-    more than its trainer-signed Backwards of the round prove (``client.averaging.work``)."""
-    mode = GradAveraging(state.model.grad_averaging.name.lower())
+PERMILLE = 1000
+"""DeMo's β is kept on chain in thousandths (``Model.demo_beta_permille``)."""
+
+
+def gradient_settings(state: CoordinatorState) -> GradientSettings | None:
+    """How the run's model says a stage averages its gradients (``grad_averaging`` with its mode's settings, which
+    the coordinator keeps 0 for every other mode), or None if it does not. It shares SPARTA's timeouts; no peer may
+    claim more samples than a round's global batch, nor average with more than its trainer-signed Backwards of the
+    round prove (``client.averaging.work``)."""
+    model = state.model
+    mode = GradAveraging(model.grad_averaging.name.lower())  # the spec's PowerSGD and DeMo: powersgd and demo
     if mode == GradAveraging.OFF:
         return None
-    rank = state.model.powersgd_rank if mode == GradAveraging.POWERSGD else 0
-    settings = GradientSettings(mode, rank=rank, timeouts=sparta_settings(state.config.round_witness_time),
-                                max_weight=float(state.config.global_batch_size),
-                                round_samples=state.config.global_batch_size)
+    return GradientSettings(mode, rank=model.powersgd_rank, chunk=model.demo_chunk, topk=model.demo_topk,
+                            beta=model.demo_beta_permille / PERMILLE,
+                            timeouts=sparta_settings(state.config.round_witness_time),
+                            max_weight=float(state.config.global_batch_size),
+                            round_samples=state.config.global_batch_size)
+
+
+def gradient_averager(state: CoordinatorState, worker: StageWorker, dht,
+                      roster: Callable[[], Roster]) -> GradientAverager | None:
+    """The worker's per-step gradient averager if the run averages gradients (``gradient_settings``), else None."""
+    settings = gradient_settings(state)
+    if settings is None:
+        return None
     return GradientAverager.for_worker(worker, dht, seed=state.model.init_seed, settings=settings, roster=roster)
 
 
