@@ -36,30 +36,16 @@ every part it sends must carry the weight it declared (``membership``, ``stage_a
 halve a liar's pull but weigh honest pairs' unequal samples equally, the commonest honest case (two workers
 per stage). With k = 1 it is that part.
 
-Each part a peer receives back from another reducer is checked too (``RobustRunner``): a part that is not
-finite, or above the bound the caller knows an honest average cannot exceed, fails that reducer alone.
-
-Results travel as the averages themselves, where hivemind sends each sender its delta (average − its own part)
-to add back: in floating point x + (a − x) is not always a, so peers adding deltas to different parts end a
-round a few ulps apart, and Adam's normalisation turns ulps in small gradients into differences of 1e-5 within
-steps. Taking the reducer's average as it is keeps same-stage replicas that average every step bit-identical,
-which is what the checked results (activations by digest) and the replicas' state digests compare.
+The reducer that applies this inside hivemind's all-reduce, and the checks on what other reducers return, are
+``client.averaging.runner``'s.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
-from hivemind.averaging.partition import BannedException, TensorPartReducer
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import amap_in_executor
 
 KAPPA = 2.0  # the clipping radius in lower-median distances; above 1 so that alike honest members are not clipped
 
@@ -94,93 +80,3 @@ def _median(stack: torch.Tensor) -> torch.Tensor:
         a, b, c = stack
         return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
     return stack.median(dim=0).values
-
-
-class _Parts:
-    """Stands where ``TensorPartReducer`` keeps its running sum: collects (part, weight) and, where the
-    reducer divides the sum by the total weight, returns ``robust_mean`` of what it collected."""
-
-    def __init__(self) -> None:
-        self.parts: list[torch.Tensor] = []
-        self.weights: list[float] = []
-
-    def add_(self, part: torch.Tensor, alpha: float = 1.0) -> _Parts:
-        self.parts.append(part.clone())
-        self.weights.append(float(alpha))
-        return self
-
-    def div_(self, _denominator: float) -> torch.Tensor:
-        return robust_mean(self.parts, self.weights)
-
-
-class RobustReducer(TensorPartReducer):
-    """hivemind's reducer (its senders, bans and part order) with ``robust_mean`` in place of the mean."""
-
-    def reset_accumulators(self) -> None:
-        super().reset_accumulators()
-        if not self.finished.is_set():
-            self.accumulator = _Parts()
-
-
-class RobustRunner(AllReduceRunner):
-    """hivemind's all-reduce runner reducing its part with ``RobustReducer``, returning averages rather than
-    deltas (module docstring), and checking each part another reducer returns: a part that is not finite or
-    has an L2 norm above ``result_bound`` (what the caller knows an honest average of that part cannot exceed)
-    fails that reducer, as if it had gone silent — hivemind then keeps the reducer's shard (this part and its
-    later ones) at the local values and counts it in ``failed_size``, and every other reducer's shard of the
-    same tensors is still averaged. A part equal to the local one (the filler for a failed reducer) is always
-    taken. The runner yields each tensor's averaged values, not a delta to add."""
-
-    def __init__(self, *, result_bound: float = math.inf, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.tensor_part_reducer = RobustReducer(tuple(part.shape for part in self.parts_for_local_averaging),
-                                                 len(self.sender_peer_ids))
-        container = self.tensor_part_container
-        container.return_deltas = False  # a failed reducer's shard is filled with the local parts, not zeros
-        own = self.ordered_peer_ids.index(self.peer_id)
-        register = container.register_processed_part
-
-        def register_checked(peer_index: int, part_index: int, part: torch.Tensor) -> None:
-            # hivemind's container keeps each reducer's input parts until it finishes
-            local = container._input_parts_by_peer[peer_index][part_index][0]
-            if peer_index != own and not torch.equal(part, local):
-                norm = float(torch.linalg.vector_norm(part, dtype=torch.float64))
-                if not norm <= result_bound:  # also refuses NaN and infinity
-                    raise AllreduceException(f"reducer {self.ordered_peer_ids[peer_index]} returned part "
-                                             f"{part_index} of norm {norm:.3g}, above {result_bound:.3g}")
-            register(peer_index, part_index, part)
-
-        container.register_processed_part = register_checked  # type: ignore[method-assign]
-
-    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
-        """This peer's own shard: reduced here, the average registered as it is (other reducers' shards: as
-        hivemind receives them, registered by ``register_checked``)."""
-        if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
-        peer_index = self.ordered_peer_ids.index(peer_id)
-        sender_index = self.sender_peer_ids.index(peer_id)
-        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part,
-                                                                      weight=self.weight)
-            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
-        return None
-
-    async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
-        """hivemind's reducer loop for one sender, answering each part with the average itself."""
-        part_index = 0
-        try:
-            loop = asyncio.get_event_loop()
-            async for tensor_part, weight, part_compression in amap_in_executor(
-                    lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
-                    stream, max_prefetch=self.tensor_part_container.prefetch):
-                try:
-                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part,
-                                                                              weight=weight)
-                    part_index += 1
-                except BannedException:
-                    break  # this sender was banned: nothing more of it is reduced
-                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged, part_compression)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
-        finally:
-            if part_index != self.tensor_part_reducer.num_parts:
-                await self._ban_sender(self.sender_peer_ids[sender_index])

@@ -5,6 +5,9 @@ the trainers whose tokens they refused, and witnesses convict the trainers the e
 False declarations (``client.averaging.membership.falsehood``): a worker whose averager refused a groupmate's sealed
 declaration as a lie no honest worker tells (a weight above what a worker can have, evidence of work forged or
 copied) accuses that groupmate with the declaration itself, and witnesses convict the workers it proves.
+False reductions (``client.averaging.audit``): a worker whose averager found a groupmate's signed statement of a
+reduction false (forged inputs, or a result that is not the robust mean of its inputs) accuses it with the
+statement, the inputs and the result, and witnesses convict the workers it proves the same way.
 
 - ``Accuser`` (a worker): publishes, each round, one record holding the round's evidence of one kind: a
   ``DataAccusation`` with the signed requests its worker refused for their tokens (``StageWorker.drain_accusations``),
@@ -14,8 +17,9 @@ copied) accuses that groupmate with the declaration itself, and witnesses convic
   then); each piece is checked once. A witness that cannot open the dataset convicts no one and says so: the
   trainer keeps whatever its other records earn it in that witness's proof.
 - ``false_declarers`` (any elected witness): the workers of the epoch that a round's accusations prove sealed a
-  false declaration in their own stage's averaging; each is checked with the run's settings alone
-  (``declaration_lie``), so an accusation against an honest worker proves nothing, whoever files it.
+  false declaration or signed a false reduction in their own stage's averaging; each is checked with the run's
+  settings alone (``declaration_lie``, ``reduction_lie``), so an accusation against an honest worker proves nothing,
+  whoever files it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 
 from solders.keypair import Keypair
 
+from client.averaging.audit import proven_liar
 from client.averaging.membership import falsehood
 from client.averaging.sparta import averager_prefix
 from client.averaging.work import WorkRule
@@ -47,8 +52,8 @@ from coordinator_program.spec.state import CoordinatorState, Role
 
 log = logging.getLogger("psyswarm.client")
 
-FALSE_DECLARATION = ("sealed an averaging declaration no honest worker makes (its own seal proves it): not present, "
-                     "not credited")
+FALSE_DECLARATION = ("signed an averaging declaration or reduction no honest worker makes (its own signature proves "
+                     "it): not present, not credited")
 MAX_VERDICTS = 1 << 14
 """Pieces of evidence a witness remembers having checked (then it forgets them all and checks again)."""
 
@@ -93,12 +98,33 @@ def wrong_data_accuser(context: ClientContext) -> Accuser:
 
 
 def false_declaration_accuser(context: ClientContext) -> Accuser:
-    """A worker's accuser of the groupmates whose declarations its averagers refused as lies
+    """A worker's accuser of the groupmates whose declarations or reductions its averagers found to be lies
     (``StageReplica.drain_lies``): one piece per liar and round."""
     return Accuser(context, lambda keypair, run_id, round_, pieces: Accusation.create(
         keypair, run_id=run_id, epoch=round_.epoch, round=round_.height, accusations=tuple(pieces)),
-        "groupmate(s) of sealing an averaging declaration no honest worker makes",
-        identity=lambda piece: str(piece["declaration"].get("member")), most=MAX_ACCUSATIONS)
+        "groupmate(s) of signing an averaging declaration or reduction no honest worker makes",
+        identity=_liar, most=MAX_ACCUSATIONS)
+
+
+def _liar(piece: dict[str, Any]) -> str:
+    """Whom a piece of an averager's evidence accuses (hex key): a declaration's member or a reduction's reducer."""
+    return str(piece["reduction"]["key"] if "reduction" in piece else piece["declaration"].get("member"))
+
+
+def _averaging_limits(state: CoordinatorState, member: bytes, prefix: object
+                      ) -> tuple[float, WorkRule | None] | None:
+    """The limits of the averaging ``prefix`` names if it is one of ``member``'s own stage this run (a worker's), as
+    (most weight, work rule); None otherwise."""
+    names = stage_names(state.config.num_stages)
+    stage = next((names[c.stage] for c in state.clients if c.id == member and c.role == Role.Worker), None)
+    if stage is None:
+        return None
+    batch, namespace = state.config.global_batch_size, derived.run_instance(state)  # the workers' run id
+    if prefix == averager_prefix(namespace, stage, "grad"):
+        return float(batch), WorkRule(namespace, stage, batch)
+    if prefix == averager_prefix(namespace, stage, "sparta"):
+        return REPLICA_WEIGHT, None
+    return None
 
 
 def declaration_lie(item: object, state: CoordinatorState) -> bytes | None:
@@ -116,27 +142,28 @@ def declaration_lie(item: object, state: CoordinatorState) -> bytes | None:
     if declaration.get("epoch") != state.epoch or not is_hex(declaration.get("member"), 32):
         return None
     member = bytes.fromhex(declaration["member"])
-    names = stage_names(state.config.num_stages)
-    stage = next((names[c.stage] for c in state.clients if c.id == member and c.role == Role.Worker), None)
-    if stage is None:
-        return None
-    batch, namespace = state.config.global_batch_size, derived.run_instance(state)  # the workers' run id
-    if prefix == averager_prefix(namespace, stage, "grad"):
-        limits: tuple[float, WorkRule | None] = (float(batch), WorkRule(namespace, stage, batch))
-    elif prefix == averager_prefix(namespace, stage, "sparta"):
-        limits = (REPLICA_WEIGHT, None)
-    else:
+    limits = _averaging_limits(state, member, prefix)
+    if limits is None:
         return None
     lie = falsehood(declaration, prefix, peer, *limits)
     return lie[0] if lie is not None and lie[0] == member else None
 
 
+def reduction_lie(item: object, state: CoordinatorState) -> bytes | None:
+    """The worker that ``item`` (``audit.evidence``) proves signed a false reduction in its own stage's averaging
+    (``audit.proven_liar``); None where it proves nothing."""
+    proven = proven_liar(item)
+    if proven is None or _averaging_limits(state, proven[0], proven[1]) is None:
+        return None
+    return proven[0]
+
+
 def false_declarers(state: CoordinatorState, accusations: Mapping[str, Accusation],
                     verdicts: dict[tuple[int, str, int], bytes | None] | None = None) -> set[bytes]:
-    """The workers that an admitted accusation of this round proves sealed a false declaration (``declaration_lie``;
-    other items, such as a trainer's wrong answers, are the judge's). ``verdicts``: a witness's memory of the items
-    it checked, by epoch, record signature and place (the signature covers the item), so that each costs its
-    signatures once however often it polls (cleared past ``MAX_VERDICTS``)."""
+    """The workers that an admitted accusation of this round proves sealed a false declaration (``declaration_lie``)
+    or signed a false reduction (``reduction_lie``; other items, such as a trainer's wrong answers, are the judge's).
+    ``verdicts``: a witness's memory of the items it checked, by epoch, record signature and place (the signature
+    covers the item), so that each costs its check once however often it polls (cleared past ``MAX_VERDICTS``)."""
     verdicts = {} if verdicts is None else verdicts
     if len(verdicts) > MAX_VERDICTS:
         verdicts.clear()
@@ -145,7 +172,7 @@ def false_declarers(state: CoordinatorState, accusations: Mapping[str, Accusatio
         for place, item in enumerate(record.accusations):  # type: ignore[attr-defined]
             key = (state.epoch, record.signature, place)
             if key not in verdicts:
-                verdicts[key] = declaration_lie(item, state)
+                verdicts[key] = declaration_lie(item, state) or reduction_lie(item, state)
             if verdicts[key] is not None:
                 found.add(verdicts[key])  # type: ignore[arg-type]
     return found

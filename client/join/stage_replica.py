@@ -395,8 +395,8 @@ class StageReplica:
         return result
 
     def drain_lies(self) -> list[dict[str, object]]:
-        """The declarations this replica's averagers refused as proven lies since the last drain (SPARTA's and the
-        gradients', ``StageAverager.drain_lies``), to publish as accusations."""
+        """The proven lies this replica's averagers found since the last drain (SPARTA's and the gradients',
+        ``StageAverager.drain_lies``: refused declarations, false reductions), to publish as accusations."""
         lies = self.averager.averager.drain_lies()
         return lies + self.gradients.process.drain_lies() if self.gradients is not None else lies
 

@@ -1,0 +1,273 @@
+"""hivemind's all-reduce runner with this project's reduction and checks on both sides of each part.
+
+In hivemind's butterfly all-reduce each peer reduces one shard of the vector and returns each of its parts to
+every sender. ``RobustRunner`` changes three things:
+
+- the reduction (``RobustReducer``): ``robust.robust_mean`` of the senders' parts instead of their mean;
+- what a sender takes back: a part that is not finite, or above the bound the caller knows an honest average
+  cannot exceed, fails that reducer alone (hivemind then keeps the reducer's shard at the local values and
+  averages every other reducer's shard of the same tensors); so does a part whose signed statement does not
+  hold (``audit``);
+- signatures (``audit``): every part sent is signed by its sender, every part returned comes with the reducer's
+  signed statement of the inputs it reduced, and both sides keep what an audit after the round needs.
+
+Results travel as the averages themselves, where hivemind sends each sender its delta (average − its own part)
+to add back: in floating point x + (a − x) is not always a, so peers adding deltas to different parts end a
+round a few ulps apart, and Adam's normalisation turns ulps in small gradients into differences of 1e-5 within
+steps. Taking the reducer's average as it is keeps same-stage replicas that average every step bit-identical,
+which is what the checked results (activations by digest) and the replicas' state digests compare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
+from hivemind.averaging.partition import BannedException, TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import amap_in_executor
+from solders.keypair import Keypair
+
+from client.averaging.audit import (
+    Entry,
+    Place,
+    Statement,
+    forged,
+    make_statement,
+    part_digest,
+    signed_entry,
+    statement_refusal,
+)
+from client.averaging.robust import robust_mean
+
+
+class _Parts:
+    """Stands where ``TensorPartReducer`` keeps its running sum: collects (part, weight) and, where the
+    reducer divides the sum by the total weight, returns ``robust_mean`` of what it collected, keeping the
+    signed inputs it reduced for the reducer's statement (``audit``)."""
+
+    def __init__(self, reducer: RobustReducer) -> None:
+        self.reducer = reducer
+        self.parts: list[torch.Tensor] = []
+        self.weights: list[float] = []
+        self.signed: list[tuple[Entry, bytes] | None] = []
+
+    def add_(self, part: torch.Tensor, alpha: float = 1.0) -> _Parts:
+        self.parts.append(part.clone())
+        self.weights.append(float(alpha))
+        self.signed.append(self.reducer.incoming.get(id(part)))
+        return self
+
+    def div_(self, _denominator: float) -> torch.Tensor:
+        if self.signed and all(s is not None for s in self.signed):
+            self.reducer.reduced[self.reducer.current_part_index] = [s for s in self.signed if s is not None]
+        return robust_mean(self.parts, self.weights)
+
+
+class RobustReducer(TensorPartReducer):
+    """hivemind's reducer (its senders, bans and part order) with ``robust_mean`` in place of the mean, keeping
+    for each part the signed inputs it reduced, in order (``reduced``)."""
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int) -> None:
+        self.incoming: dict[int, tuple[Entry, bytes]] = {}  # a part being accumulated (by its tensor's id): signed
+        self.reduced: dict[int, list[tuple[Entry, bytes]]] = {}
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = _Parts(self)
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0, signed: tuple[Entry, bytes] | None = None) -> torch.Tensor:
+        """hivemind's, with the sender's signed input (its entry and the part as it came) beside the part."""
+        if signed is not None:
+            self.incoming[id(tensor_part)] = signed
+        try:
+            return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
+        finally:
+            self.incoming.pop(id(tensor_part), None)
+
+
+@dataclass
+class Reductions:
+    """What one all-reduce leaves for the audits after it (``audit``): this peer's statements as a reducer, each with
+    the inputs it lists and its result, and the statements other reducers returned to this peer, with their results.
+    All in wire form (serialized parts), which is what the statements' digests cover."""
+
+    senders: frozenset[PeerID]
+    keys: dict[PeerID, bytes]  # every groupmate's key, by peer id
+    mine: dict[int, tuple[Statement, list[bytes], bytes]] = field(default_factory=dict)
+    returned: dict[tuple[PeerID, int], tuple[Statement, bytes]] = field(default_factory=dict)
+    forgeries: list[tuple[PeerID, Place, Statement, bytes]] = field(default_factory=list)  # statements signed
+    # over inputs their senders did not sign: evidence by themselves
+
+
+class _CheckedStub:
+    """A reducer's stub whose answers are checked, part by part, before hivemind registers them."""
+
+    def __init__(self, stub: Any, runner: RobustRunner, reducer: PeerID) -> None:
+        self.stub, self.runner, self.reducer = stub, runner, reducer
+
+    async def rpc_aggregate_part(self, inputs: Any) -> Any:
+        stream = await self.stub.rpc_aggregate_part(inputs)
+        return self.runner._checked_results(stream, self.reducer)
+
+
+class RobustRunner(AllReduceRunner):
+    """hivemind's all-reduce runner reducing its part with ``RobustReducer``, returning averages rather than
+    deltas (module docstring), signing what it sends and checking each part another reducer returns: a part
+    whose statement does not hold (``audit.statement_refusal``; a forged one is kept as evidence in ``reductions``),
+    that is not finite, or that has an L2 norm above ``result_bound`` (what the caller knows an honest average of
+    that part cannot exceed) fails that reducer, as if it had gone silent — hivemind then keeps the reducer's shard
+    (this part and its later ones) at the local values and counts it in ``failed_size``, and every other reducer's
+    shard of the same tensors is still averaged. A part equal to the local one (the filler for a failed reducer)
+    is always taken. The runner yields each tensor's averaged values, not a delta to add.
+
+    ``signer`` is this peer's key; ``keys`` every groupmate's (their admitted declarations'), by peer id."""
+
+    def __init__(self, *, signer: Keypair, keys: Mapping[PeerID, bytes], result_bound: float = math.inf,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.signer, self.keys = signer, dict(keys)
+        self.tensor_part_reducer = RobustReducer(tuple(part.shape for part in self.parts_for_local_averaging),
+                                                 len(self.sender_peer_ids))
+        self.reductions = Reductions(frozenset(self.sender_peer_ids), self.keys)
+        self._sent: dict[tuple[PeerID, int], Entry] = {}  # this peer's signed input to each reducer's part
+        self._statements: dict[tuple[int, bytes], Statement] = {}  # this reducer's, by part and result digest
+        container = self.tensor_part_container
+        container.return_deltas = False  # a failed reducer's shard is filled with the local parts, not zeros
+        own = self.ordered_peer_ids.index(self.peer_id)
+        register = container.register_processed_part
+
+        def register_checked(peer_index: int, part_index: int, part: torch.Tensor) -> None:
+            # hivemind's container keeps each reducer's input parts until it finishes
+            local = container._input_parts_by_peer[peer_index][part_index][0]
+            if peer_index != own and not torch.equal(part, local):
+                norm = float(torch.linalg.vector_norm(part, dtype=torch.float64))
+                if not norm <= result_bound:  # also refuses NaN and infinity
+                    raise AllreduceException(f"reducer {self.ordered_peer_ids[peer_index]} returned part "
+                                             f"{part_index} of norm {norm:.3g}, above {result_bound:.3g}")
+            register(peer_index, part_index, part)
+
+        container.register_processed_part = register_checked  # type: ignore[method-assign]
+
+    def place(self, reducer: PeerID, part_index: int) -> Place:
+        return Place(self._prefix or "", self.group_id, reducer.to_bytes(), part_index)
+
+    # ----- as a sender -----
+
+    def _get_peer_stub(self, peer: PeerID) -> Any:
+        return _CheckedStub(super()._get_peer_stub(peer), self, peer)
+
+    async def _generate_input_for_peer(self, peer_index: int) -> Any:
+        """hivemind's parts for one reducer, each signed (``audit``); hivemind's reducer reads no ``peer_id`` from
+        a part, so the signature travels there."""
+        reducer = self.ordered_peer_ids[peer_index]
+        part_index = 0
+        async for message in super()._generate_input_for_peer(peer_index):
+            entry = signed_entry(self.signer, self.place(reducer, part_index), message.tensor_part.SerializeToString(),
+                                 message.weight)
+            self._sent[reducer, part_index] = entry
+            message.peer_id = entry.signature
+            part_index += 1
+            yield message
+
+    async def _checked_results(self, stream: Any, reducer: PeerID) -> Any:
+        """A reducer's answers, each taken only with a statement that holds (class docstring)."""
+        part_index = 0
+        async for message in stream:
+            if message.code == averaging_pb2.AVERAGED_PART:
+                result = message.tensor_part.SerializeToString()
+                self._check_statement(reducer, part_index, message.peer_id, result)
+                part_index += 1
+            yield message
+
+    def _check_statement(self, reducer: PeerID, part_index: int, data: bytes, result: bytes) -> None:
+        place, key = self.place(reducer, part_index), self.keys.get(reducer)
+        try:
+            statement = Statement.from_bytes(data)
+        except ValueError as exc:
+            raise AllreduceException(f"reducer {reducer} returned part {part_index} with {exc}") from None
+        own = self._sent.get((reducer, part_index))
+        refusal = "was not a groupmate" if key is None or own is None else statement_refusal(
+            statement, place, key, result, own)
+        if not refusal and forged(statement, place):
+            self.reductions.forgeries.append((reducer, place, statement, result))
+            refusal = "its statement lists an input its sender did not sign"
+        if refusal:
+            raise AllreduceException(f"reducer {reducer} returned part {part_index}: {refusal}")
+        self.reductions.returned[reducer, part_index] = (statement, result)
+
+    # ----- as a reducer -----
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        """This peer's own shard: reduced here, its own parts signed like any sender's, the average registered as
+        it is (other reducers' shards: as hivemind receives them, registered by ``register_checked``)."""
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            wire = serialize_torch_tensor(tensor_part, runtime_pb2.CompressionType.NONE).SerializeToString()
+            signed = (signed_entry(self.signer, self.place(peer_id, part_index), wire, self.weight), wire)
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part,
+                                                                      weight=self.weight, signed=signed)
+            self._statement(part_index, serialize_torch_tensor(averaged).SerializeToString())
+            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+        return None
+
+    def _signed_input(self, sender: PeerID, part_index: int, message: Any) -> tuple[Entry, bytes] | None:
+        """A sender's part as its signed input to this reducer, or None if its signature does not hold."""
+        wire = message.tensor_part.SerializeToString()
+        key = self.keys.get(sender)
+        entry = None if key is None else Entry(key, part_digest(wire), float(message.weight), bytes(message.peer_id))
+        return (entry, wire) if entry is not None and entry.holds(self.place(self.peer_id, part_index)) else None
+
+    def _statement(self, part_index: int, result: bytes) -> Statement:
+        """This reducer's signed statement of part ``part_index``, the same for every sender it goes back to (one
+        per result: senders asking for other compressions get other bytes)."""
+        digest = part_digest(result)
+        statement = self._statements.get((part_index, digest))
+        if statement is None:
+            inputs = self.tensor_part_reducer.reduced.get(part_index, [])
+            statement = make_statement(self.signer, self.place(self.peer_id, part_index), [e for e, _ in inputs],
+                                       result)
+            self._statements[part_index, digest] = statement
+            self.reductions.mine[part_index] = (statement, [wire for _, wire in inputs], result)
+        return statement
+
+    async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
+        """hivemind's reducer loop for one sender, refusing a part its sender did not sign (the sender is banned,
+        as for any refused part) and answering each part with the average itself and this reducer's statement."""
+        part_index = 0
+        sender = self.sender_peer_ids[sender_index]
+        try:
+            loop = asyncio.get_event_loop()
+            async for message, tensor_part in amap_in_executor(
+                    lambda msg: (msg, deserialize_torch_tensor(msg.tensor_part)),
+                    stream, max_prefetch=self.tensor_part_container.prefetch):
+                signed = self._signed_input(sender, part_index, message)
+                if signed is None:
+                    break  # not signed by the sender's key: refused like any malformed part
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=message.weight, signed=signed)
+                except BannedException:
+                    break  # this sender was banned: nothing more of it is reduced
+                result = await loop.run_in_executor(None, serialize_torch_tensor, averaged,
+                                                    message.tensor_part.compression)
+                statement = self._statement(part_index, result.SerializeToString())
+                part_index += 1
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=result,
+                                                  peer_id=statement.to_bytes())
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(sender)

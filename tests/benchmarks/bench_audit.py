@@ -1,0 +1,86 @@
+"""Benchmark: what signed reductions and audits (``client/averaging/audit.py``) add to a gradient round, against the
+round's own work measured in the same process.
+
+For a stage of ``--params`` float32 parameters averaged by k peers in parts of ``stage_averager.PART_BYTES``, prints
+per peer and round:
+
+- CPU: the signing and checking each peer does as sender and as reducer (sign its parts, check every input's
+  signature to its shard, sign a statement per part, check the statement of every part it gets back), against the
+  robust reduction of its shard, which the round does anyway;
+- bytes: signatures and statements, and the expected audits at ``AUDIT_RATE`` (k inputs of one part per other
+  reducer audited), against what the all-reduce itself moves (its k − 1 shares of the vector, out and back).
+
+Run::
+
+    python tests/benchmarks/bench_audit.py [--params 670000] [--senders 2 3 4] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from hivemind.compression import serialize_torch_tensor
+from solders.keypair import Keypair
+
+from client.averaging.audit import Place, Statement, forged, make_statement, signed_entry, statement_refusal
+from client.averaging.robust import robust_mean
+from client.averaging.stage_averager import AUDIT_RATE, PART_BYTES
+
+
+def one_round(params: int, k: int) -> tuple[float, float, int]:
+    """Seconds of audit work and of robust reduction one peer does in a round of ``k``, and its audit bytes."""
+    parts = max(1, params // k // (PART_BYTES // 4))  # the parts of this peer's shard
+    size = PART_BYTES // 4
+    keys = [Keypair() for _ in range(k)]
+    generator = torch.Generator().manual_seed(k)
+    inputs = [[torch.randn(size, generator=generator) for _ in range(parts)] for _ in range(k)]
+    audit = reduce = 0.0
+    statement_bytes = 0
+    for index in range(parts):
+        place = Place("run.body1.grad", b"group", b"reducer", index)
+        started = time.perf_counter()
+        wires = [serialize_torch_tensor(inputs[s][index]).SerializeToString() for s in range(k)]
+        entries = [signed_entry(keys[s], place, wires[s], 4.0) for s in range(k)]  # as senders, k of them
+        audit += time.perf_counter() - started  # over the loop: this peer's parts to each of the k reducers
+        started = time.perf_counter()
+        averaged = robust_mean([inputs[s][index] for s in range(k)], [4.0] * k)
+        reduce += time.perf_counter() - started
+        result = serialize_torch_tensor(averaged).SerializeToString()
+        started = time.perf_counter()
+        assert all(e.holds(place) for e in entries)  # the reducer checks every input
+        statement: Statement = make_statement(keys[0], place, entries, result)
+        data = statement.to_bytes()
+        audit += time.perf_counter() - started
+        started = time.perf_counter()
+        for _ in range(k - 1):  # as a sender, this peer checks one part from each other reducer
+            back = Statement.from_bytes(data)
+            assert statement_refusal(back, place, bytes(keys[0].pubkey()), result, entries[1]) == ""
+            assert not forged(back, place)
+        audit += time.perf_counter() - started
+        statement_bytes += len(data) * (k - 1) + 64 * (k - 1)  # statements back, signatures out
+    audited = AUDIT_RATE * (k - 1) * k * PART_BYTES  # expected: k inputs of one part per audited reducer
+    return audit, reduce, int(statement_bytes + audited)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=int, default=670_000)
+    parser.add_argument("--senders", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(f"{args.params:,} parameters, parts of {PART_BYTES // 4:,} float32, audit rate {AUDIT_RATE}")
+    print("| k | audit CPU / round | robust reduction / round | ratio | audit bytes / round | all-reduce bytes "
+          "/ round | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for k in args.senders:
+        runs = [one_round(args.params, k) for _ in range(args.repeats)]
+        audit, reduce, extra = min(runs)  # the least disturbed run on a shared machine
+        moved = 2 * args.params * 4 * (k - 1) // k
+        print(f"| {k} | {audit * 1e3:.1f} ms | {reduce * 1e3:.1f} ms | {audit / reduce:.2f} | {extra:,} B | "
+              f"{moved:,} B | {extra / moved:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
