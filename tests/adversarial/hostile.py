@@ -1,6 +1,7 @@
 """A contributor that misbehaves on purpose, for the swarm-level adversarial tests.
 
-``python tests/adversarial/hostile.py trainer|wrong-data|idle|worker|liar|overclaimer join-run ARGS...`` patches the
+``python tests/adversarial/hostile.py trainer|wrong-data|idle|worker|liar|overclaimer|false-reducer join-run ARGS...``
+patches the
 real client in this process, then runs ``psyswarm join-run ARGS...``: everything it does goes through the real code
 paths and the real wire.
 
@@ -20,6 +21,9 @@ A lying trainer sends plausible data that is not the run's: real text, each samp
 sample's tokens (``OtherText``); everything else it does honestly, a presence each round included.
 
 An idle trainer publishes its presence each round and trains nothing.
+
+A false reducer returns, as the reducer of its shard of every all-reduce, the robust mean of its groupmates' parts
+plus ``FALSE_SHIFT``, and signs that: well within any bound a sender checks, so only an audit can tell.
 
 An overclaiming worker attacks its stage's gradient averaging: it sends −60 × its gradient and seals, in every
 round, a weight of twice the round's global batch, more than any worker can have processed; it never withdraws,
@@ -43,6 +47,7 @@ log = logging.getLogger("psyswarm.hostile")
 
 JUNK_LIFETIME = 86_400.0
 LIE_SHARE = 0.5
+FALSE_SHIFT = 0.01
 
 
 def plain_dht(context):
@@ -268,6 +273,23 @@ def overclaiming_worker() -> None:
     Agreement.check = stay
 
 
+def false_reducer() -> None:
+    from client.averaging.runner import RobustReducer, RobustRunner
+    from client.averaging.stage_averager import StageAverager
+
+    class Shifted(RobustReducer):
+        async def accumulate_part(self, *args, **kwargs):
+            return (await super().accumulate_part(*args, **kwargs)) + FALSE_SHIFT
+
+    class ShiftingRunner(RobustRunner):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.tensor_part_reducer = Shifted(tuple(p.shape for p in self.parts_for_local_averaging),
+                                               len(self.sender_peer_ids))
+
+    StageAverager.runner_class = ShiftingRunner
+
+
 def idle_trainer() -> None:
     from client.contributor.trainer import TrainerRole
 
@@ -280,7 +302,7 @@ def idle_trainer() -> None:
 def main() -> None:
     role, *argv = sys.argv[1:]
     {"trainer": hostile_trainer, "worker": hostile_worker, "liar": lying_worker, "wrong-data": lying_trainer,
-     "idle": idle_trainer, "overclaimer": overclaiming_worker}[role]()
+     "idle": idle_trainer, "overclaimer": overclaiming_worker, "false-reducer": false_reducer}[role]()
     from client.cli import main as psyswarm
 
     sys.argv = ["psyswarm", *argv]

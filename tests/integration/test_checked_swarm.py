@@ -1,5 +1,5 @@
 """Whole runs whose stages average gradients every step, three workers per stage, one of them hostile: a liar, or
-an attacker of its stage's averaging (the last test).
+an attacker of its stage's averaging (the last two tests).
 
 The real server, DHT, gRPC workers, gradient averaging and witnesses; the lying worker (``tests.adversarial.hostile``,
 ``liar``) shifts half of its stage's outputs, signing them as its own. The trainer checks every microbatch
@@ -57,12 +57,12 @@ grad_averaging = "full"
 
 
 def run_with_a_hostile_body_worker(tmp_path: Path, role: str, evidence: Callable[[Swarm], None],
-                                   extra: dict[str, tuple[str, ...]] | None = None) -> None:
-    """Run CONFIG's swarm with ``body10`` playing ``role`` of ``tests.adversarial.hostile``; assert that it is
+                                   extra: dict[str, tuple[str, ...]] | None = None, config: str = CONFIG) -> None:
+    """Run ``config``'s swarm with ``body10`` playing ``role`` of ``tests.adversarial.hostile``; assert that it is
     removed, no honest client is, the honest loss drops and ``evidence`` (the logs' account of how) holds."""
     from client.swarm.launcher import Swarm
 
-    swarm = Swarm(tmp_path, CONFIG)
+    swarm = Swarm(tmp_path, config)
     clients = {f"{stage}{i}": ("worker", stage) for stage in ("head", "body1", "tail") for i in range(3)}
     clients["trainer"] = ("trainer", None)
     ids = start_run(swarm, clients, {"body10": role}, extra)
@@ -102,7 +102,28 @@ def test_a_member_attacking_its_stage_s_averaging_is_accused_and_removed(tmp_pat
     epoch goes on)."""
     def accused(swarm: Swarm) -> None:
         logs = swarm.log_text("body11") + swarm.log_text("body12")
-        assert "of sealing an averaging declaration no honest worker makes" in logs, "no groupmate accused it"
+        assert "of signing an averaging declaration or reduction no honest worker makes" in logs, \
+            "no groupmate accused it"
         assert "its key is not on the stage's roster" in logs, "the stranger never met an honest worker"
 
     run_with_a_hostile_body_worker(tmp_path, "overclaimer", accused)
+
+
+@pytest.mark.slow
+def test_a_member_returning_false_reductions_is_audited_accused_and_removed(tmp_path: Path) -> None:
+    """Issue 20: ``false-reducer`` returns its shard of every all-reduce shifted by 0.01 and signs that, within
+    every bound its groupmates check. After each round each honest groupmate audits it with probability 1/4
+    (``client.averaging.audit``), so a round escapes both with probability 9/16 and twelve rounds with 0.1%; an
+    audit finds the result is not the robust mean of the inputs it signed for, the auditor publishes its signed
+    statement in an accusation, and the witnesses, recomputing it, leave it out of their proofs until the health
+    check removes it."""
+    rounds = 12
+    config = CONFIG.replace(f"rounds_per_epoch = {ROUNDS}", f"rounds_per_epoch = {rounds}").replace(
+        f"total_steps = {ROUNDS}", f"total_steps = {rounds}")
+
+    def accused(swarm: Swarm) -> None:
+        logs = swarm.log_text("body11") + swarm.log_text("body12")
+        assert "of signing an averaging declaration or reduction no honest worker makes" in logs, \
+            "no groupmate accused it"
+
+    run_with_a_hostile_body_worker(tmp_path, "false-reducer", accused, config=config)
