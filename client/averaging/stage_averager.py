@@ -25,7 +25,7 @@ peers it meets under one DHT prefix. ``StageAverager`` adds, inside that process
   with the prefix and peer id its seal covers, for the host to hand on as an accusation (``drain_lies``);
 - reductions anyone can check (``client.averaging.audit``): every part sent is signed, every part returned comes
   with its reducer's signed statement of what it reduced, and after each round this peer audits each other
-  reducer with probability ``audit_rate`` (``rpc_audit_part`` serves the audits of its own reductions); a forged
+  reducer with probability ``audit_rate`` (``auditor``, which also serves the audits of its own reductions); a forged
   statement or a result that is not the robust mean of its inputs is kept as evidence for the host like a lie;
 - state transfer to joiners (``client.averaging.state_transfer``): donors declared in sealed DHT records, tried
   only when a roster member sealed them, and every state checked as it arrives.
@@ -33,14 +33,11 @@ peers it meets under one DHT prefix. ``StageAverager`` adds, inside that process
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import contextlib
 import ctypes
 import math
 import multiprocessing as mp
 import queue
-import secrets
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,13 +47,13 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time, get_logger
-from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, azip
+from hivemind.utils.asyncio import achain, as_aiter, azip
 
-from client.averaging.audit import MAX_INPUTS, Place, evidence, recomputation_refusal
+from client.averaging.auditor import Auditor
 from client.averaging.membership import Declared, Membership, Roster, check, falsehood, seal
-from client.averaging.runner import Reductions, RobustRunner
+from client.averaging.runner import RobustRunner
 from client.averaging.state_transfer import SharedState, StateTransfer
 from client.averaging.work import WorkRule
 from client.helper_processes import forking_helpers
@@ -66,20 +63,14 @@ logger = get_logger(__name__)
 MAX_LIES = 64
 """Proven lies the averaging process keeps for its host between two drains (more are dropped: one per liar and
 round is all an accusation needs)."""
-AUDIT_RATE = 0.25
-"""The chance that this peer audits a given other reducer after a round (``audit``): each audit costs one part's
-inputs, k parts of ``PART_BYTES`` in a group of k, against the whole vector's two ways each round."""
 PART_BYTES = 1 << 16
 """The size of the parts a reducer reduces, signs and may be audited on: what one piece of evidence carries k + 1
 of (hivemind's default, 512 KiB, would make each accusation megabytes)."""
-KEPT_REDUCTIONS = 32
-"""All-reduces whose inputs a reducer keeps for its groupmates' audits (a round runs one to three)."""
 
 
-class StageAverager(StateTransfer, DecentralizedAverager):
+class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
     """A DecentralizedAverager with the group check and state transfer described in the module docstring."""
 
-    audit_rate: float = AUDIT_RATE  # how often this peer audits each other reducer of a round (``audit``)
     runner_class: type[RobustRunner] = RobustRunner
 
     def __init__(
@@ -108,8 +99,7 @@ class StageAverager(StateTransfer, DecentralizedAverager):
         self._work = work
         self._admitted_by_group: dict[bytes, dict[PeerID, Declared]] = {}  # the process's, during all-reduces
         self._lies: mp.Queue = mp.Queue(MAX_LIES)  # the process's proven lies, for the host (``drain_lies``)
-        self._reductions: collections.OrderedDict[bytes, Reductions] = collections.OrderedDict()  # the process's
-        self._audits: set[asyncio.Task] = set()
+        Auditor.__init__(self)
         kwargs.setdefault("part_size_bytes", PART_BYTES)
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         # Not hivemind's run_in_background: it sets SIGINT to SIG_IGN in this (host) process, which raises outside
@@ -224,9 +214,7 @@ class StageAverager(StateTransfer, DecentralizedAverager):
             for group_id in ids:
                 self._admitted_by_group.pop(group_id, None)
         refused = self._refused_senders(ids)
-        task = asyncio.create_task(self._audit(ids))  # after the round: its result is not held up for it
-        self._audits.add(task)
-        task.add_done_callback(self._audits.discard)
+        self._audit_later(ids)
         return self._reported(admitted, [peer for peer in gathered if peer not in refused])
 
     @staticmethod
@@ -308,56 +296,6 @@ class StageAverager(StateTransfer, DecentralizedAverager):
         reducer (none known here: only a non-finite part is refused)."""
         return math.inf
 
-    async def _audit(self, ids: Sequence[bytes]) -> None:
-        """Audit, each with probability ``audit_rate``, the other reducers of the all-reduces ``ids`` on one part
-        each, chosen at random (``audit``); keep every forgery and every false result found as evidence."""
-        draw = secrets.SystemRandom()  # private: a reducer must not foresee which of its statements are audited
-        for group_id in ids:
-            reductions = self._reductions.get(group_id)
-            if reductions is None:
-                continue
-            for reducer, place, statement, result in reductions.forgeries:
-                self._keep(evidence(place, reductions.keys[reducer], statement, [], result))
-            parts: dict[PeerID, list[int]] = {}
-            for reducer, part in reductions.returned:
-                parts.setdefault(reducer, []).append(part)
-            for reducer, indices in parts.items():
-                if draw.random() < self.audit_rate:
-                    await self._audit_part(group_id, reducer, draw.choice(indices), reductions)
-
-    async def _audit_part(self, group_id: bytes, reducer: PeerID, part: int, reductions: Reductions) -> None:
-        """Ask ``reducer`` for the inputs of its part ``part`` and recompute it; a false result is kept as
-        evidence. A reducer that does not answer, or answers with other inputs than it signed, proves nothing."""
-        statement, result = reductions.returned[reducer, part]
-        try:
-            stub = self.get_stub(self._p2p, reducer, namespace=self.prefix)
-            stream = await stub.rpc_audit_part(averaging_pb2.AveragingData(group_id=group_id, weight=float(part)))
-            inputs = []
-            async for message in aiter_with_timeout(stream, self.next_chunk_timeout or self.request_timeout):
-                if len(inputs) == MAX_INPUTS:
-                    break
-                inputs.append(message.tensor_part.SerializeToString())
-            lie = await asyncio.get_running_loop().run_in_executor(None, recomputation_refusal, statement, inputs,
-                                                                   result)
-        except Exception as exc:  # noqa: BLE001 - a groupmate's answer: any failure proves nothing against it
-            logger.info(f"audit of {reducer}'s part {part}: no conclusion ({type(exc).__name__}: {exc})")
-            return
-        if lie:
-            logger.warning(f"audit of {reducer}'s part {part}: {lie}; kept as evidence")
-            place = Place(self.prefix, group_id, reducer.to_bytes(), part)
-            self._keep(evidence(place, reductions.keys[reducer], statement, inputs, result))
-
-    async def rpc_audit_part(self, request: averaging_pb2.AveragingData,
-                             context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
-        """The inputs this reducer listed in its statement of one part (group id and part index in the request:
-        the index travels as its ``weight``), in order, for a sender of that all-reduce to audit."""
-        reductions = self._reductions.get(request.group_id)
-        part = int(request.weight) if math.isfinite(request.weight) else -1
-        if reductions is None or context.remote_id not in reductions.senders or part not in reductions.mine:
-            return
-        for wire in reductions.mine[part][1]:
-            yield averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor.FromString(wire))
-
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id: bytes | None = None, **kwargs: Any) -> None:
         """hivemind's in-place all-reduce with ``RobustRunner``: each part reduced by CenteredClip, each part
@@ -367,9 +305,7 @@ class StageAverager(StateTransfer, DecentralizedAverager):
         runner = self.runner_class(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                               group_id=group_id, ordered_peer_ids=group_info.peer_ids, signer=self._membership.keypair,
                               keys=keys, result_bound=self._result_bound(group_id), **kwargs)
-        self._reductions[group_id] = runner.reductions
-        while len(self._reductions) > KEPT_REDUCTIONS:
-            self._reductions.popitem(last=False)
+        self._remember(group_id, runner.reductions)
         self._running_groups[group_id].set_result(runner)
         async for tensor, averaged in azip(as_aiter(*tensors), runner):
             tensor.lerp_(averaged, self._averaging_alpha)  # at alpha 1 (every round here) exactly the average

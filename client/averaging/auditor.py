@@ -1,0 +1,114 @@
+"""The averaging process's side of the audits (``client.averaging.audit``): it keeps what its own reductions signed,
+serves their inputs to the groupmates that audit them, and audits its groupmates' reductions after each round.
+
+A mixin of ``StageAverager`` (it runs in hivemind's averaging process, beside the all-reduces it audits): the
+averager hands it each all-reduce's ``Reductions`` as the runner starts (``_remember``) and asks for the audits once
+the round has returned its result (``_audit_later``), so no audit holds a round up. Whatever it proves is kept for
+the host with the averager's other evidence (``_keep``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import secrets
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_logger
+from hivemind.utils.asyncio import aiter_with_timeout
+
+from client.averaging.audit import MAX_PART_BYTES, Place, evidence, recomputation_refusal
+from client.averaging.runner import Reductions
+
+logger = get_logger(__name__)
+
+AUDIT_RATE = 0.25
+"""The chance that this peer audits a given other reducer after a round (``audit``): each audit costs one part's
+inputs, k parts (``stage_averager.PART_BYTES``) in a group of k, against the whole vector's two ways each round."""
+KEPT_REDUCTIONS = 32
+"""All-reduces whose inputs a reducer keeps for its groupmates' audits (a round runs one to three)."""
+
+
+class Auditor:
+    """Audits for a ``StageAverager`` (module docstring); what it uses of the averager besides the attributes
+    declared here: hivemind's ``get_stub`` and the averager's ``_keep``."""
+
+    audit_rate: float = AUDIT_RATE  # how often this peer audits each other reducer of a round
+
+    prefix: str
+    _p2p: Any
+    next_chunk_timeout: float | None
+    request_timeout: float
+
+    def __init__(self) -> None:
+        self._reductions: collections.OrderedDict[bytes, Reductions] = collections.OrderedDict()
+        self._audits: set[asyncio.Task] = set()
+
+    def _remember(self, group_id: bytes, reductions: Reductions) -> None:
+        """Keep an all-reduce's reductions for the audits (the last ``KEPT_REDUCTIONS``)."""
+        self._reductions[group_id] = reductions
+        while len(self._reductions) > KEPT_REDUCTIONS:
+            self._reductions.popitem(last=False)
+
+    def _audit_later(self, ids: Sequence[bytes]) -> None:
+        """Audit the all-reduces ``ids`` in the background: the round's result is not held up for it."""
+        task = asyncio.create_task(self._audit(ids))
+        self._audits.add(task)
+        task.add_done_callback(self._audits.discard)
+
+    async def _audit(self, ids: Sequence[bytes]) -> None:
+        """Audit, each with probability ``audit_rate``, the other reducers of the all-reduces ``ids`` on one part
+        each, chosen at random (``audit``); keep every forgery and every false result found as evidence."""
+        draw = secrets.SystemRandom()  # private: a reducer must not foresee which of its statements are audited
+        for group_id in ids:
+            reductions = self._reductions.get(group_id)
+            if reductions is None:
+                continue
+            for reducer, place, statement, result in reductions.forgeries:
+                self._keep(evidence(place, reductions.keys[reducer], statement, [], result))
+            parts: dict[PeerID, list[int]] = {}
+            for reducer, part in reductions.returned:
+                parts.setdefault(reducer, []).append(part)
+            for reducer, indices in parts.items():
+                if draw.random() < self.audit_rate:
+                    await self._audit_part(group_id, reducer, draw.choice(indices), reductions)
+
+    async def _audit_part(self, group_id: bytes, reducer: PeerID, part: int, reductions: Reductions) -> None:
+        """Ask ``reducer`` for the inputs of its part ``part`` and recompute it; a false result is kept as
+        evidence. A reducer that does not answer, or answers with other inputs than it signed, proves nothing."""
+        statement, result = reductions.returned[reducer, part]
+        try:
+            stub = self.get_stub(self._p2p, reducer, namespace=self.prefix)
+            stream = await stub.rpc_audit_part(averaging_pb2.AveragingData(group_id=group_id, weight=float(part)))
+            inputs: list[bytes] = []
+            async for message in aiter_with_timeout(stream, self.next_chunk_timeout or self.request_timeout):
+                if message.tensor_part.ByteSize() > MAX_PART_BYTES:
+                    raise ValueError("an input larger than any part")
+                inputs.append(message.tensor_part.SerializeToString())
+                if len(inputs) == len(statement.entries):
+                    break  # all it listed: more would be no input of its statement
+            lie = await asyncio.get_running_loop().run_in_executor(None, recomputation_refusal, statement, inputs,
+                                                                   result)
+        except Exception as exc:  # noqa: BLE001 - a groupmate's answer: any failure proves nothing against it
+            logger.info(f"audit of {reducer}'s part {part}: no conclusion ({type(exc).__name__}: {exc})")
+            return
+        if lie:
+            logger.warning(f"audit of {reducer}'s part {part}: {lie}; kept as evidence")
+            place = Place(self.prefix, group_id, reducer.to_bytes(), part)
+            self._keep(evidence(place, reductions.keys[reducer], statement, inputs, result))
+
+    async def rpc_audit_part(self, request: averaging_pb2.AveragingData,
+                             context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """The inputs this reducer listed in its statement of one part (group id and part index in the request:
+        the index travels as its ``weight``), in order, for a sender of that all-reduce to audit."""
+        reductions = self._reductions.get(request.group_id)
+        part = int(request.weight) if math.isfinite(request.weight) else -1
+        if reductions is None or context.remote_id not in reductions.senders or part not in reductions.mine:
+            return
+        for wire in reductions.mine[part][1]:
+            yield averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor.FromString(wire))
