@@ -6,7 +6,7 @@ average can have, so a reducer returning anything else than ``robust_mean`` of w
 shard of every groupmate's tensors, round after round, unseen. BTARD-SGD (Gorbunov et al., ICML 2022) catches such
 reducers by checking their work against signed inputs. This is that check, for this project's reducer:
 
-- **signed inputs**: each sender signs every part it sends (``input_message``: the averager's prefix, the
+- **signed inputs**: each sender signs every part it sends (``Place.input_message``: the averager's prefix, the
   all-reduce's group id, the reducer's peer id, the part's index, its digest and its weight). A reducer refuses a
   part whose signature does not hold, as it refuses one with another weight than declared (it bans the sender);
 - **signed results**: the reducer returns each averaged part with a ``Statement`` it signs: the inputs it reduced
@@ -20,11 +20,19 @@ reducers by checking their work against signed inputs. This is that check, for t
   privately, for the inputs of one part chosen at random, and recomputes ``robust_mean``. The reducer has signed
   every statement before it learns which of them is audited, so a reducer lying in any part of r rounds' results
   escapes a groupmate with probability at most (1 − rate / parts)^r, and all its groupmates together far less;
-- **evidence** (``evidence`` / ``proven_liar``): the statement, the inputs and the result of one part. Checking it
-  needs nothing but the reducer's key: its signature holds over the statement, and either an input's signature
-  does not, or the inputs and the result match their digests and ``robust_mean`` of the inputs is not the result
-  (within ``TOLERANCE`` of the inputs' magnitude, for machines whose float64 sums differ in their last bits).
-  An honest reducer signs only statements that are true, so there is no evidence against it, whoever assembles it.
+- **evidence** (``evidence`` / ``proven_liar``): the statement, and the inputs and the result of one block of the
+  part. Checking it needs nothing but the reducer's key: its signature holds over the statement, and either an
+  input's signature does not, or the block's inputs and result match their digests and ``robust_mean`` of the
+  inputs is not the result (within ``TOLERANCE`` of the inputs' magnitude, for machines whose float64 sums differ
+  in their last bits). An honest reducer signs only statements that are true, so there is no evidence against it,
+  whoever assembles it.
+
+Why blocks: evidence travels to the witnesses in a DHT record, and hivemind's pipe from a client to its DHT process
+takes no message much above 45 KB (a larger store fails in the pipe and never returns). A part of 16,384 values
+cannot be carried, k + 1 times over, in that. So a part is reduced block by block (``BLOCK`` values each: the robust
+mean of each block, ``reduce_blocks``), and a part's digest is the root of a Merkle tree over its blocks
+(``part_digest``): what one sender signs then vouches for each of its blocks, and one block's inputs and result,
+each with its path to the root, make the whole evidence (13 KB in a group of three, 29 KB in a group of eight).
 
 What this does not catch: a reducer that leaves an honest sender's input out (it claims the sender went silent,
 and a sender cannot prove what the reducer received). The sender whose input is missing refuses the part, but
@@ -44,9 +52,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
-from hivemind.compression import deserialize_torch_tensor
-from hivemind.proto import runtime_pb2
 from solders.keypair import Keypair
 
 from client.averaging.robust import robust_mean
@@ -54,17 +61,62 @@ from client.identity import is_hex, verify
 
 _INPUT = "psyswarm.averaging.input"
 _RESULT = "psyswarm.averaging.result"
+BLOCK = 512
+"""Values per block: what the robust mean reduces at once and what one piece of evidence recomputes."""
 TOLERANCE = 1e-5
-"""How far, relative to the largest input element, a recomputed part may differ from the result and still be true."""
+"""How far, relative to the largest input value of a block, a recomputed block may differ from the result and still be
+true."""
 MAX_INPUTS = 64
 """The most inputs a statement may list (hivemind's groups here are a stage's few workers)."""
-MAX_PART_BYTES = 1 << 20
-"""The largest serialized part evidence may carry (this project's averagers send parts of 64 KiB)."""
+MAX_DEPTH = 10
+"""The deepest Merkle tree evidence may open: parts of up to 1,024 blocks (this project's have 32)."""
 
 
-def part_digest(serialized: bytes) -> bytes:
-    """What a signature says of a part: the SHA-256 of the part as serialized on the wire."""
-    return hashlib.sha256(serialized).digest()
+def _blocks(values: torch.Tensor) -> list[bytes]:
+    """A part's values (float32, in order) cut into ``BLOCK``s; the last may be shorter."""
+    data = values.detach().to(torch.float32).contiguous().reshape(-1).numpy().tobytes()
+    return [data[i:i + BLOCK * 4] for i in range(0, len(data), BLOCK * 4)] or [b""]
+
+
+def _leaf(block: bytes) -> bytes:
+    return hashlib.sha256(b"\0" + block).digest()  # leaves and nodes hashed apart: no node passes for a leaf
+
+
+def _levels(values: torch.Tensor) -> list[list[bytes]]:
+    """The Merkle tree over a part's blocks, leaves first, padded to a power of two with empty blocks' leaves."""
+    level = [_leaf(b) for b in _blocks(values)]
+    level += [_leaf(b"")] * ((1 << (len(level) - 1).bit_length()) - len(level))
+    levels = [level]
+    while len(level) > 1:
+        level = [hashlib.sha256(b"\1" + level[i] + level[i + 1]).digest() for i in range(0, len(level), 2)]
+        levels.append(level)
+    return levels
+
+
+def part_digest(values: torch.Tensor) -> bytes:
+    """What a signature says of a part: the root of the Merkle tree over its blocks."""
+    return _levels(values)[-1][0]
+
+
+def _path(values: torch.Tensor, block: int) -> bytes:
+    """The siblings from block ``block``'s leaf up to the root, concatenated."""
+    return b"".join(level[(block >> depth) ^ 1] for depth, level in enumerate(_levels(values)[:-1]))
+
+
+def _root_from(block_bytes: bytes, block: int, path: bytes) -> bytes:
+    node = _leaf(block_bytes)
+    for depth in range(len(path) // 32):
+        sibling = path[32 * depth:32 * depth + 32]
+        node = hashlib.sha256(b"\1" + (sibling + node if block >> depth & 1 else node + sibling)).digest()
+    return node
+
+
+def reduce_blocks(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """A reducer's result for one part: ``robust_mean`` of each ``BLOCK`` of the senders' parts, in order."""
+    flat = [p.reshape(-1) for p in parts]
+    size = flat[0].numel()
+    blocks = [robust_mean([p[i:i + BLOCK] for p in flat], weights) for i in range(0, size, BLOCK)]
+    return (torch.cat(blocks) if blocks else flat[0].clone()).reshape(parts[0].shape)
 
 
 @dataclass(frozen=True)
@@ -96,9 +148,9 @@ class Entry:
         return verify(self.key, place.input_message(self.digest, self.weight), self.signature)
 
 
-def signed_entry(keypair: Keypair, place: Place, serialized: bytes, weight: float) -> Entry:
+def signed_entry(keypair: Keypair, place: Place, values: torch.Tensor, weight: float) -> Entry:
     """A sender's own input to ``place``, signed."""
-    digest = part_digest(serialized)
+    digest = part_digest(values)
     signature = bytes(keypair.sign_message(place.input_message(digest, weight)))
     return Entry(bytes(keypair.pubkey()), digest, float(weight), signature)
 
@@ -145,15 +197,16 @@ def _is_bytes(value: object, length: int) -> bool:
     return isinstance(value, bytes) and len(value) == length
 
 
-def make_statement(keypair: Keypair, place: Place, entries: Sequence[Entry], result: bytes) -> Statement:
-    """The reducer's signed statement that ``entries`` reduced to the serialized part ``result``."""
+def make_statement(keypair: Keypair, place: Place, entries: Sequence[Entry], result: torch.Tensor) -> Statement:
+    """The reducer's signed statement that ``entries`` reduced to ``result``."""
     unsigned = Statement(tuple(entries), part_digest(result), b"")
     return Statement(unsigned.entries, unsigned.result, bytes(keypair.sign_message(unsigned.message(place))))
 
 
-def statement_refusal(statement: Statement, place: Place, reducer_key: bytes, result: bytes, own: Entry) -> str:
-    """Why a sender may not take back ``result`` (the serialized part) with ``statement``, or "": the reducer's
-    key signed it, it names ``result``'s digest, and it lists ``own`` (this sender's input) exactly once, as sent."""
+def statement_refusal(statement: Statement, place: Place, reducer_key: bytes, result: torch.Tensor,
+                      own: Entry) -> str:
+    """Why a sender may not take back ``result`` with ``statement``, or "": the reducer's key signed it, it names
+    ``result``'s digest, and it lists ``own`` (this sender's input) exactly once, as sent."""
     if not statement.signed_by(reducer_key, place):
         return "its statement is not signed by its key"
     if statement.result != part_digest(result):
@@ -169,55 +222,51 @@ def forged(statement: Statement, place: Place) -> bool:
         e.holds(place) for e in statement.entries)
 
 
-def recomputation_refusal(statement: Statement, inputs: Sequence[bytes], result: bytes) -> str:
-    """Why the reducer's ``result`` is not ``robust_mean`` of ``inputs`` (the serialized parts its statement lists,
-    in its order), or "" if it is, within ``TOLERANCE``. ``ValueError`` where the inputs or the result are not the
-    ones the statement names, or cannot be read: then nothing is proven."""
+def false_block(statement: Statement, inputs: Sequence[torch.Tensor], result: torch.Tensor) -> int | None:
+    """The first block of ``result`` that is not ``robust_mean`` of that block of ``inputs`` (the parts the statement
+    lists, in its order) within ``TOLERANCE``, or None if there is none. ``ValueError`` where the inputs or the
+    result are not the ones the statement names: then nothing is proven."""
     if len(inputs) != len(statement.entries) or not statement.entries:
         raise ValueError("the inputs are not the statement's")
-    if any(part_digest(data) != e.digest for data, e in zip(inputs, statement.entries, strict=True)):
+    if any(p.shape != result.shape for p in inputs):
+        raise ValueError("the inputs and the result differ in shape")
+    if any(part_digest(p) != e.digest for p, e in zip(inputs, statement.entries, strict=True)):
         raise ValueError("an input is not the one the statement names")
     if part_digest(result) != statement.result:
         raise ValueError("the result is not the one the statement names")
-    parts = [_tensor(data) for data in inputs]
-    returned = _tensor(result)
-    if any(p.shape != returned.shape for p in parts):
-        raise ValueError("the inputs and the result differ in shape")
-    expected = robust_mean(parts, [e.weight for e in statement.entries])
+    weights = [e.weight for e in statement.entries]
+    flat, returned = [p.reshape(-1) for p in inputs], result.reshape(-1)
+    for index, start in enumerate(range(0, returned.numel(), BLOCK)):
+        if _departs([p[start:start + BLOCK] for p in flat], weights, returned[start:start + BLOCK]):
+            return index
+    return None
+
+
+def _departs(inputs: Sequence[torch.Tensor], weights: Sequence[float], result: torch.Tensor) -> bool:
+    expected = robust_mean(inputs, weights)
     if not torch.isfinite(expected).all():
-        raise ValueError("no input has a positive weight")  # the reducer then returns nothing to check
-    scale = max(float(p.abs().max()) for p in parts) if returned.numel() else 0.0
-    if not torch.isfinite(returned).all():
-        return "the result is not finite"
-    difference = float((returned.double() - expected.double()).abs().max()) if returned.numel() else 0.0
-    if difference > TOLERANCE * max(scale, 1e-30):
-        return f"the result departs from the robust mean of its inputs by {difference:.3g} (inputs up to {scale:.3g})"
-    return ""
+        return False  # no input has a positive weight: nothing to hold the result to
+    if not torch.isfinite(result).all():
+        return True
+    scale = max(float(p.abs().max()) for p in inputs)
+    return float((result.double() - expected.double()).abs().max()) > TOLERANCE * max(scale, 1e-30)
 
 
-def _tensor(serialized: bytes) -> torch.Tensor:
-    """A part from its wire form, read only if it is an uncompressed float32 part of at most ``MAX_PART_BYTES``."""
-    if len(serialized) > MAX_PART_BYTES:
-        raise ValueError("a part is larger than any this project sends")
-    try:
-        proto = runtime_pb2.Tensor.FromString(serialized)
-    except Exception:  # noqa: BLE001 - untrusted bytes
-        raise ValueError("a part is not a serialized tensor") from None
-    if proto.compression != runtime_pb2.CompressionType.NONE or proto.dtype != "float32":
-        raise ValueError("a part is not an uncompressed float32 tensor")
-    if math.prod(proto.size) * 4 != len(proto.buffer):
-        raise ValueError("a part's size does not match its buffer")
-    return deserialize_torch_tensor(proto)
+def evidence(place: Place, reducer_key: bytes, statement: Statement, inputs: Sequence[torch.Tensor] = (),
+             result: torch.Tensor | None = None, block: int = 0) -> dict[str, Any]:
+    """A statement as an accusation carries it, with block ``block`` of its inputs and result (none for a forgery):
+    JSON, keys and ids in hex, blocks and their Merkle paths in base64 (a third the size of hex)."""
+    def opened(values: torch.Tensor) -> dict[str, str]:
+        return {"path": _b64(_path(values, block)), "values": _b64(_blocks(values)[block])}
 
-
-def evidence(place: Place, reducer_key: bytes, statement: Statement, inputs: Sequence[bytes],
-             result: bytes) -> dict[str, Any]:
-    """One part's statement, inputs and result as an accusation carries them (JSON: keys and ids in hex, parts in
-    base64, a third the size of hex for what is most of the evidence)."""
     return {"reduction": {"prefix": place.prefix, "group": place.group.hex(), "reducer": place.reducer.hex(),
                           "part": place.part, "key": reducer_key.hex(), "statement": statement.to_bytes().hex(),
-                          "inputs": [base64.b64encode(data).decode() for data in inputs],
-                          "result": base64.b64encode(result).decode()}}
+                          "block": block, "inputs": [opened(p) for p in inputs],
+                          "result": opened(result) if result is not None else None}}
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
 
 
 def proven_liar(item: object) -> tuple[bytes, str] | None:
@@ -225,11 +274,11 @@ def proven_liar(item: object) -> tuple[bytes, str] | None:
     where it proves nothing. The caller checks that the key belonged where the prefix says."""
     body = item.get("reduction") if isinstance(item, dict) and len(item) == 1 else None
     if not (isinstance(body, dict) and set(body) == {"prefix", "group", "reducer", "part", "key", "statement",
-                                                     "inputs", "result"}):
+                                                     "block", "inputs", "result"}):
         return None
-    prefix, part, key, inputs = body["prefix"], body["part"], body["key"], body["inputs"]
-    if not (isinstance(prefix, str) and len(prefix) <= 256 and isinstance(part, int) and not isinstance(part, bool)
-            and 0 <= part < 1 << 32 and is_hex(key, 32) and isinstance(inputs, list) and len(inputs) <= MAX_INPUTS):
+    prefix, part, key, block, inputs = body["prefix"], body["part"], body["key"], body["block"], body["inputs"]
+    if not (isinstance(prefix, str) and len(prefix) <= 256 and _index(part, 1 << 32) and is_hex(key, 32)
+            and _index(block, 1 << MAX_DEPTH) and isinstance(inputs, list) and len(inputs) <= MAX_INPUTS):
         return None
     try:
         place = Place(prefix, _hex(body["group"]), _hex(body["reducer"]), part)
@@ -238,20 +287,40 @@ def proven_liar(item: object) -> tuple[bytes, str] | None:
             return None
         if forged(statement, place):
             return bytes.fromhex(key), prefix
-        lie = recomputation_refusal(statement, [_b64(data) for data in inputs], _b64(body["result"]))
+        if len(inputs) != len(statement.entries):
+            return None
+        blocks = [_opened(opened, e.digest, block) for opened, e in zip(inputs, statement.entries, strict=True)]
+        result = _opened(body["result"], statement.result, block)
     except ValueError:
         return None
-    return (bytes.fromhex(key), prefix) if lie else None
+    if any(b.shape != result.shape for b in blocks) or not result.numel():
+        return None
+    return (bytes.fromhex(key), prefix) if _departs(blocks, [e.weight for e in statement.entries], result) else None
+
+
+def _index(value: object, bound: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < bound
+
+
+def _opened(opened: object, digest: bytes, block: int) -> torch.Tensor:
+    """Block ``block`` of a part of digest ``digest``, from its evidence (``{"path", "values"}``); ``ValueError``
+    unless the values and their path lead to the digest."""
+    if not (isinstance(opened, dict) and set(opened) == {"path", "values"}):
+        raise ValueError("not an opened block")
+    path, values = _unb64(opened["path"], 32 * MAX_DEPTH), _unb64(opened["values"], 4 * BLOCK)
+    if len(path) % 32 or len(values) % 4 or block >> (len(path) // 32) or _root_from(values, block, path) != digest:
+        raise ValueError("the values and their path do not lead to the part's digest")
+    return torch.from_numpy(np.frombuffer(values, dtype=np.float32).copy())
 
 
 def _hex(value: object) -> bytes:
-    if not (isinstance(value, str) and len(value) <= 4 * MAX_PART_BYTES):
+    if not (isinstance(value, str) and len(value) <= 2 * 64 * 1024):
         raise ValueError("not hex")
     return bytes.fromhex(value)
 
 
-def _b64(value: object) -> bytes:
-    if not (isinstance(value, str) and len(value) <= 2 * MAX_PART_BYTES):
+def _unb64(value: object, most: int) -> bytes:
+    if not (isinstance(value, str) and len(value) <= 2 * most):
         raise ValueError("not base64")
     try:
         return base64.b64decode(value, validate=True)

@@ -17,15 +17,19 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
-from hivemind.utils.asyncio import aiter_with_timeout
 
-from client.averaging.audit import MAX_PART_BYTES, Place, evidence, recomputation_refusal
+from client.averaging.audit import Place, evidence, false_block
 from client.averaging.runner import Reductions
 
 logger = get_logger(__name__)
+
+MAX_PART_BYTES = 1 << 20
+"""The largest input an audit reads (parts here are ``stage_averager.PART_BYTES``, 64 KiB)."""
 
 AUDIT_RATE = 0.25
 """The chance that this peer audits a given other reducer after a round (``audit``): each audit costs one part's
@@ -45,7 +49,8 @@ class Auditor:
     next_chunk_timeout: float | None
     request_timeout: float
 
-    def __init__(self) -> None:
+    def _start_audits(self) -> None:
+        """Called by the averager's ``__init__`` (hivemind's ``__init__`` takes the cooperative chain's arguments)."""
         self._reductions: collections.OrderedDict[bytes, Reductions] = collections.OrderedDict()
         self._audits: set[asyncio.Task] = set()
 
@@ -69,8 +74,8 @@ class Auditor:
             reductions = self._reductions.get(group_id)
             if reductions is None:
                 continue
-            for reducer, place, statement, result in reductions.forgeries:
-                self._keep(evidence(place, reductions.keys[reducer], statement, [], result))
+            for reducer, place, statement in reductions.forgeries:
+                self._keep(evidence(place, reductions.keys[reducer], statement))
             parts: dict[PeerID, list[int]] = {}
             for reducer, part in reductions.returned:
                 parts.setdefault(reducer, []).append(part)
@@ -83,24 +88,31 @@ class Auditor:
         evidence. A reducer that does not answer, or answers with other inputs than it signed, proves nothing."""
         statement, result = reductions.returned[reducer, part]
         try:
-            stub = self.get_stub(self._p2p, reducer, namespace=self.prefix)
-            stream = await stub.rpc_audit_part(averaging_pb2.AveragingData(group_id=group_id, weight=float(part)))
-            inputs: list[bytes] = []
-            async for message in aiter_with_timeout(stream, self.next_chunk_timeout or self.request_timeout):
-                if message.tensor_part.ByteSize() > MAX_PART_BYTES:
-                    raise ValueError("an input larger than any part")
-                inputs.append(message.tensor_part.SerializeToString())
-                if len(inputs) == len(statement.entries):
-                    break  # all it listed: more would be no input of its statement
-            lie = await asyncio.get_running_loop().run_in_executor(None, recomputation_refusal, statement, inputs,
-                                                                   result)
+            timeout = self.next_chunk_timeout or self.request_timeout
+            inputs = await asyncio.wait_for(self._inputs(group_id, reducer, part, len(statement.entries)),
+                                            timeout * (len(statement.entries) + 1))
+            block = await asyncio.get_running_loop().run_in_executor(None, false_block, statement, inputs, result)
         except Exception as exc:  # noqa: BLE001 - a groupmate's answer: any failure proves nothing against it
             logger.info(f"audit of {reducer}'s part {part}: no conclusion ({type(exc).__name__}: {exc})")
             return
-        if lie:
-            logger.warning(f"audit of {reducer}'s part {part}: {lie}; kept as evidence")
+        if block is not None:
+            logger.warning(f"audit of {reducer}'s part {part}: block {block} is not the robust mean of its inputs; "
+                           "kept as evidence")
             place = Place(self.prefix, group_id, reducer.to_bytes(), part)
-            self._keep(evidence(place, reductions.keys[reducer], statement, inputs, result))
+            self._keep(evidence(place, reductions.keys[reducer], statement, inputs, result, block))
+
+    async def _inputs(self, group_id: bytes, reducer: PeerID, part: int, count: int) -> list[torch.Tensor]:
+        """The first ``count`` inputs ``reducer`` serves for its part ``part``, none larger than a part."""
+        stub = self.get_stub(self._p2p, reducer, namespace=self.prefix)
+        stream = await stub.rpc_audit_part(averaging_pb2.AveragingData(group_id=group_id, weight=float(part)))
+        inputs: list[torch.Tensor] = []
+        async for message in stream:
+            if message.tensor_part.ByteSize() > MAX_PART_BYTES:
+                raise ValueError("an input larger than any part")
+            inputs.append(deserialize_torch_tensor(message.tensor_part))
+            if len(inputs) == count:
+                break  # all it listed: more would be no input of its statement
+        return inputs
 
     async def rpc_audit_part(self, request: averaging_pb2.AveragingData,
                              context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
@@ -110,5 +122,5 @@ class Auditor:
         part = int(request.weight) if math.isfinite(request.weight) else -1
         if reductions is None or context.remote_id not in reductions.senders or part not in reductions.mine:
             return
-        for wire in reductions.mine[part][1]:
-            yield averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor.FromString(wire))
+        for values in reductions.mine[part][1]:
+            yield averaging_pb2.AveragingData(tensor_part=serialize_torch_tensor(values))

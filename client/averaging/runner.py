@@ -3,7 +3,8 @@
 In hivemind's butterfly all-reduce each peer reduces one shard of the vector and returns each of its parts to
 every sender. ``RobustRunner`` changes three things:
 
-- the reduction (``RobustReducer``): ``robust.robust_mean`` of the senders' parts instead of their mean;
+- the reduction (``RobustReducer``): ``robust.robust_mean`` of the senders' parts, block by block
+  (``audit.reduce_blocks``), instead of their mean;
 - what a sender takes back: a part that is not finite, or above the bound the caller knows an honest average
   cannot exceed, fails that reducer alone (hivemind then keeps the reducer's shard at the local values and
   averages every other reducer's shard of the same tensors); so does a part whose signed statement does not
@@ -31,7 +32,7 @@ from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor
 from solders.keypair import Keypair
 
@@ -42,22 +43,22 @@ from client.averaging.audit import (
     forged,
     make_statement,
     part_digest,
+    reduce_blocks,
     signed_entry,
     statement_refusal,
 )
-from client.averaging.robust import robust_mean
 
 
 class _Parts:
     """Stands where ``TensorPartReducer`` keeps its running sum: collects (part, weight) and, where the
-    reducer divides the sum by the total weight, returns ``robust_mean`` of what it collected, keeping the
-    signed inputs it reduced for the reducer's statement (``audit``)."""
+    reducer divides the sum by the total weight, returns the robust mean of what it collected, block by block
+    (``audit.reduce_blocks``), keeping the signed inputs it reduced for the reducer's statement (``audit``)."""
 
     def __init__(self, reducer: RobustReducer) -> None:
         self.reducer = reducer
         self.parts: list[torch.Tensor] = []
         self.weights: list[float] = []
-        self.signed: list[tuple[Entry, bytes] | None] = []
+        self.signed: list[Entry | None] = []
 
     def add_(self, part: torch.Tensor, alpha: float = 1.0) -> _Parts:
         self.parts.append(part.clone())
@@ -67,17 +68,18 @@ class _Parts:
 
     def div_(self, _denominator: float) -> torch.Tensor:
         if self.signed and all(s is not None for s in self.signed):
-            self.reducer.reduced[self.reducer.current_part_index] = [s for s in self.signed if s is not None]
-        return robust_mean(self.parts, self.weights)
+            self.reducer.reduced[self.reducer.current_part_index] = (
+                [s for s in self.signed if s is not None], self.parts)
+        return reduce_blocks(self.parts, self.weights)
 
 
 class RobustReducer(TensorPartReducer):
-    """hivemind's reducer (its senders, bans and part order) with ``robust_mean`` in place of the mean, keeping
-    for each part the signed inputs it reduced, in order (``reduced``)."""
+    """hivemind's reducer (its senders, bans and part order) with the robust mean in place of the mean, keeping
+    for each part the signed inputs it reduced, in order, with their values (``reduced``)."""
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int) -> None:
-        self.incoming: dict[int, tuple[Entry, bytes]] = {}  # a part being accumulated (by its tensor's id): signed
-        self.reduced: dict[int, list[tuple[Entry, bytes]]] = {}
+        self.incoming: dict[int, Entry] = {}  # a part being accumulated (by its tensor's id): its signed entry
+        self.reduced: dict[int, tuple[list[Entry], list[torch.Tensor]]] = {}
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
@@ -86,8 +88,8 @@ class RobustReducer(TensorPartReducer):
             self.accumulator = _Parts(self)
 
     async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
-                              weight: float = 1.0, signed: tuple[Entry, bytes] | None = None) -> torch.Tensor:
-        """hivemind's, with the sender's signed input (its entry and the part as it came) beside the part."""
+                              weight: float = 1.0, signed: Entry | None = None) -> torch.Tensor:
+        """hivemind's, with the sender's signed entry for the part beside it."""
         if signed is not None:
             self.incoming[id(tensor_part)] = signed
         try:
@@ -100,13 +102,13 @@ class RobustReducer(TensorPartReducer):
 class Reductions:
     """What one all-reduce leaves for the audits after it (``audit``): this peer's statements as a reducer, each with
     the inputs it lists and its result, and the statements other reducers returned to this peer, with their results.
-    All in wire form (serialized parts), which is what the statements' digests cover."""
+    Parts as values (float32), which is what the statements' digests cover."""
 
     senders: frozenset[PeerID]
     keys: dict[PeerID, bytes]  # every groupmate's key, by peer id
-    mine: dict[int, tuple[Statement, list[bytes], bytes]] = field(default_factory=dict)
-    returned: dict[tuple[PeerID, int], tuple[Statement, bytes]] = field(default_factory=dict)
-    forgeries: list[tuple[PeerID, Place, Statement, bytes]] = field(default_factory=list)  # statements signed
+    mine: dict[int, tuple[Statement, list[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    returned: dict[tuple[PeerID, int], tuple[Statement, torch.Tensor]] = field(default_factory=dict)
+    forgeries: list[tuple[PeerID, Place, Statement]] = field(default_factory=list)  # statements signed
     # over inputs their senders did not sign: evidence by themselves
 
 
@@ -141,7 +143,7 @@ class RobustRunner(AllReduceRunner):
                                                  len(self.sender_peer_ids))
         self.reductions = Reductions(frozenset(self.sender_peer_ids), self.keys)
         self._sent: dict[tuple[PeerID, int], Entry] = {}  # this peer's signed input to each reducer's part
-        self._statements: dict[tuple[int, bytes], Statement] = {}  # this reducer's, by part and result digest
+        self._statements: dict[int, Statement] = {}  # this reducer's, by part
         container = self.tensor_part_container
         container.return_deltas = False  # a failed reducer's shard is filled with the local parts, not zeros
         own = self.ordered_peer_ids.index(self.peer_id)
@@ -173,8 +175,8 @@ class RobustRunner(AllReduceRunner):
         reducer = self.ordered_peer_ids[peer_index]
         part_index = 0
         async for message in super()._generate_input_for_peer(peer_index):
-            entry = signed_entry(self.signer, self.place(reducer, part_index), message.tensor_part.SerializeToString(),
-                                 message.weight)
+            entry = signed_entry(self.signer, self.place(reducer, part_index),
+                                 deserialize_torch_tensor(message.tensor_part), message.weight)
             self._sent[reducer, part_index] = entry
             message.peer_id = entry.signature
             part_index += 1
@@ -185,12 +187,12 @@ class RobustRunner(AllReduceRunner):
         part_index = 0
         async for message in stream:
             if message.code == averaging_pb2.AVERAGED_PART:
-                result = message.tensor_part.SerializeToString()
+                result = deserialize_torch_tensor(message.tensor_part)
                 self._check_statement(reducer, part_index, message.peer_id, result)
                 part_index += 1
             yield message
 
-    def _check_statement(self, reducer: PeerID, part_index: int, data: bytes, result: bytes) -> None:
+    def _check_statement(self, reducer: PeerID, part_index: int, data: bytes, result: torch.Tensor) -> None:
         place, key = self.place(reducer, part_index), self.keys.get(reducer)
         try:
             statement = Statement.from_bytes(data)
@@ -200,7 +202,7 @@ class RobustRunner(AllReduceRunner):
         refusal = "was not a groupmate" if key is None or own is None else statement_refusal(
             statement, place, key, result, own)
         if not refusal and forged(statement, place):
-            self.reductions.forgeries.append((reducer, place, statement, result))
+            self.reductions.forgeries.append((reducer, place, statement))
             refusal = "its statement lists an input its sender did not sign"
         if refusal:
             raise AllreduceException(f"reducer {reducer} returned part {part_index}: {refusal}")
@@ -216,32 +218,29 @@ class RobustRunner(AllReduceRunner):
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-            wire = serialize_torch_tensor(tensor_part, runtime_pb2.CompressionType.NONE).SerializeToString()
-            signed = (signed_entry(self.signer, self.place(peer_id, part_index), wire, self.weight), wire)
+            signed = signed_entry(self.signer, self.place(peer_id, part_index), tensor_part, self.weight)
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part,
                                                                       weight=self.weight, signed=signed)
-            self._statement(part_index, serialize_torch_tensor(averaged).SerializeToString())
+            self._statement(part_index, averaged)
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
         return None
 
-    def _signed_input(self, sender: PeerID, part_index: int, message: Any) -> tuple[Entry, bytes] | None:
+    def _signed_input(self, sender: PeerID, part_index: int, message: Any, values: torch.Tensor) -> Entry | None:
         """A sender's part as its signed input to this reducer, or None if its signature does not hold."""
-        wire = message.tensor_part.SerializeToString()
         key = self.keys.get(sender)
-        entry = None if key is None else Entry(key, part_digest(wire), float(message.weight), bytes(message.peer_id))
-        return (entry, wire) if entry is not None and entry.holds(self.place(self.peer_id, part_index)) else None
+        entry = None if key is None else Entry(key, part_digest(values), float(message.weight), bytes(message.peer_id))
+        return entry if entry is not None and entry.holds(self.place(self.peer_id, part_index)) else None
 
-    def _statement(self, part_index: int, result: bytes) -> Statement:
-        """This reducer's signed statement of part ``part_index``, the same for every sender it goes back to (one
-        per result: senders asking for other compressions get other bytes)."""
-        digest = part_digest(result)
-        statement = self._statements.get((part_index, digest))
+    def _statement(self, part_index: int, result: torch.Tensor) -> Statement:
+        """This reducer's signed statement of part ``part_index``, the same for every sender it goes back to. It
+        names the result's values, which a sender gets as they are: this project's averagers send parts
+        uncompressed (a lossy compression would change them on the way, and every statement would fail)."""
+        statement = self._statements.get(part_index)
         if statement is None:
-            inputs = self.tensor_part_reducer.reduced.get(part_index, [])
-            statement = make_statement(self.signer, self.place(self.peer_id, part_index), [e for e, _ in inputs],
-                                       result)
-            self._statements[part_index, digest] = statement
-            self.reductions.mine[part_index] = (statement, [wire for _, wire in inputs], result)
+            entries, inputs = self.tensor_part_reducer.reduced.get(part_index, ([], []))
+            statement = make_statement(self.signer, self.place(self.peer_id, part_index), entries, result)
+            self._statements[part_index] = statement
+            self.reductions.mine[part_index] = (statement, inputs, result)
         return statement
 
     async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
@@ -254,7 +253,7 @@ class RobustRunner(AllReduceRunner):
             async for message, tensor_part in amap_in_executor(
                     lambda msg: (msg, deserialize_torch_tensor(msg.tensor_part)),
                     stream, max_prefetch=self.tensor_part_container.prefetch):
-                signed = self._signed_input(sender, part_index, message)
+                signed = self._signed_input(sender, part_index, message, tensor_part)
                 if signed is None:
                     break  # not signed by the sender's key: refused like any malformed part
                 try:
@@ -264,7 +263,7 @@ class RobustRunner(AllReduceRunner):
                     break  # this sender was banned: nothing more of it is reduced
                 result = await loop.run_in_executor(None, serialize_torch_tensor, averaged,
                                                     message.tensor_part.compression)
-                statement = self._statement(part_index, result.SerializeToString())
+                statement = self._statement(part_index, averaged)
                 part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=result,
                                                   peer_id=statement.to_bytes())

@@ -99,7 +99,7 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
         self._work = work
         self._admitted_by_group: dict[bytes, dict[PeerID, Declared]] = {}  # the process's, during all-reduces
         self._lies: mp.Queue = mp.Queue(MAX_LIES)  # the process's proven lies, for the host (``drain_lies``)
-        Auditor.__init__(self)
+        self._start_audits()
         kwargs.setdefault("part_size_bytes", PART_BYTES)
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         # Not hivemind's run_in_background: it sets SIGINT to SIG_IGN in this (host) process, which raises outside

@@ -46,7 +46,7 @@ from client.pipeline.datacheck import WrongData, proven
 from client.stages import stage_names
 from client.witness.data_accusations import MAX_EVIDENCE, DataAccusation
 from client.witness.judge import admitted_accusations
-from client.witness.records import MAX_ACCUSATIONS, Accusation, SignedRecord
+from client.witness.records import MAX_ACCUSATIONS, MAX_RECORD_BYTES, Accusation, SignedRecord, record_bytes
 from coordinator_program.spec import derived
 from coordinator_program.spec.state import CoordinatorState, Role
 
@@ -83,10 +83,17 @@ class Accuser:
         board = self.context.board
         if board is None or len(self.pieces) == self.published:
             return
-        record = self.record(self.context.keypair, board.run_id, round_, list(self.pieces.values()))
-        if await asyncio.to_thread(board.publish, record, self.context.keypair):
+        pieces = list(self.pieces.values())
+        record = self.record(self.context.keypair, board.run_id, round_, pieces)
+        while record_bytes(record) > MAX_RECORD_BYTES and len(pieces) > 1:  # the first pieces, as many as a record
+            pieces.pop()  # can carry
+            record = self.record(self.context.keypair, board.run_id, round_, pieces)
+        if record_bytes(record) > MAX_RECORD_BYTES:
+            log.warning("round %s: evidence too large for a record, not published", round_)
             self.published = len(self.pieces)
-            log.warning("round %s: accused %d %s", round_, len(self.pieces), self.accused)
+        elif await asyncio.to_thread(board.publish, record, self.context.keypair):
+            log.warning("round %s: accused %d %s", round_, len(pieces), self.accused)
+            self.published = len(self.pieces)
 
 
 def wrong_data_accuser(context: ClientContext) -> Accuser:

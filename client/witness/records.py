@@ -217,6 +217,18 @@ class Presence(SignedRecord):
     round: int = 0
 
 
+MAX_RECORD_BYTES = 32_000
+"""The largest record a client publishes (its value as the DHT serializes it): hivemind's pipe from a client to its
+DHT process takes no message much above 45 KB, and a larger store fails inside that pipe and never returns."""
+
+
+def record_bytes(record: SignedRecord) -> int:
+    """The size of ``record``'s value as the DHT serializes it."""
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    return len(MSGPackSerializer.dumps(record.to_value()))
+
+
 MAX_ACCUSATIONS = 16
 """The most pieces of evidence one trainer's accusation carries in a round (one per worker found wrong suffices)."""
 
@@ -300,6 +312,9 @@ class Board:
 
         author = bytes(keypair.pubkey()).hex()
         record.admit(author, self.run_id, record.epoch, record.round_height())
+        size = record_bytes(record)
+        _require(size <= MAX_RECORD_BYTES, f"a {record.KIND} of {size:,} bytes is larger than the {MAX_RECORD_BYTES:,} "
+                                           "a DHT store takes")
         key = self.key(type(record), record.epoch, record.round_height(), self.shard_of(author))
         return store_sealed(self.dht, keypair, key, record.to_value(), get_dht_time() + RECORD_TTL)
 

@@ -38,9 +38,10 @@ import torch
 from bench_robust import weighted_mean  # this directory
 from solders.keypair import Keypair
 
-from client.averaging import robust
+from client.averaging import runner
 from client.averaging.gradients import GradientAverager, GradientSettings
 from client.averaging.membership import Roster
+from client.averaging.robust import KAPPA
 from client.averaging.sparta import (
     AveragingResult,
     AveragingStatus,
@@ -104,13 +105,14 @@ def reference(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespac
 @contextlib.contextmanager
 def undefended() -> Iterator[None]:
     """Reducers take hivemind's weighted mean instead of ``robust_mean`` (no weight cap, no clipping), for
-    averagers created inside: each forks its hivemind process, which keeps the module as it was at the fork."""
-    defended = robust.robust_mean
-    robust.robust_mean = lambda parts, weights, kappa=robust.KAPPA: weighted_mean(list(parts), list(weights))
+    averagers created inside: each forks its hivemind process, which keeps the module as it was at the fork. (The
+    audits still recompute ``robust_mean``: with two workers per stage, the default, it is the weighted mean.)"""
+    defended = runner.robust_mean
+    runner.robust_mean = lambda parts, weights, kappa=KAPPA: weighted_mean(list(parts), list(weights))
     try:
         yield
     finally:
-        robust.robust_mean = defended
+        runner.robust_mean = defended
 
 
 def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
