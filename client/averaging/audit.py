@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from solders.keypair import Keypair
 
-from client.averaging.robust import robust_mean
+from client.averaging.robust import robust_mean, robust_means
 from client.identity import is_hex, verify
 
 _INPUT = "psyswarm.averaging.input"
@@ -113,10 +113,7 @@ def _root_from(block_bytes: bytes, block: int, path: bytes) -> bytes:
 
 def reduce_blocks(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """A reducer's result for one part: ``robust_mean`` of each ``BLOCK`` of the senders' parts, in order."""
-    flat = [p.reshape(-1) for p in parts]
-    size = flat[0].numel()
-    blocks = [robust_mean([p[i:i + BLOCK] for p in flat], weights) for i in range(0, size, BLOCK)]
-    return (torch.cat(blocks) if blocks else flat[0].clone()).reshape(parts[0].shape)
+    return robust_means(parts, weights, BLOCK)
 
 
 @dataclass(frozen=True)

@@ -53,24 +53,40 @@ KAPPA = 2.0  # the clipping radius in lower-median distances; above 1 so that al
 def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], kappa: float = KAPPA) -> torch.Tensor:
     """One part's aggregate as described in the module docstring (NaN everywhere when no weight is positive,
     as hivemind's mean gives: the caller keeps its local values there)."""
+    return robust_means(parts, weights, max(parts[0].numel(), 1), kappa)
+
+
+def robust_means(parts: Sequence[torch.Tensor], weights: Sequence[float], block: int,
+                 kappa: float = KAPPA) -> torch.Tensor:
+    """``robust_mean`` of each ``block`` of consecutive values of the parts (the last block may be shorter), all at
+    once: each block has its own median, radius and clipping."""
     kept = [(part, float(w)) for part, w in zip(parts, weights, strict=True) if w > 0 and math.isfinite(w)]
     if not kept:
         return torch.full_like(parts[0], math.nan)
     ordered = sorted(w for _, w in kept)
     cap = ordered[len(ordered) // 2]
     capped = [min(w, cap) for _, w in kept]
-    stack = torch.stack([part.to(torch.float64) for part, _ in kept])  # in float64: parts that agree average
-    omega = torch.tensor(capped, dtype=torch.float64)  # to themselves, not to an ulp beside them
+    stack = torch.stack([part.reshape(-1).to(torch.float64) for part, _ in kept])  # in float64: parts that agree
+    omega = torch.tensor(capped, dtype=torch.float64)  # average to themselves, not to an ulp beside them
     omega /= omega.sum()
-    shape = (-1,) + (1,) * (stack.dim() - 1)
     if len(kept) < 3:  # no majority to tell a liar by: the (capped) weighted mean
-        return (stack * omega.view(shape)).sum(0).to(parts[0].dtype)
+        result = (stack * omega[:, None]).sum(0)
+    else:
+        size = stack.shape[1]
+        whole = size // block * block
+        result = torch.cat([_clipped(stack[:, :whole].reshape(len(kept), -1, block), omega, kappa).reshape(-1),
+                            _clipped(stack[:, whole:].reshape(len(kept), 1, -1), omega, kappa).reshape(-1)])
+    return result.to(parts[0].dtype).reshape(parts[0].shape)
+
+
+def _clipped(stack: torch.Tensor, omega: torch.Tensor, kappa: float) -> torch.Tensor:
+    """The aggregate of each block of ``stack`` (senders × blocks × values): centre, radius and clipping per block."""
     centre = _median(stack)
     offsets = stack - centre
-    distances = torch.linalg.vector_norm(offsets.reshape(len(kept), -1), dim=1)
-    radius = kappa * distances.sort().values[(len(kept) - 1) // 2]
+    distances = torch.linalg.vector_norm(offsets, dim=2)  # senders × blocks
+    radius = kappa * distances.sort(dim=0).values[(len(stack) - 1) // 2]
     scale = torch.where(distances > radius, radius / distances.clamp_min(1e-300), torch.ones_like(distances))
-    return (centre + (offsets * (omega * scale).view(shape)).sum(0)).to(parts[0].dtype)
+    return centre + (offsets * (omega[:, None] * scale)[..., None]).sum(0)
 
 
 def _median(stack: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,9 @@ round's own work measured in the same process.
 For a stage of ``--params`` float32 parameters averaged by k peers in parts of ``stage_averager.PART_BYTES``, prints
 per peer and round:
 
-- CPU: the signing and checking each peer does as sender and as reducer (sign its parts, check every input's
-  signature to its shard, sign a statement per part, check the statement of every part it gets back), against the
-  robust reduction of its shard, which the round does anyway;
+- CPU: the hashing, signing and checking each peer does as sender and as reducer (hash and sign its parts, check
+  every input's signature to its shard, sign a statement per part, check the statement of every part it gets back),
+  against the robust reduction of its shard (block by block), which the round does anyway;
 - bytes: signatures and statements, and the expected audits at ``AUDIT_RATE`` (k inputs of one part per other
   reducer audited), against what the all-reduce itself moves (its k − 1 shares of the vector, out and back).
 
@@ -21,11 +21,18 @@ import argparse
 import time
 
 import torch
-from hivemind.compression import serialize_torch_tensor
 from solders.keypair import Keypair
 
-from client.averaging.audit import Place, Statement, forged, make_statement, signed_entry, statement_refusal
-from client.averaging.robust import robust_mean
+from client.averaging.audit import (
+    Place,
+    Statement,
+    forged,
+    make_statement,
+    part_digest,
+    reduce_blocks,
+    signed_entry,
+    statement_refusal,
+)
 from client.averaging.stage_averager import AUDIT_RATE, PART_BYTES
 
 
@@ -41,15 +48,14 @@ def one_round(params: int, k: int) -> tuple[float, float, int]:
     for index in range(parts):
         place = Place("run.body1.grad", b"group", b"reducer", index)
         started = time.perf_counter()
-        wires = [serialize_torch_tensor(inputs[s][index]).SerializeToString() for s in range(k)]
-        entries = [signed_entry(keys[s], place, wires[s], 4.0) for s in range(k)]  # as senders, k of them
+        entries = [signed_entry(keys[s], place, inputs[s][index], 4.0) for s in range(k)]  # as senders, k of them
         audit += time.perf_counter() - started  # over the loop: this peer's parts to each of the k reducers
         started = time.perf_counter()
-        averaged = robust_mean([inputs[s][index] for s in range(k)], [4.0] * k)
+        result = reduce_blocks([inputs[s][index] for s in range(k)], [4.0] * k)
         reduce += time.perf_counter() - started
-        result = serialize_torch_tensor(averaged).SerializeToString()
         started = time.perf_counter()
-        assert all(e.holds(place) for e in entries)  # the reducer checks every input
+        assert all(part_digest(inputs[s][index]) == e.digest and e.holds(place)  # the reducer checks every input
+                   for s, e in enumerate(entries))
         statement: Statement = make_statement(keys[0], place, entries, result)
         data = statement.to_bytes()
         audit += time.perf_counter() - started
