@@ -23,17 +23,9 @@ import time
 import torch
 from solders.keypair import Keypair
 
-from client.averaging.audit import (
-    Place,
-    Statement,
-    forged,
-    make_statement,
-    part_digest,
-    reduce_blocks,
-    signed_entry,
-    statement_refusal,
-)
-from client.averaging.stage_averager import AUDIT_RATE, PART_BYTES
+from client.averaging import audit
+from client.averaging.auditor import AUDIT_RATE
+from client.averaging.stage_averager import PART_BYTES
 
 
 def one_round(params: int, k: int) -> tuple[float, float, int]:
@@ -43,31 +35,31 @@ def one_round(params: int, k: int) -> tuple[float, float, int]:
     keys = [Keypair() for _ in range(k)]
     generator = torch.Generator().manual_seed(k)
     inputs = [[torch.randn(size, generator=generator) for _ in range(parts)] for _ in range(k)]
-    audit = reduce = 0.0
+    checking = reduce = 0.0
     statement_bytes = 0
     for index in range(parts):
-        place = Place("run.body1.grad", b"group", b"reducer", index)
+        place = audit.Place("run.body1.grad", b"group", b"reducer", index)
         started = time.perf_counter()
-        entries = [signed_entry(keys[s], place, inputs[s][index], 4.0) for s in range(k)]  # as senders, k of them
-        audit += time.perf_counter() - started  # over the loop: this peer's parts to each of the k reducers
+        entries = [audit.signed_entry(keys[s], place, inputs[s][index], 4.0) for s in range(k)]  # as senders, k of them
+        checking += time.perf_counter() - started  # over the loop: this peer's parts to each of the k reducers
         started = time.perf_counter()
-        result = reduce_blocks([inputs[s][index] for s in range(k)], [4.0] * k)
+        result = audit.reduce_blocks([inputs[s][index] for s in range(k)], [4.0] * k)
         reduce += time.perf_counter() - started
         started = time.perf_counter()
-        assert all(part_digest(inputs[s][index]) == e.digest and e.holds(place)  # the reducer checks every input
+        assert all(audit.part_digest(inputs[s][index]) == e.digest and e.holds(place)  # the reducer checks every input
                    for s, e in enumerate(entries))
-        statement: Statement = make_statement(keys[0], place, entries, result)
+        statement = audit.make_statement(keys[0], place, entries, result)
         data = statement.to_bytes()
-        audit += time.perf_counter() - started
+        checking += time.perf_counter() - started
         started = time.perf_counter()
         for _ in range(k - 1):  # as a sender, this peer checks one part from each other reducer
-            back = Statement.from_bytes(data)
-            assert statement_refusal(back, place, bytes(keys[0].pubkey()), result, entries[1]) == ""
-            assert not forged(back, place)
-        audit += time.perf_counter() - started
+            back = audit.Statement.from_bytes(data)
+            assert audit.statement_refusal(back, place, bytes(keys[0].pubkey()), result, entries[1]) == ""
+            assert not audit.forged(back, place)
+        checking += time.perf_counter() - started
         statement_bytes += len(data) * (k - 1) + 64 * (k - 1)  # statements back, signatures out
     audited = AUDIT_RATE * (k - 1) * k * PART_BYTES  # expected: k inputs of one part per audited reducer
-    return audit, reduce, int(statement_bytes + audited)
+    return checking, reduce, int(statement_bytes + audited)
 
 
 def main() -> None:
@@ -82,9 +74,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for k in args.senders:
         runs = [one_round(args.params, k) for _ in range(args.repeats)]
-        audit, reduce, extra = min(runs)  # the least disturbed run on a shared machine
+        checking, reduce, extra = min(runs)  # the least disturbed run on a shared machine
         moved = 2 * args.params * 4 * (k - 1) // k
-        print(f"| {k} | {audit * 1e3:.1f} ms | {reduce * 1e3:.1f} ms | {audit / reduce:.2f} | {extra:,} B | "
+        print(f"| {k} | {checking * 1e3:.1f} ms | {reduce * 1e3:.1f} ms | {checking / reduce:.2f} | {extra:,} B | "
               f"{moved:,} B | {extra / moved:.3f} |")
 
 
