@@ -15,8 +15,10 @@ peer caught lying is excluded with evidence the others and the witnesses can che
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import hypothesis.strategies as st
@@ -43,7 +45,13 @@ from client.averaging.gradients import GradAveraging, GradientAverager, Gradient
 from client.averaging.runner import RobustReducer, RobustRunner
 from client.averaging.sparta import averager_prefix
 from client.averaging.stage_averager import PART_BYTES
-from client.contributor.accusing import FALSE_DECLARATION, false_declarers, reduction_lie
+from client.contributor.accusing import (
+    FALSE_DECLARATION,
+    false_declaration_accuser,
+    false_declarers,
+    reduction_lie,
+)
+from client.contributor.rounds import RoundKey
 from client.witness.data_accusations import convict
 from client.witness.judge import judge_round
 from client.witness.records import MAX_RECORD_BYTES, Accusation, Board, RecordError, record_bytes
@@ -226,6 +234,26 @@ def test_a_record_too_large_for_a_dht_store_is_refused_before_it_is_stored(dht, 
                                accusations=pieces)
     with pytest.raises(RecordError, match="larger than"):
         Board(dht, state).publish(record, keys[accuser])
+
+
+def test_an_accuser_publishes_the_first_pieces_that_fit_a_record(dht, new_dht, run_id: str) -> None:
+    """Two false reducers' evidence in a group of eight (30 KB each): one record carries the first, and the accuser
+    does not try again with the other, which no record could carry beside it."""
+    state, keys = run_with_keys(workers=7, trainers=1, run_id=run_id)
+    workers = [c.id for c in state.clients if c.role == Role.Worker and c.stage == 1]
+    accuser = workers[0]
+    place = Place(averager_prefix(run_instance(state), STAGES[1], "grad"), b"g", b"r", 0)
+    pieces = []
+    for liar in workers[1:3]:
+        _, _, statement, inputs, result = reduction(8, shift=0.5, reducer=keys[liar], place=place,
+                                                    size=PART_BYTES // 4)
+        pieces.append(evidence(place, liar, statement, inputs, result, 1))
+    context = SimpleNamespace(board=Board(dht, state), keypair=keys[accuser])
+    accuser_ = false_declaration_accuser(context)  # type: ignore[arg-type]
+    asyncio.run(accuser_.publish(RoundKey(state.epoch, state.round.height), pieces))
+    read = Board(new_dht(), state).fetch(Accusation, state.epoch, state.round.height)
+    assert [len(r.accusations) for r in read.values()] == [1]
+    assert false_declarers(state, read) == {workers[1]}
 
 
 # ----- real averagers -----
