@@ -89,16 +89,20 @@ class Swarm:
                     "--db", str(self.workdir / "run.sqlite"), *self._admission())
         self._wait(lambda: _listening(self.port), "the coordinator server", "server")
 
-    def _start_chain(self, port: int | None = None) -> None:
+    def _start_chain(self, port: int | None = None, attempts: int = 3) -> None:
+        """``psyswarm localnet`` on ``port`` and the next, or on a free pair: another process may take the second
+        port between the check and the bind (an outgoing connection's, which no check sees listening), and then
+        the chain starts again on another pair."""
         authority = self._keypair("authority")
-        self.port = port or 0
-        while not self.port:  # the chain takes two ports, RPC and RPC + 1 for websockets
-            self.port = free_port()
-            if _listening(self.port + 1):
-                self.port = 0
-        self._spawn("server", "localnet", "--port", str(self.port), "--fund", str(authority))
-        # Ready once it prints its banner, which it does when both ports listen.
-        self._wait(lambda: "psyswarm localnet:" in self.log_text("server"), "the local chain", "server")
+        for attempt in range(1, attempts + 1):
+            self.port = port or _free_pair()
+            self._spawn("server", "localnet", "--port", str(self.port), "--fund", str(authority))
+            try:  # ready once it prints its banner, which it does when both ports listen
+                self._wait(lambda: "psyswarm localnet:" in self.log_text("server"), "the local chain", "server")
+                break
+            except RuntimeError as exc:
+                if port or attempt == attempts or "address already in use" not in str(exc):
+                    raise
         creator = self._spawn("create-run", "create-run", "--url", self.address, "--keypair", str(authority),
                               "--config", str(self.config), *self._admission())
         if creator.wait(120) != 0:
@@ -205,6 +209,18 @@ class Swarm:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+
+
+def _free_pair() -> int:
+    """A port whose next one was free too when asked (the chain takes RPC and RPC + 1 for websockets)."""
+    while True:
+        port = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except (OSError, OverflowError):  # taken, or the last port there is
+            continue
 
 
 def _listening(port: int) -> bool:
