@@ -41,7 +41,6 @@ from solders.keypair import Keypair
 from client.averaging import runner
 from client.averaging.gradients import GradientAverager, GradientSettings
 from client.averaging.membership import Roster
-from client.averaging.robust import KAPPA
 from client.averaging.sparta import (
     AveragingResult,
     AveragingStatus,
@@ -107,12 +106,12 @@ def undefended() -> Iterator[None]:
     """Reducers take hivemind's weighted mean instead of ``robust_mean`` (no weight cap, no clipping), for
     averagers created inside: each forks its hivemind process, which keeps the module as it was at the fork. (The
     audits still recompute ``robust_mean``: with two workers per stage, the default, it is the weighted mean.)"""
-    defended = runner.robust_mean
-    runner.robust_mean = lambda parts, weights, kappa=KAPPA: weighted_mean(list(parts), list(weights))
+    defended = runner.reduce_blocks
+    runner.reduce_blocks = lambda parts, weights: weighted_mean(list(parts), list(weights))
     try:
         yield
     finally:
-        runner.robust_mean = defended
+        runner.reduce_blocks = defended
 
 
 def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
