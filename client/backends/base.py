@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 
 from coordinator_program.spec import limits
+from coordinator_program.spec.beacon import NO_COMMITMENT
 from coordinator_program.spec.config import CheckpointKind
 from coordinator_program.spec.errors import DuplicateWitness
 from coordinator_program.spec.instructions import (
@@ -131,11 +132,13 @@ class Backend(abc.ABC):
 
     # --- the coordinator's operations -----------------------------------------------------------------
 
-    async def join(self, role: Role, stage: int = limits.NO_STAGE, slot: int = limits.NO_SLOT) -> None:
+    async def join(self, role: Role, stage: int = limits.NO_STAGE, slot: int = limits.NO_SLOT,
+                   commitment: bytes = NO_COMMITMENT) -> None:
         """Join as ``role``; ``slot`` is the join authority's slot this process holds on a permissioned run, whose
-        countersignature then also covers a deadline ``JOIN_VALIDITY`` seconds ahead."""
+        countersignature then also covers a deadline ``JOIN_VALIDITY`` seconds ahead; ``commitment`` is to the secret
+        this client reveals in its warmup (``beacon.join_commitment``)."""
         valid_until = limits.NO_DEADLINE if slot == limits.NO_SLOT else int(time.time() + JOIN_VALIDITY)
-        await self.submit(JoinRun(self.state.run_id, role, stage, slot, valid_until))
+        await self.submit(JoinRun(self.state.run_id, role, stage, slot, valid_until, commitment))
 
     async def tick(self) -> None:
         await self.submit(Tick())

@@ -1,8 +1,10 @@
 """The contributor's process: it follows the coordinator's state and hands each phase to this client's role.
 
 - Always: the role follows the state (a worker closes a round the coordinator left, moves its sync phases on).
-- Not in the epoch: make sure this identity is queued (joining again if it was dropped), and say where it waits.
-- Warmup (or a RoundTrain reached first): the role loads the model, then the runner publishes a signed Ready.
+- Not in the epoch: make sure this identity is queued (joining again if it was dropped, each join committing to a
+  fresh secret), and say where it waits.
+- Warmup: reveal the join's secret while the warmup waits for its joiners (``seeding``); the role loads the model (or
+  in a RoundTrain reached first), then the runner publishes a signed Ready.
 - RoundTrain: the role opens its round; an elected witness health-checks the clients the last round missed, and
   commits to its secret for the next round's seed, which it reveals in RoundWitness (``seeding``).
 - Cooldown: the role saves what it holds.
@@ -288,8 +290,8 @@ class Contributor:
                 self._report_queue(state, position)
             return
         client = state.clients[index]
-        if state.phase in (Phase.RoundTrain, Phase.RoundWitness):
-            self.tasks.spawn(self.seeding.on_state(state))  # a reveal is due within round_witness_time: act at once
+        if state.phase in (Phase.Warmup, Phase.RoundTrain, Phase.RoundWitness):
+            self.tasks.spawn(self.seeding.on_state(state))  # a reveal is due within a deadline: act at once
         if state.phase in (Phase.Warmup, Phase.RoundTrain) and self.prepared_epoch != state.epoch:
             self.prepared_epoch = state.epoch
             self.tasks.spawn(self._prepare(state, client.stage))
@@ -319,7 +321,7 @@ class Contributor:
         options = self.context.options
         try:
             slot = options.auth.grant.slot if options.auth is not None else limits.NO_SLOT
-            await self.backend.join(options.role, options.stage, slot)
+            await self.backend.join(options.role, options.stage, slot, self.seeding.join_commitment())
             log.info("joined run %s as a %s; waiting to be admitted", state.run_id, options.role.name.lower())
         except AlreadyJoined:
             pass  # a state that shows this client queued is on its way

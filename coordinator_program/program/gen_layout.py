@@ -30,7 +30,7 @@ from pathlib import Path
 
 from coordinator_program.onchain.instance import INSTANCE_DISCRIMINATOR, INSTANCE_LAYOUT, INSTANCE_SEED, INSTANCE_SIZE
 from coordinator_program.spec import config, limits
-from coordinator_program.spec.beacon import COMMIT_DOMAIN
+from coordinator_program.spec.beacon import COMMIT_DOMAIN, JOIN_DOMAIN
 from coordinator_program.spec.bloom import COMPUTE_KEY_PREFIX, SALT_PREFIX
 from coordinator_program.spec.errors import ALL_ERRORS
 from coordinator_program.spec.instructions import INSTRUCTIONS
@@ -180,6 +180,7 @@ def render() -> str:
         f'#define PSY_SEED_DOMAIN "{SEED_DOMAIN.decode()}"',
         f'#define PSY_DATA_DOMAIN "{DATA_DOMAIN.decode()}"',
         f'#define PSY_COMMIT_DOMAIN "{COMMIT_DOMAIN.decode()}"',
+        f'#define PSY_JOIN_DOMAIN "{JOIN_DOMAIN.decode()}"',
         f'#define PSY_COMPUTE_KEY_PREFIX "{COMPUTE_KEY_PREFIX}"',
         f'#define PSY_PSYSWARM_ARCHITECTURE "{config.PSYSWARM_ARCHITECTURE}"',
         f"#define PSY_BLOOM_SALT_PREFIX {byte_initializer(SALT_PREFIX)}",

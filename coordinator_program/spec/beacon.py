@@ -18,6 +18,17 @@ Why each part:
 - A secret chosen after others were shown could steer the seed at will: no secret is shown while a commitment can
   still be taken. A joiner, pending until the next epoch, takes no part in either.
 
+An epoch's joiners take part the same way, once (``reveals.reveal_join``). Each join carries a commitment to a fresh
+secret, ``join_commitment(its key, secret)``; the tick that admits the joiners elects no one yet
+(``derived.revealing``), each admitted joiner reveals in the warmup, and once every one has revealed, or half the
+warmup has passed, a tick folds the secrets into the warmup's seed, removes the joiners that did not reveal and
+elects the warmup's witnesses (``reveals.close_join_reveals``). Without it the warmup's and round 0's seeds would be
+known while joins are still open, and a joiner could grind keypairs until one held the lowest tickets under them; a
+key is fixed when it joins, before any joiner's secret is shown, so one honest joiner's secret makes both seeds
+unforeseeable to every key. A commitment binds the joiner's key, so a copied one opens for no one else; the seed is
+not bound, as joiners commit before the seed they will steer is set. A join without a commitment (all zeros) simply
+takes no part.
+
 What remains: withholding. Once every other secret is shown, a committed witness still chooses between the seed with
 its secret and the seed without it, two outcomes, and pays for that choice with its place in the epoch; m colluding
 committers choose among 2^m. The honest reveal at once, so who waits to reveal last is a liar's choice. With no
@@ -34,11 +45,21 @@ SECRET_BYTES = 32
 """A witness's secret: as many bytes as the seed's hash, so that guessing it is no easier than the hash."""
 
 COMMIT_DOMAIN = b"psyswarm:commit"
+JOIN_DOMAIN = b"psyswarm:join"
+
+NO_COMMITMENT = bytes(32)
+"""A join's commitment when it commits to nothing (a veteran queued again at its epoch's end, or a joiner opting out),
+and a joiner's once it has revealed: there is nothing left to open."""
 
 
 def seed_commitment(client: bytes, seed: int, secret: bytes) -> bytes:
     """sha256(domain ‖ client key ‖ round seed as a little-endian u64 ‖ secret): what a witness commits to."""
     return hashlib.sha256(COMMIT_DOMAIN + client + struct.pack("<Q", seed) + secret).digest()
+
+
+def join_commitment(client: bytes, secret: bytes) -> bytes:
+    """sha256(domain ‖ client key ‖ secret): what a joiner commits to when it joins, and reveals in the warmup."""
+    return hashlib.sha256(JOIN_DOMAIN + client + secret).digest()
 
 
 def mix_reveal(reveals: bytes, secret: bytes) -> bytes:

@@ -51,10 +51,23 @@ def election(state: CoordinatorState) -> list[int]:
 
 
 def elected(state: CoordinatorState) -> list[int]:
-    """Client indices of the current round's witnesses, in slot order ([] between epochs)."""
-    if state.phase not in ELECTING_PHASES:
+    """Client indices of the current round's witnesses, in slot order ([] between epochs, and in a warmup still
+    waiting for its joiners' reveals)."""
+    if state.phase not in ELECTING_PHASES or revealing(state):
         return []
     return state.round.witnesses[:min(state.config.witness_nodes, len(state.clients))]
+
+
+def revealing(state: CoordinatorState) -> bool:
+    """Whether the epoch's warmup still waits for its joiners to reveal the secrets they joined with (``beacon``): its
+    witnesses are elected only once the secrets are in its seed."""
+    return state.phase == Phase.Warmup and state.round.witnesses[0] == limits.UNELECTED
+
+
+def closing(state: CoordinatorState) -> bool:
+    """Whether the round's end has begun crediting (``points.credit_chunk``): it takes no more proofs nor reveals, so
+    votes and the next seed stay put."""
+    return state.phase == Phase.RoundWitness and state.round.credited > 0
 
 
 def witnesses(state: CoordinatorState) -> list[bytes]:
@@ -109,7 +122,8 @@ def assign_stages(pending: list[Pending], num_stages: int) -> list[Client]:
         if joiner.role == Role.Worker and stage == limits.NO_STAGE:
             stage = counts.index(min(counts))
             counts[stage] += 1
-        admitted.append(Client(joiner.id, joiner.role, stage, Health.Healthy, joiner.slot, joiner.veteran))
+        admitted.append(Client(joiner.id, joiner.role, stage, Health.Healthy, joiner.slot, joiner.veteran,
+                               joiner.commitment))
     return admitted
 
 

@@ -11,7 +11,8 @@ import dataclasses
 import hashlib
 from typing import ClassVar
 
-from coordinator_program.spec import limits, rules
+from coordinator_program.spec import limits, reveals, rules
+from coordinator_program.spec.beacon import NO_COMMITMENT
 from coordinator_program.spec.config import (
     CHECKPOINT_LAYOUT,
     CONFIG_LAYOUT,
@@ -116,13 +117,15 @@ class CloseRun(Instruction):
 @dataclasses.dataclass(frozen=True)
 class JoinRun(Instruction):
     """Join a run. On a permissioned run the join authority's countersignature covers ``slot`` (the slot it
-    granted) and ``valid_until`` (the coordinator's clock after which the join admits no one)."""
+    granted) and ``valid_until`` (the coordinator's clock after which the join admits no one). ``commitment`` is to
+    the secret the joiner reveals in its first warmup (``beacon.join_commitment``; zeros for none)."""
 
     run_id: str
     role: Role
     stage: int = limits.NO_STAGE
     slot: int = limits.NO_SLOT
     valid_until: int = limits.NO_DEADLINE
+    commitment: bytes = NO_COMMITMENT
     NAME = "join_run"
     ACCOUNTS = (
         _SIGNER,
@@ -178,7 +181,8 @@ class CommitSeed(Instruction):
 
 @dataclasses.dataclass(frozen=True)
 class RevealSeed(Instruction):
-    """A committed witness reveals the secret its commitment holds, once the commitments have closed."""
+    """A committed witness reveals the secret its commitment holds, once the commitments have closed; in the warmup,
+    an admitted joiner reveals the secret it joined with (``reveals.reveal_seed``)."""
 
     round_height: int
     secret: bytes
@@ -214,7 +218,7 @@ SetPaused.LAYOUT = Struct(SetPaused, [Field("paused", BOOL)])
 CloseRun.LAYOUT = Struct(CloseRun, [])
 JoinRun.LAYOUT = Struct(JoinRun, [
     Field("run_id", FixedStr(limits.RUN_ID_BYTES)), Field("role", Enum8(Role)), Field("stage", U8),
-    Field("slot", U16), Field("valid_until", I64)])
+    Field("slot", U16), Field("valid_until", I64), Field("commitment", HASH)])
 ReleaseSlot.LAYOUT = Struct(ReleaseSlot, [Field("key", PUBKEY)])
 Tick.LAYOUT = Struct(Tick, [])
 Witness.LAYOUT = Struct(Witness, [
@@ -260,9 +264,9 @@ def apply(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, ent
             rules.update(state, signer, config, model, checkpoint)
         case SetPaused(paused):
             rules.set_paused(state, signer, paused)
-        case JoinRun(run_id, role, stage, slot, valid_until):
+        case JoinRun(run_id, role, stage, slot, valid_until, commitment):
             rules.join(state, signer, run_id, role, stage, signer if authorizer is None else authorizer, slot,
-                       valid_until, now)
+                       valid_until, now, commitment)
         case ReleaseSlot(key):
             rules.release_slot(state, signer, key)
         case Tick():
@@ -272,9 +276,9 @@ def apply(state: CoordinatorState, ix: Instruction, signer: bytes, now: int, ent
         case WarmupWitness(participant_bloom, batch_bloom, part):
             rules.warmup_witness(state, signer, participant_bloom, batch_bloom, part)
         case CommitSeed(round_height, commitment):
-            rules.commit_seed(state, signer, round_height, commitment)
+            reveals.commit_seed(state, signer, round_height, commitment)
         case RevealSeed(round_height, secret):
-            rules.reveal_seed(state, signer, round_height, secret)
+            reveals.reveal_seed(state, signer, round_height, secret)
         case HealthCheck(target):
             rules.health_check(state, signer, target)
         case CheckpointReport(kind, repo, revision):

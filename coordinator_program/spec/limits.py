@@ -26,6 +26,10 @@ the entry with the fewest points, so this bounds the tick's cost."""
 MAX_WITNESSES = 32
 """Witnesses elected per round; a round's submissions are tracked in a 32-bit mask."""
 
+UNELECTED = 0xFFFF
+"""Every seat of ``Round.witnesses`` while an epoch's warmup waits for its joiners to reveal the secrets they committed
+to when they joined (``derived.revealing``): no one is elected by a seed a joiner could have foreseen."""
+
 MAX_STAGES = 16
 """Pipeline stages; the coordinator keeps a checkpoint place for each (``CoordinatorState.checkpoints``)."""
 

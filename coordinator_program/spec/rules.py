@@ -21,14 +21,15 @@ quorum of proofs leaves it out. A minority of witnesses, each sending an empty o
 can thus neither end a round nor get a client removed. A round nobody proved withdraws its clients.
 
 Seeds are drawn so that no one foresees an election and no single party chooses one (``beacon``): a round's
-witnesses commit to secrets while it trains (``commit_seed``), reveal them once a quorum of them has committed or
-RoundTrain has ended (``reveal_seed``), and the next round's seed hashes the XOR of what was revealed; a witness
-that committed and did not reveal leaves the epoch at the round's end. The tick that sets a round's seed or clients
-elects its witnesses by rank of a per-key ticket (``selection.elect_witnesses``), kept in ``Round.witnesses``, so a
-client leaving before the round starts, once its seed is known, moves no one else's seat. An epoch's warmup and
-round 0 take seeds known before its joins close, so their elections rank first its veterans, the clients of the
-epoch before's last round, whose keys predate those seeds: a joiner cannot grind a key into their seats
-(``derived.election``).
+witnesses commit to secrets while it trains (``reveals.commit_seed``), reveal them once a quorum of them has
+committed or RoundTrain has ended (``reveals.reveal_seed``), and the next round's seed hashes the XOR of what was
+revealed; a witness that committed and did not reveal leaves the epoch at the round's end. The tick that sets a
+round's seed or clients elects its witnesses by rank of a per-key ticket (``selection.elect_witnesses``), kept in
+``Round.witnesses``, so a client leaving before the round starts, once its seed is known, moves no one else's seat.
+An epoch's warmup and round 0 would take seeds known before its joins close, so each joiner commits to a secret when
+it joins and reveals it in the warmup, whose witnesses are elected once the secrets are in its seed
+(``reveals.close_join_reveals``); and their elections rank first its veterans, the clients of the epoch before's
+last round, whose keys predate those seeds (``derived.election``).
 
 Points follow the same majority: at the end of each round a client earns presence when a quorum of the round's
 proofs hold its participant key, and compute (the samples it worked) when a quorum hold its compute key. They go
@@ -43,7 +44,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from coordinator_program.spec import limits
-from coordinator_program.spec.beacon import mix_reveal, seed_commitment, withholders
+from coordinator_program.spec.beacon import NO_COMMITMENT
 from coordinator_program.spec.bloom import compute_key, contains_raw, part_count, part_range, participant_key
 from coordinator_program.spec.config import (
     Checkpoint,
@@ -57,23 +58,20 @@ from coordinator_program.spec.config import (
 )
 from coordinator_program.spec.derived import (
     assign_stages,
-    elected,
+    closing,
     election,
     left_out_counts,
     missed_by_quorum,
     pipeline_complete,
     pipeline_formed,
-    quorum,
     quorum_reached,
+    revealing,
     unproven,
 )
 from coordinator_program.spec.errors import (
-    AlreadyCommitted,
     AlreadyJoined,
     AlreadyMarked,
-    AlreadyRevealed,
     BadFilter,
-    BadReveal,
     CheckpointTaken,
     ClientHealthy,
     DuplicateWitness,
@@ -82,11 +80,8 @@ from coordinator_program.spec.errors import (
     InvalidJoin,
     InvalidRunId,
     JoinExpired,
-    NoCommitment,
     NoPreviousRound,
-    NotAClient,
     NotAuthorized,
-    NotAWitness,
     NotAWorker,
     NotHalted,
     NotHealthy,
@@ -102,7 +97,9 @@ from coordinator_program.spec.errors import (
     WrongRunId,
 )
 from coordinator_program.spec.points import credit_chunk
+from coordinator_program.spec.reveals import close_join_reveals, join_reveals_over, withholders_leave
 from coordinator_program.spec.selection import next_seed
+from coordinator_program.spec.signers import elected_position, healthy_client
 from coordinator_program.spec.state import (
     CoordinatorState,
     Health,
@@ -112,6 +109,7 @@ from coordinator_program.spec.state import (
     Round,
     no_parts,
     no_votes,
+    unelected,
 )
 
 NO_AUTHORITY = bytes(32)
@@ -192,8 +190,9 @@ def _check_open(state: CoordinatorState) -> None:
 
 def join(state: CoordinatorState, signer: bytes, run_id: str, role: Role, stage: int,
          authorizer: bytes, slot: int = limits.NO_SLOT, valid_until: int = limits.NO_DEADLINE,
-         now: int = 0) -> None:
-    """Queue a joiner; it is admitted when the run next leaves WaitingForMembers.
+         now: int = 0, commitment: bytes = NO_COMMITMENT) -> None:
+    """Queue a joiner; it is admitted when the run next leaves WaitingForMembers, and reveals the secret its
+    ``commitment`` holds in that epoch's warmup (``beacon``).
 
     ``authorizer`` is the co-signer of the join: the run's join authority, or for a permissionless run
     anyone (the joiner itself). The authority names the ``slot`` it grants and a deadline, ``valid_until``:
@@ -219,7 +218,7 @@ def join(state: CoordinatorState, signer: bytes, run_id: str, role: Role, stage:
         raise SlotTaken(f"slot {slot} is held by another key until its holder leaves")
     if len(state.clients) + len(state.pending) >= state.config.max_clients:
         raise RunFull(f"the run is full ({state.config.max_clients} clients)")
-    state.pending.append(Pending(signer, role, stage, slot))
+    state.pending.append(Pending(signer, role, stage, slot, commitment=commitment))
     state.nonce += 1
 
 
@@ -261,30 +260,13 @@ def release_slot(state: CoordinatorState, signer: bytes, key: bytes) -> None:
     withdraw(state, key)
 
 
-def _healthy_client(state: CoordinatorState, signer: bytes) -> int:
-    index = state.client_index(signer)
-    if index is None:
-        raise NotAClient("the signer is not a client of the current epoch")
-    if state.clients[index].health != Health.Healthy:
-        raise NotHealthy("the signer is leaving the epoch and may not act in it")
-    return index
-
-
-def _elected_position(state: CoordinatorState, index: int) -> int:
-    """Where client ``index`` stands in the current round's election (its witness slot); ``NotAWitness`` if nowhere."""
-    slots = elected(state)
-    if index not in slots:
-        raise NotAWitness("the signer was not elected to witness this round")
-    return slots.index(index)
-
-
 def _record_part(state: CoordinatorState, signer: bytes, participant_bloom: bytes, batch_bloom: bytes,
                  part: int) -> None:
     """Record part ``part`` of an elected witness's proof; the proof counts (``Round.witnessed``) once all its parts
     are in: once however many transactions it takes, and never on a part."""
     index = state.client_index(signer)
     assert index is not None
-    position = _elected_position(state, index)
+    position = elected_position(state, index)
     if state.round.witnessed >> position & 1:
         raise DuplicateWitness("this witness already sent its proof for the round")
     parts = part_count(len(state.clients))
@@ -303,11 +285,6 @@ def _record_part(state: CoordinatorState, signer: bytes, participant_bloom: byte
     state.nonce += 1
 
 
-def closing(state: CoordinatorState) -> bool:
-    """Whether the round's end has begun crediting (``credit_chunk``): it takes no more proofs, so votes stay put."""
-    return state.phase == Phase.RoundWitness and state.round.credited > 0
-
-
 def _check_open_round(state: CoordinatorState) -> None:
     if state.phase not in (Phase.RoundTrain, Phase.RoundWitness):
         raise WrongPhase(f"witness proofs are taken in RoundTrain and RoundWitness, not {state.phase.name}")
@@ -321,7 +298,7 @@ def witness(state: CoordinatorState, signer: bytes, round_height: int, participa
     and count whom its participant filter says were present and did counted work among the part's clients
     (``tally_part``)."""
     _check_open_round(state)
-    _healthy_client(state, signer)
+    healthy_client(state, signer)
     if round_height != state.round.height:
         raise StaleRound(f"the current round is {state.round.height}, not {round_height}")
     _record_part(state, signer, participant_bloom, batch_bloom, part)
@@ -346,77 +323,8 @@ def warmup_witness(state: CoordinatorState, signer: bytes, participant_bloom: by
     """Record part ``part`` of a warmup witness's proof of which clients have loaded the model."""
     if state.phase != Phase.Warmup:
         raise WrongPhase(f"warmup proofs are taken in Warmup, not {state.phase.name}")
-    _healthy_client(state, signer)
+    healthy_client(state, signer)
     _record_part(state, signer, participant_bloom, batch_bloom, part)
-
-
-def commit_seed(state: CoordinatorState, signer: bytes, round_height: int, commitment: bytes) -> None:
-    """An elected witness of the training round commits to its share of the next round's seed (``beacon``). Taken only
-    in RoundTrain, so every commitment is in before the first secret can be shown."""
-    if state.phase != Phase.RoundTrain:
-        raise WrongPhase(f"commitments to the next seed are taken in RoundTrain, not {state.phase.name}")
-    index = _healthy_client(state, signer)
-    if round_height != state.round.height:
-        raise StaleRound(f"the current round is {state.round.height}, not {round_height}")
-    position = _elected_position(state, index)
-    if state.round.committed >> position & 1:
-        raise AlreadyCommitted("this witness already committed to the next round's seed: a commitment is final")
-    if commitments_closed(state):
-        raise WrongPhase("the commitments to the next seed have closed (a quorum of the witnesses committed): "
-                         "secrets may be shown now, so no commitment is taken")
-    state.round.commitments[position] = commitment
-    state.round.committed |= 1 << position
-    state.nonce += 1
-
-
-def commitments_closed(state: CoordinatorState) -> bool:
-    """Whether no commitment to the next seed is taken any more, so secrets may be shown: RoundTrain has ended, a
-    quorum of the round's witnesses has committed, or every elected witness has committed or is leaving (a client
-    marked unhealthy or withdrawn never acts again in the round). A quorum being a strict majority of the witnesses,
-    one of its commitments is an honest witness's while the honest hold the majority the coordinator relies on.
-    Honest witnesses commit as the round opens, so their reveals have the rest of the round, not only RoundWitness,
-    which a whole-second clock may cut to a moment, and a dead witness holds no one's reveal back."""
-    if state.phase != Phase.RoundTrain:
-        return state.phase == Phase.RoundWitness
-    if state.round.committed.bit_count() >= quorum(state):
-        return True
-    return all(state.round.committed >> position & 1 or state.clients[index].health != Health.Healthy
-               for position, index in enumerate(elected(state)))
-
-
-def reveal_seed(state: CoordinatorState, signer: bytes, round_height: int, secret: bytes) -> None:
-    """A committed witness opens its commitment once the commitments have closed (``commitments_closed``) and before
-    the round's end begins: its secret is XORed into the round's reveals, from which the next round's seed is
-    drawn."""
-    if state.phase not in (Phase.RoundTrain, Phase.RoundWitness) or closing(state):
-        raise WrongPhase(f"secrets are revealed in RoundTrain and RoundWitness, before the round closes, not "
-                         f"{state.phase.name}")
-    index = _healthy_client(state, signer)
-    if round_height != state.round.height:
-        raise StaleRound(f"the current round is {state.round.height}, not {round_height}")
-    position = _elected_position(state, index)
-    if not commitments_closed(state):
-        raise WrongPhase("secrets are revealed once a quorum of the witnesses (or every one) has committed, or "
-                         "RoundTrain has ended")
-    if not state.round.committed >> position & 1:
-        raise NoCommitment("this witness did not commit to the next seed during RoundTrain: nothing to reveal")
-    if state.round.revealed >> position & 1:
-        raise AlreadyRevealed("this witness already revealed its secret for the round")
-    if seed_commitment(signer, state.round.seed, secret) != state.round.commitments[position]:
-        raise BadReveal("the secret does not open this witness's commitment: only the committed secret is taken")
-    state.round.reveals = mix_reveal(state.round.reveals, secret)
-    state.round.revealed |= 1 << position
-    state.nonce += 1
-
-
-def _withholders_leave(state: CoordinatorState) -> None:
-    """A witness that committed to the next seed and never revealed leaves at the round's end, as unhealthy: a secret
-    kept back to steer the seed costs its holder its place in the epoch."""
-    slots = elected(state)
-    for position in withholders(state.round.committed, state.round.revealed):
-        client = state.clients[slots[position]]
-        if client.health == Health.Healthy:
-            client.health = Health.Unhealthy
 
 
 def health_check(state: CoordinatorState, signer: bytes, target: bytes) -> None:
@@ -424,7 +332,7 @@ def health_check(state: CoordinatorState, signer: bytes, target: bytes) -> None:
     it out (``missed_by_quorum``)."""
     if state.phase not in (Phase.RoundTrain, Phase.RoundWitness):
         raise WrongPhase(f"health checks are taken in RoundTrain and RoundWitness, not {state.phase.name}")
-    _healthy_client(state, signer)
+    healthy_client(state, signer)
     if state.round.height == 0:
         raise NoPreviousRound("the epoch's first round has no previous round to judge by")
     index = state.client_index(target)
@@ -447,7 +355,7 @@ def checkpoint(state: CoordinatorState, signer: bytes, kind: CheckpointKind, rep
     place never flaps between its workers. Once every stage is saved, Cooldown may end early."""
     if state.phase != Phase.Cooldown:
         raise WrongPhase(f"checkpoints are reported in Cooldown, not {state.phase.name}")
-    index = _healthy_client(state, signer)
+    index = healthy_client(state, signer)
     client = state.clients[index]
     if client.role != Role.Worker:
         raise NotAWorker("only a stage worker holds parameters to checkpoint")
@@ -524,26 +432,34 @@ def _admit(state: CoordinatorState, now: int, entropy: int) -> None:
     state.clients = assign_stages(state.pending, state.config.num_stages)
     state.pending, state.left_out = [], no_votes()
     state.round = Round(0, seed, state.step * state.config.global_batch_size)
-    state.round.witnesses = election(state)
+    joiners_committed = any(c.commitment != NO_COMMITMENT for c in state.clients)
+    state.round.witnesses = unelected() if joiners_committed else election(state)  # elected once they reveal
     _enter(state, Phase.Warmup, now)
 
 
 def _return_to_waiting(state: CoordinatorState, now: int) -> None:
     """Send the epoch's clients back to the front of the queue, keeping each worker's stage."""
-    state.pending = [Pending(c.id, c.role, c.stage, c.slot, c.veteran) for c in state.clients] + state.pending
+    state.pending = [Pending(c.id, c.role, c.stage, c.slot, c.veteran, c.commitment)
+                     for c in state.clients] + state.pending
     state.clients = []
     _enter(state, Phase.WaitingForMembers, now)
 
 
 def _warmup_due(state: CoordinatorState, now: int) -> bool:
-    return (any(c.health != Health.Healthy for c in state.clients) or quorum_reached(state)
-            or now >= state.phase_start + state.config.warmup_time)
+    return ((revealing(state) and join_reveals_over(state, now))
+            or any(c.health != Health.Healthy for c in state.clients)
+            or quorum_reached(state) or now >= state.phase_start + state.config.warmup_time)
 
 
 def _warm_up(state: CoordinatorState, now: int, entropy: int) -> None:
-    """The unhealthy leave (a witness among them lets the next ticket in, and slots move: proofs start over, under
-    the warmup's election of the clients left); the first round starts on a quorum of proofs or at the warmup's end,
-    and the run waits again if no pipeline is left. One tick elects once."""
+    """Once the joiners' reveals close, the warmup's seed takes their secrets and the joiners that kept theirs are
+    unhealthy (``reveals.close_join_reveals``). The unhealthy leave (a witness among them lets the next ticket in, and
+    slots move: proofs start over, under the warmup's election of the clients left); the first round starts on a
+    quorum of proofs or at the warmup's end, and the run waits again if no pipeline is left. One tick elects once, and
+    none while the reveals are open."""
+    closed = revealing(state) and join_reveals_over(state, now)
+    if closed:
+        close_join_reveals(state, entropy)
     dropped = any(c.health != Health.Healthy for c in state.clients)
     if dropped:
         state.clients = [c for c in state.clients if c.health == Health.Healthy]
@@ -554,7 +470,7 @@ def _warm_up(state: CoordinatorState, now: int, entropy: int) -> None:
             return
     if quorum_reached(state) or now >= state.phase_start + state.config.warmup_time:
         _start_round(state, now, entropy, 0)
-    elif dropped:
+    elif closed or (dropped and not revealing(state)):
         state.round.witnesses = election(state)
 
 
@@ -603,7 +519,7 @@ def _end_round(state: CoordinatorState, now: int, entropy: int) -> None:
         return
     reached_quorum = quorum_reached(state)  # judged with the round's clients, before the unhealthy leave
     state.step += 1
-    _withholders_leave(state)
+    withholders_leave(state)
     _close_round_votes(state)
     if (state.round.height + 1 >= state.config.rounds_per_epoch
             or state.step >= state.config.total_steps

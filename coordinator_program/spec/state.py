@@ -12,6 +12,7 @@ import enum
 import hashlib
 
 from coordinator_program.spec import limits
+from coordinator_program.spec.beacon import NO_COMMITMENT
 from coordinator_program.spec.config import (
     CHECKPOINT_LAYOUT,
     CONFIG_LAYOUT,
@@ -73,7 +74,8 @@ HASH = FixedBytes(32)
 @dataclasses.dataclass
 class Client:
     """An admitted member of the current epoch; a ``veteran`` was a client of the last round of the epoch before
-    (``derived.election``)."""
+    (``derived.election``); ``commitment`` is the one it joined with until it reveals its secret in the warmup
+    (``beacon``), all zeros after."""
 
     id: bytes
     role: Role
@@ -81,29 +83,35 @@ class Client:
     health: Health = Health.Healthy
     slot: int = limits.NO_SLOT
     veteran: bool = False
+    commitment: bytes = NO_COMMITMENT
 
 
 CLIENT_LAYOUT = Struct(Client, [
     F("id", PUBKEY), F("role", Enum8(Role)), F("stage", U8), F("slot", U16), F("veteran", BOOL),
-    F("health", Enum8(Health)),
-], doc="An admitted client; stage is 255 for trainers, slot 65535 for a joiner no join authority placed.")
+    F("commitment", HASH), F("health", Enum8(Health)),
+], doc="An admitted client; stage is 255 for trainers, slot 65535 for a joiner no join authority placed; a joiner's "
+       "commitment to its secret until it reveals it in the warmup (zeros after, or for none).")
 
 
 @dataclasses.dataclass
 class Pending:
     """A joiner waiting for the next WaitingForMembers; stage 255 lets the coordinator choose. ``slot`` is the
-    join authority's slot the joiner holds (``limits.NO_SLOT`` in a permissionless run)."""
+    join authority's slot the joiner holds (``limits.NO_SLOT`` in a permissionless run); ``commitment`` is to the
+    secret it reveals in its first warmup (``beacon.join_commitment``)."""
 
     id: bytes
     role: Role
     stage: int
     slot: int = limits.NO_SLOT
     veteran: bool = False  # a client of the last round of the epoch before, queued again at its end
+    commitment: bytes = NO_COMMITMENT
 
 
 PENDING_LAYOUT = Struct(Pending, [F("id", PUBKEY), F("role", Enum8(Role)), F("stage", U8), F("slot", U16),
-                                  F("veteran", BOOL)],
-                        doc="A joiner waiting for admission; stage 255 means 'any', slot 65535 'none'.")
+                                  F("veteran", BOOL), F("commitment", HASH)],
+                        doc="A joiner waiting for admission; stage 255 means 'any', slot 65535 'none'; its "
+                            "commitment to the secret it reveals in the warmup (zeros for none). A client's "
+                            "prefix: admission copies it.")
 
 
 @dataclasses.dataclass
@@ -138,6 +146,11 @@ def no_parts() -> list[int]:
 
 def no_witnesses() -> list[int]:
     return [0] * limits.MAX_WITNESSES
+
+
+def unelected() -> list[int]:
+    """The seats of a warmup still waiting for its joiners' reveals (``reveals.revealing``)."""
+    return [limits.UNELECTED] * limits.MAX_WITNESSES
 
 
 def no_commitments() -> list[bytes]:

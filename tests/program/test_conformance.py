@@ -35,7 +35,7 @@ from coordinator_program.spec.instructions import (
 )
 from coordinator_program.spec.state import Health, Phase, Role
 from tests.spec.scenario import AUTHORITY, MODEL, RUN_ID, SMALL
-from tests.spec.test_properties import IDS, build, op
+from tests.spec.test_properties import COMMITTED, IDS, PREJOIN, build, op, prejoins
 
 # The generator names identities by readable bytes; on chain each is a real keypair.
 ALIASES = {**{i: Keypair.from_seed(i) for i in IDS}, AUTHORITY: Keypair.from_seed(AUTHORITY)}
@@ -63,14 +63,14 @@ def started_replay() -> Replay:
     return replay
 
 
-def replay_steps(prejoin: bool, steps: list[tuple]) -> None:
+def replay_steps(prejoin: int, steps: list[tuple]) -> None:
     """Replay the generator's steps (tests/spec/test_properties.build) on chain and on the specification."""
     replay = started_replay()
     if prejoin:  # a full pipeline pending, as the specification's property test starts
-        for i, role in enumerate([Role.Worker, Role.Worker, Role.Worker, Role.Trainer]):
-            assert replay.apply(JoinRun(RUN_ID, role), ALIASES[IDS[i]]) is None
+        for i, join in enumerate(prejoins(real, prejoin == COMMITTED)):
+            assert replay.apply(join, ALIASES[IDS[i]]) is None
     for step in steps:
-        ix, signer, advance = build(replay.state, step)
+        ix, signer, advance = build(replay.state, step, real)
         if isinstance(ix, HealthCheck):
             ix = HealthCheck(real(ix.target))
         code = replay.apply(ix, BY_KEY[real(signer)], advance=advance)
@@ -81,16 +81,16 @@ def replay_steps(prejoin: bool, steps: list[tuple]) -> None:
 
 @settings(max_examples=150, deadline=None, derandomize=True,
           suppress_health_check=[HypothesisHealthCheck.too_slow, HypothesisHealthCheck.data_too_large])
-@given(st.booleans(), st.lists(op, min_size=25, max_size=100))
-def test_random_sequences_match_the_specification(prejoin: bool, steps: list[tuple]) -> None:
+@given(PREJOIN, st.lists(op, min_size=25, max_size=100))
+def test_random_sequences_match_the_specification(prejoin: int, steps: list[tuple]) -> None:
     replay_steps(prejoin, steps)
 
 
 @pytest.mark.slow
 @settings(max_examples=600, deadline=None, derandomize=True,
           suppress_health_check=[HypothesisHealthCheck.too_slow, HypothesisHealthCheck.data_too_large])
-@given(st.booleans(), st.lists(op, min_size=25, max_size=200))
-def test_many_random_sequences_match_the_specification(prejoin: bool, steps: list[tuple]) -> None:
+@given(PREJOIN, st.lists(op, min_size=25, max_size=200))
+def test_many_random_sequences_match_the_specification(prejoin: int, steps: list[tuple]) -> None:
     replay_steps(prejoin, steps)
 
 

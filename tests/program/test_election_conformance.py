@@ -23,8 +23,18 @@ from solders.transaction_metadata import FailedTransactionMetadata
 
 from coordinator_program.onchain.budget import DEFAULT_UNITS, TICK_UNITS, requested_units
 from coordinator_program.spec import derived, errors, limits
-from coordinator_program.spec.beacon import mix_reveal, seed_commitment
-from coordinator_program.spec.instructions import CommitSeed, JoinRun, RevealSeed, Tick, Withdraw
+from coordinator_program.spec.beacon import join_commitment, mix_reveal, seed_commitment
+from coordinator_program.spec.config import Checkpoint
+from coordinator_program.spec.instructions import (
+    CommitSeed,
+    JoinRun,
+    RevealSeed,
+    SetPaused,
+    Tick,
+    Update,
+    WarmupWitness,
+    Withdraw,
+)
 from coordinator_program.spec.selection import elect_witnesses, next_seed, witness_ticket
 from coordinator_program.spec.state import Client, Health, Phase, Role
 from tests.program.test_conformance import full_config
@@ -310,3 +320,86 @@ def test_keys_ground_for_an_epoch_s_first_seeds_win_none_of_its_first_seats() ->
     everyone = swarm.clients()
     assert derived.witnesses(swarm.state) == [everyone[i] for i in elect_witnesses(swarm.state.round.seed, everyone,
                                                                                     GROUND.witness_nodes)]
+
+
+def join_secret(member: bytes) -> bytes:
+    return hashlib.sha256(b"join secret" + member).digest()
+
+
+def test_keys_ground_for_the_run_s_first_seeds_win_nothing_once_its_joiners_reveal() -> None:
+    """The attack on a run's first epoch, which has no veterans: its warmup's seed, and round 0's chained from it, are
+    known from the run's creation, so a joiner grinds keypairs whose tickets beat every other joiner's under both
+    and joins with them; by rank alone they would win every seat of both elections. But the honest joiners commit to
+    secrets when they join: the admitting tick elects no one, the warmup takes reveals (refusing a wrong secret, a
+    second reveal, a reveal without a commitment and any proof), and the warmup's witnesses are elected under a seed
+    that hashes the secrets, which no key could be ground against. A joiner that keeps its secret leaves at half the
+    warmup. The program agrees byte for byte throughout."""
+    authority = Keypair()
+    swarm = Swarm(Replay(ProgramChain(), authority, "first"))
+    apply = swarm.replay.apply
+    assert apply(Update(GROUND, MODEL, Checkpoint()), authority) is None
+    assert apply(SetPaused(False), authority) is None
+    assert apply(Tick(), authority) is None and swarm.state.phase == Phase.WaitingForMembers
+    honest = [key(kp) for kp in swarm.new_members(8)]
+    for i, member in enumerate(honest):
+        commitment = join_commitment(member, join_secret(member))
+        assert apply(JoinRun("first", Role.Worker if i < 6 else Role.Trainer, commitment=commitment),
+                     swarm.of(member)) is None
+    foreseen = next_seed(swarm.state.round.seed, 0, swarm.state.round.reveals)
+    ground = {key(kp) for kp in ground_keys(swarm, [foreseen, next_seed(foreseen, 0)], GROUND.witness_nodes, honest)}
+    for joiner in ground:
+        assert apply(JoinRun("first", Role.Trainer), swarm.of(joiner)) is None
+    assert apply(Tick(), authority) is None and swarm.state.phase == Phase.Warmup
+    assert swarm.state.round.seed == foreseen and derived.revealing(swarm.state)
+    everyone = swarm.clients()
+    assert {everyone[i] for i in elect_witnesses(foreseen, everyone, GROUND.witness_nodes)} == ground
+    assert derived.witnesses(swarm.state) == [], "no one is elected while the joiners reveal"
+
+    attacker, withholder, liar = next(iter(ground)), honest[0], honest[1]
+    assert swarm.replay.apply(WarmupWitness(bytes(GROUND.bloom_bytes), bytes(GROUND.bloom_bytes)),
+                              swarm.of(attacker)) == errors.NotAWitness.code
+    assert apply(RevealSeed(0, join_secret(attacker)), swarm.of(attacker)) == errors.NoCommitment.code
+    assert apply(RevealSeed(0, join_secret(withholder)), swarm.of(liar)) == errors.BadReveal.code
+    assert apply(RevealSeed(1, join_secret(liar)), swarm.of(liar)) == errors.StaleRound.code
+    revealed = bytes(32)
+    for member in honest[1:]:
+        assert apply(RevealSeed(0, join_secret(member)), swarm.of(member)) is None
+        revealed = mix_reveal(revealed, join_secret(member))
+    assert apply(RevealSeed(0, join_secret(liar)), swarm.of(liar)) == errors.NoCommitment.code, "spent"
+    assert apply(Tick(), authority, advance=GROUND.warmup_time // 2 - 1) == errors.NothingToTick.code
+    assert apply(Tick(), authority, advance=1) is None, "half the warmup: the reveals close"
+    assert withholder not in swarm.clients(), "a joiner that kept its secret leaves"
+    assert swarm.state.round.seed == next_seed(foreseen, 0, revealed)
+    assert apply(RevealSeed(0, join_secret(withholder)), swarm.of(withholder)) == errors.NotAClient.code
+    everyone = swarm.clients()
+    elected = derived.witnesses(swarm.state)
+    assert elected == [everyone[i] for i in elect_witnesses(swarm.state.round.seed, everyone, GROUND.witness_nodes)]
+    assert not set(elected) <= ground, "the ground keys hold no claim on seats drawn from the secrets"
+    assert apply(Tick(), authority, advance=GROUND.warmup_time) is None and swarm.state.phase == Phase.RoundTrain
+    assert swarm.state.round.seed == next_seed(next_seed(foreseen, 0, revealed), 0)
+    elected = derived.witnesses(swarm.state)
+    assert not set(elected) <= ground and all(c.commitment == bytes(32) for c in swarm.state.clients)
+
+
+def test_joiners_that_all_reveal_are_elected_at_once_and_a_run_without_commitments_elects_on_admission() -> None:
+    """Reveals close as soon as every committed joiner has revealed (no waiting for half the warmup); a run whose
+    joiners commit to nothing elects its warmup's witnesses when it admits them, as before."""
+    swarm, authority = training_swarm(CONFIG, MODEL, workers=6, trainers=2)  # joins without commitments
+    assert swarm.state.round.witnesses[0] != limits.UNELECTED
+    replay = Replay(ProgramChain(), authority, "all")
+    swarm = Swarm(replay)
+    assert replay.apply(Update(CONFIG, MODEL, Checkpoint()), authority) is None
+    assert replay.apply(SetPaused(False), authority) is None
+    assert replay.apply(Tick(), authority) is None
+    members = [key(kp) for kp in swarm.new_members(5)]
+    for i, member in enumerate(members):
+        join = JoinRun("all", Role.Worker if i < 4 else Role.Trainer,
+                       commitment=join_commitment(member, join_secret(member)) if i % 2 else bytes(32))
+        assert replay.apply(join, swarm.of(member)) is None
+    assert replay.apply(Tick(), authority) is None and derived.revealing(swarm.state)
+    assert replay.apply(Tick(), authority) == errors.NothingToTick.code
+    for member in members[1::2]:
+        assert replay.apply(RevealSeed(0, join_secret(member)), swarm.of(member)) is None
+    assert replay.apply(Tick(), authority) is None, "every commitment opened: the reveals close at once"
+    assert not derived.revealing(swarm.state) and len(derived.witnesses(swarm.state)) == CONFIG.witness_nodes
+    assert swarm.clients() == members

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from coordinator_program.spec import derived, rules
+from coordinator_program.spec import derived, reveals
 from coordinator_program.spec.beacon import mix_reveal, seed_commitment, withholders
 from coordinator_program.spec.errors import WrongPhase
 from coordinator_program.spec.state import Health
@@ -44,18 +44,18 @@ def test_commitments_close_at_a_quorum_or_once_every_healthy_witness_committed()
     join_pipeline(state, workers=4, trainers=1)
     start_training(state)
     first, second, third = derived.witnesses(state)
-    rules.commit_seed(state, first, 0, seed_commitment(first, state.round.seed, first))
-    assert not rules.commitments_closed(state)
+    reveals.commit_seed(state, first, 0, seed_commitment(first, state.round.seed, first))
+    assert not reveals.commitments_closed(state)
     with pytest.raises(WrongPhase):  # a secret shown while a witness could still commit
-        rules.reveal_seed(state, first, 0, first)
+        reveals.reveal_seed(state, first, 0, first)
     state.clients[state.client_index(third)].health = Health.Withdrawn  # it can no longer commit
-    assert not rules.commitments_closed(state), "the second may still commit"
+    assert not reveals.commitments_closed(state), "the second may still commit"
     state.clients[state.client_index(third)].health = Health.Healthy
-    rules.commit_seed(state, second, 0, seed_commitment(second, state.round.seed, second))
-    assert rules.commitments_closed(state), "a quorum committed"
+    reveals.commit_seed(state, second, 0, seed_commitment(second, state.round.seed, second))
+    assert reveals.commitments_closed(state), "a quorum committed"
     with pytest.raises(WrongPhase):  # a commitment now could be chosen after a reveal
-        rules.commit_seed(state, third, 0, bytes(32))
-    rules.reveal_seed(state, first, 0, first)
+        reveals.commit_seed(state, third, 0, bytes(32))
+    reveals.reveal_seed(state, first, 0, first)
     assert state.round.reveals == first
 
 
@@ -65,7 +65,7 @@ def test_commitments_close_once_every_healthy_witness_committed() -> None:
     start_training(state)
     first, second, third = derived.witnesses(state)
     for witness in (first, second):
-        rules.commit_seed(state, witness, 0, seed_commitment(witness, state.round.seed, witness))
-    assert not rules.commitments_closed(state)
+        reveals.commit_seed(state, witness, 0, seed_commitment(witness, state.round.seed, witness))
+    assert not reveals.commitments_closed(state)
     state.clients[state.client_index(third)].health = Health.Withdrawn  # leaving: it can no longer commit
-    assert rules.commitments_closed(state)
+    assert reveals.commitments_closed(state)

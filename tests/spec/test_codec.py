@@ -153,7 +153,7 @@ def test_anchorpy_decodes_the_instance_account() -> None:
         decode_instance(encode_state(busy_state())[:INSTANCE_SIZE])
 
 
-def test_account_with_1024_clients_fits_125312_bytes() -> None:
+def test_account_with_1024_clients_fits_190848_bytes() -> None:
     """Issue 22's bound: 1,024 clients, 1,024 pending joiners (each entry with the join authority's slot, which
     lets the coordinator hold a contributor to its cap) and a ledger of 1,024 contributors, and no witness filter
     kept (health checks read per-client counts), fit 120,000 bytes (Psyche's 64-client account is 119,160). Issue
@@ -163,12 +163,15 @@ def test_account_with_1024_clients_fits_125312_bytes() -> None:
     the number of clients; the election by rank keeps the elected witnesses' client indices (64 bytes), so that no
     witness instruction ranks every client again. Marking each client and joiner a veteran or not (a byte each), so
     that an epoch's first elections rank the clients whose keys predate their seeds first: 2,048 bytes. Issue 25's
-    DeMo settings (chunk, top-k and β in thousandths): 4 bytes, 125,271 in all."""
+    DeMo settings (chunk, top-k and β in thousandths): 4 bytes. Each client's and joiner's commitment to the secret it
+    reveals in its first warmup, so that no joiner foresees the warmup's election (issue 23): 65,536 bytes, 190,807
+    in all."""
     assert limits.MAX_CLIENTS == 1024
     assert ACCOUNT_LAYOUT.offsets()["ledger"][1] == 40 * limits.MAX_CLIENTS
     assert ACCOUNT_LAYOUT.offsets()["checkpoints"][1] == 161 * limits.MAX_STAGES
     assert ROUND_LAYOUT.size == 154 + 32 * limits.MAX_WITNESSES + 4 + 4 + 32 + 2 * limits.MAX_WITNESSES
-    assert ACCOUNT_SIZE <= 125_312
+    assert ACCOUNT_LAYOUT.offsets()["clients"][1] == (32 + 1 + 1 + 2 + 1 + 32 + 1) * limits.MAX_CLIENTS
+    assert ACCOUNT_SIZE <= 190_848
 
 
 SAMPLES: list[Instruction] = [

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import pickle
+from collections.abc import Callable
 
 from hypothesis import HealthCheck as HypothesisHealthCheck
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator_program.spec import derived, errors, limits, rules
-from coordinator_program.spec.beacon import seed_commitment
+from coordinator_program.spec.beacon import NO_COMMITMENT, join_commitment, seed_commitment
 from coordinator_program.spec.bloom import build_filter, compute_key, participant_key
 from coordinator_program.spec.config import Checkpoint, CheckpointKind
 from coordinator_program.spec.instructions import (
@@ -30,7 +31,15 @@ from coordinator_program.spec.instructions import (
     apply,
     decode_instruction,
 )
-from coordinator_program.spec.state import CoordinatorState, Health, Phase, Role, decode_state, encode_state
+from coordinator_program.spec.state import (
+    CoordinatorState,
+    Health,
+    Phase,
+    Role,
+    decode_state,
+    encode_state,
+    unelected,
+)
 from tests.spec.scenario import AUTHORITY, MODEL, RUN_ID, SMALL, ident, new_run
 
 IDS = [ident(i) for i in range(1, 11)]
@@ -65,12 +74,12 @@ def health_op() -> st.SearchStrategy[tuple]:
 # health check is taken only after a round that reached its quorum of proofs.
 op = st.one_of(
     st.tuples(st.just("join"), identity, st.sampled_from(list(Role)), st.sampled_from([0, 1, 2, 3, 255]),
-              st.sampled_from([RUN_ID, "other-run"])),
+              st.sampled_from([RUN_ID, "other-run"]), st.sampled_from([False, False, False, True])),
     st.tuples(st.just("withdraw"), identity),
     *(tick_op() for _ in range(3)),
     *(witness_op() for _ in range(2)),
     *(seed_op() for _ in range(2)),
-    *(health_op() for _ in range(2)),
+    *(health_op() for _ in range(3)),
     st.tuples(st.just("checkpoint"), st.integers(0, 12), st.sampled_from(list(CheckpointKind)),
               st.sampled_from(["org/a", "org/b", ""])),
     st.tuples(st.just("pause"), st.booleans(), st.booleans()),
@@ -94,11 +103,14 @@ def _prover(state: CoordinatorState, index: int) -> bytes:
 
 
 def _seeder(state: CoordinatorState, index: int, reveal: bool) -> bytes:
-    """The index-th of: the elected witnesses yet to commit (to reveal, for a reveal), then the clients, then other
-    identities; most commitments and reveals drawn thus come from a witness that may send them."""
+    """The index-th of: the elected witnesses yet to commit (to reveal, for a reveal; in a revealing warmup, the
+    clients yet to open their join's commitment), then the clients, then other identities; most commitments and
+    reveals drawn thus come from a client that may send them."""
     elected = derived.witnesses(state) if state.clients else []
     mask = state.round.committed & ~state.round.revealed if reveal else ~state.round.committed
     waiting = [w for position, w in enumerate(elected) if mask >> position & 1]
+    if derived.revealing(state):
+        waiting = [c.id for c in state.clients if c.commitment != NO_COMMITMENT]
     candidates = waiting + [c.id for c in state.clients]
     return candidates[index] if index < len(candidates) else IDS[index % len(IDS)]
 
@@ -116,12 +128,24 @@ def secret_of(client: bytes, seed: int) -> bytes:
     return hashlib.sha256(b"secret" + client + seed.to_bytes(8, "little")).digest()
 
 
-def build(state: CoordinatorState, step: tuple) -> tuple[Instruction, bytes, int]:
-    """Turn a drawn step into (instruction, signer, seconds to advance) against the current state."""
+def join_secret(client: bytes) -> bytes:
+    """The secret a generated joiner commits to when it joins: fixed, so that its reveal in the warmup can open it."""
+    return hashlib.sha256(b"join" + client).digest()
+
+
+def committed_join(run_id: str, role: Role, stage: int, client: bytes) -> JoinRun:
+    """A join committing to ``join_secret(client)``, where ``client`` is the key that signs it."""
+    return JoinRun(run_id, role, stage, commitment=join_commitment(client, join_secret(client)))
+
+
+def build(state: CoordinatorState, step: tuple, key_of: Callable[[bytes], bytes] = lambda who: who,
+          ) -> tuple[Instruction, bytes, int]:
+    """Turn a drawn step into (instruction, signer, seconds to advance) against the current state; ``key_of`` maps a
+    generated identity to the key that signs for it (a commitment binds that key)."""
     kind = step[0]
     if kind == "join":
-        _, who, role, stage, run_id = step
-        return JoinRun(run_id, role, stage), who, 0
+        _, who, role, stage, run_id, commits = step
+        return (committed_join(run_id, role, stage, key_of(who)) if commits else JoinRun(run_id, role, stage)), who, 0
     if kind == "withdraw":
         return Withdraw(), step[1], 0
     if kind == "tick":
@@ -140,8 +164,11 @@ def build(state: CoordinatorState, step: tuple) -> tuple[Instruction, bytes, int
         return Witness(max(0, state.round.height + height_shift), bloom, bloom), signer, 0
     if kind in ("commit", "reveal"):
         _, who, height_shift, honest = step
+        kind = "reveal" if state.phase == Phase.Warmup else kind  # a warmup takes joiners' reveals, no commitment
         signer, height = _seeder(state, who, kind == "reveal"), max(0, state.round.height + height_shift)
         secret = secret_of(signer, state.round.seed) if honest else bytes(32)
+        if state.phase == Phase.Warmup:
+            secret = join_secret(signer) if honest else bytes(32)
         if kind == "commit":
             return CommitSeed(height, seed_commitment(signer, state.round.seed, secret)), signer, 0
         return RevealSeed(height, secret), signer, 0
@@ -172,7 +199,10 @@ def check_invariants(state: CoordinatorState, before: tuple[int, int, int]) -> N
     if state.phase in RUN_PHASES:
         assert derived.pipeline_complete(state.clients, config), "a run phase without a complete pipeline"
         assert state.round.witness_count <= min(config.witness_nodes, len(ids))
-        assert state.round.witnesses == derived.election(state), "the stored election is the round's clients' ranks"
+        revealing = derived.revealing(state)
+        election = unelected() if revealing else derived.election(state)
+        assert state.round.witnesses == election, "the stored election is the round's clients' ranks, or none yet"
+        assert revealing or all(c.commitment == NO_COMMITMENT for c in state.clients), "a commitment outlived reveals"
     assert all(c.stage < config.num_stages for c in state.clients if c.role == Role.Worker)
     ledger = [entry.id for entry in state.ledger]
     assert ledger == sorted(set(ledger)) and len(ledger) <= limits.MAX_CLIENTS, "the ledger is sorted by id, once each"
@@ -182,19 +212,32 @@ def check_invariants(state: CoordinatorState, before: tuple[int, int, int]) -> N
     assert state.round.revealed & ~state.round.committed == 0, "a reveal without a commitment"
 
 
-def fresh_run(prejoin: bool) -> CoordinatorState:
-    """A started run, with a full pipeline queued if ``prejoin``: most interesting sequences need one, which random
+def fresh_run(prejoin: int) -> CoordinatorState:
+    """A started run, with a full pipeline queued if ``prejoin`` (its first joiner committing to a secret if it is
+    ``COMMITTED``): most interesting sequences need one, which random
     joins rarely assemble."""
     state = new_run()
     if prejoin:
-        for i, role in enumerate([Role.Worker, Role.Worker, Role.Worker, Role.Trainer]):
-            rules.join(state, IDS[i], RUN_ID, role, limits.NO_STAGE, IDS[i])
+        for i, join in enumerate(prejoins(lambda who: who, prejoin == COMMITTED)):
+            apply(state, join, IDS[i], 0, 0)
     return state
 
 
+PREJOIN = st.sampled_from([0, 1, 1, 2])
+"""No joins before the steps, a full pipeline's, or a full pipeline's whose first joiner commits (``COMMITTED``)."""
+COMMITTED = 2
+
+
+def prejoins(key_of: Callable[[bytes], bytes], committed: bool) -> list[JoinRun]:
+    """A full pipeline's joins by IDS[0..3], the first committing to a secret for its warmup if ``committed``."""
+    roles = [Role.Worker, Role.Worker, Role.Worker, Role.Trainer]
+    return [committed_join(RUN_ID, role, limits.NO_STAGE, key_of(IDS[i])) if i == 0 and committed
+            else JoinRun(RUN_ID, role) for i, role in enumerate(roles)]
+
+
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HypothesisHealthCheck.too_slow])
-@given(st.booleans(), st.lists(op, min_size=25, max_size=100))
-def test_random_sequences_keep_invariants(prejoin: bool, steps: list[tuple]) -> None:
+@given(PREJOIN, st.lists(op, min_size=25, max_size=100))
+def test_random_sequences_keep_invariants(prejoin: int, steps: list[tuple]) -> None:
     state = fresh_run(prejoin)
     now = 0
     for step in steps:
@@ -209,7 +252,8 @@ def test_random_sequences_keep_invariants(prejoin: bool, steps: list[tuple]) -> 
         except errors.CoordinatorError:
             assert state == pickle.loads(snapshot), f"rejected {ix.NAME} changed the state"
             continue
-        if isinstance(ix, (Witness, WarmupWitness, CommitSeed, RevealSeed)):
+        joiner_reveal = isinstance(ix, RevealSeed) and state.phase == Phase.Warmup
+        if isinstance(ix, (Witness, WarmupWitness, CommitSeed, RevealSeed)) and not joiner_reveal:
             assert signer in elected, f"a {ix.NAME} was accepted from a client that was not elected"
         check_invariants(state, before)
         VISITED.add(state.phase)
@@ -240,7 +284,7 @@ def check_tick_due(state: CoordinatorState, now: int) -> None:
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HypothesisHealthCheck.too_slow])
-@given(st.booleans(), st.lists(op, min_size=25, max_size=100))
+@given(PREJOIN, st.lists(op, min_size=25, max_size=100))
 def test_tick_due_says_exactly_when_a_tick_changes_the_state(prejoin: bool, steps: list[tuple]) -> None:
     check_tick_due(rules.init_coordinator(RUN_ID, AUTHORITY, bytes(32), now=0), 0)  # uninitialised: never due
     check_tick_due(new_run(started=False), 0)  # paused

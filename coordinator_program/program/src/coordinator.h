@@ -192,6 +192,15 @@ uint64_t psy_health_check(const psy_op_t *op);
 /* derived.elected: how many witnesses the current round has; psy_elected_client: the client index in slot
  * `position` (below that count), read from the round's witnesses. */
 uint64_t psy_elected_count(uint8_t *s);
+/* derived.revealing: the warmup still waits for its joiners' reveals (its seats hold UNELECTED). */
+bool psy_revealing(uint8_t *s);
+/* reveals.join_reveals_over and close_join_reveals (in the warmup's tick). */
+bool psy_join_reveals_over(uint8_t *s, int64_t now);
+void psy_close_join_reveals(uint8_t *s);
+/* Every seat UNELECTED, as the warmup's admission leaves them when a joiner committed to a secret. */
+void psy_unelect(uint8_t *s);
+/* Whether an admitted client still holds a commitment from its join. */
+bool psy_any_join_commitment(uint8_t *s);
 uint64_t psy_elected_client(uint8_t *s, uint64_t position);
 /* rules._elected_position: the witness slot of client `index` in the current round, or PSY_ERR_NOT_A_WITNESS. */
 uint64_t psy_witness_position(uint8_t *s, uint64_t index, uint64_t *position);

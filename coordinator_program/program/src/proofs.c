@@ -7,7 +7,15 @@ static bool training(const uint8_t *s) {
   return phase == PSY_PHASE_ROUND_TRAIN || phase == PSY_PHASE_ROUND_WITNESS;
 }
 
+bool psy_revealing(uint8_t *s) {
+  return PSY_ACCOUNT_PHASE_GET(s) == PSY_PHASE_WARMUP &&
+         psy_load_u16(psy_current_round(s) + PSY_ROUND_WITNESSES_OFFSET) == PSY_UNELECTED;
+}
+
 uint64_t psy_elected_count(uint8_t *s) {
+  if (psy_revealing(s)) {
+    return 0;
+  }
   uint64_t k = PSY_ACCOUNT_CONFIG_WITNESS_NODES_GET(s);
   uint64_t n = psy_list_count(s, &PSY_CLIENTS);
   return k < n ? k : n;

@@ -157,6 +157,8 @@ uint64_t psy_join(const psy_op_t *op) {
   PSY_PENDING_STAGE_SET(entry, stage);
   PSY_PENDING_SLOT_SET(entry, slot);
   PSY_PENDING_VETERAN_SET(entry, 0);
+  sol_memcpy_(entry + PSY_PENDING_COMMITMENT_OFFSET, op->data + PSY_IX_JOIN_RUN_COMMITMENT_OFFSET,
+              PSY_PENDING_COMMITMENT_SIZE);
   psy_store_u16(s + PSY_ACCOUNT_NUM_PENDING_OFFSET, (uint16_t)(pending + 1));
   psy_bump_nonce(s);
   return PSY_SUCCESS;

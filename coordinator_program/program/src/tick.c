@@ -112,13 +112,21 @@ static uint64_t tick_waiting(uint8_t *s, int64_t now) {
   sol_memset_(warmup, 0, PSY_ROUND_SIZE);
   PSY_ROUND_SEED_SET(warmup, seed);
   PSY_ROUND_DATA_INDEX_SET(warmup, psy_data_index(s));
-  psy_elect(s);
+  if (psy_any_join_commitment(s)) {
+    psy_unelect(s); /* elected once the joiners have revealed */
+  } else {
+    psy_elect(s);
+  }
   enter(s, PSY_PHASE_WARMUP, now);
   return PSY_SUCCESS;
 }
 
 static uint64_t tick_warmup(uint8_t *s, int64_t now) {
-  bool changed = false;
+  bool closed = psy_revealing(s) && psy_join_reveals_over(s, now);
+  if (closed) {
+    psy_close_join_reveals(s);
+  }
+  bool changed = closed;
   uint64_t clients = psy_list_count(s, &PSY_CLIENTS);
   psy_keep_healthy_clients(s);
   if (psy_list_count(s, &PSY_CLIENTS) != clients) {
@@ -140,7 +148,7 @@ static uint64_t tick_warmup(uint8_t *s, int64_t now) {
     start_round(s, now, 0);
     return PSY_SUCCESS;
   }
-  if (changed) {
+  if (closed || (changed && !psy_revealing(s))) {
     psy_elect(s); /* the warmup's election of the clients left (a round starting elects anew) */
   }
   return changed ? PSY_SUCCESS : NOTHING;
