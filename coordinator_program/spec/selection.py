@@ -11,15 +11,16 @@ every later index, so c colluders choosing whether to leave could pick among 2^c
 leaving only changes whether it is elected (and, if it was, lets in the next ticket in line). A ticket is as
 unforeseeable as its seed only to a client whose key was fixed first: an epoch's first two seeds are known while its
 joins are open, so its first two elections rank the clients that held their keys before (``derived.election``).
-The data order still draws by index (rejection sampling, so every order is equally likely): whom it favours is a
-sample more or less, not a seat.
+The data order ranks the same way, by a ticket of its own domain (``data_ticket``): the lowest tickets take the
+first ranges and the remainder's extra samples, so a trainer leaving before a round starts moves no other trainer's
+place in it either.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 WITNESS_DOMAIN = b"psyswarm:witness"
@@ -27,7 +28,6 @@ DATA_DOMAIN = b"psyswarm:data"
 SEED_DOMAIN = b"psyswarm:seed"
 PROGRAM_ENTROPY = 0
 """What the on-chain program mixes into each seed (``next_seed``): nothing any transaction chooses."""
-_U64 = 2**64
 
 
 NO_REVEALS = bytes(32)
@@ -50,37 +50,6 @@ def next_seed(previous: int, entropy: int, reveals: bytes = NO_REVEALS) -> int:
     """
     digest = hashlib.sha256(SEED_DOMAIN + struct.pack("<QQ", previous, entropy) + reveals).digest()
     return int.from_bytes(digest[:8], "little")
-
-
-def random_words(seed: int, domain: bytes) -> Iterator[int]:
-    """An endless stream of u64 words: block j is sha256(domain ‖ seed_le64 ‖ j_le32), cut in four."""
-    block = 0
-    prefix = domain + struct.pack("<Q", seed)
-    while True:
-        digest = hashlib.sha256(prefix + struct.pack("<I", block)).digest()
-        yield from struct.unpack("<4Q", digest)
-        block += 1
-
-
-def uniform_below(words: Iterator[int], bound: int) -> int:
-    """An unbiased integer in [0, bound): words at or above the largest multiple of ``bound`` are redrawn."""
-    if bound < 1:
-        raise ValueError("bound must be positive")
-    limit = _U64 - (_U64 % bound)
-    for word in words:
-        if word < limit:
-            return word % bound
-    raise AssertionError("unreachable: the word stream is endless")
-
-
-def shuffled_prefix(seed: int, domain: bytes, n: int, k: int) -> list[int]:
-    """The first ``k`` positions of a Fisher-Yates shuffle of range(n), drawn from the seed."""
-    order = list(range(n))
-    words = random_words(seed, domain)
-    for i in range(min(k, n)):
-        j = i + uniform_below(words, n - i)
-        order[i], order[j] = order[j], order[i]
-    return order[:min(k, n)]
 
 
 def witness_ticket(seed: int, client: bytes) -> bytes:
@@ -124,21 +93,30 @@ class Assignment:
         return self.end - self.start
 
 
+def data_ticket(seed: int, client: bytes) -> bytes:
+    """A trainer's place in the round's data order: sha256(domain ‖ seed as a little-endian u64 ‖ key), the lower
+    the earlier. Like ``witness_ticket`` it depends on its own key alone, so who else trains moves no one's ticket;
+    its own domain keeps the data order independent of the election."""
+    return hashlib.sha256(DATA_DOMAIN + struct.pack("<Q", seed) + client).digest()
+
+
 def assign_data(seed: int, trainers: Sequence[bytes], data_index: int, global_batch_size: int) -> list[Assignment]:
     """Split the round's samples [data_index, data_index + global_batch_size) among the trainers.
 
-    The trainers are shuffled by the seed, then take contiguous ranges in that order; the first
-    ``global_batch_size % len(trainers)`` of them take one sample more. Who gets the larger share, and
-    which part of the data, thus rotates fairly from round to round.
+    The trainers take contiguous ranges in the order of their data tickets, lowest first; the first
+    ``global_batch_size % len(trainers)`` of them take one sample more. Who gets the larger share, and which part
+    of the data, thus rotates fairly from round to round. A trainer that leaves before the round starts is only taken
+    out of the order, the others keeping theirs (a shuffle of trainer indices would move every later index, so m
+    colluders choosing whether to leave would pick among 2^m orders).
     """
     if not trainers:
         return []
-    order = shuffled_prefix(seed, DATA_DOMAIN, len(trainers), len(trainers))
+    order = sorted(trainers, key=lambda client: data_ticket(seed, client))
     base, extra = divmod(global_batch_size, len(trainers))
     out = []
     start = data_index
-    for rank, index in enumerate(order):
+    for rank, client in enumerate(order):
         size = base + (1 if rank < extra else 0)
-        out.append(Assignment(trainers[index], start, start + size))
+        out.append(Assignment(client, start, start + size))
         start += size
     return out

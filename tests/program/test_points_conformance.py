@@ -14,7 +14,16 @@ from coordinator_chain import ProgramChain, Replay, Swarm, training_swarm
 from solders.keypair import Keypair
 
 from coordinator_program.spec import derived, errors, limits
-from coordinator_program.spec.config import Checkpoint, GradAveraging, Model, Schedule, Tokenizer, WireCodec
+from coordinator_program.spec.config import (
+    Checkpoint,
+    GradAveraging,
+    Model,
+    Schedule,
+    Tokenizer,
+    WireCodec,
+    bloom_params,
+    filter_capacity,
+)
 from coordinator_program.spec.instructions import Tick, Update
 from coordinator_program.spec.state import LedgerEntry, Phase, Role
 from tests.spec.scenario import MODEL, SMALL
@@ -118,3 +127,20 @@ def test_model_descriptions_are_accepted_or_refused_alike(model: Model, error: t
     assert replay.apply(Update(CONFIG, model, Checkpoint()), authority) == (None if error is None else error.code)
     if error is None:
         assert replay.state.model == model
+
+
+def test_many_trainers_take_the_larger_shares_by_data_ticket_as_the_specification() -> None:
+    """300 trainers share 1,000 samples, so the first 100 of the data order take 4 and the rest 3: the program
+    finds those 100, through the count of tickets by first byte and a heap among those sharing the 100th's, as the
+    specification ranks them; over two rounds, two seeds, the second leaving a trainer out of its proofs."""
+    slices, bits = bloom_params(filter_capacity(320), 0.0009)
+    config = dataclasses.replace(CONFIG, max_clients=320, bloom_slices=slices, bloom_bits_per_slice=bits,
+                                 global_batch_size=1000)
+    swarm, authority = training_swarm(config, MODEL, workers=4, trainers=300)
+    everyone = swarm.clients()
+    run_round(swarm, authority, everyone, everyone)
+    absent = next(c for c in swarm.state.clients if c.role == Role.Trainer).id
+    others = [c for c in everyone if c != absent]
+    run_round(swarm, authority, others, others)
+    earned = {e.id: e.compute for e in swarm.state.ledger}
+    assert all(earned[c.id] > 0 for c in swarm.state.clients if c.role == Role.Trainer)  # each took a share

@@ -12,12 +12,10 @@ from hypothesis import strategies as st
 
 from coordinator_program.spec.selection import (
     assign_data,
+    data_ticket,
     elect_witnesses,
     next_seed,
-    random_words,
-    shuffled_prefix,
     strict_majority,
-    uniform_below,
     witness_ticket,
 )
 
@@ -42,20 +40,6 @@ def test_next_seed_hashes_the_previous_seed_the_entropy_and_the_reveals() -> Non
 def test_strict_majority_outnumbers_the_rest() -> None:
     assert [strict_majority(n) for n in (1, 2, 3, 4, 5, 32)] == [1, 2, 2, 3, 3, 17]
     assert all(2 * strict_majority(n) > n >= 2 * (strict_majority(n) - 1) for n in range(1, 33))
-
-
-def test_random_words_are_sha256_blocks() -> None:
-    words = random_words(7, b"dom")
-    first = [next(words) for _ in range(5)]
-    block0 = struct.unpack("<4Q", hashlib.sha256(b"dom" + struct.pack("<Q", 7) + struct.pack("<I", 0)).digest())
-    block1 = struct.unpack("<4Q", hashlib.sha256(b"dom" + struct.pack("<Q", 7) + struct.pack("<I", 1)).digest())
-    assert first == list(block0) + [block1[0]]
-
-
-def test_uniform_below_rejects_the_biased_tail() -> None:
-    # 2**64 % 3 == 1, so the single word 2**64 - 1 would favour 0; it must be redrawn.
-    assert uniform_below(iter([2**64 - 1, 5]), 3) == 2
-    assert uniform_below(iter([2**64 - 2]), 3) == (2**64 - 2) % 3
 
 
 def keys(n: int) -> list[bytes]:
@@ -128,8 +112,27 @@ def test_election_is_unbiased_over_seeds() -> None:
     assert chi_square([first[i] for i in range(n)], trials / n) < CHI2_CRIT_0001[9]
 
 
-def test_shuffle_is_a_permutation() -> None:
-    assert sorted(shuffled_prefix(9, b"x", 40, 40)) == list(range(40))
+def test_trainers_take_their_ranges_in_the_order_of_their_data_tickets() -> None:
+    trainers = keys(9)
+    out = assign_data(5, trainers, 0, 40)
+    tickets = [data_ticket(5, a.client) for a in out]
+    assert tickets == sorted(tickets)
+    assert data_ticket(5, trainers[0]) == hashlib.sha256(b"psyswarm:data" + struct.pack("<Q", 5) + trainers[0]).digest()
+    assert data_ticket(5, trainers[0]) != witness_ticket(5, trainers[0])  # a domain of its own
+
+
+@given(seed=st.integers(0, 2**64 - 1), n=st.integers(2, 80), batch=st.integers(0, 500), data=st.data())
+def test_a_trainer_leaving_re_rolls_no_one_elses_data_order(seed: int, n: int, batch: int,
+                                                             data: st.DataObject) -> None:
+    """The attack: with the next round's seed known, a colluding trainer withdraws, or is removed, before the round
+    starts, so every trainer after it moves down an index. The others must keep their order (a shuffle of indices
+    re-rolls it), so m colluders choosing whether to leave choose among no other orders."""
+    trainers = keys(n)
+    leaver = data.draw(st.integers(0, n - 1))
+    before = [a.client for a in assign_data(seed, trainers, 0, batch)]
+    rest = trainers[:leaver] + trainers[leaver + 1:]
+    after = [a.client for a in assign_data(seed, rest, 0, batch)]
+    assert after == [c for c in before if c != trainers[leaver]]
 
 
 def test_assignment_covers_the_batch_contiguously() -> None:

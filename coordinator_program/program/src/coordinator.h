@@ -161,8 +161,10 @@ uint64_t psy_next_seed(uint64_t previous, const uint8_t *reveals);
 /* derived.election: sets the round's witnesses (Round.witnesses) from its seed and the current clients' keys, the
  * lowest witness tickets first; one sha256 a client, so only the ticks that set a round's clients or seed call it. */
 void psy_elect(uint8_t *s);
-/* selection.shuffled_prefix(seed, DATA_DOMAIN, n, n): the order in which trainers take their shares. */
-void psy_data_order(uint64_t seed, uint64_t n, uint16_t *order);
+/* selection.assign_data's larger shares: one sample more in `samples` (indexed by the `trainers` current clients
+ * that train, in client order) for each of the `extra` (0 < extra < trainers) first in the round's data order, the
+ * lowest data tickets (selection.data_ticket); one sha256 a trainer. */
+void psy_larger_shares(uint8_t *s, uint64_t trainers, uint64_t extra, uint32_t *samples);
 
 /* The digests of a client's participant key and of its compute key (bloom.compute_key). */
 void psy_client_digests(const uint8_t *id, uint8_t participant[32], uint8_t compute[32]);

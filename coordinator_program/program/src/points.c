@@ -90,7 +90,8 @@ static bool award(uint8_t *s, const uint8_t *id, uint64_t presence, uint64_t com
 }
 
 /* points.trainer_samples: the samples of the round's data assignment each trainer (in client order) took:
- * global_batch_size / trainers each, one more for the first global_batch_size % trainers in the seed's order. */
+ * global_batch_size / trainers each, one more for the first global_batch_size % trainers in the round's data order
+ * (the lowest data tickets: psy_larger_shares). */
 static void trainer_samples(uint8_t *s, uint64_t trainers, uint32_t *samples) {
   uint64_t batch = PSY_ACCOUNT_CONFIG_GLOBAL_BATCH_SIZE_GET(s);
   uint64_t base = batch / trainers, extra = batch % trainers;
@@ -100,11 +101,7 @@ static void trainer_samples(uint8_t *s, uint64_t trainers, uint32_t *samples) {
   if (extra == 0) { /* every share is the same size, whatever the order */
     return;
   }
-  uint16_t *order = psy_alloc(trainers * sizeof(uint16_t));
-  psy_data_order(PSY_ROUND_SEED_GET(psy_current_round(s)), trainers, order);
-  for (uint64_t rank = 0; rank < extra; rank++) {
-    samples[order[rank]]++;
-  }
+  psy_larger_shares(s, trainers, extra, samples);
 }
 
 void psy_credit_chunk(uint8_t *s) {

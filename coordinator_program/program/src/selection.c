@@ -14,65 +14,6 @@ uint64_t psy_next_seed(uint64_t previous, const uint8_t *reveals) {
   return psy_load_u64(digest);
 }
 
-/* selection.random_words: block j is sha256(domain ‖ seed_le64 ‖ j_le32), read as four LE u64 words. */
-typedef struct {
-  const char *domain;
-  uint64_t domain_len;
-  uint8_t seed[8];
-  uint8_t block[4];
-  uint64_t next;     /* index of the next word in the stream */
-  uint8_t digest[32];
-} words_t;
-
-static uint64_t next_word(words_t *w) {
-  uint64_t in_block = w->next & 3;
-  if (in_block == 0) {
-    psy_store_u32(w->block, (uint32_t)(w->next >> 2));
-    psy_bytes_t pieces[3] = {
-        {(const uint8_t *)w->domain, w->domain_len},
-        {w->seed, sizeof w->seed},
-        {w->block, sizeof w->block},
-    };
-    sol_sha256(pieces, 3, w->digest);
-  }
-  w->next++;
-  return psy_load_u64(w->digest + 8 * in_block);
-}
-
-/* selection.uniform_below: words at or above the largest multiple of bound below 2^64 are redrawn. */
-static uint64_t uniform_below(words_t *w, uint64_t bound) {
-  uint64_t rejected = (0 - bound) % bound; /* 2^64 mod bound: the words past the last multiple */
-  for (;;) {
-    uint64_t word = next_word(w);
-    if (rejected == 0 || word < 0 - rejected) {
-      return word % bound;
-    }
-  }
-}
-
-static void start_words(words_t *w, const char *domain, uint64_t domain_len, uint64_t seed) {
-  w->domain = domain;
-  w->domain_len = domain_len;
-  psy_store_u64(w->seed, seed);
-  w->next = 0;
-}
-
-/* selection.shuffled_prefix: the first min(k, n) positions of a Fisher-Yates shuffle of 0..n-1 drawn from `w`
- * (the whole of `order` is used as scratch). */
-static uint64_t shuffled_prefix(words_t *w, uint64_t n, uint64_t k, uint16_t *order) {
-  for (uint64_t i = 0; i < n; i++) {
-    order[i] = (uint16_t)i;
-  }
-  uint64_t drawn = k < n ? k : n;
-  for (uint64_t i = 0; i < drawn; i++) { /* a partial Fisher-Yates shuffle */
-    uint64_t j = i + uniform_below(w, n - i);
-    uint16_t swap = order[i];
-    order[i] = order[j];
-    order[j] = swap;
-  }
-  return drawn;
-}
-
 /* Tickets compare as bytes (memcmp's order): by their first 8 bytes read big-endian, then by the rest. */
 static bool ticket_below(const uint8_t *a, const uint8_t *b) {
   uint64_t x = __builtin_bswap64(psy_load_u64(a)), y = __builtin_bswap64(psy_load_u64(b));
@@ -148,8 +89,113 @@ void psy_elect(uint8_t *s) {
   }
 }
 
-void psy_data_order(uint64_t seed, uint64_t n, uint16_t *order) {
-  words_t w;
-  start_words(&w, PSY_DATA_DOMAIN, sizeof(PSY_DATA_DOMAIN) - 1, seed);
-  shuffled_prefix(&w, n, n, order);
+/* The round's data order: the trainers' data tickets (selection.data_ticket), each kept as its first 8 bytes read
+ * big-endian, so that they compare as the tickets do; two trainers whose first 8 bytes agree (never, short of some
+ * 2^32 trainers) are ordered by their whole tickets. */
+typedef struct {
+  uint8_t *s;
+  uint64_t *heads;                                 /* by trainer: the current clients that train, in client order */
+  uint8_t prefix[sizeof(PSY_DATA_DOMAIN) - 1 + 8]; /* domain ‖ seed: the part every ticket shares */
+  psy_bytes_t pieces[2];
+} data_order_t;
+
+static void data_ticket(data_order_t *o, const uint8_t *client, uint8_t ticket[32]) {
+  o->pieces[1].addr = client;
+  sol_sha256(o->pieces, 2, ticket);
+}
+
+/* The whole ticket of trainer `t`, found again by its place among the trainers. */
+static void trainer_ticket(data_order_t *o, uint64_t t, uint8_t ticket[32]) {
+  for (uint64_t i = 0;; i++) {
+    const uint8_t *client = psy_list_entry(o->s, &PSY_CLIENTS, i);
+    if (PSY_CLIENT_ROLE_GET(client) == PSY_ROLE_TRAINER && t-- == 0) {
+      data_ticket(o, client, ticket);
+      return;
+    }
+  }
+}
+
+static bool data_before(data_order_t *o, uint16_t a, uint16_t b) {
+  if (o->heads[a] != o->heads[b]) {
+    return o->heads[a] < o->heads[b];
+  }
+  uint8_t x[32], y[32];
+  trainer_ticket(o, a, x);
+  trainer_ticket(o, b, y);
+  return psy_memcmp(x, y, 32) < 0;
+}
+
+/* Restores the heap below `at` in `heap` (of `count` trainers): each trainer comes later in the data order than
+ * those below it, so the root is the latest. */
+static void sift_down(data_order_t *o, uint16_t *heap, uint64_t count, uint64_t at) {
+  for (;;) {
+    uint64_t latest = at, left = 2 * at + 1, right = left + 1;
+    if (left < count && data_before(o, heap[latest], heap[left])) {
+      latest = left;
+    }
+    if (right < count && data_before(o, heap[latest], heap[right])) {
+      latest = right;
+    }
+    if (latest == at) {
+      return;
+    }
+    uint16_t swap = heap[at];
+    heap[at] = heap[latest];
+    heap[latest] = swap;
+    at = latest;
+  }
+}
+
+void psy_larger_shares(uint8_t *s, uint64_t trainers, uint64_t extra, uint32_t *samples) {
+  data_order_t o = {.s = s, .heads = psy_alloc(trainers * sizeof(uint64_t))}; /* 8 KiB of the heap at 1,024 */
+  sol_memcpy_(o.prefix, PSY_DATA_DOMAIN, sizeof(PSY_DATA_DOMAIN) - 1);
+  psy_store_u64(o.prefix + sizeof(PSY_DATA_DOMAIN) - 1, PSY_ROUND_SEED_GET(psy_current_round(s)));
+  o.pieces[0] = (psy_bytes_t){o.prefix, sizeof o.prefix};
+  o.pieces[1] = (psy_bytes_t){0, PSY_PUBKEY_BYTES};
+  uint64_t n = psy_list_count(s, &PSY_CLIENTS), t = 0;
+  for (uint64_t i = 0; i < n; i++) {
+    const uint8_t *client = psy_list_entry(s, &PSY_CLIENTS, i);
+    if (PSY_CLIENT_ROLE_GET(client) == PSY_ROLE_TRAINER) {
+      uint8_t ticket[32];
+      data_ticket(&o, client, ticket);
+      o.heads[t++] = __builtin_bswap64(psy_load_u64(ticket));
+    }
+  }
+  /* Tickets are uniform, so one count of the trainers by their tickets' first byte finds the byte the `extra`-th
+   * earliest has: every trainer with a lower first byte is among the earliest, and only those with that first
+   * byte (about trainers / 256) need comparing. */
+  uint16_t *by_byte = psy_alloc(256 * sizeof(uint16_t)); /* by first byte: how many tickets start with it */
+  sol_memset_(by_byte, 0, 256 * sizeof(uint16_t));
+  for (t = 0; t < trainers; t++) {
+    by_byte[o.heads[t] >> 56]++;
+  }
+  uint64_t byte = 0, earlier = 0;
+  while (earlier + by_byte[byte] < extra) {
+    earlier += by_byte[byte++];
+  }
+  uint16_t *same_byte = psy_alloc(by_byte[byte] * sizeof(uint16_t)); /* the trainers whose first byte is `byte` */
+  uint64_t count = 0;
+  for (t = 0; t < trainers; t++) {
+    uint64_t first = o.heads[t] >> 56;
+    if (first < byte) {
+      samples[t]++;
+    } else if (first == byte) {
+      same_byte[count++] = (uint16_t)t;
+    }
+  }
+  /* The `wanted` earliest of those: a heap of the first `wanted`, each later one that comes before its root
+   * replacing it; some 2 · count · log2(wanted) comparisons at most, however the tickets fall. */
+  uint64_t wanted = extra - earlier;
+  for (uint64_t at = wanted / 2; at-- > 0;) {
+    sift_down(&o, same_byte, wanted, at);
+  }
+  for (uint64_t i = wanted; i < count; i++) {
+    if (data_before(&o, same_byte[i], same_byte[0])) {
+      same_byte[0] = same_byte[i];
+      sift_down(&o, same_byte, wanted, 0);
+    }
+  }
+  for (uint64_t i = 0; i < wanted; i++) {
+    samples[same_byte[i]]++;
+  }
 }
