@@ -19,6 +19,14 @@ left running, reparented to init, holding hundreds of megabytes. So every helper
 Linux's parent-death signal, so it dies with the helper. The helper itself cannot use that signal: it follows
 the thread that forked, and the host may fork helpers from a short-lived thread.
 
+Commands reach a helper whole. hivemind's DHT node and averager take commands from their host through a
+``multiprocessing`` pipe, which the helper polls with uvloop's ``add_reader``, and libuv makes the pipe's descriptor
+non-blocking for that. ``Connection.send`` writes a message of more than 16 KiB as two writes, its length and then
+its body, so the helper could wake between them, find the body not there yet and get ``BlockingIOError`` from
+``recv``: the command was lost, its caller waited for ever, and the stream, left out of step, ended the helper at the
+next command (``EOFError``). ``receive_whole`` makes a helper read each command with the descriptor blocking, which
+waits for the rest of a message whose first bytes are in, its writer being in the middle of sending it.
+
 May import: nothing outside this module.
 """
 
@@ -33,6 +41,8 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from multiprocessing.connection import Connection
+from typing import Any
 
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -107,3 +117,18 @@ def _after_fork_in_child() -> None:
 
 _parent = os.getpid()
 os.register_at_fork(before=_remember_parent, after_in_child=_after_fork_in_child)
+
+
+def receive_whole(pipe: Connection) -> None:
+    """Make ``pipe.recv`` (a helper's end of its command pipe) read each message whole: with the descriptor blocking
+    for the read, and non-blocking again for the event loop that polls it."""
+    receive = pipe.recv
+
+    def whole() -> Any:
+        os.set_blocking(pipe.fileno(), True)
+        try:
+            return receive()
+        finally:
+            os.set_blocking(pipe.fileno(), False)
+
+    pipe.recv = whole  # type: ignore[method-assign]

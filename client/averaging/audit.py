@@ -27,13 +27,12 @@ reducers by checking their work against signed inputs. This is that check, for t
   in their last bits). An honest reducer signs only statements that are true, so there is no evidence against it,
   whoever assembles it.
 
-Why blocks: evidence travels to the witnesses in a DHT record, and hivemind's pipe from a client to its DHT process
-takes no message much above 58 KB (a larger store fails in the pipe and never returns: ``records.MAX_RECORD_BYTES``).
-A part of 16,384 values cannot be carried, k + 1 times over, in that. So a part is reduced block by block (``BLOCK``
-values each: the robust mean of each block, ``reduce_blocks``), and a part's digest is the root of a Merkle tree over
-its blocks (``part_digest``): what one sender signs then vouches for each of its blocks, and one block's inputs and
-result, each with its path to the root, make the whole evidence (13 KB in a group of three, 30 KB in a group of
-eight).
+Why blocks: evidence travels to the witnesses in a DHT record of at most ``records.MAX_RECORD_BYTES``, which every
+witness fetches with the round's other records. A part of 16,384 values cannot be carried, k + 1 times over, in that.
+So a part is reduced block by block (``BLOCK`` values each: the robust mean of each block, ``reduce_blocks``), and a
+part's digest is the root of a Merkle tree over its blocks (``part_digest``): what one sender signs then vouches for
+each of its blocks, and one block's inputs and result, each with its path to the root, make the whole evidence (13 KB
+in a group of three, 30 KB in a group of eight).
 
 What this does not catch: a reducer that leaves an honest sender's input out (it claims the sender went silent,
 and a sender cannot prove what the reducer received). The sender whose input is missing refuses the part, but

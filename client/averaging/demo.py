@@ -26,20 +26,19 @@ than a chunk go in full), the fast-moving components of a momentum m, in one all
     average:  U = the union of the admitted peers' positions (sorted: the same on every peer);  a = avg(c[U])
     result:   sign(IDCT(a scattered at U, zeros elsewhere));  momentum: m ← β·m + g − IDCT(c[U] at U)  (decoupled)
 
-The positions are untrusted input: a groupmate whose list is malformed (count, type, range, order) or not the one
-its seal covers (the sealed declaration holds their digest; the lists themselves travel beside it, too large for
-hivemind's control pipe from the host) is dropped like any groupmate whose declaration does not pass. Its declared
-norm bounds its whole momentum, so every part it sends (c at U, the full tensors) lies within it. The result goes
-through sign(), as in Psyche, although the worker's AdamW follows (which normalises each parameter's step by its
-own running scale anyway): a component leaves the momentum only when it has grown large, often after many steps,
-so the decoded averages are bursts that would inflate AdamW's second moment for many steps after; their signs keep
-every step's scale alike. Measured (tests/benchmarks/bench_gradients.py's README setting, DeMo 64/4 with SPARTA,
-100 rounds, training loss against one process, single runs that vary by a few points): with sign +8.6 % and
-+4.7 % at β 0.999, +3.6 % and +6.1 % at β 0.9; without sign +12.9 % (β 0.999) and +13.4 % (β 0.9). β made no
-difference beyond that noise; the default is 0.9 because the declared norm bounds the whole momentum, which at
-0.999 holds up to a thousand steps of untransmitted gradient and so loosens every groupmate's limit. DeMo's
-momentum moves, like PowerSGD's error feedback, only when the round fully succeeded.
-"""
+The positions are untrusted input: a groupmate whose list is malformed (count, type, range, order) or not the one its
+seal covers (the sealed declaration holds their digest; the lists themselves travel beside it, read from the tensors
+the host shares with the averaging process) is dropped like any groupmate whose declaration does not pass. Its
+declared norm bounds its whole momentum, so every part it sends (c at U, the full tensors) lies within it. The result
+goes through sign(), as in Psyche, although the worker's AdamW follows (which normalises each parameter's step by its
+own running scale anyway): a component leaves the momentum only when it has grown large, often after many steps, so
+the decoded averages are bursts that would inflate AdamW's second moment for many steps after; their signs keep every
+step's scale alike. Measured (tests/benchmarks/bench_gradients.py's README setting, DeMo 64/4 with SPARTA, 100
+rounds, training loss against one process, single runs that vary by a few points): with sign +8.6 % and +4.7 % at β
+0.999, +3.6 % and +6.1 % at β 0.9; without sign +12.9 % (β 0.999) and +13.4 % (β 0.9). β made no difference beyond
+that noise; the default is 0.9 because the declared norm bounds the whole momentum, which at 0.999 holds up to a
+thousand steps of untransmitted gradient and so loosens every groupmate's limit. DeMo's momentum moves, like
+PowerSGD's error feedback, only when the round fully succeeded. """
 
 from __future__ import annotations
 

@@ -243,8 +243,8 @@ class _GradientRounds(StageAverager):
 
     async def _step(self, *, step: StepControl, future_for_init: Any) -> Any:
         """hivemind's step, the DeMo indices the host picked added to what this peer gathers: they travel beside
-        the sealed declaration (which holds their digest), because hivemind's control pipe from the host, read
-        without blocking, fails on a message larger than one read (and then every later one)."""
+        the sealed declaration (which holds their digest), read here from the tensors the host shares with this
+        process rather than sent with every step through hivemind's control pipe."""
         if self._chunk:
             bandwidth, mode, user = self.serializer.loads(step.data_for_gather)
             declaration = {**self.serializer.loads(user), "idx": [t.tolist() for t in self._indices]}

@@ -56,7 +56,7 @@ from client.averaging.membership import Declared, Membership, Roster, check, fal
 from client.averaging.runner import RobustRunner
 from client.averaging.state_transfer import SharedState, StateTransfer
 from client.averaging.work import WorkRule
-from client.helper_processes import forking_helpers
+from client.helper_processes import forking_helpers, receive_whole
 
 logger = get_logger(__name__)
 
@@ -108,6 +108,12 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
         with forking_helpers():
             self.start()
         self.wait_until_ready()
+
+    def run(self) -> None:
+        """The averaging process: hivemind's, reading each command from the host whole (a roster or a round's gather
+        can be large: ``client.helper_processes.receive_whole``)."""
+        receive_whole(self._inner_pipe)
+        super().run()
 
     # ----- host side -----
 

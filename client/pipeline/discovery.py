@@ -277,13 +277,12 @@ class WorkerDirectory:
 def start_dht(initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0) -> hivemind.DHT:
     """A hivemind DHT node listening on ``host:port`` (0: any free port), joined to ``initial_peers``, that
     stores and reads only records sealed by the owner their subkey names (``client.sealed``)."""
-    import hivemind
-
     from client.helper_processes import forking_helpers
+    from client.pipeline.dht_node import DHTNode
     from client.sealed import SealValidator
 
     with forking_helpers():  # stopped by dht.shutdown(), not by Ctrl+C; killed with this process
-        return hivemind.DHT(
+        return DHTNode(
             initial_peers=list(initial_peers) or None,
             host_maddrs=[f"/ip4/{host}/tcp/{port}"],
             record_validators=[SealValidator()],

@@ -218,9 +218,9 @@ class Presence(SignedRecord):
 
 
 MAX_RECORD_BYTES = 48_000
-"""The largest record a client publishes (its value as the DHT serializes it): hivemind's pipe from a client to its
-DHT process takes no message much above 58 KB (measured; the seal and the call come on top of the record), and a
-larger store fails inside that pipe and never returns."""
+"""The largest record a client publishes (its value as the DHT serializes it). A witness reads a round's records of a
+kind in one DHT answer, every client's together (``fetch``), so this bounds what one client adds to what every witness
+fetches: a group of eight's evidence against a reducer (30 KB, ``client.averaging.audit``) fits."""
 
 
 def record_bytes(record: SignedRecord) -> int:
@@ -315,7 +315,7 @@ class Board:
         record.admit(author, self.run_id, record.epoch, record.round_height())
         size = record_bytes(record)
         _require(size <= MAX_RECORD_BYTES, f"a {record.KIND} of {size:,} bytes is larger than the {MAX_RECORD_BYTES:,} "
-                                           "a DHT store takes")
+                                           "a record may have")
         key = self.key(type(record), record.epoch, record.round_height(), self.shard_of(author))
         return store_sealed(self.dht, keypair, key, record.to_value(), get_dht_time() + RECORD_TTL)
 

@@ -9,7 +9,9 @@ passes the time and the entropy; nothing here does I/O or imports a Solana clien
 - ``config``, ``state``: a run's configuration and the coordinator's state, with their layouts;
 - ``selection``, ``bloom``, ``schedule``: what a round's seed decides, the witness filters, the learning rate;
 - ``derived``: what everyone reads off the state alike (the instance name, witnesses, quorum, data assignment, stages);
-- ``rules``: every operation and the tick; ``points``: what a round earns and the ledger it goes into;
+- ``beacon``: the commit-reveal behind every seed; ``reveals``: its operations (commitments, reveals and their close);
+- ``signers``: who may act; ``rules``: the other operations and the tick; ``points``: what a round earns and the
+  ledger it goes into;
 - ``instructions``: each instruction's bytes and how it applies.
 
 May import: nothing outside this package.

@@ -10,7 +10,10 @@ witness has committed), a health check (it reads one count), each tick that ends
 points a tick; one run crediting into a ledger full of strangers, each of a tick's 4 new entries displacing one; the
 first round's last tick removes a witness that committed and withheld its reveal, and elects the next round's
 witnesses, a sha256 of every client's key), the tick that admits every joiner (and elects the warmup's), the
-checkpoint that ends cooldown and requeues every client. One client cannot train (a pipeline needs a worker per
+checkpoint that ends cooldown and requeues every client. Every join commits to a secret, as the clients' do, so the
+first warmup elects no one until its joiners reveal: each reveal, then the tick that closes the reveals at half the
+warmup (one joiner withheld: it leaves) and elects the warmup's witnesses; the second epoch's warmup, all veterans with
+nothing to reveal, elects as it admits. One client cannot train (a pipeline needs a worker per
 stage and a trainer), so the training instructions have no figure at that size. Transactions ask for compute units
 as the clients' do (``onchain.budget``): a tick asks for ``TICK_UNITS``, every other instruction for none, so it must
 stay within the default 200,000. Every filter names every client present and working (the costliest tally).
@@ -28,7 +31,7 @@ from solders.keypair import Keypair
 from coordinator_program.onchain.budget import DEFAULT_UNITS, TICK_UNITS
 from coordinator_program.onchain.instance import INSTANCE_SIZE
 from coordinator_program.spec import derived, limits, rules
-from coordinator_program.spec.beacon import seed_commitment
+from coordinator_program.spec.beacon import join_commitment, seed_commitment
 from coordinator_program.spec.bloom import proof_parts
 from coordinator_program.spec.config import Checkpoint, CheckpointKind, Config, Model, bloom_params, filter_capacity
 from coordinator_program.spec.instructions import (
@@ -113,10 +116,12 @@ class Bench:
             self.call(label, CommitSeed(height, commitment), self.of(witness))
         return pairs
 
-    def join(self, slot: int) -> JoinRun:
-        """A join countersigned for ``slot``, valid for a minute (a trainer every eighth slot)."""
+    def join(self, slot: int, member: bytes) -> JoinRun:
+        """A join countersigned for ``slot``, valid for a minute (a trainer every eighth slot), committing to the
+        member's secret for its warmup as every client's join does."""
         role = Role.Trainer if slot % 8 == 7 else Role.Worker
-        return JoinRun(self.state.run_id, role, limits.NO_STAGE, slot, self.replay.now + 60)
+        commitment = join_commitment(member, join_secret(member))
+        return JoinRun(self.state.run_id, role, limits.NO_STAGE, slot, self.replay.now + 60, commitment)
 
     def end_round(self, label: str) -> None:
         """Tick through the end of a round: a tick for every 128 clients credited (more for a full ledger)."""
@@ -134,12 +139,19 @@ class Bench:
         self.replay.chain.fund(*keypairs)
         self.members = {key(kp): kp for kp in keypairs}
         for slot, kp in enumerate(keypairs):
-            self.call("join_run (the last joiner, naming its slot)", self.join(slot), kp)
+            self.call("join_run (the last joiner, naming its slot)", self.join(slot, key(kp)), kp)
         self.call("withdraw (the first joiner)", Withdraw(), keypairs[0])
-        self.call(None, self.join(0), keypairs[0])
+        self.call(None, self.join(0, key(keypairs[0])), keypairs[0])
         if self.clients < config.min_clients:
             return
-        self.call("tick: WaitingForMembers → Warmup (admits all)", Tick(), authority, advance=1)
+        self.call("tick: WaitingForMembers → Warmup (admits joiners)", Tick(), authority, advance=1)
+        withholder = self.state.clients[-2].id  # a worker: the pipeline stays whole without it
+        for client in [c.id for c in self.state.clients if c.id != withholder]:
+            label = "reveal_seed (a joiner's, in the warmup)"
+            self.call(label, RevealSeed(0, join_secret(client)), self.of(client))
+        label = "tick: Warmup closes the reveals (one leaves; elects)"
+        self.call(label, Tick(), authority, advance=config.warmup_time // 2)
+        assert withholder not in [c.id for c in self.state.clients] and derived.witnesses(self.state)
         self.prove("warmup_witness (a part)", [c.id for c in self.state.clients])
         self.call("tick: Warmup → RoundTrain (quorum; elects)", Tick(), authority)
         lazy = [c.id for c in self.state.clients if c.id not in derived.witnesses(self.state)][:2]
@@ -162,13 +174,17 @@ class Bench:
         for stage in range(config.num_stages):
             report = CheckpointReport(CheckpointKind.Hub, "org/model", "step-2")
             self.call("checkpoint (the last ends Cooldown, requeues all)", report, self.of(savers[stage]))
-        self.call("tick: WaitingForMembers → Warmup (admits all)", Tick(), authority, advance=1)
+        self.call("tick: WaitingForMembers → Warmup (admits veterans; elects)", Tick(), authority, advance=1)
         self.call(None, Withdraw(), self.of(self.state.clients[0].id))
         self.call("tick: Warmup drops a client", Tick(), authority)
         self.call("tick: Warmup → RoundTrain (time)", Tick(), authority, advance=config.warmup_time)
         self.call(None, Tick(), authority, advance=config.max_round_train_time)
         self.end_round("tick: RoundWitness ends (no proof: all leave)")
         assert self.state.clients == []
+
+
+def join_secret(member: bytes) -> bytes:
+    return hashlib.sha256(b"join secret" + member).digest()
 
 
 def print_largest(table: dict[str, dict[int, int]]) -> None:
@@ -183,10 +199,10 @@ def main() -> int:
     table: dict[str, dict[int, int]] = defaultdict(dict)
     for clients in SIZES:
         Bench(clients, table).run()
-    print(f"{'instruction (costliest path)':<52}" + "".join(f"{n:>12,} cl." for n in SIZES))
+    print(f"{'instruction (costliest path)':<60}" + "".join(f"{n:>12,} cl." for n in SIZES))
     for label, row in table.items():
         cells = "".join(f"{row[n]:>16,}" if n in row else f"{'n/a':>16}" for n in SIZES)
-        print(f"{label:<52}{cells}")
+        print(f"{label:<60}{cells}")
     print()
     print_largest(table)
     chain = ProgramChain()
