@@ -50,6 +50,7 @@ from coordinator_program.spec.instructions import (
 )
 from coordinator_program.spec.state import ACCOUNT_SIZE, Health, LedgerEntry, Phase, Role
 from tests.program.coordinator_chain import ProgramChain, Replay, key
+from tests.spec.test_properties import join_secret
 
 SIZES = (1, 64, 256, limits.MAX_CLIENTS)
 
@@ -182,9 +183,6 @@ class Bench:
         self.end_round("tick: RoundWitness ends (no proof: all leave)")
         assert self.state.clients == []
 
-
-def join_secret(member: bytes) -> bytes:
-    return hashlib.sha256(b"join secret" + member).digest()
 
 
 def print_largest(table: dict[str, dict[int, int]]) -> None:
