@@ -6,7 +6,7 @@ The reveal is not optional: a witness that committed and did not reveal by the r
 secret is revealed the moment the state allows it (the runner calls ``on_state`` on every state) and sent again at
 the next poll if it did not get through. The secret lives in memory only: a witness that restarts between its commitment
 and its reveal cannot reveal and leaves at the round's end, as a witness that died would, and joins again; a joiner
-that restarts before its warmup leaves at half the warmup, and joins again.
+that restarts before its warmup leaves when the warmup ends, and joins again.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class Seeding:
         self.lock = asyncio.Lock()  # one commitment or reveal at a time: the state polled and pushed both call in
         self.sent: set[tuple[tuple[RoundKey, int], str]] = set()  # what the coordinator took, by round
         self.join_secret: bytes | None = None  # the secret of this client's join, until the coordinator takes it
+        self.join_revealed: bytes | None = None  # the commitment whose reveal was sent
         self.warned: set[tuple[RoundKey, str]] = set()
 
     def join_commitment(self) -> bytes:
@@ -105,16 +106,23 @@ class Seeding:
         self.sent = {entry for entry in self.sent if entry[0][0].epoch >= round_key[0].epoch - 1}
 
     async def reveal_join(self, state: CoordinatorState) -> None:
-        """Open the commitment this client joined with, if the warmup still holds it unopened."""
+        """Open the commitment this client joined with, if the warmup still holds it unopened. A state from before
+        the reveal was taken may still show it: it is sent once for each commitment."""
         index = state.client_index(self.context.me)
-        if index is None or state.clients[index].commitment == NO_COMMITMENT:
+        if index is None:
+            return
+        commitment = state.clients[index].commitment
+        if commitment == NO_COMMITMENT:
+            self.join_secret = None  # opened: a later join commits to a fresh secret
+            return
+        if commitment == self.join_revealed:
             return
         secret = self.join_secret
-        if secret is None or join_commitment(self.context.me, secret) != state.clients[index].commitment:
+        if secret is None or join_commitment(self.context.me, secret) != commitment:
             if (RoundKey.of(state), "lost join secret") not in self.warned:
                 self.warned.add((RoundKey.of(state), "lost join secret"))
                 log.warning("this client joined before it restarted and cannot open its join's commitment: it leaves "
-                            "at half the warmup and joins again")
+                            "when the warmup ends and joins again")
             return
         try:
             await self.context.backend.reveal_seed(state.round.height, secret)
@@ -122,4 +130,4 @@ class Seeding:
             pass  # taken, the reply lost
         else:
             log.info("epoch %d: join secret revealed for the warmup's seed", state.epoch)
-        self.join_secret = None
+        self.join_revealed = commitment

@@ -20,14 +20,14 @@ Why each part:
 
 An epoch's joiners take part the same way, once (``reveals.reveal_join``). Each join carries a commitment to a fresh
 secret, ``join_commitment(its key, secret)``; the tick that admits the joiners elects no one yet
-(``derived.revealing``), each admitted joiner reveals in the warmup, and once every one has revealed, or half the
-warmup has passed, a tick folds the secrets into the warmup's seed, removes the joiners that did not reveal and
-elects the warmup's witnesses (``reveals.close_join_reveals``). Without it the warmup's and round 0's seeds would be
-known while joins are still open, and a joiner could grind keypairs until one held the lowest tickets under them; a
-key is fixed when it joins, before any joiner's secret is shown, so one honest joiner's secret makes both seeds
-unforeseeable to every key. A commitment binds the joiner's key, so a copied one opens for no one else; the seed is
-not bound, as joiners commit before the seed they will steer is set. A join without a commitment (all zeros) simply
-takes no part.
+(``derived.revealing``), each admitted joiner reveals in the warmup, and once every one has revealed, or the warmup
+has ended, a tick folds the secrets into the warmup's seed, removes the joiners that did not reveal and elects the
+warmup's witnesses, or round 0's at the warmup's end (``reveals.close_join_reveals``). Without it the warmup's and
+round 0's seeds would be known while joins are still open, and a joiner could grind keypairs until one held the
+lowest tickets under them; a key is fixed when it joins, before any joiner's secret is shown, so one honest joiner's
+secret makes both seeds unforeseeable to every key. A commitment binds the joiner's key, so a copied one opens for
+no one else; the seed is not bound, as joiners commit before the seed they will steer is set. A join without a
+commitment (all zeros) simply takes no part.
 
 What remains: withholding. Once every other secret is shown, a committed witness still chooses between the seed with
 its secret and the seed without it, two outcomes, and pays for that choice with its place in the epoch; m colluding

@@ -106,10 +106,12 @@ def reveal_join(state: CoordinatorState, signer: bytes, round_height: int, secre
 
 
 def join_reveals_over(state: CoordinatorState, now: int) -> bool:
-    """Whether the warmup's joiners' reveals close: every joiner still healthy has revealed, or half the warmup has
-    passed. Honest joiners reveal as the warmup opens; the other half is the time to load the model and prove it."""
+    """Whether the warmup's joiners' reveals close: every joiner still healthy has revealed, or the warmup has ended.
+    Honest joiners reveal as the warmup opens, so the reveals close at once; one that does not holds back only the
+    warmup's election, whose proofs can end the warmup early, and the warmup's end starts round 0 regardless. A
+    shorter deadline would cut honest reveals short in a warmup of a second or two (the clock counts whole seconds)."""
     every_one = all(c.commitment == NO_COMMITMENT or c.health != Health.Healthy for c in state.clients)
-    return every_one or now >= state.phase_start + state.config.warmup_time // 2
+    return every_one or now >= state.phase_start + state.config.warmup_time
 
 
 def close_join_reveals(state: CoordinatorState, entropy: int) -> None:

@@ -5,19 +5,19 @@ in LiteSVM through the conformance harness (so every measured call is also check
 prints, for each instruction, the units of its costliest path at each run size: the last join of a permissioned run
 (scanning every member for its key and for the slot its countersignature names), a witness proof part (it tallies
 its 128 clients' participant and compute keys; the quorum's last part ticks), a commitment to the next seed and its
-reveal in RoundTrain (each reads its signer's place in the round's stored election; the reveal also checks that every
-witness has committed), a health check (it reads one count), each tick that ends a round (crediting 128 clients'
-points a tick; one run crediting into a ledger full of strangers, each of a tick's 4 new entries displacing one; the
-first round's last tick removes a witness that committed and withheld its reveal, and elects the next round's
-witnesses, a sha256 of every client's key), the tick that admits every joiner (and elects the warmup's), the
+reveal in RoundTrain (each reads its signer's place in the round's stored election; the reveal also checks that
+every witness has committed), a health check (it reads one count), each tick that ends a round (crediting 128
+clients' points a tick; one run crediting into a ledger full of strangers, each of a tick's 4 new entries displacing
+one; the first round's last tick removes a witness that committed and withheld its reveal, and elects the next
+round's witnesses, a sha256 of every client's key), the tick that admits every joiner (and elects the warmup's), the
 checkpoint that ends cooldown and requeues every client. Every join commits to a secret, as the clients' do, so the
-first warmup elects no one until its joiners reveal: each reveal, then the tick that closes the reveals at half the
-warmup (one joiner withheld: it leaves) and elects the warmup's witnesses; the second epoch's warmup, all veterans with
-nothing to reveal, elects as it admits. One client cannot train (a pipeline needs a worker per
-stage and a trainer), so the training instructions have no figure at that size. Transactions ask for compute units
-as the clients' do (``onchain.budget``): a tick asks for ``TICK_UNITS``, every other instruction for none, so it must
-stay within the default 200,000. Every filter names every client present and working (the costliest tally).
-"""
+first warmup elects no one until its joiners reveal: each reveal, then the tick that closes the reveals once every
+joiner still in has revealed (one withdrew meanwhile: it leaves) and elects the warmup's witnesses; the second
+epoch's warmup, all veterans with nothing to reveal, elects as it admits. One client cannot train (a pipeline needs
+a worker per stage and a trainer), so the training instructions have no figure at that size. Transactions ask for
+compute units as the clients' do (``onchain.budget``): a tick asks for ``TICK_UNITS``, every other instruction for
+none, so it must stay within the default 200,000. Every filter names every client present and working (the costliest
+tally)."""
 
 from __future__ import annotations
 
@@ -146,13 +146,13 @@ class Bench:
         if self.clients < config.min_clients:
             return
         self.call("tick: WaitingForMembers → Warmup (admits joiners)", Tick(), authority, advance=1)
-        withholder = self.state.clients[-2].id  # a worker: the pipeline stays whole without it
-        for client in [c.id for c in self.state.clients if c.id != withholder]:
+        quitter = self.state.clients[-2].id  # a worker: the pipeline stays whole without it
+        self.call(None, Withdraw(), self.of(quitter))
+        for client in [c.id for c in self.state.clients if c.id != quitter]:
             label = "reveal_seed (a joiner's, in the warmup)"
             self.call(label, RevealSeed(0, join_secret(client)), self.of(client))
-        label = "tick: Warmup closes the reveals (one leaves; elects)"
-        self.call(label, Tick(), authority, advance=config.warmup_time // 2)
-        assert withholder not in [c.id for c in self.state.clients] and derived.witnesses(self.state)
+        self.call("tick: Warmup closes the reveals (one leaves; elects)", Tick(), authority)
+        assert quitter not in [c.id for c in self.state.clients] and derived.witnesses(self.state)
         self.prove("warmup_witness (a part)", [c.id for c in self.state.clients])
         self.call("tick: Warmup → RoundTrain (quorum; elects)", Tick(), authority)
         lazy = [c.id for c in self.state.clients if c.id not in derived.witnesses(self.state)][:2]

@@ -5,6 +5,7 @@ leaves at the round's end."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from solders.keypair import Keypair
@@ -17,7 +18,11 @@ from coordinator_program.spec import derived
 from coordinator_program.spec.bloom import build_filter, participant_key
 from coordinator_program.spec.state import Phase, Role
 from local_backend.server import CoordinatorServer
-from tests.local_backend.test_server import run_with_server
+from tests.local_backend.test_server import SPEC, run_with_server
+
+WARMUP_3S = dataclasses.replace(SPEC, config=dataclasses.replace(SPEC.config, warmup_time=3))
+"""The server's test run with a warmup of 3 seconds: the reveals close at its end (the server's clock counts whole
+seconds)."""
 
 
 def seeding_of(backend: TcpBackend, keypair: Keypair) -> Seeding:
@@ -58,3 +63,37 @@ def test_witnesses_commit_in_training_and_reveal_after_it(tmp_path: Path) -> Non
             await c.close()
 
     run_with_server(tmp_path, body)
+
+
+def test_joiners_commit_in_their_join_and_reveal_once_as_their_warmup_opens(tmp_path: Path, caplog) -> None:
+    """Every seeding commits in its join; the warmup elects no one until they reveal. A state from before a reveal
+    was taken, seen again, sends nothing and warns of nothing; a joiner that restarted (its secret lost) cannot
+    reveal and leaves when the warmup ends."""
+    async def body(server: CoordinatorServer, address: str) -> None:
+        keypairs = [Keypair() for _ in range(8)]
+        clients = [TcpBackend(address, kp) for kp in keypairs]
+        seedings = [seeding_of(c, kp) for c, kp in zip(clients, keypairs, strict=True)]
+        for i, (c, seeding) in enumerate(zip(clients, seedings, strict=True)):  # six workers: two a stage
+            await c.connect()
+            await c.join(Role.Worker if i < 6 else Role.Trainer, commitment=seeding.join_commitment())
+        state = await clients[0].wait_for(lambda s: s.phase == Phase.Warmup, 10)
+        assert derived.revealing(state) and derived.witnesses(state) == []
+        forgetful = bytes(keypairs[0].pubkey())
+        seedings[0] = seeding_of(clients[0], keypairs[0])  # restarted: its join's secret is gone
+        admitted = {c.id for c in state.clients}  # the server admits as soon as a pipeline is queued: the last may wait
+        for seeding in seedings[1:]:
+            await seeding.act(state)
+            await seeding.act(state)  # the same stale state: nothing more is sent
+        assert not any("cannot open" in r.message for r in caplog.records)
+        await seedings[0].act(state)
+        assert sum("cannot open" in r.message for r in caplog.records) == 1
+        unopened = [c.id for c in server.state.clients if c.commitment != bytes(32)]
+        assert forgetful in admitted and unopened == [forgetful], "every joiner revealed but the restarted one"
+        assert derived.revealing(server.state)
+        after = await clients[1].wait_for(lambda s: not derived.revealing(s), state.config.warmup_time + 5)
+        assert forgetful not in {c.id for c in after.clients}, "a joiner that could not reveal left"
+        assert len(derived.witnesses(after)) == min(after.config.witness_nodes, len(after.clients))
+        for c in clients:
+            await c.close()
+
+    run_with_server(tmp_path, body, spec=WARMUP_3S)

@@ -364,23 +364,23 @@ def test_keys_ground_for_the_run_s_first_seeds_win_nothing_once_its_joiners_reve
         assert apply(RevealSeed(0, join_secret(member)), swarm.of(member)) is None
         revealed = mix_reveal(revealed, join_secret(member))
     assert apply(RevealSeed(0, join_secret(liar)), swarm.of(liar)) == errors.NoCommitment.code, "spent"
-    assert apply(Tick(), authority, advance=GROUND.warmup_time // 2 - 1) == errors.NothingToTick.code
-    assert apply(Tick(), authority, advance=1) is None, "half the warmup: the reveals close"
+    assert apply(Tick(), authority, advance=GROUND.warmup_time - 1) == errors.NothingToTick.code
+    assert apply(Tick(), authority, advance=1) is None, "the warmup's end: the reveals close, round 0 starts"
+    assert swarm.state.phase == Phase.RoundTrain and swarm.state.round.height == 0
     assert withholder not in swarm.clients(), "a joiner that kept its secret leaves"
-    assert swarm.state.round.seed == next_seed(foreseen, 0, revealed)
+    assert swarm.state.round.seed == next_seed(next_seed(foreseen, 0, revealed), 0)
     assert apply(RevealSeed(0, join_secret(withholder)), swarm.of(withholder)) == errors.NotAClient.code
     everyone = swarm.clients()
     elected = derived.witnesses(swarm.state)
     assert elected == [everyone[i] for i in elect_witnesses(swarm.state.round.seed, everyone, GROUND.witness_nodes)]
-    assert apply(Tick(), authority, advance=GROUND.warmup_time) is None and swarm.state.phase == Phase.RoundTrain
-    assert swarm.state.round.seed == next_seed(next_seed(foreseen, 0, revealed), 0)
     assert all(c.commitment == bytes(32) for c in swarm.state.clients)
     # How often the ground keys still win every seat, over many honest secrets: tests/spec/test_beacon.py.
 
 
 def test_joiners_that_all_reveal_are_elected_at_once_and_a_run_without_commitments_elects_on_admission() -> None:
-    """Reveals close as soon as every committed joiner has revealed (no waiting for half the warmup); a run whose
-    joiners commit to nothing elects its warmup's witnesses when it admits them, as before."""
+    """Reveals close as soon as every committed joiner still healthy has revealed (one that withdrew is not waited
+    for, and leaves with the close), and the warmup's witnesses are elected then; a run whose joiners commit to
+    nothing elects its warmup's witnesses when it admits them, as before."""
     swarm, authority = training_swarm(CONFIG, MODEL, workers=6, trainers=2)  # joins without commitments
     assert swarm.state.round.witnesses[0] != limits.UNELECTED
     replay = Replay(ProgramChain(), authority, "all")
@@ -388,15 +388,18 @@ def test_joiners_that_all_reveal_are_elected_at_once_and_a_run_without_commitmen
     assert replay.apply(Update(CONFIG, MODEL, Checkpoint()), authority) is None
     assert replay.apply(SetPaused(False), authority) is None
     assert replay.apply(Tick(), authority) is None
-    members = [key(kp) for kp in swarm.new_members(5)]
+    members = [key(kp) for kp in swarm.new_members(6)]
     for i, member in enumerate(members):
-        join = JoinRun("all", Role.Worker if i < 4 else Role.Trainer,
+        join = JoinRun("all", Role.Trainer if i == 4 else Role.Worker,
                        commitment=join_commitment(member, join_secret(member)) if i % 2 else bytes(32))
         assert replay.apply(join, swarm.of(member)) is None
     assert replay.apply(Tick(), authority) is None and derived.revealing(swarm.state)
     assert replay.apply(Tick(), authority) == errors.NothingToTick.code
-    for member in members[1::2]:
+    quitter = members[5]
+    assert replay.apply(Withdraw(), swarm.of(quitter)) is None
+    for member in members[1:5:2]:
         assert replay.apply(RevealSeed(0, join_secret(member)), swarm.of(member)) is None
-    assert replay.apply(Tick(), authority) is None, "every commitment opened: the reveals close at once"
-    assert not derived.revealing(swarm.state) and len(derived.witnesses(swarm.state)) == CONFIG.witness_nodes
-    assert swarm.clients() == members
+    assert replay.apply(Tick(), authority) is None, "every commitment still held opened: the reveals close at once"
+    assert swarm.state.phase == Phase.Warmup and not derived.revealing(swarm.state)
+    assert swarm.clients() == members[:5], "the joiner that withdrew leaves with the close"
+    assert len(derived.witnesses(swarm.state)) == CONFIG.witness_nodes

@@ -150,9 +150,9 @@ bool psy_any_join_commitment(uint8_t *s) {
 
 bool psy_join_reveals_over(uint8_t *s, int64_t now) {
   int64_t start = (int64_t)PSY_ACCOUNT_PHASE_START_GET(s);
-  uint64_t half = PSY_ACCOUNT_CONFIG_WARMUP_TIME_GET(s) / 2;
-  if (start <= INT64_MAX - (int64_t)half && now >= start + (int64_t)half) {
-    return true;
+  uint64_t warmup = PSY_ACCOUNT_CONFIG_WARMUP_TIME_GET(s);
+  if (start <= INT64_MAX - (int64_t)warmup && now >= start + (int64_t)warmup) {
+    return true; /* the warmup has ended */
   }
   for (uint64_t i = 0; i < psy_list_count(s, &PSY_CLIENTS); i++) {
     const uint8_t *client = psy_list_entry(s, &PSY_CLIENTS, i);
