@@ -42,8 +42,8 @@ class Seeding:
     def join_commitment(self) -> bytes:
         """What this client's join commits to: a fresh secret, kept for the retries of one join until it is revealed
         (a join the coordinator took though its reply was lost must be opened with the secret it carried)."""
-        if self.join_secret is None:
-            self.join_secret = secrets.token_bytes(SECRET_BYTES)
+        if self.join_secret is None or join_commitment(self.context.me, self.join_secret) == self.join_revealed:
+            self.join_secret = secrets.token_bytes(SECRET_BYTES)  # a revealed secret is never committed to again
         return join_commitment(self.context.me, self.join_secret)
 
     async def act_current(self) -> None:

@@ -68,7 +68,7 @@ def test_witnesses_commit_in_training_and_reveal_after_it(tmp_path: Path) -> Non
 def test_joiners_commit_in_their_join_and_reveal_once_as_their_warmup_opens(tmp_path: Path, caplog) -> None:
     """Every seeding commits in its join; the warmup elects no one until they reveal. A state from before a reveal
     was taken, seen again, sends nothing and warns of nothing; a joiner that restarted (its secret lost) cannot
-    reveal and leaves when the warmup ends."""
+    reveal and leaves when the warmup ends; a later join commits to a fresh secret."""
     async def body(server: CoordinatorServer, address: str) -> None:
         keypairs = [Keypair() for _ in range(8)]
         clients = [TcpBackend(address, kp) for kp in keypairs]
@@ -93,6 +93,8 @@ def test_joiners_commit_in_their_join_and_reveal_once_as_their_warmup_opens(tmp_
         after = await clients[1].wait_for(lambda s: not derived.revealing(s), state.config.warmup_time + 5)
         assert forgetful not in {c.id for c in after.clients}, "a joiner that could not reveal left"
         assert len(derived.witnesses(after)) == min(after.config.witness_nodes, len(after.clients))
+        revealed = seedings[1].join_revealed
+        assert revealed is not None and seedings[1].join_commitment() != revealed, "a rejoin commits afresh"
         for c in clients:
             await c.close()
 
