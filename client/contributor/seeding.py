@@ -37,7 +37,7 @@ class Seeding:
         self.sent: set[tuple[tuple[RoundKey, int], str]] = set()  # what the coordinator took, by round
         self.join_secret: bytes | None = None  # the secret of this client's join, until the coordinator takes it
         self.join_revealed: bytes | None = None  # the commitment whose reveal was sent
-        self.warned: set[tuple[RoundKey, str]] = set()
+        self.join_lost: bytes | None = None  # the commitment this client could not open, once warned of
 
     def join_commitment(self) -> bytes:
         """What this client's join commits to: a fresh secret, kept for the retries of one join until it is revealed
@@ -112,15 +112,12 @@ class Seeding:
         if index is None:
             return
         commitment = state.clients[index].commitment
-        if commitment == NO_COMMITMENT:
-            self.join_secret = None  # opened: a later join commits to a fresh secret
-            return
-        if commitment == self.join_revealed:
+        if commitment in (NO_COMMITMENT, self.join_revealed):
             return
         secret = self.join_secret
         if secret is None or join_commitment(self.context.me, secret) != commitment:
-            if (RoundKey.of(state), "lost join secret") not in self.warned:
-                self.warned.add((RoundKey.of(state), "lost join secret"))
+            if commitment != self.join_lost:
+                self.join_lost = commitment
                 log.warning("this client joined before it restarted and cannot open its join's commitment: it leaves "
                             "when the warmup ends and joins again")
             return
