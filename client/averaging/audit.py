@@ -57,12 +57,11 @@ import torch
 from solders.keypair import Keypair
 
 from client.averaging.robust import robust_mean, robust_means
+from client.averaging.values import BLOCK, GradValues, value_error
 from client.identity import is_hex, verify
 
 _INPUT = "psyswarm.averaging.input"
 _RESULT = "psyswarm.averaging.result"
-BLOCK = 512
-"""Values per block: what the robust mean reduces at once and what one piece of evidence recomputes."""
 TOLERANCE = 1e-5
 """How far, relative to the largest input value of a block, a recomputed block may differ from the result and still be
 true."""
@@ -158,18 +157,19 @@ class Statement:
 
     entries: tuple[Entry, ...]
     result: bytes
+    values: GradValues  # the codec the result travelled in (``values``), whose rounding evidence allows
     signature: bytes
 
     def message(self, place: Place) -> bytes:
         return msgpack.packb([_RESULT, place.prefix, place.group, place.reducer, place.part, self.result,
-                              [[e.key, e.digest, e.weight, e.signature] for e in self.entries]])
+                              self.values.code, [[e.key, e.digest, e.weight, e.signature] for e in self.entries]])
 
     def signed_by(self, key: bytes, place: Place) -> bool:
         return verify(key, self.message(place), self.signature)
 
     def to_bytes(self) -> bytes:
         return msgpack.packb([[[e.key, e.digest, e.weight, e.signature] for e in self.entries], self.result,
-                              self.signature])
+                              self.values.code, self.signature])
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Statement:
@@ -178,36 +178,41 @@ class Statement:
             raw = msgpack.unpackb(data, max_array_len=MAX_INPUTS, max_bin_len=64, max_str_len=0, max_map_len=0)
         except Exception as exc:  # a peer's bytes: any malformation is a refusal, never a crash
             raise ValueError(f"unreadable statement ({type(exc).__name__})") from None
-        if not (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], list)
-                and _is_bytes(raw[1], 32) and _is_bytes(raw[2], 64)):
-            raise ValueError("a statement is [inputs, result digest, signature]")
+        if not (isinstance(raw, list) and len(raw) == 4 and isinstance(raw[0], list) and _is_bytes(raw[1], 32)
+                and _index(raw[2], len(GradValues)) and _is_bytes(raw[3], 64)):
+            raise ValueError("a statement is [inputs, result digest, codec, signature]")
         entries = []
         for item in raw[0]:
             if not (isinstance(item, list) and len(item) == 4 and _is_bytes(item[0], 32) and _is_bytes(item[1], 32)
                     and isinstance(item[2], float) and math.isfinite(item[2]) and _is_bytes(item[3], 64)):
                 raise ValueError("a statement's input is [key, digest, weight, signature]")
             entries.append(Entry(*item))
-        return cls(tuple(entries), raw[1], raw[2])
+        return cls(tuple(entries), raw[1], list(GradValues)[raw[2]], raw[3])
 
 
 def _is_bytes(value: object, length: int) -> bool:
     return isinstance(value, bytes) and len(value) == length
 
 
-def make_statement(keypair: Keypair, place: Place, entries: Sequence[Entry], result: torch.Tensor) -> Statement:
-    """The reducer's signed statement that ``entries`` reduced to ``result``."""
-    unsigned = Statement(tuple(entries), part_digest(result), b"")
-    return Statement(unsigned.entries, unsigned.result, bytes(keypair.sign_message(unsigned.message(place))))
+def make_statement(keypair: Keypair, place: Place, entries: Sequence[Entry], result: torch.Tensor,
+                   values: GradValues) -> Statement:
+    """The reducer's signed statement that ``entries`` reduced to ``result``, as it travels in ``values``."""
+    unsigned = Statement(tuple(entries), part_digest(result), values, b"")
+    return Statement(unsigned.entries, unsigned.result, values,
+                     bytes(keypair.sign_message(unsigned.message(place))))
 
 
 def statement_refusal(statement: Statement, place: Place, reducer_key: bytes, result: torch.Tensor,
-                      own: Entry) -> str:
+                      own: Entry, values: GradValues) -> str:
     """Why a sender may not take back ``result`` with ``statement``, or "": the reducer's key signed it, it names
-    ``result``'s digest, and it lists ``own`` (this sender's input) exactly once, as sent."""
+    ``result``'s digest and the run's codec ``values``, and it lists ``own`` (this sender's input) exactly once,
+    as sent."""
     if not statement.signed_by(reducer_key, place):
         return "its statement is not signed by its key"
     if statement.result != part_digest(result):
         return "its statement names another result"
+    if statement.values != values:
+        return f"its statement names the codec {statement.values.value}, not the run's {values.value}"
     if [e for e in statement.entries if e.key == own.key] != [own]:
         return "its statement does not list this peer's input as it was sent"
     return ""
@@ -234,19 +239,23 @@ def false_block(statement: Statement, inputs: Sequence[torch.Tensor], result: to
     weights = [e.weight for e in statement.entries]
     flat, returned = [p.reshape(-1) for p in inputs], result.reshape(-1)
     for index, start in enumerate(range(0, returned.numel(), BLOCK)):
-        if _departs([p[start:start + BLOCK] for p in flat], weights, returned[start:start + BLOCK]):
+        if _departs([p[start:start + BLOCK] for p in flat], weights, returned[start:start + BLOCK], statement.values):
             return index
     return None
 
 
-def _departs(inputs: Sequence[torch.Tensor], weights: Sequence[float], result: torch.Tensor) -> bool:
+def _departs(inputs: Sequence[torch.Tensor], weights: Sequence[float], result: torch.Tensor,
+             values: GradValues) -> bool:
+    """Whether ``result`` is farther from ``robust_mean`` of ``inputs`` than float sums on another machine and the
+    codec ``values`` can take it: the codec rounds the reducer's own sum, within ``TOLERANCE`` of this one."""
     expected = robust_mean(inputs, weights)
     if not torch.isfinite(expected).all():
         return False  # no input has a positive weight: nothing to hold the result to
     if not torch.isfinite(result).all():
         return True
-    scale = max(float(p.abs().max()) for p in inputs)
-    return float((result.double() - expected.double()).abs().max()) > TOLERANCE * max(scale, 1e-30)
+    float_error = TOLERANCE * max(max(float(p.abs().max()) for p in inputs), 1e-30)
+    allowed = float_error + value_error(values, float(expected.abs().max()) + float_error)
+    return float((result.double() - expected.double()).abs().max()) > allowed
 
 
 def evidence(place: Place, reducer_key: bytes, statement: Statement, inputs: Sequence[torch.Tensor] = (),
@@ -292,7 +301,8 @@ def proven_liar(item: object) -> tuple[bytes, str] | None:
         return None
     if any(b.shape != result.shape for b in blocks) or not result.numel():
         return None
-    return (bytes.fromhex(key), prefix) if _departs(blocks, [e.weight for e in statement.entries], result) else None
+    departs = _departs(blocks, [e.weight for e in statement.entries], result, statement.values)
+    return (bytes.fromhex(key), prefix) if departs else None
 
 
 def _index(value: object, bound: int) -> bool:

@@ -33,16 +33,16 @@ local value.
 
 Untrusted groupmates. Each peer declares its round, weight (samples), the trainer-signed headers of the Backwards
 its gradient sums (in a coordinated run its weight is at most the samples they prove: ``client.averaging.work``)
-and the L2 norm of what it will send;
-every part of its contribution in either phase is bounded by that norm (P̂ and Q̂ are orthonormal). A peer
+and the L2 norm of what it will send; every part of its contribution in either phase is bounded by that norm (P̂
+and Q̂ are orthonormal), and by what the run's codec (``values``: float32, float16 or int8) can add to it. A peer
 claiming more than ``max_weight`` samples (a round's global batch) is dropped before the all-reduce
-(``membership``). A reducer bans for the round any sender whose part is non-finite, larger than it declared,
-sent with a weight other than the declared one, or from a peer declaring a norm above ``factor`` × the
-group's lower median — so a poisoned contribution never enters an average. A reducer is a groupmate too:
-a part it returns that is non-finite or larger than any honest average of the group could be (``_GroupLimits``)
-fails that reducer, whose shard keeps the local values, while every other shard of the tensor is averaged.
-The samples a round reports exclude every groupmate dropped, left without a limit, or banned by this peer's
-reducers (a sender banned only by another reducer still counts: its other parts were taken).
+(``membership``). A reducer bans for the round any sender whose part is non-finite, not in the run's codec, larger
+than it declared, sent with a weight other than the declared one, or from a peer declaring a norm above ``factor``
+× the group's lower median, so a poisoned contribution never enters an average. A reducer is a groupmate too: a
+part it returns that is non-finite or larger than any honest average of the group could be (``_GroupLimits``)
+fails that reducer, whose shard keeps the local values, while every other shard of the tensor is averaged. The
+samples a round reports exclude every groupmate dropped, left without a limit, or banned by this peer's reducers
+(a sender banned only by another reducer still counts: its other parts were taken).
 
 Why not hivemind's own classes: ``GradientAverager`` keeps its own accumulators fed by ``accumulate_grads_``,
 while a worker accumulates into ``.grad`` behind its admission bound; ``PowerSGDGradientAverager`` has the
@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import hashlib
 import logging
 import math
 import multiprocessing as mp
@@ -66,7 +65,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -74,7 +72,6 @@ from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.power_sgd_averager import AllReducePhases, PowerSGDGradientAverager
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
@@ -83,9 +80,11 @@ from hivemind.utils.math import orthogonalize_
 
 from client.averaging import demo
 from client.averaging.membership import Declared, Membership, Roster
+from client.averaging.powersgd import compressed_shape, seeded_matrix
 from client.averaging.rounds import GRACE, Wedged, holding, run_round
 from client.averaging.sparta import AveragingStatus, SpartaSettings, averager_prefix
 from client.averaging.stage_averager import StageAverager
+from client.averaging.values import GradValues, codec, decode, norm_bound
 from client.averaging.work import WorkRule, evidence
 
 if TYPE_CHECKING:
@@ -97,7 +96,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("psyswarm.gradients")
 
 _TAG_BYTES = 64  # room for a group id (hivemind's are 20-32 bytes) plus a phase name
-_NORM_SLACK = 1e-3  # float32 rounding: a part may exceed its sender's declared norm by this fraction
 _COMPLETE, _PARTIAL = 1, 2  # how the last round's phases ended, as the averaging process reports it
 
 
@@ -125,6 +123,7 @@ class GradientSettings:
     chunk: int = 0  # DeMo's chunk (elements per DCT), 2..demo.MAX_CHUNK
     topk: int = 0  # DeMo's coefficients sent per chunk, 1..chunk - 1
     beta: float = 0.9  # DeMo's momentum decay (why not Psyche's 0.999: the module docstring)
+    values: GradValues = GradValues.FLOAT32  # how averaged values travel (``client.averaging.values``)
 
     def __post_init__(self) -> None:
         if self.mode == GradAveraging.OFF:
@@ -144,26 +143,6 @@ class GradientSettings:
         if not (self.factor > 1 and self.max_weight > 0 and self.min_compression >= 1 and self.round_samples >= 0):
             raise ValueError("factor must exceed 1, max_weight be positive, min_compression at least 1 and "
                              "round_samples not negative")
-
-
-def compressed_shape(shape: Sequence[int], rank: int, min_compression: float) -> tuple[int, int] | None:
-    """The (rows, cols) PowerSGD factors a gradient of ``shape`` as, or None if it is sent in full: vectors,
-    and matrices that rank-``rank`` factors would not shrink ``min_compression``-fold. Tensors of more than two
-    dimensions are viewed as (first dimension, the rest)."""
-    if rank < 1 or len(shape) < 2:
-        return None
-    rows, cols = int(shape[0]), math.prod(int(s) for s in shape[1:])
-    return (rows, cols) if (rows + cols) * rank * min_compression <= rows * cols else None
-
-
-def seeded_matrix(seed: int, name: str, rows: int, cols: int) -> torch.Tensor:
-    """A (rows × cols) float32 matrix uniform in [-1, 1), a pure function of its arguments (SHA-256 in counter
-    mode), so that every peer draws the same one whatever its torch version."""
-    key = hashlib.sha256(f"psyswarm-powersgd:{seed}:{name}".encode()).digest()
-    count = rows * cols
-    stream = b"".join(hashlib.sha256(key + i.to_bytes(8, "little")).digest() for i in range(-(-count // 8)))
-    words = np.frombuffer(stream, dtype="<u4")[:count].astype(np.float64)
-    return torch.from_numpy((words / 2.0**31 - 1.0).astype(np.float32)).reshape(rows, cols)
 
 
 def round_payload(shapes: Sequence[Sequence[int]], settings: GradientSettings, group_size: int = 1) -> list[list[int]]:
@@ -208,10 +187,10 @@ class _GradientRounds(StageAverager):
                  backup: Sequence[torch.Tensor], qs: Sequence[torch.Tensor], factor: float,
                  demo_chunks: Sequence[int | None] = (), momenta: Sequence[torch.Tensor] = (),
                  indices: Sequence[torch.Tensor] = (), chunk: int = 0, topk: int = 0, beta: float = 0.0,
-                 **kwargs: Any) -> None:
+                 values: GradValues = GradValues.FLOAT32, **kwargs: Any) -> None:
         """``demo_chunks``: in DeMo mode, each gradient's chunk count (None: sent in full), with ``momenta`` the
         momentum of each chunked one (chunks × ``chunk``), ``indices`` the positions the host picked for the next
-        round (chunks × ``topk``, uint8), ``topk`` and ``beta`` as in ``GradientSettings``."""
+        round (chunks × ``topk``, uint8), ``topk``, ``beta`` and ``values`` as in ``GradientSettings``."""
         # All shared with the averaging process, so they must exist before it forks.
         self._names, self._shapes, self._rank, self._seed = list(names), list(shapes), rank, seed
         self._errors, self._backup, self._qs = list(errors), list(backup), list(qs)
@@ -221,7 +200,8 @@ class _GradientRounds(StageAverager):
         self._outcome = mp.Value(ctypes.c_int32, 0, lock=False)
         self._tag = mp.Array(ctypes.c_char, _TAG_BYTES, lock=False)  # group id of the last complete phase Q
         self._limits: dict[bytes, _GroupLimits] = {}
-        super().__init__(grads, dht, **kwargs)
+        self._values = values
+        super().__init__(grads, dht, compression=codec(values), **kwargs)
 
     def prepare_round(self, averaging_index: int, declaration: dict[str, Any]) -> dict[str, Any]:
         self._outcome.value = 0
@@ -311,7 +291,7 @@ class _GradientRounds(StageAverager):
         """No part of an honest average is larger than the group's ``result_norm``: a reducer is a groupmate
         too, and one that returns more for a part has that part (and the rest of its shard) kept local."""
         limits = self._limits.get(group_id)
-        return (limits.result_norm if limits is not None else 0.0) * (1 + _NORM_SLACK) + 1e-12
+        return norm_bound(self._values, limits.result_norm if limits is not None else 0.0, self.total_size)
 
     def _part_refusal(self, message: averaging_pb2.AveragingData, group_id: bytes, peer: PeerID,
                       declared: Declared) -> str:
@@ -323,8 +303,12 @@ class _GradientRounds(StageAverager):
         limit = limits.peers.get(peer) if limits is not None else None
         if limit is None:
             return "declared an invalid or out-of-line contribution"
-        norm = float(torch.linalg.vector_norm(deserialize_torch_tensor(message.tensor_part), dtype=torch.float64))
-        if not norm <= limit * (1 + _NORM_SLACK) + 1e-12:  # also refuses NaN and infinity
+        try:
+            part = decode(message.tensor_part, self._values)
+        except ValueError as exc:
+            return str(exc)
+        norm = float(torch.linalg.vector_norm(part, dtype=torch.float64))
+        if not norm <= norm_bound(self._values, limit, part.numel()):  # also refuses NaN and infinity
             return f"sent a part of norm {norm:.3g}, declared {limit:.3g}"
         return ""
 
@@ -504,7 +488,8 @@ class GradientAverager:
         self._process = self.process_class(
             self._buffers, dht, names=self.names, shapes=self.shapes, rank=rank, seed=seed, errors=self.errors,
             backup=self.backup, qs=qs, factor=settings.factor, demo_chunks=self.demo_chunks, momenta=self.momenta,
-            indices=self.indices, chunk=chunk, topk=settings.topk, beta=settings.beta, max_weight=settings.max_weight,
+            indices=self.indices, chunk=chunk, topk=settings.topk, beta=settings.beta, values=settings.values,
+            max_weight=settings.max_weight,
             membership=membership, prefix=averager_prefix(run_id, stage, "grad"), min_group_size=t.min_group_size,
             work=WorkRule(run_id, stage, settings.round_samples) if settings.round_samples else None,
             target_group_size=t.target_group_size, min_matchmaking_time=t.min_matchmaking_time,

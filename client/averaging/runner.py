@@ -10,7 +10,9 @@ every sender. ``RobustRunner`` changes three things:
   averages every other reducer's shard of the same tensors); so does a part whose signed statement does not
   hold (``audit``);
 - signatures (``audit``): every part sent is signed by its sender, every part returned comes with the reducer's
-  signed statement of the inputs it reduced, and both sides keep what an audit after the round needs.
+  signed statement of the inputs it reduced, and both sides keep what an audit after the round needs;
+- the codec (``values``): parts travel in the run's ``grad_values`` and only in it, and every value a statement or
+  a signature names is a part as its receiver decodes it, a reducer's own input and result included.
 
 Results travel as the averages themselves, where hivemind sends each sender its delta (average − its own part)
 to add back: in floating point x + (a − x) is not always a, so peers adding deltas to different parts end a
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
 from hivemind.averaging.partition import BannedException, TensorPartReducer
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import NoCompression
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor
@@ -47,6 +49,7 @@ from client.averaging.audit import (
     signed_entry,
     statement_refusal,
 )
+from client.averaging.values import GradValues, decode, round_trip, values_of
 
 
 class _Parts:
@@ -143,8 +146,9 @@ class RobustRunner(AllReduceRunner):
                                                  len(self.sender_peer_ids))
         self.reductions = Reductions(frozenset(self.sender_peer_ids), self.keys)
         self._sent: dict[tuple[PeerID, int], Entry] = {}  # this peer's signed input to each reducer's part
-        self._statements: dict[int, Statement] = {}  # this reducer's, by part
+        self._answers: dict[int, tuple[Any, torch.Tensor, Statement]] = {}  # this reducer's, by part
         container = self.tensor_part_container
+        self.values = values_of(container.compression)
         container.return_deltas = False  # a failed reducer's shard is filled with the local parts, not zeros
         own = self.ordered_peer_ids.index(self.peer_id)
         register = container.register_processed_part
@@ -176,19 +180,25 @@ class RobustRunner(AllReduceRunner):
         part_index = 0
         async for message in super()._generate_input_for_peer(peer_index):
             entry = signed_entry(self.signer, self.place(reducer, part_index),
-                                 deserialize_torch_tensor(message.tensor_part), message.weight)
+                                 decode(message.tensor_part, self.values), message.weight)
             self._sent[reducer, part_index] = entry
             message.peer_id = entry.signature
             part_index += 1
             yield message
 
     async def _checked_results(self, stream: Any, reducer: PeerID) -> Any:
-        """A reducer's answers, each taken only with a statement that holds (class docstring)."""
+        """A reducer's answers, each taken only in the run's codec with a statement that holds (class docstring),
+        handed on to hivemind as float32 (hivemind decodes no int8 of this project's: ``values``)."""
         part_index = 0
         async for message in stream:
             if message.code == averaging_pb2.AVERAGED_PART:
-                result = deserialize_torch_tensor(message.tensor_part)
+                try:
+                    result = decode(message.tensor_part, self.values)
+                except ValueError as exc:
+                    raise AllreduceException(f"reducer {reducer} returned part {part_index}: {exc}") from None
                 self._check_statement(reducer, part_index, message.peer_id, result)
+                if self.values != GradValues.FLOAT32:
+                    message.tensor_part.CopyFrom(NoCompression().compress(result, None))
                 part_index += 1
             yield message
 
@@ -200,7 +210,7 @@ class RobustRunner(AllReduceRunner):
             raise AllreduceException(f"reducer {reducer} returned part {part_index} with {exc}") from None
         own = self._sent.get((reducer, part_index))
         refusal = "was not a groupmate" if key is None or own is None else statement_refusal(
-            statement, place, key, result, own)
+            statement, place, key, result, own, self.values)
         if not refusal and forged(statement, place):
             self.reductions.forgeries.append((reducer, place, statement))
             refusal = "its statement lists an input its sender did not sign"
@@ -217,13 +227,21 @@ class RobustRunner(AllReduceRunner):
             return await super()._communicate_with_peer(peer_id)
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
-        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+        for part_index, own in enumerate(self.parts_for_local_averaging):
+            tensor_part = round_trip(own, self.values)  # as any sender's part reaches its reducer
             signed = signed_entry(self.signer, self.place(peer_id, part_index), tensor_part, self.weight)
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part,
                                                                       weight=self.weight, signed=signed)
-            self._statement(part_index, averaged)
-            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+            _, result, _ = self._answer(part_index, averaged)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, result)
         return None
+
+    def _decoded(self, part: Any) -> torch.Tensor | None:
+        """A sender's part as values, or None where it is not in the run's codec."""
+        try:
+            return decode(part, self.values)
+        except ValueError:
+            return None
 
     def _signed_input(self, sender: PeerID, part_index: int, message: Any, values: torch.Tensor) -> Entry | None:
         """A sender's part as its signed input to this reducer, or None if its signature does not hold."""
@@ -231,41 +249,43 @@ class RobustRunner(AllReduceRunner):
         entry = None if key is None else Entry(key, part_digest(values), float(message.weight), bytes(message.peer_id))
         return entry if entry is not None and entry.holds(self.place(self.peer_id, part_index)) else None
 
-    def _statement(self, part_index: int, result: torch.Tensor) -> Statement:
-        """This reducer's signed statement of part ``part_index``, the same for every sender it goes back to. It
-        names the result's values, which a sender gets as they are: this project's averagers send parts
-        uncompressed (a lossy compression would change them on the way, and every statement would fail)."""
-        statement = self._statements.get(part_index)
-        if statement is None:
+    def _answer(self, part_index: int, averaged: torch.Tensor) -> tuple[Any, torch.Tensor, Statement]:
+        """This reducer's answer for part ``part_index``, the same for every sender it goes back to: the average in
+        the run's codec, the values every sender decodes from it (which this reducer keeps as its own result) and
+        its signed statement naming them."""
+        answer = self._answers.get(part_index)
+        if answer is None:
+            wire = self.tensor_part_container.compression.compress(averaged, None)
+            result = decode(wire, self.values)
             entries, inputs = self.tensor_part_reducer.reduced.get(part_index, ([], []))
-            statement = make_statement(self.signer, self.place(self.peer_id, part_index), entries, result)
-            self._statements[part_index] = statement
+            statement = make_statement(self.signer, self.place(self.peer_id, part_index), entries, result,
+                                       self.values)
+            answer = self._answers[part_index] = (wire, result, statement)
             self.reductions.mine[part_index] = (statement, inputs, result)
-        return statement
+        return answer
 
     async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
-        """hivemind's reducer loop for one sender, refusing a part its sender did not sign (the sender is banned,
-        as for any refused part) and answering each part with the average itself and this reducer's statement."""
+        """hivemind's reducer loop for one sender, refusing a part that is not in the run's codec or that its sender
+        did not sign (the sender is banned, as for any refused part) and answering each part with the average
+        itself and this reducer's statement."""
         part_index = 0
         sender = self.sender_peer_ids[sender_index]
         try:
             loop = asyncio.get_event_loop()
             async for message, tensor_part in amap_in_executor(
-                    lambda msg: (msg, deserialize_torch_tensor(msg.tensor_part)),
+                    lambda msg: (msg, self._decoded(msg.tensor_part)),
                     stream, max_prefetch=self.tensor_part_container.prefetch):
-                signed = self._signed_input(sender, part_index, message, tensor_part)
+                signed = None if tensor_part is None else self._signed_input(sender, part_index, message, tensor_part)
                 if signed is None:
-                    break  # not signed by the sender's key: refused like any malformed part
+                    break  # not in the run's codec, or not signed by the sender's key: refused
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=message.weight, signed=signed)
                 except BannedException:
                     break  # this sender was banned: nothing more of it is reduced
-                result = await loop.run_in_executor(None, serialize_torch_tensor, averaged,
-                                                    message.tensor_part.compression)
-                statement = self._statement(part_index, averaged)
+                wire, _, statement = await loop.run_in_executor(None, self._answer, part_index, averaged)
                 part_index += 1
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=result,
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=wire,
                                                   peer_id=statement.to_bytes())
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

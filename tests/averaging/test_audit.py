@@ -45,6 +45,7 @@ from client.averaging.gradients import GradAveraging, GradientAverager, Gradient
 from client.averaging.runner import RobustReducer, RobustRunner
 from client.averaging.sparta import averager_prefix
 from client.averaging.stage_averager import PART_BYTES
+from client.averaging.values import GradValues
 from client.contributor.accusing import (
     FALSE_DECLARATION,
     false_declaration_accuser,
@@ -61,6 +62,7 @@ from tests.averaging.test_attacks import TRIO, gradient_pairs, gradient_round, s
 from tests.witness.rounds import STAGES, honest_round, run_with_keys
 
 PREFIX = "run.body1.grad"
+FLOAT32 = GradValues.FLOAT32
 PLACE = Place(PREFIX, b"group-id", b"reducer-peer", 0)
 
 
@@ -79,14 +81,14 @@ def reduction(n: int = 3, shift: float = 0.0, reducer: Keypair | None = None, pl
     entries = [signed_entry(k, place, p, 4.0) for k, p in zip(senders, inputs, strict=True)]
     result = reduce_blocks(inputs, [4.0] * n)
     result[shifted] += shift
-    return reducer, senders, make_statement(reducer, place, entries, result), inputs, result
+    return reducer, senders, make_statement(reducer, place, entries, result, FLOAT32), inputs, result
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_an_honest_reducer_s_statement_holds_for_every_sender_and_convicts_no_one(n: int) -> None:
     reducer, senders, statement, inputs, result = reduction(n)
     for sender, entry in zip(senders, statement.entries, strict=True):
-        assert statement_refusal(statement, PLACE, bytes(reducer.pubkey()), result, entry) == ""
+        assert statement_refusal(statement, PLACE, bytes(reducer.pubkey()), result, entry, FLOAT32) == ""
         assert entry.key == bytes(sender.pubkey())
     assert not forged(statement, PLACE)
     assert false_block(statement, inputs, result) is None
@@ -112,7 +114,7 @@ def test_a_statement_listing_an_input_its_sender_did_not_sign_convicts_its_reduc
     altered = Entry(victim.key, statement.entries[1].digest, victim.weight, victim.signature)  # another input
     twice = [statement.entries[0], statement.entries[0], statement.entries[2]]  # one sender counted twice
     for entries in ([altered, *statement.entries[1:]], twice):
-        lie = make_statement(reducer, PLACE, entries, result)
+        lie = make_statement(reducer, PLACE, entries, result, FLOAT32)
         assert forged(lie, PLACE)
         assert proven_liar(evidence(PLACE, bytes(reducer.pubkey()), lie)) == (bytes(reducer.pubkey()), PREFIX)
     assert proven_liar(evidence(PLACE, bytes(reducer.pubkey()), statement)) is None  # no inputs: no proof
@@ -121,14 +123,15 @@ def test_a_statement_listing_an_input_its_sender_did_not_sign_convicts_its_reduc
 def test_a_sender_takes_a_part_back_only_with_a_statement_that_lists_its_input_as_sent() -> None:
     reducer, senders, statement, _, result = reduction(3)
     key, own = bytes(reducer.pubkey()), statement.entries[1]
-    assert "not signed by its key" in statement_refusal(statement, PLACE, bytes(Keypair().pubkey()), result, own)
+    stranger = bytes(Keypair().pubkey())
+    assert "not signed by its key" in statement_refusal(statement, PLACE, stranger, result, own, FLOAT32)
     assert "not signed by its key" in statement_refusal(statement, Place(PREFIX, b"group-id", b"reducer-peer", 1),
-                                                        key, result, own)
-    assert "another result" in statement_refusal(statement, PLACE, key, torch.zeros(SIZE), own)
+                                                        key, result, own, FLOAT32)
+    assert "another result" in statement_refusal(statement, PLACE, key, torch.zeros(SIZE), own, FLOAT32)
     other = signed_entry(senders[1], PLACE, torch.ones(SIZE), 4.0)  # what it sent was not what is listed
-    assert "does not list" in statement_refusal(statement, PLACE, key, result, other)
-    dropped = make_statement(reducer, PLACE, [statement.entries[0], statement.entries[2]], result)
-    assert "does not list" in statement_refusal(dropped, PLACE, key, result, own)
+    assert "does not list" in statement_refusal(statement, PLACE, key, result, other, FLOAT32)
+    dropped = make_statement(reducer, PLACE, [statement.entries[0], statement.entries[2]], result, FLOAT32)
+    assert "does not list" in statement_refusal(dropped, PLACE, key, result, own, FLOAT32)
 
 
 def test_no_evidence_against_an_honest_reducer_can_be_assembled() -> None:
@@ -276,10 +279,11 @@ class _ShiftingRunner(RobustRunner):
 class _ForgingRunner(RobustRunner):
     """A reducer whose statements list, besides its true inputs, one that nobody signed."""
 
-    def _statement(self, part_index: int, result: bytes) -> Statement:
-        true = super()._statement(part_index, result)
+    def _answer(self, part_index: int, averaged: torch.Tensor) -> tuple[Any, torch.Tensor, Statement]:
+        wire, result, true = super()._answer(part_index, averaged)
         fake = Entry(bytes(Keypair().pubkey()), bytes(32), 4.0, bytes(64))
-        return make_statement(self.signer, self.place(self.peer_id, part_index), [*true.entries, fake], result)
+        return wire, result, make_statement(self.signer, self.place(self.peer_id, part_index), [*true.entries, fake],
+                                            result, self.values)
 
 
 def averager_class(runner: type[RobustRunner] = RobustRunner) -> type[GradientAverager]:

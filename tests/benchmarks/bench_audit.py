@@ -26,6 +26,7 @@ from solders.keypair import Keypair
 from client.averaging import audit
 from client.averaging.auditor import AUDIT_RATE
 from client.averaging.stage_averager import PART_BYTES
+from client.averaging.values import GradValues
 
 
 def one_round(params: int, k: int) -> tuple[float, float, int]:
@@ -48,13 +49,14 @@ def one_round(params: int, k: int) -> tuple[float, float, int]:
         started = time.perf_counter()
         assert all(audit.part_digest(inputs[s][index]) == e.digest and e.holds(place)  # the reducer checks every input
                    for s, e in enumerate(entries))
-        statement = audit.make_statement(keys[0], place, entries, result)
+        statement = audit.make_statement(keys[0], place, entries, result, GradValues.FLOAT32)
         data = statement.to_bytes()
         checking += time.perf_counter() - started
         started = time.perf_counter()
         for _ in range(k - 1):  # as a sender, this peer checks one part from each other reducer
             back = audit.Statement.from_bytes(data)
-            assert audit.statement_refusal(back, place, bytes(keys[0].pubkey()), result, entries[1]) == ""
+            assert audit.statement_refusal(back, place, bytes(keys[0].pubkey()), result, entries[1],
+                                           GradValues.FLOAT32) == ""
             assert not audit.forged(back, place)
         checking += time.perf_counter() - started
         statement_bytes += len(data) * (k - 1) + 64 * (k - 1)  # statements back, signatures out

@@ -46,6 +46,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from client.averaging import demo
 from client.averaging.gradients import GradAveraging, GradientSettings, round_payload
 from client.averaging.sparta import SpartaSettings
+from client.averaging.values import GradValues
 from client.data import open_byte_dataset
 from client.pipeline.model import ModelConfig, build_stage, stage_names
 
@@ -62,7 +63,7 @@ def gradient_bytes(config: ModelConfig, settings: GradientSettings, group_size: 
     out = {}
     for name in stage_names(config.num_stages):
         shapes = [tuple(p.shape) for p in build_stage(config, name).parameters() if p.requires_grad]
-        sent = sum(allreduce_bytes_sent([torch.zeros(n) for n in phase], group_size)
+        sent = sum(allreduce_bytes_sent([torch.zeros(n) for n in phase], group_size, settings.values)
                    for phase in round_payload(shapes, settings, group_size))
         out[name] = (sum(torch.Size(s).numel() for s in shapes), sent)
     return out
@@ -100,6 +101,9 @@ def main() -> None:
     parser.add_argument("--demo-beta", type=float, action="append",
                         help=f"DeMo's momentum decay (repeatable, each with every --demo; default "
                              f"{GradientSettings.beta})")
+    parser.add_argument("--values", type=GradValues, action="append",
+                        help="how PowerSGD's and DeMo's values travel: float32, float16 or int8 (repeatable, each "
+                             "with every --rank and --demo; default float32)")
     parser.add_argument("--sparta", type=parse_sparta, default=(5, 20),
                         help="EVERY/P of the SPARTA runs (default 5/20: Node0's 5%% every 5 steps)")
     parser.add_argument("--layers", type=int, default=ModelConfig.n_layers)
@@ -125,9 +129,12 @@ def main() -> None:
     every, partitions = args.sparta
     full = GradientSettings(GradAveraging.FULL, timeouts=quick(args.matchmaking))
     ranks = args.rank or [2]
-    powersgd = [GradientSettings(GradAveraging.POWERSGD, rank=rank, timeouts=quick(args.matchmaking)) for rank in ranks]
-    demos = [GradientSettings(GradAveraging.DEMO, chunk=chunk, topk=topk, beta=beta, timeouts=quick(args.matchmaking))
-             for chunk, topk in args.demo for beta in args.demo_beta or [GradientSettings.beta]]
+    codecs = args.values or [GradValues.FLOAT32]
+    powersgd = [GradientSettings(GradAveraging.POWERSGD, rank=rank, timeouts=quick(args.matchmaking), values=values)
+                for rank in ranks for values in codecs]
+    demos = [GradientSettings(GradAveraging.DEMO, chunk=chunk, topk=topk, beta=beta, timeouts=quick(args.matchmaking),
+                              values=values)
+             for chunk, topk in args.demo for values in codecs for beta in args.demo_beta or [GradientSettings.beta]]
     print(f"model: {config}")
     print(f"{args.rounds} rounds x {args.batch_size} samples x {config.seq_len} tokens = {tokens:,} tokens, "
           f"{args.workers_per_stage} workers per stage, {torch.get_num_threads()} torch threads", flush=True)
@@ -158,15 +165,15 @@ def main() -> None:
     total_full = sum(b for _, b in dense.values())
     for settings in powersgd:
         compressed = gradient_bytes(config, settings, group)
+        what = f"PowerSGD rank {settings.rank} in {settings.values.value}"
         for name, (params, full_bytes) in dense.items():
-            print(f"  {name:6s} {params:>9,} parameters: full {full_bytes:>10,} B   PowerSGD rank {settings.rank} "
+            print(f"  {name:6s} {params:>9,} parameters: full {full_bytes:>10,} B   {what} "
                   f"{compressed[name][1]:>9,} B   (1/{full_bytes / compressed[name][1]:.1f})")
         total = sum(b for _, b in compressed.values())
-        print(f"  all stages: full {total_full:,} B, PowerSGD rank {settings.rank} {total:,} B "
-              f"(1/{total_full / total:.1f})")
+        print(f"  all stages: full {total_full:,} B, {what} {total:,} B (1/{total_full / total:.1f})")
     for settings in demos[:: len(args.demo_beta or [GradientSettings.beta])]:  # bytes do not depend on beta
         compressed, declared = gradient_bytes(config, settings, group), declared_index_bytes(config, settings)
-        what = f"DeMo {settings.chunk}/{settings.topk}"
+        what = f"DeMo {settings.chunk}/{settings.topk} in {settings.values.value}"
         for name, (params, full_bytes) in dense.items():
             sent = compressed[name][1] + declared[name]
             print(f"  {name:6s} {params:>9,} parameters: full {full_bytes:>10,} B   {what} at most "

@@ -49,6 +49,7 @@ from client.averaging.sparta import (
     SpartaSettings,
     averaging_index,
 )
+from client.averaging.values import GradValues, codec
 from client.data import ByteDataset, open_byte_dataset
 from client.pipeline.discovery import WorkerDirectory, start_dht
 from client.pipeline.local import LocalTrainer
@@ -132,7 +133,8 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
     if gradients is not None:
         rank = (f" rank {gradients.rank}" if gradients.rank else
                 f" {gradients.chunk}/{gradients.topk} beta {gradients.beta:g}" if gradients.chunk else "")
-        replicas_name += f", {gradients.mode.value}{rank} gradient averaging"
+        values = "" if gradients.values == GradValues.FLOAT32 else f" in {gradients.values.value}"
+        replicas_name += f", {gradients.mode.value}{rank} gradient averaging{values}"
         if defended:
             gradients = dataclasses.replace(gradients, round_samples=args.batch_size, max_weight=args.batch_size)
         else:
@@ -253,18 +255,21 @@ def average_all(workers: dict[str, list[StageWorker]], averagers: dict[str, Spar
     return results
 
 
-def allreduce_bytes_sent(buffers: list[torch.Tensor], group_size: int) -> int:
-    """Bytes of the all-reduce messages one peer sends in a group of ``group_size`` equal peers: its parts to
-    every other reducer, and the averaged parts of its own shard back to every other peer."""
+def allreduce_bytes_sent(buffers: list[torch.Tensor], group_size: int,
+                        values: GradValues = GradValues.FLOAT32) -> int:
+    """Bytes of the all-reduce messages one peer sends in a group of ``group_size`` equal peers, its values in the
+    codec ``values``: its parts to every other reducer, and the averaged parts of its own shard back to every other
+    peer."""
     from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, TensorPartContainer
-    from hivemind.compression import NoCompression
     from hivemind.proto import averaging_pb2
 
+    compression = codec(values)
+
     def sizes(peer: int) -> list[int]:
-        container = TensorPartContainer(buffers, (1.0,) * group_size, compression=NoCompression(),
+        container = TensorPartContainer(buffers, (1.0,) * group_size, compression=compression,
                                         part_size_bytes=DEFAULT_PART_SIZE_BYTES)
         return [averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"\0" * 20,
-                                            tensor_part=NoCompression().compress(part, None), weight=1.0).ByteSize()
+                                            tensor_part=compression.compress(part, None), weight=1.0).ByteSize()
                 for part in container.get_raw_input_parts(peer)]
 
     me = 0
