@@ -68,7 +68,7 @@ STRUCTS: tuple[tuple[str, Struct, int], ...] = (
 ENUMS: tuple[tuple[str, type[enum.IntEnum]], ...] = (
     ("PHASE", Phase), ("ROLE", Role), ("HEALTH", Health), ("CHECKPOINT_KIND", config.CheckpointKind),
     ("TOKENIZER", config.Tokenizer), ("SCHEDULE", config.Schedule), ("GRAD_AVERAGING", config.GradAveraging),
-    ("WIRE_CODEC", config.WireCodec))
+    ("GRAD_VALUES", config.GradValues), ("WIRE_CODEC", config.WireCodec))
 CONFIG_LIMITS = ("BLOOM_MIN_SLICES", "BLOOM_MAX_SLICES", "BLOOM_MAX_BITS_PER_SLICE")
 
 # The SDK accessor of each scalar width; i64 is stored as its two's complement u64.

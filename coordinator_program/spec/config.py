@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator_program.spec import limits
+from coordinator_program.spec.choices import GradAveraging, GradValues, Schedule, Tokenizer, WireCodec
 from coordinator_program.spec.errors import InvalidCheckpoint, InvalidConfig
 from coordinator_program.spec.layout import (
     U8,
@@ -82,39 +83,6 @@ CONFIG_LAYOUT = Struct(Config, [
 ], doc="The coordinator's rules for one run; times in seconds.")
 
 
-class Tokenizer(enum.IntEnum):
-    """How text becomes token ids."""
-
-    Bytes = 0  # byte-level: psyswarm's embedded model
-    Model = 1  # the model source's own tokenizer (tokenizer.json)
-
-
-class Schedule(enum.IntEnum):
-    """The learning rate's course over the run's steps (``coordinator_program.spec.schedule``)."""
-
-    Constant = 0
-    LinearWarmup = 1
-    WarmupCosine = 2
-
-
-class GradAveraging(enum.IntEnum):
-    """Per-step gradient averaging among a stage's workers."""
-
-    Off = 0
-    Full = 1
-    PowerSGD = 2
-    DeMo = 3
-
-
-class WireCodec(enum.IntEnum):
-    """How activations and their gradients travel between pipeline stages."""
-
-    Float32 = 0
-    Float16 = 1
-    BFloat16 = 2
-    Int8Block = 3
-
-
 PSYSWARM_ARCHITECTURE = "psyswarm"
 """The embedded byte-level model, which needs no source, digest or tokenizer file."""
 NO_DIGEST = bytes(32)
@@ -152,6 +120,7 @@ class Model:
     demo_chunk: int = 0
     demo_topk: int = 0
     demo_beta_permille: int = 0  # DeMo's momentum decay β, in thousandths
+    grad_values: GradValues = GradValues.Float32
     wire_codec: WireCodec = WireCodec.Float32
 
 
@@ -184,6 +153,7 @@ MODEL_LAYOUT = Struct(Model, [
     Field("demo_chunk", U8),
     Field("demo_topk", U8),
     Field("demo_beta_permille", U16),
+    Field("grad_values", Enum8(GradValues)),
     Field("wire_codec", Enum8(WireCodec)),
 ], doc="The model and training hyperparameters every client shares.")
 
@@ -359,6 +329,7 @@ def validate_grad_averaging(m: Model) -> None:
     never means two things."""
     validate_powersgd(m)
     validate_demo(m)
+    validate_grad_values(m)
 
 
 def validate_powersgd(m: Model) -> None:
@@ -387,6 +358,14 @@ def validate_demo(m: Model) -> None:
         for name in DEMO_FIELDS:
             _need(getattr(m, name) == 0, name,
                   "must be 0 unless grad_averaging is demo (leave demo_chunk, demo_topk and demo_beta out)")
+
+
+def validate_grad_values(m: Model) -> None:
+    """Any encoding of the averaged values with full, powersgd or demo gradient averaging; float32 without (there
+    are no values to encode), so one on-chain description never means two things."""
+    if m.grad_averaging == GradAveraging.Off:
+        _need(m.grad_values == GradValues.Float32, "grad_values",
+              "must be float32 unless grad averaging is on (leave grad_values out)")
 
 
 def validate_checkpoint(cp: Checkpoint) -> None:
@@ -552,6 +531,8 @@ MODEL_KEYS = {
                                            "warmup_cosine": Schedule.WarmupCosine}),
     "grad_averaging": _choice("grad_averaging", {"off": GradAveraging.Off, "full": GradAveraging.Full,
                                                  "powersgd": GradAveraging.PowerSGD, "demo": GradAveraging.DeMo}),
+    "grad_values": _choice("grad_values", {"float32": GradValues.Float32, "float16": GradValues.Float16,
+                                           "int8": GradValues.Int8}),
     "wire_codec": _choice("wire_codec", {"float32": WireCodec.Float32, "float16": WireCodec.Float16,
                                          "bfloat16": WireCodec.BFloat16, "int8": WireCodec.Int8Block}),
 }

@@ -22,6 +22,7 @@ from coordinator_program.spec.config import (
     CheckpointKind,
     Config,
     GradAveraging,
+    GradValues,
     Model,
     Schedule,
     Tokenizer,
@@ -73,7 +74,11 @@ AVERAGING = st.sampled_from([
     {"grad_averaging": GradAveraging.DeMo, "demo_chunk": 3, "demo_topk": 2, "demo_beta_permille": 1},
     {"grad_averaging": GradAveraging.DeMo, "demo_chunk": 64, "demo_topk": 4, "demo_beta_permille": 900},
     {"grad_averaging": GradAveraging.DeMo, "demo_chunk": limits.MAX_DEMO_CHUNK, "demo_topk": limits.MAX_DEMO_CHUNK - 1,
-     "demo_beta_permille": limits.MAX_DEMO_BETA_PERMILLE}])
+     "demo_beta_permille": limits.MAX_DEMO_BETA_PERMILLE},
+    {"grad_averaging": GradAveraging.Full, "grad_values": GradValues.Float16},
+    {"grad_averaging": GradAveraging.PowerSGD, "powersgd_rank": 4, "grad_values": GradValues.Int8},
+    {"grad_averaging": GradAveraging.DeMo, "demo_chunk": 64, "demo_topk": 4, "demo_beta_permille": 900,
+     "grad_values": GradValues.Int8}])
 """A gradient averaging mode with valid settings: one field replaced at random would seldom make DeMo's three
 agree, so a valid DeMo model is the base that the boundary values then break, one setting or the mode at a time."""
 DEMO_OUTCOMES: Counter[int | None] = Counter()
@@ -91,7 +96,7 @@ def models(draw: st.DrawFn) -> Model:
               "lr_schedule": st.sampled_from(list(Schedule)), "warmup_steps": U32, "lr_floor_micros": U32,
               "grad_averaging": st.sampled_from(list(GradAveraging)), "powersgd_rank": U8,
               "demo_chunk": CHUNKS, "demo_topk": CHUNKS, "demo_beta_permille": BETAS,
-              "wire_codec": st.sampled_from(list(WireCodec))}
+              "grad_values": st.sampled_from(list(GradValues)), "wire_codec": st.sampled_from(list(WireCodec))}
     chosen = draw(st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True))
     base = draw(st.sampled_from([Model(n_layers=4, n_heads=2, d_model=16, seq_len=8), HF_BASE]))
     base = dataclasses.replace(base, dataset=draw(st.sampled_from(["stdlib", "./tokens"])))  # local: any pin
@@ -112,7 +117,7 @@ def replay() -> Replay:
     return run
 
 
-@settings(max_examples=500, deadline=None, derandomize=True)
+@settings(max_examples=600, deadline=None, derandomize=True)
 @given(configs(), models(), checkpoints)
 def test_update_validation_matches_the_specification(replay: Replay, config: Config, model: Model,
                                                      checkpoint: Checkpoint) -> None:
@@ -143,3 +148,31 @@ def test_a_downloaded_dataset_is_pinned_and_the_embedded_one_is_not(replay: Repl
     model = dataclasses.replace(MODEL, dataset=dataset, dataset_sha256=bytes(range(32)) if pinned else bytes(32))
     outcome = replay.apply(Update(SMALL, model, Checkpoint()), replay.authority)
     assert outcome == (None if accepted else errors.InvalidConfig.code)
+
+
+MODES = {GradAveraging.Off: {}, GradAveraging.Full: {},
+         GradAveraging.PowerSGD: {"powersgd_rank": 4},
+         GradAveraging.DeMo: {"demo_chunk": 64, "demo_topk": 4, "demo_beta_permille": 900}}
+
+
+@pytest.mark.parametrize("values", list(GradValues), ids=lambda v: v.name)
+@pytest.mark.parametrize("mode", list(MODES), ids=lambda m: m.name)
+def test_grad_values_are_accepted_or_refused_alike(replay: Replay, mode: GradAveraging, values: GradValues) -> None:
+    """Any encoding of the averaged values with averaging on, float32 only with it off: program and spec alike."""
+    model = dataclasses.replace(MODEL, grad_averaging=mode, **MODES[mode], grad_values=values)
+    accepted = mode != GradAveraging.Off or values == GradValues.Float32
+    outcome = replay.apply(Update(SMALL, model, Checkpoint()), replay.authority)
+    assert outcome == (None if accepted else errors.InvalidConfig.code)
+
+
+@pytest.mark.parametrize(("mode", "byte"), [(GradAveraging.Full, 2), (GradAveraging.Full, 3),
+                                            (GradAveraging.DeMo, 3), (GradAveraging.Off, 3),
+                                            (GradAveraging.PowerSGD, 255)])
+def test_a_grad_values_byte_past_the_enum_is_malformed(replay: Replay, mode: GradAveraging, byte: int) -> None:
+    """Raw update data whose grad_values byte names no encoding: the program refuses it as the decoding does."""
+    update = Update(SMALL, dataclasses.replace(MODEL, grad_averaging=mode, **MODES[mode]), Checkpoint())
+    offset, size = Update.LAYOUT.offsets(base=8)["model.grad_values"]
+    data = bytearray(update.encode())
+    data[offset:offset + size] = bytes([byte])
+    outcome = replay.apply_data(bytes(data), Update, replay.authority)
+    assert outcome == (None if byte < len(GradValues) else errors.MalformedInstruction.code)

@@ -91,6 +91,7 @@ CASES: list[tuple[str, bytes, type[Instruction]]] = [
     ("non-ASCII dataset", _update_with("model.dataset", "donnée".encode()), Update),
     ("control character in repo", _update_with("checkpoint.repo", b"org/\x7fmodel"), Update),
     ("repo not UTF-8", _update_with("checkpoint.repo", b"org/\xfe"), Update),
+    ("grad values 3", _update_with("model.grad_values", b"\x03"), Update),
 ]
 
 

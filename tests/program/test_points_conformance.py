@@ -17,6 +17,7 @@ from coordinator_program.spec import derived, errors, limits
 from coordinator_program.spec.config import (
     Checkpoint,
     GradAveraging,
+    GradValues,
     Model,
     Schedule,
     Tokenizer,
@@ -120,6 +121,9 @@ DEMO = dataclasses.replace(LLAMA, grad_averaging=GradAveraging.DeMo, powersgd_ra
     (dataclasses.replace(DEMO, demo_beta_permille=1000), errors.InvalidConfig),
     (dataclasses.replace(DEMO, grad_averaging=GradAveraging.Full), errors.InvalidConfig),  # settings without it
     (dataclasses.replace(LLAMA, demo_beta_permille=900), errors.InvalidConfig),  # a β with powersgd
+    (dataclasses.replace(LLAMA, grad_values=GradValues.Int8), None),
+    (dataclasses.replace(DEMO, grad_values=GradValues.Float16), None),
+    (dataclasses.replace(MODEL, grad_values=GradValues.Int8), errors.InvalidConfig),  # int8 without averaging
 ], ids=lambda v: "" if not isinstance(v, Model) else f"{v.architecture}-{v.lr_schedule.name}")
 def test_model_descriptions_are_accepted_or_refused_alike(model: Model, error: type | None) -> None:
     authority = Keypair()

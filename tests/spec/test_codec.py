@@ -25,7 +25,15 @@ from coordinator_program.onchain.instance import (
     encode_instance,
 )
 from coordinator_program.spec import errors, layout, limits, rules
-from coordinator_program.spec.config import Checkpoint, CheckpointKind, GradAveraging, Schedule, Tokenizer, WireCodec
+from coordinator_program.spec.config import (
+    Checkpoint,
+    CheckpointKind,
+    GradAveraging,
+    GradValues,
+    Schedule,
+    Tokenizer,
+    WireCodec,
+)
 from coordinator_program.spec.instructions import (
     INSTRUCTIONS,
     CheckpointReport,
@@ -164,8 +172,8 @@ def test_account_with_1024_clients_fits_190848_bytes() -> None:
     witness instruction ranks every client again. Marking each client and joiner a veteran or not (a byte each), so
     that an epoch's first elections rank the clients whose keys predate their seeds first: 2,048 bytes. Issue 25's
     DeMo settings (chunk, top-k and β in thousandths): 4 bytes. Each client's and joiner's commitment to the secret it
-    reveals in its first warmup, so that no joiner foresees the warmup's election (issue 23): 65,536 bytes, 190,807
-    in all."""
+    reveals in its first warmup, so that no joiner foresees the warmup's election (issue 23): 65,536 bytes. How
+    averaged gradient values travel (grad_values): 1 byte, 190,808 in all."""
     assert limits.MAX_CLIENTS == 1024
     assert ACCOUNT_LAYOUT.offsets()["ledger"][1] == 40 * limits.MAX_CLIENTS
     assert ACCOUNT_LAYOUT.offsets()["checkpoints"][1] == 161 * limits.MAX_STAGES
@@ -181,9 +189,11 @@ SAMPLES: list[Instruction] = [
                                       config_sha256=bytes(range(32)), tokenizer=Tokenizer.Model,
                                       tokenizer_sha256=b"\x07" * 32, lr_schedule=Schedule.WarmupCosine,
                                       warmup_steps=3, lr_floor_micros=10, grad_averaging=GradAveraging.PowerSGD,
-                                      powersgd_rank=4, wire_codec=WireCodec.Int8Block), Checkpoint()),
+                                      powersgd_rank=4, grad_values=GradValues.Float16,
+                                      wire_codec=WireCodec.Int8Block), Checkpoint()),
     Update(SMALL, dataclasses.replace(MODEL, grad_averaging=GradAveraging.DeMo, demo_chunk=128, demo_topk=127,
-                                      demo_beta_permille=999, wire_codec=WireCodec.BFloat16), Checkpoint()),
+                                      demo_beta_permille=999, grad_values=GradValues.Int8,
+                                      wire_codec=WireCodec.BFloat16), Checkpoint()),
     SetPaused(True),
     JoinRun("run-1", Role.Worker, 2),
     JoinRun("run-1", Role.Trainer, limits.NO_STAGE, 17, 1_700_000_000),

@@ -17,6 +17,7 @@ from coordinator_program.spec.config import (
     CheckpointKind,
     Config,
     GradAveraging,
+    GradValues,
     Model,
     Schedule,
     Tokenizer,
@@ -190,6 +191,12 @@ LLAMA = Model(n_layers=4, architecture="llama", source="HuggingFaceTB/SmolLM2-13
     Model(grad_averaging=GradAveraging.DeMo, demo_chunk=2, demo_topk=1, demo_beta_permille=0),
     Model(grad_averaging=GradAveraging.DeMo, demo_chunk=128, demo_topk=127, demo_beta_permille=999),
     Model(grad_averaging=GradAveraging.DeMo, demo_chunk=64, demo_topk=4, demo_beta_permille=900),
+    Model(grad_averaging=GradAveraging.Full, grad_values=GradValues.Float16),
+    Model(grad_averaging=GradAveraging.Full, grad_values=GradValues.Int8),
+    Model(grad_averaging=GradAveraging.PowerSGD, powersgd_rank=4, grad_values=GradValues.Float16),
+    Model(grad_averaging=GradAveraging.PowerSGD, powersgd_rank=4, grad_values=GradValues.Int8),
+    Model(grad_averaging=GradAveraging.DeMo, demo_chunk=64, demo_topk=4, grad_values=GradValues.Float16),
+    Model(grad_averaging=GradAveraging.DeMo, demo_chunk=64, demo_topk=4, grad_values=GradValues.Int8),
 ])
 def test_valid_model_descriptions_are_accepted(model: Model) -> None:
     validate_model(model, GOOD)
@@ -227,6 +234,8 @@ def test_valid_model_descriptions_are_accepted(model: Model) -> None:
     ("demo_topk", {"grad_averaging": GradAveraging.PowerSGD, "powersgd_rank": 4, "demo_topk": 4}),
     ("demo_beta_permille", {"demo_beta_permille": 900}),
     ("demo_chunk", {**DEMO, "grad_averaging": GradAveraging.PowerSGD, "powersgd_rank": 4}),
+    ("grad_values", {"grad_values": GradValues.Int8}),
+    ("grad_values", {"grad_values": GradValues.Float16}),
 ])
 def test_model_description_rule_names_the_field(field: str, changes: dict) -> None:
     with pytest.raises(InvalidConfig, match=f"^InvalidConfig: {field}:"):
@@ -344,6 +353,36 @@ def test_state_toml_demo_keys(changes: dict, settings: tuple[int, int, int]) -> 
 def test_state_toml_demo_errors_are_one_line_and_name_the_key(changes: dict, message: str) -> None:
     with pytest.raises(InvalidConfig) as info:
         parse_run_spec({"run_id": "ok", "model": {**DEMO_TOML, **changes}})
+    assert info.value.detail.startswith(message) and "\n" not in info.value.detail
+
+
+@pytest.mark.parametrize("mode", [{"grad_averaging": "full"}, {"grad_averaging": "powersgd", "powersgd_rank": 4},
+                                  DEMO_TOML])
+@pytest.mark.parametrize(("name", "values"), [("float32", GradValues.Float32), ("float16", GradValues.Float16),
+                                              ("int8", GradValues.Int8)])
+def test_state_toml_grad_values(mode: dict, name: str, values: GradValues) -> None:
+    """How averaged values travel is a run setting, by name, with any averaging mode."""
+    model = parse_run_spec({"run_id": "ok", "model": {**mode, "grad_values": name}}).model
+    assert model.grad_values == values and model.grad_averaging.name.lower() == mode["grad_averaging"]
+
+
+def test_grad_values_default_to_float32() -> None:
+    assert Model().grad_values == GradValues.Float32
+    for mode in ({}, {"grad_averaging": "full"}, DEMO_TOML):
+        assert parse_run_spec({"run_id": "ok", "model": mode}).model.grad_values == GradValues.Float32
+
+
+@pytest.mark.parametrize(("table", "message"), [
+    ({"grad_averaging": "full", "grad_values": "int4"}, "grad_values: must be one of float32, float16, int8, got "
+                                                        "'int4'"),
+    ({"grad_averaging": "full", "grad_values": 2}, "grad_values: must be one of float32, float16, int8, got 2"),
+    ({"grad_values": "int8"}, "grad_values: must be float32 unless grad averaging is on (leave grad_values out)"),
+    ({"grad_averaging": "off", "grad_values": "float16"}, "grad_values: must be float32 unless grad averaging is on"),
+    ({"grad_value": "int8"}, "grad_value: unknown key in [model]; did you mean 'grad_values'?"),
+])
+def test_state_toml_grad_values_errors_are_one_line_and_name_the_key(table: dict, message: str) -> None:
+    with pytest.raises(InvalidConfig) as info:
+        parse_run_spec({"run_id": "ok", "model": table})
     assert info.value.detail.startswith(message) and "\n" not in info.value.detail
 
 
