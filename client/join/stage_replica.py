@@ -35,6 +35,7 @@ from solders.keypair import Keypair
 from client.averaging.gradients import GradAveraging, GradientAverager, GradientSettings
 from client.averaging.membership import Roster
 from client.averaging.sparta import AveragingResult, AveragingStatus, SpartaAverager, SpartaSettings, averaging_index
+from client.averaging.values import GradValues
 from client.join.checkpoints import (
     FileLimits,
     OptimizerState,
@@ -105,6 +106,7 @@ def gradient_settings(state: CoordinatorState) -> GradientSettings | None:
         return None
     return GradientSettings(mode, rank=model.powersgd_rank, chunk=model.demo_chunk, topk=model.demo_topk,
                             beta=model.demo_beta_permille / PERMILLE,
+                            values=GradValues(model.grad_values.name.lower()),  # Float16: float16, and so on
                             timeouts=sparta_settings(state.config.round_witness_time),
                             max_weight=float(state.config.global_batch_size),
                             round_samples=state.config.global_batch_size)

@@ -16,6 +16,7 @@ from solders.keypair import Keypair
 
 from client.averaging.gradients import GradAveraging, GradientResult, GradientSettings
 from client.averaging.membership import Roster
+from client.averaging.values import GradValues
 from client.contributor.run_model import model_config
 from client.join.stage_replica import REPLICA_WEIGHT, StageReplica, gradient_settings
 from client.join.sync import SyncPhase
@@ -101,36 +102,43 @@ def parameters(replica: StageReplica) -> list[torch.Tensor]:
     return [p.detach().clone() for p in replica.worker.compute.optimizer.params]
 
 
-@pytest.mark.parametrize(("model", "expected"), [
-    ({"grad_averaging": "off"}, None),
-    ({"grad_averaging": "full"}, (GradAveraging.FULL, 0, 0, 0)),
-    ({"grad_averaging": "powersgd", "powersgd_rank": 4}, (GradAveraging.POWERSGD, 4, 0, 0)),
+@pytest.mark.parametrize(("model", "expected", "values"), [
+    ({"grad_averaging": "off"}, None, None),
+    ({"grad_averaging": "full"}, (GradAveraging.FULL, 0, 0, 0), GradValues.FLOAT32),
+    ({"grad_averaging": "powersgd", "powersgd_rank": 4}, (GradAveraging.POWERSGD, 4, 0, 0), GradValues.FLOAT32),
     ({"grad_averaging": "demo", "demo_chunk": 64, "demo_topk": 4, "demo_beta": 0.999},
-     (GradAveraging.DEMO, 0, 64, 4, 0.999)),
-    ({"grad_averaging": "demo", "demo_chunk": 128, "demo_topk": 127}, (GradAveraging.DEMO, 0, 128, 127, 0.9)),
+     (GradAveraging.DEMO, 0, 64, 4, 0.999), GradValues.FLOAT32),
+    ({"grad_averaging": "demo", "demo_chunk": 128, "demo_topk": 127}, (GradAveraging.DEMO, 0, 128, 127, 0.9),
+     GradValues.FLOAT32),
+    ({"grad_averaging": "full", "grad_values": "float16"}, (GradAveraging.FULL, 0, 0, 0), GradValues.FLOAT16),
+    ({"grad_averaging": "demo", "demo_chunk": 64, "demo_topk": 2, "grad_values": "int8"},
+     (GradAveraging.DEMO, 0, 64, 2, 0.9), GradValues.INT8),
 ])
-def test_gradient_settings_are_the_runs_model(model: dict, expected: tuple | None) -> None:
-    """The on-chain description's mode and its settings become the client's (DeMo's β from thousandths), with a
-    round's global batch as the most samples any peer may claim."""
+def test_gradient_settings_are_the_runs_model(model: dict, expected: tuple | None, values: GradValues | None) -> None:
+    """The on-chain description's mode and its settings become the client's (DeMo's β from thousandths, the
+    values' codec float32 unless the run names another), with a round's global batch as the most samples any peer
+    may claim."""
     settings = gradient_settings(run_state("settings", **model))
     if expected is None:
         assert settings is None
         return
     assert isinstance(settings, GradientSettings)
-    assert (settings.mode, settings.rank, settings.chunk, settings.topk) == expected[:4]
+    assert (settings.mode, settings.rank, settings.chunk, settings.topk, settings.values) == (*expected[:4], values)
     if settings.mode == GradAveraging.DEMO:
         assert settings.beta == expected[4]
     assert settings.max_weight == settings.round_samples == 8
 
 
-MODES = {"full": {}, "powersgd": {"powersgd_rank": 2}, "demo": {"demo_chunk": 32, "demo_topk": 4}}
-"""Each mode a run can choose, with its settings in ``state.toml``."""
+MODES = {"full": {}, "powersgd": {"powersgd_rank": 2}, "demo": {"demo_chunk": 32, "demo_topk": 4},
+         "demo in int8": {"demo_chunk": 32, "demo_topk": 4, "grad_values": "int8"}}
+"""Each mode a run can choose, with its settings in ``state.toml`` (and one in another codec)."""
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("setting", sorted(MODES))
 def test_replicas_that_saw_different_samples_step_to_the_same_parameters(make_replica, run_id: str,
-                                                                           mode: str) -> None:
-    state = run_state(run_id, grad_averaging=mode, **MODES[mode])
+                                                                           setting: str) -> None:
+    mode = setting.split()[0]
+    state = run_state(run_id, grad_averaging=mode, **MODES[setting])
     replicas = serving([make_replica(state) for _ in range(2)])
     assert replicas[0].gradients is not None and replicas[0].gradients.settings.mode == GradAveraging(mode)
     assert replicas[0].gradients.settings.max_weight == 8  # no peer may claim more than a round's batch
