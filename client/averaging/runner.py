@@ -142,6 +142,8 @@ class RobustRunner(AllReduceRunner):
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.signer, self.keys = signer, dict(keys)
+        self.tensor_part_reducer.finished.set()  # hivemind's own, never used: its finaliser would log every round
+        # that it "received 0.0% of input tensors"
         self.tensor_part_reducer = RobustReducer(tuple(part.shape for part in self.parts_for_local_averaging),
                                                  len(self.sender_peer_ids))
         self.reductions = Reductions(frozenset(self.sender_peer_ids), self.keys)
