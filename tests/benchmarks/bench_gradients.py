@@ -39,9 +39,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from bench_sparta import SETTINGS, Run, allreduce_bytes_sent, parse_sparta, reference, system  # this directory
@@ -51,8 +54,11 @@ from client.averaging import demo
 from client.averaging.gradients import GradAveraging, GradientSettings, round_payload
 from client.averaging.sparta import SpartaSettings
 from client.averaging.values import GradValues
-from client.data import open_byte_dataset
+from client.data import SampleDataset, open_byte_dataset, open_dataset
+from client.models.spec import HFModelSpec
 from client.pipeline.model import ModelConfig, build_stage, stage_names
+from client.swarm import tiny_llama
+from client.swarm.demo import TINY_LLAMA_CORPUS_BYTES
 
 
 def quick(matchmaking: float) -> SpartaSettings:
@@ -84,6 +90,15 @@ def declared_index_bytes(config: ModelConfig, settings: GradientSettings) -> dic
     return out
 
 
+def tiny_llama_run(seq_len: int) -> tuple[HFModelSpec, SampleDataset]:
+    """The tiny Llama the demo trains (``psyswarm demo --model tiny-llama``), cut into 3 stages, and its tokenized
+    corpus: prepared once (tokenizer, config, tokens) in the temporary directory and reused."""
+    prepared = tiny_llama.cached(Path(tempfile.gettempdir()) / "psyswarm-bench-tiny-llama",
+                                 corpus_bytes=TINY_LLAMA_CORPUS_BYTES)
+    config = json.loads((prepared.model_dir / "config.json").read_text())
+    return HFModelSpec(config, num_stages=3, seq_len=seq_len), open_dataset(str(prepared.tokens_dir), seq_len)
+
+
 def parse_demo(text: str) -> tuple[int, int]:
     """``CHUNK/TOPK`` (DeMo: TOPK DCT coefficients sent of each CHUNK elements)."""
     chunk, _, topk = text.partition("/")
@@ -110,6 +125,10 @@ def main() -> None:
                              "with every --rank and --demo; default float32)")
     parser.add_argument("--sparta", type=parse_sparta, default=(5, 20),
                         help="EVERY/P of the SPARTA runs (default 5/20: Node0's 5%% every 5 steps)")
+    parser.add_argument("--model", choices=["psyswarm", "tiny-llama"], default="psyswarm",
+                        help="psyswarm's byte-level model (--layers, --width), or the Llama of examples/tiny-llama "
+                             "(transformers' LlamaForCausalLM: 6 layers, 64 wide, its own 2,048-token BPE), prepared "
+                             "once in the temporary directory")
     parser.add_argument("--layers", type=int, default=ModelConfig.n_layers)
     parser.add_argument("--width", type=int, default=ModelConfig.d_model)
     parser.add_argument("--seq-len", type=int, default=ModelConfig.seq_len)
@@ -126,8 +145,11 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    config = ModelConfig(n_layers=args.layers, d_model=args.width, seq_len=args.seq_len)
-    dataset = open_byte_dataset(["stdlib"], config.seq_len)
+    if args.model == "tiny-llama":
+        config, dataset = tiny_llama_run(args.seq_len)
+    else:
+        config = ModelConfig(n_layers=args.layers, d_model=args.width, seq_len=args.seq_len)
+        dataset = open_byte_dataset(["stdlib"], config.seq_len)
     held_out = list(range(dataset.num_samples - args.held_out, dataset.num_samples))
     tokens = args.rounds * args.batch_size * config.seq_len
     every, partitions = args.sparta
