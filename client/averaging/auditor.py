@@ -18,13 +18,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 
 from client.averaging.audit import Place, evidence, false_block
 from client.averaging.runner import Reductions
+from client.averaging.values import GradValues, decode
 
 logger = get_logger(__name__)
 
@@ -109,7 +110,7 @@ class Auditor:
         async for message in stream:
             if message.tensor_part.ByteSize() > MAX_PART_BYTES:
                 raise ValueError("an input larger than any part")
-            inputs.append(deserialize_torch_tensor(message.tensor_part))
+            inputs.append(decode(message.tensor_part, GradValues.FLOAT32))  # served as reduced: float32
             if len(inputs) == count:
                 break  # all it listed: more would be no input of its statement
         return inputs
