@@ -67,7 +67,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
@@ -411,12 +410,6 @@ class _GradientRounds(StageAverager):
             sending.keep_unsent(chunked, self._momenta)
         sending.step_on_average(chunked)
         return complete
-
-    def _complete(self, group_id: bytes) -> bool:
-        """Whether the all-reduce of ``group_id`` heard from every sender and every reducer, and kept every
-        result (a reducer whose result was refused counts as failed: ``RobustRunner``)."""
-        runner: AllReduceRunner = self._running_groups[group_id].result()
-        return not runner.banned_senders and runner.tensor_part_container.failed_size == 0
 
 
 class _Phases(DecentralizedAverager):

@@ -16,6 +16,10 @@ change rather than overwriting keeps any optimizer step taken while the network 
 changes are applied: where a group ended up with no weight for some elements (a weighted peer failed
 mid-round and the rest weigh 0) those elements keep their local value instead of becoming NaN.
 
+Codec. In a run whose ``grad_values`` is float16 or int8, a slice travels as its change since the group last
+averaged it, in that codec, and every peer adds the average change to that common value (``anchored``): about a
+quarter of the bytes in int8, where rounding the parameters themselves would move each by more than a step does.
+
 Weights. A round's weight is the caller's, at most ``max_weight`` (the swarm's replicas weigh 1 each when they
 trained since the last round, 0 otherwise: ``client.join.stage_replica.REPLICA_WEIGHT``); a groupmate claiming
 more is dropped before the all-reduce, and one that sends its parts with another weight than it declared is
@@ -52,10 +56,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from client.averaging.anchored import AnchoredAverager
 from client.averaging.membership import Membership, Roster
 from client.averaging.rounds import GRACE, Wedged, holding, run_round
-from client.averaging.stage_averager import StageAverager
 from client.averaging.state_transfer import SharedState, StateExpectation
+from client.averaging.values import GradValues
 
 if TYPE_CHECKING:
     import hivemind
@@ -210,11 +215,13 @@ class SpartaAverager:
         settings: SpartaSettings | None = None,
         state_provider: Callable[[], SharedState] | None = None,
         max_weight: float = math.inf,
+        values: GradValues = GradValues.FLOAT32,
     ) -> None:
         """``membership`` is this peer's key and the stage's roster (who may average with it); ``lock`` guards
         the live parameters (a worker's ``compute.lock``); ``state_provider`` is what this peer serves to
         joiners once ``sharing`` is on; ``max_weight`` the most weight any peer may claim in a round (the
-        module docstring)."""
+        module docstring); ``values`` the run's codec, in which slices travel as changes since their last
+        average (``client.averaging.anchored``) unless it is float32."""
         if not max_weight > 0:
             raise ValueError(f"max_weight must be positive, got {max_weight}")
         self.settings = settings or SpartaSettings()
@@ -234,7 +241,7 @@ class SpartaAverager:
         self._buffers = [torch.zeros(size, dtype=p.dtype) for size, p in zip(self.masks.slice_sizes,
                                                                               self.parameters, strict=True)]
         s = self.settings
-        self._averager = StageAverager(
+        self._averager = AnchoredAverager(
             self._buffers,
             dht,
             prefix=self.prefix,
@@ -248,19 +255,21 @@ class SpartaAverager:
             next_chunk_timeout=s.chunk_timeout,
             allow_state_sharing=False,
             max_weight=self.max_weight,
+            masks=self.masks,
+            values=values,
         )
 
     @classmethod
     def for_worker(cls, worker: StageWorker, dht: hivemind.DHT, *, partitions: int, seed: int,
                    roster: Callable[[], Roster], settings: SpartaSettings | None = None,
                    state_provider: Callable[[], SharedState] | None = None,
-                   max_weight: float = math.inf) -> SpartaAverager:
+                   max_weight: float = math.inf, values: GradValues = GradValues.FLOAT32) -> SpartaAverager:
         """The averager of a ``StageWorker``'s parameters, under its lock, in its run's namespace, averaging
         with the workers ``roster`` lists under the worker's key."""
         return cls(list(worker.compute.module.named_parameters()), dht, run_id=worker.run_id, stage=worker.stage,
                    partitions=partitions, seed=seed, membership=Membership(worker.keypair, roster),
                    lock=worker.compute.lock, settings=settings, state_provider=state_provider,
-                   max_weight=max_weight)
+                   max_weight=max_weight, values=values)
 
     # ----- the round -----
 
@@ -352,8 +361,10 @@ class SpartaAverager:
     def _step(self, averaging_index: int, weight: float) -> tuple[dict[Any, dict[str, Any]], str | None]:
         """Run one hivemind step; returns (gathered round data by peer, failure reason or None)."""
         s = self.settings
-        return run_round(self._averager, self._pipe, averaging_index,
-                         {"round": averaging_index, "weight": float(weight)}, weight,
+        declaration: dict[str, Any] = {"round": averaging_index, "weight": float(weight)}
+        if self._averager.anchors:
+            declaration["anchor"] = self._averager.declared_anchor(averaging_index)
+        return run_round(self._averager, self._pipe, averaging_index, declaration, weight,
                          matchmaking_timeout=s.matchmaking_timeout, allreduce_timeout=s.allreduce_timeout,
                          on_control=lambda control: setattr(self, "_control", control))
 
@@ -412,7 +423,7 @@ class SpartaAverager:
         return self._averager.bytes_received
 
     @property
-    def averager(self) -> StageAverager:
+    def averager(self) -> AnchoredAverager:
         """The underlying hivemind averager (its process id, its tensors' lock: monitoring and tests)."""
         return self._averager
 

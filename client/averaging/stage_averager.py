@@ -234,6 +234,12 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
         """The ids of the all-reduces one group runs: its own (PowerSGD's phases add theirs)."""
         return [group_id]
 
+    def _complete(self, group_id: bytes) -> bool:
+        """Whether the all-reduce of ``group_id`` heard from every sender and every reducer, and kept every
+        result (a reducer whose result was refused counts as failed: ``RobustRunner``)."""
+        runner: AllReduceRunner = self._running_groups[group_id].result()
+        return not runner.banned_senders and runner.tensor_part_container.failed_size == 0
+
     def _refused_senders(self, ids: Sequence[bytes]) -> set[PeerID]:
         """The senders this peer's reducers banned in the all-reduces ``ids`` (refused parts, silence)."""
         refused: set[PeerID] = set()

@@ -95,6 +95,11 @@ PERMILLE = 1000
 """DeMo's β is kept on chain in thousandths (``Model.demo_beta_permille``)."""
 
 
+def averaged_values(state: CoordinatorState) -> GradValues:
+    """How the run's averaged values travel (``grad_values``): its gradients, and SPARTA's parameter changes."""
+    return GradValues(state.model.grad_values.name.lower())  # the spec's Float16: float16, and so on
+
+
 def gradient_settings(state: CoordinatorState) -> GradientSettings | None:
     """How the run's model says a stage averages its gradients (``grad_averaging`` with its mode's settings, which
     the coordinator keeps 0 for every other mode), or None if it does not. It shares SPARTA's timeouts; no peer may
@@ -106,7 +111,7 @@ def gradient_settings(state: CoordinatorState) -> GradientSettings | None:
         return None
     return GradientSettings(mode, rank=model.powersgd_rank, chunk=model.demo_chunk, topk=model.demo_topk,
                             beta=model.demo_beta_permille / PERMILLE,
-                            values=GradValues(model.grad_values.name.lower()),  # Float16: float16, and so on
+                            values=averaged_values(state),
                             timeouts=sparta_settings(state.config.round_witness_time),
                             max_weight=float(state.config.global_batch_size),
                             round_samples=state.config.global_batch_size)
@@ -180,7 +185,7 @@ class StageReplica:
             worker, dht, partitions=state.model.sparta_partitions, seed=state.model.init_seed,
             roster=roster, settings=sparta_settings(state.config.round_witness_time),
             state_provider=worker_state_provider(worker, lambda: replica.local_step or 0),
-            max_weight=REPLICA_WEIGHT)
+            max_weight=REPLICA_WEIGHT, values=averaged_values(state))
         replica = cls(worker, averager, SyncTracker(SyncPolicy.from_model(state.model), say=say),
                       WorkerDirectory(dht, namespace, config.fingerprint()), every=state.model.sparta_every,
                       gradients=gradient_averager(state, worker, dht, roster),

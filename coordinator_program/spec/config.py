@@ -329,7 +329,6 @@ def validate_grad_averaging(m: Model) -> None:
     never means two things."""
     validate_powersgd(m)
     validate_demo(m)
-    validate_grad_values(m)
 
 
 def validate_powersgd(m: Model) -> None:
@@ -358,14 +357,6 @@ def validate_demo(m: Model) -> None:
         for name in DEMO_FIELDS:
             _need(getattr(m, name) == 0, name,
                   "must be 0 unless grad_averaging is demo (leave demo_chunk, demo_topk and demo_beta out)")
-
-
-def validate_grad_values(m: Model) -> None:
-    """Any encoding of the averaged values with full, powersgd or demo gradient averaging; float32 without (there
-    are no values to encode), so one on-chain description never means two things."""
-    if m.grad_averaging == GradAveraging.Off:
-        _need(m.grad_values == GradValues.Float32, "grad_values",
-              "must be float32 unless grad averaging is on (leave grad_values out)")
 
 
 def validate_checkpoint(cp: Checkpoint) -> None:

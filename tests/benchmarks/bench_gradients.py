@@ -47,7 +47,15 @@ import time
 from pathlib import Path
 
 import torch
-from bench_sparta import SETTINGS, Run, allreduce_bytes_sent, parse_sparta, reference, system  # this directory
+from bench_sparta import (  # this directory
+    SETTINGS,
+    Run,
+    allreduce_bytes_sent,
+    parse_sparta,
+    reference,
+    stage_bytes,
+    system,
+)
 from hivemind.utils.serializer import MSGPackSerializer
 
 from client.averaging import demo
@@ -125,6 +133,9 @@ def main() -> None:
                              "with every --rank and --demo; default float32)")
     parser.add_argument("--sparta", type=parse_sparta, default=(5, 20),
                         help="EVERY/P of the SPARTA runs (default 5/20: Node0's 5%% every 5 steps)")
+    parser.add_argument("--sparta-values", type=GradValues, default=GradValues.FLOAT32,
+                        help="how the SPARTA-only run's slices travel: float32 (default), or float16 or int8 as "
+                             "changes since their last average (client.averaging.anchored)")
     parser.add_argument("--model", choices=["psyswarm", "tiny-llama"], default="psyswarm",
                         help="psyswarm's byte-level model (--layers, --width), or the Llama of examples/tiny-llama "
                              "(transformers' LlamaForCausalLM: 6 layers, 64 wide, its own 2,048-token BPE), prepared "
@@ -167,7 +178,9 @@ def main() -> None:
 
     started = time.monotonic()
     runs: list[Run] = [reference(config, dataset, args, held_out)]
-    for sparta, gradients in [(None, None), (every, None), (None, full), *((every, p) for p in [*powersgd, *demos])]:
+    runs.append(system(config, dataset, args, held_out, None, 1))
+    runs.append(system(config, dataset, args, held_out, every, partitions, values=args.sparta_values))
+    for sparta, gradients in [(None, full), *((every, p) for p in [*powersgd, *demos])]:
         runs.append(system(config, dataset, args, held_out, sparta, partitions if sparta else 1, gradients))
         if gradients is not None and args.undefended:
             runs.append(system(config, dataset, args, held_out, sparta, partitions if sparta else 1, gradients,
@@ -189,6 +202,9 @@ def main() -> None:
     print(f"bytes each worker sends per step averaging its gradients (group of {group}):")
     dense = gradient_bytes(config, full, group)
     total_full = sum(b for _, b in dense.values())
+    sparta = sum(b for _, b, _ in stage_bytes(config, partitions, group, args.sparta_values).values()) / every
+    print(f"  all stages: full {total_full:,} B, SPARTA 1/{partitions} every {every} in {args.sparta_values.value} "
+          f"{sparta:,.0f} B a step on average (1/{total_full / sparta:.1f})")
     for settings in powersgd:
         compressed = gradient_bytes(config, settings, group)
         what = f"PowerSGD rank {settings.rank} in {settings.values.value}"

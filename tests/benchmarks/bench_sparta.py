@@ -17,7 +17,9 @@ Run::
     python tests/benchmarks/bench_sparta.py [--rounds 300] [--sparta 20/20 --sparta 5/20 --sparta none …]
 
 Each ``--sparta EVERY/P`` adds a run of the system (default: 20/20, the seeds' setting); ``none`` runs it
-without any averaging, to show what SPARTA buys.
+without any averaging, to show what SPARTA buys. ``--values int8`` (or float16; repeatable, float32 when left out)
+runs every SPARTA setting with its slices sent in that codec, as changes since their last average (a run's
+``grad_values``: ``client.averaging.anchored``), and counts their bytes so.
 """
 
 from __future__ import annotations
@@ -117,18 +119,19 @@ def undefended() -> Iterator[None]:
 
 def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
            every: int | None, partitions: int, gradients: GradientSettings | None = None,
-           defended: bool = True) -> Run:
+           defended: bool = True, values: GradValues = GradValues.FLOAT32) -> Run:
     """The pipeline with ``--workers-per-stage`` replicas per stage; SPARTA p = 1/``partitions`` every ``every``
     steps (None: never); with ``gradients``, the stage's workers also average their gradients before every step
     (``client.averaging.gradients``, used by tests/benchmarks/bench_gradients.py), with the averaging layer's
     defences (robust reduction, weights from the trainer's signed Backwards) or, ``defended`` False, without
-    (hivemind's weighted mean of the declared weights)."""
+    (hivemind's weighted mean of the declared weights); SPARTA's slices travel in ``values``."""
     with contextlib.nullcontext() if defended else undefended():
-        return _system(config, dataset, args, held_out, every, partitions, gradients, defended)
+        return _system(config, dataset, args, held_out, every, partitions, gradients, defended, values)
 
 
 def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
-            every: int | None, partitions: int, gradients: GradientSettings | None, defended: bool) -> Run:
+            every: int | None, partitions: int, gradients: GradientSettings | None, defended: bool,
+            values: GradValues) -> Run:
     replicas_name = f"{args.workers_per_stage} workers/stage"
     if gradients is not None:
         rank = (f" rank {gradients.rank}" if gradients.rank else
@@ -139,7 +142,8 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
             gradients = dataclasses.replace(gradients, round_samples=args.batch_size, max_weight=args.batch_size)
         else:
             replicas_name += " (undefended)"
-    run = Run(f"{replicas_name}, SPARTA 1/{partitions} every {every}" if every else
+    in_codec = "" if values == GradValues.FLOAT32 else f" in {values.value}"
+    run = Run(f"{replicas_name}, SPARTA 1/{partitions} every {every}{in_codec}" if every else
               f"{replicas_name}, no SPARTA" if gradients else f"{replicas_name}, no averaging")
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     bootstrap = start_dht()
@@ -156,7 +160,7 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
     if every:  # before the workers serve: each averager forks hivemind's process
         averagers = {w.uid: SpartaAverager.for_worker(w, w.dht, partitions=partitions, seed=config.seed,
                                                       roster=functools.partial(lambda s: rosters[s], s),
-                                                      settings=SETTINGS)
+                                                      settings=SETTINGS, values=values)
                      for s, replicas in workers.items() for w in replicas}
     grad_averagers: list[GradientAverager] = []
     current = {"round": 0}
@@ -278,8 +282,10 @@ def allreduce_bytes_sent(buffers: list[torch.Tensor], group_size: int,
     return to_reducers + results_back
 
 
-def stage_bytes(config: ModelConfig, partitions: int, group_size: int) -> dict[str, tuple[int, int, int]]:
-    """Per stage: (parameters, bytes sent per SPARTA round, bytes sent averaging the full stage)."""
+def stage_bytes(config: ModelConfig, partitions: int, group_size: int,
+                values: GradValues = GradValues.FLOAT32) -> dict[str, tuple[int, int, int]]:
+    """Per stage: (parameters, bytes sent per SPARTA round in ``values``, bytes sent averaging the full stage in
+    float32)."""
     out = {}
     for name in stage_names(config.num_stages):
         module = build_stage(config, name)
@@ -287,7 +293,7 @@ def stage_bytes(config: ModelConfig, partitions: int, group_size: int) -> dict[s
         sparse = SpartaMasks(named, partitions, config.seed)
         full = SpartaMasks(named, 1, config.seed)
         out[name] = (sum(n for _, n in named),
-                     allreduce_bytes_sent([torch.zeros(s) for s in sparse.slice_sizes], group_size),
+                     allreduce_bytes_sent([torch.zeros(s) for s in sparse.slice_sizes], group_size, values),
                      allreduce_bytes_sent([torch.zeros(s) for s in full.slice_sizes], group_size))
     return out
 
@@ -322,9 +328,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--held-out", type=int, default=64, help="held-out samples for the final loss")
     parser.add_argument("--last", type=int, default=50, help="rounds averaged for the final training loss")
+    parser.add_argument("--values", type=GradValues, action="append",
+                        help="how SPARTA's slices travel: float32, or float16 or int8 as changes since their last "
+                             "average (repeatable, each with every --sparta; default float32)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     setups = args.sparta or [(20, 20)]
+    codecs = args.values or [GradValues.FLOAT32]
 
     config = ModelConfig(n_layers=args.layers, d_model=args.width, seq_len=args.seq_len)
     dataset = open_byte_dataset(["stdlib"], config.seq_len)
@@ -335,7 +345,8 @@ def main() -> None:
           f"{args.workers_per_stage} workers per stage, {torch.get_num_threads()} torch threads", flush=True)
 
     runs = [reference(config, dataset, args, held_out)]
-    runs += [system(config, dataset, args, held_out, every, partitions) for every, partitions in setups]
+    runs += [system(config, dataset, args, held_out, every, partitions, values=values)
+             for every, partitions in setups for values in (codecs if every else [GradValues.FLOAT32])]
 
     base = runs[0]
     print()
@@ -352,12 +363,15 @@ def main() -> None:
             averaged = sum(r.status == AveragingStatus.AVERAGED for r in run.rounds)
             print(f"  {'':40s} {averaged} of {len(run.rounds)} worker-rounds averaged, "
                   f"{statistics.fmean(r.seconds for r in run.rounds):.2f} s per round on average")
-    for partitions in sorted({p for every, p in setups if every and p > 1}):
-        print()
-        print(f"bytes each worker sends per averaging round, p = 1/{partitions}, group of {args.workers_per_stage}:")
-        for name, (params, sparse, full) in stage_bytes(config, partitions, args.workers_per_stage).items():
-            print(f"  {name:6s} {params:>9,} parameters: SPARTA {sparse:>10,} B   full stage {full:>10,} B   "
-                  f"({sparse / full:.3f}x)")
+    for partitions in sorted({p for every, p in setups if every}):
+        for values in codecs:
+            print()
+            print(f"bytes each worker sends per averaging round, p = 1/{partitions} in {values.value}, group of "
+                  f"{args.workers_per_stage}:")
+            for name, (params, sparse, full) in stage_bytes(config, partitions, args.workers_per_stage,
+                                                            values).items():
+                print(f"  {name:6s} {params:>9,} parameters: SPARTA {sparse:>10,} B   full stage {full:>10,} B   "
+                      f"(1/{full / sparse:.1f})")
 
 
 if __name__ == "__main__":

@@ -151,16 +151,9 @@ static bool valid_demo(const uint8_t *m) {
   return chunk == 0 && topk == 0 && beta == 0;
 }
 
-/* config.validate_grad_values: any encoding of the averaged values with averaging on, float32 with it off
-   (a byte past the enum never gets here: the instruction's decoding refuses it) */
-static bool valid_grad_values(const uint8_t *m) {
-  return PSY_MODEL_GRAD_AVERAGING_GET(m) != PSY_GRAD_AVERAGING_OFF ||
-         PSY_MODEL_GRAD_VALUES_GET(m) == PSY_GRAD_VALUES_FLOAT32;
-}
-
 /* config.validate_grad_averaging: each compressed mode's settings in range with it, 0 without it */
 static bool valid_grad_averaging(const uint8_t *m) {
-  return valid_powersgd(m) && valid_demo(m) && valid_grad_values(m);
+  return valid_powersgd(m) && valid_demo(m);
 }
 
 uint64_t psy_validate_model(const uint8_t *m, const uint8_t *c) {

@@ -1,0 +1,122 @@
+"""SPARTA's slices in a compact codec: each travels as its change since the group last averaged it.
+
+A parameter does not survive int8: a block's scale is its largest weight, so half a level is larger than many
+optimizer steps. Its change since the last average does: a few steps' worth, which int8 carries within half a level
+of that change. So every peer keeps an **anchor**, the value each element took when its partition was last averaged
+completely, and sends ``value − anchor`` in the run's codec (``grad_values``); the group's average of those changes,
+added to the anchor, is the new value and the new anchor. The bytes of a round fall by the codec's factor (about
+4 for int8) and what the average does is the same: each peer ends at the anchor plus the weighted mean change.
+
+That only holds while the group's anchors are the same. Each peer declares the SHA-256 of its anchor for the
+round's partition beside its weight (``"anchor"``, sealed like the rest; empty when it holds none); the group sends
+changes only when every admitted peer declared the same digest, and otherwise averages the values themselves in
+float32, which sets every anchor to the same average again. A peer holds no anchor for a partition until a round
+that averaged it completed (every sender heard, every reducer's result kept): at its start, after joining, and
+after a round that failed part-way, whose shards may have kept local values. A liar declaring another digest costs
+the group one float32 round of that partition, the bytes it would have cost without this module, and no accuracy:
+a change is reduced (robustly, checked, audited) like any part.
+
+The anchor is one float32 copy of the stage's parameters in shared memory, written only by the averaging
+process, inside the round.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import multiprocessing as mp
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import PeerID
+
+from client.averaging.stage_averager import StageAverager
+from client.averaging.values import GradValues, codec
+
+if TYPE_CHECKING:
+    from client.averaging.membership import Declared
+
+
+class Partitions(Protocol):
+    """How a stage's parameters are cut into SPARTA's partitions (``sparta.SpartaMasks``)."""
+
+    partitions: int
+    numels: list[int]
+
+    def indices(self, partition: int) -> list[torch.Tensor]: ...
+
+
+def anchor_digest(anchor: Sequence[torch.Tensor], indices: Sequence[torch.Tensor]) -> str:
+    """The SHA-256 (hex) of ``anchor``'s values at ``indices``, tensor by tensor: what a peer declares."""
+    digest = hashlib.sha256()
+    for values, idx in zip(anchor, indices, strict=True):
+        digest.update(values[idx].numpy().tobytes())
+    return digest.hexdigest()
+
+
+class AnchoredAverager(StageAverager):
+    """A SPARTA averager whose slices travel as changes since their anchor, in ``values`` (the module docstring);
+    in float32 it keeps no anchor and averages values, as every SPARTA peer did before anchors. Every SPARTA peer
+    runs this class whatever its codec: hivemind names a peer's handlers after its averager's class."""
+
+    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, masks: Partitions,
+                 values: GradValues = GradValues.FLOAT32, **kwargs: Any) -> None:
+        self._masks, self._values = masks, values
+        # Shared with the averaging process, which alone writes them, so they must exist before it forks.
+        self._anchor = ([] if values == GradValues.FLOAT32 else
+                        [torch.zeros(numel, dtype=torch.float32).share_memory_() for numel in masks.numels])
+        self._anchored = mp.Array(ctypes.c_bool, masks.partitions, lock=False)
+        self._changes = False  # the process's: whether the current group sends changes (else values)
+        super().__init__(averaged_tensors, dht, **kwargs)
+
+    # ----- host side -----
+
+    @property
+    def anchors(self) -> bool:
+        """Whether this peer keeps anchors (its codec is not float32), and so declares one each round."""
+        return bool(self._anchor)
+
+    def declared_anchor(self, averaging_index: int) -> str:
+        """What this peer declares for the round: its anchor's digest for the round's partition, or "" if none."""
+        partition = averaging_index % self._masks.partitions
+        if not self._anchored[partition]:
+            return ""
+        return anchor_digest(self._anchor, self._masks.indices(partition))
+
+    # ----- averager process -----
+
+    async def _aggregate_admitted(self, group_info: GroupInfo, admitted: dict[PeerID, Declared],
+                                  min_vector_size: int, **kwargs: Any) -> Any:
+        """Changes in the run's codec when every admitted peer declared this peer's anchor, else values."""
+        partition = int(self._round.value) % self._masks.partitions
+        own = self.declared_anchor(partition)
+        self._changes = bool(own) and all(d.body.get("anchor") == own for d in admitted.values())
+        self._anchored[partition] = False  # until this round has completed
+        return await super()._aggregate_admitted(group_info, admitted, min_vector_size, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                      group_id: bytes | None = None, **kwargs: Any) -> None:
+        if not self._anchor:
+            return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        partition = int(self._round.value) % self._masks.partitions
+        indices = self._masks.indices(partition)
+        anchors = [torch.zeros_like(t) for t in tensors]  # padded like the buffers; the padding stays 0
+        for padded, anchor, idx in zip(anchors, self._anchor, indices, strict=True):
+            padded[: len(idx)] = anchor[idx]
+        if self._changes:
+            kwargs["compression"] = codec(self._values)
+            for tensor, padded in zip(tensors, anchors, strict=True):
+                tensor.sub_(padded)
+        try:
+            await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        finally:
+            if self._changes:
+                for tensor, padded in zip(tensors, anchors, strict=True):
+                    tensor.add_(padded)
+        if self._complete(group_info.group_id if group_id is None else group_id):
+            for anchor, tensor, idx in zip(self._anchor, tensors, indices, strict=True):
+                anchor[idx] = tensor[: len(idx)]
+            self._anchored[partition] = True
+        return None

@@ -1,0 +1,121 @@
+"""SPARTA slices in int8 as changes since their anchor (``client.averaging.anchored``), with real hivemind averagers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from client.averaging.sparta import AveragingStatus, SpartaAverager
+from client.averaging.values import LEVELS, GradValues
+from tests.averagers import average_together
+
+
+def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [("layers.0.fc.weight", torch.randn(64, 40, generator=generator) * 0.02),
+            ("layers.0.fc.bias", torch.randn(64, generator=generator) * 0.02)]
+
+
+def nudge(named: list[tuple[str, torch.Tensor]], seed: int, size: float = 1e-3) -> None:
+    """A few optimizer steps' worth of change, different on each peer."""
+    generator = torch.Generator().manual_seed(seed)
+    for _, t in named:
+        t.add_(torch.randn(t.shape, generator=generator) * size)
+
+
+def mean(peers: list[list[tuple[str, torch.Tensor]]]) -> list[torch.Tensor]:
+    return [(a + b) / 2 for (_, a), (_, b) in zip(*peers, strict=True)]
+
+
+def error(peers: list[list[tuple[str, torch.Tensor]]], expected: list[torch.Tensor],
+          indices: list[torch.Tensor] | None = None) -> float:
+    """The largest distance of any peer's values from ``expected`` (at ``indices``: one partition's elements)."""
+    return max(float((t.reshape(-1) - e.reshape(-1))[slice(None) if indices is None else idx].abs().max())
+               for named in peers
+               for (_, t), e, idx in zip(named, expected, indices or [None] * len(expected), strict=True))
+
+
+def test_changes_travel_in_int8_and_every_anchor_ends_bit_identical(make_averager) -> None:
+    peers = [tensors(1), tensors(2)]
+    averagers = [make_averager(p, partitions=2, values=GradValues.INT8) for p in peers]
+    assert [a._averager.declared_anchor(0) for a in averagers] == ["", ""]  # no anchor before a complete round
+
+    first = averagers[0].masks.indices(0)
+    expected = mean(peers)
+    results = average_together(averagers, 0, [1.0, 1.0])
+    assert {r.status for r in results} == {AveragingStatus.AVERAGED}
+    assert error(peers, expected, first) < 1e-7, "without anchors the values themselves are averaged, in float32"
+    digests = {a._averager.declared_anchor(0) for a in averagers}
+    assert len(digests) == 1 and "" not in digests
+    assert [a._averager.declared_anchor(1) for a in averagers] == ["", ""]  # partition 1 was not averaged
+
+    for i, named in enumerate(peers):
+        nudge(named, 10 + i)
+    expected = mean(peers)
+    results = average_together(averagers, 2, [1.0, 1.0])  # partition 0 again: both hold its anchor
+    assert {r.status for r in results} == {AveragingStatus.AVERAGED}
+    new = {a._averager.declared_anchor(0) for a in averagers}
+    assert len(new) == 1 and new != digests, "every peer added the same decoded average to the same anchor"
+    # (the values differ from the anchor by float rounding at most: SPARTA adds the change to the live values)
+    assert all(torch.allclose(a.reshape(-1)[idx], b.reshape(-1)[idx], rtol=0, atol=1e-8)
+               for (_, a), (_, b), idx in zip(*peers, first, strict=True))
+    # Within the int8 rounding of the changes (a few × 1e-3, half a level each, twice: sent, then returned)...
+    assert 0 < error(peers, expected, first) <= 2 * 5e-3 / LEVELS
+    # ...where int8 of the values themselves (up to 4 × 0.02) could be off by up to half a level of those.
+    assert error(peers, expected, first) < 4 * 0.02 / (2 * LEVELS) / 4
+
+
+class ForeignAnchor(SpartaAverager):
+    """Declares an anchor no one else holds."""
+
+    def _step(self, averaging_index: int, weight: float) -> Any:
+        declared = self._averager.declared_anchor
+
+        def forged(index: int) -> str:
+            return "00" * 32 if declared(index) else ""
+
+        self._averager.declared_anchor = forged  # type: ignore[method-assign]
+        try:
+            return super()._step(averaging_index, weight)
+        finally:
+            self._averager.declared_anchor = declared  # type: ignore[method-assign]
+
+
+def test_a_foreign_anchor_makes_the_group_average_values_in_float32_and_resyncs_the_anchors(make_averager) -> None:
+    peers = [tensors(3), tensors(4)]
+    averagers = [make_averager(peers[0], values=GradValues.INT8),
+                 make_averager(peers[1], values=GradValues.INT8, cls=ForeignAnchor)]
+    average_together(averagers, 0, [1.0, 1.0])
+    for i, named in enumerate(peers):
+        nudge(named, 20 + i)
+    expected = mean(peers)
+    results = average_together(averagers, 1, [1.0, 1.0])
+    assert {r.status for r in results} == {AveragingStatus.AVERAGED}
+    assert error(peers, expected) < 1e-7, "a disagreement on anchors is settled by averaging the values"
+    assert averagers[0]._averager.declared_anchor(0) == averagers[1]._averager.declared_anchor(0) != ""
+
+
+def test_an_anchor_differing_in_one_value_is_not_trusted(make_averager) -> None:
+    peers = [tensors(5), tensors(6)]
+    averagers = [make_averager(p, values=GradValues.INT8) for p in peers]
+    average_together(averagers, 0, [1.0, 1.0])
+    averagers[1]._averager._anchor[0][7] += 1e-6  # shared with its averaging process, as a lost update would leave it
+    assert averagers[0]._averager.declared_anchor(0) != averagers[1]._averager.declared_anchor(0)
+    for i, named in enumerate(peers):
+        nudge(named, 30 + i)
+    expected = mean(peers)
+    average_together(averagers, 1, [1.0, 1.0])
+    assert error(peers, expected) < 1e-7
+    assert averagers[0]._averager.declared_anchor(0) == averagers[1]._averager.declared_anchor(0) != ""
+
+
+def test_a_float32_peer_among_int8_ones_averages_values_with_them(make_averager) -> None:
+    peers = [tensors(7), tensors(8)]
+    averagers = [make_averager(peers[0], values=GradValues.INT8), make_averager(peers[1])]
+    for index in range(2):
+        nudge(peers[0], 40 + index)
+        expected = mean(peers)
+        results = average_together(averagers, index, [1.0, 1.0])
+        assert {r.status for r in results} == {AveragingStatus.AVERAGED}
+        assert error(peers, expected) < 1e-7

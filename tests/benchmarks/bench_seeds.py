@@ -1,0 +1,212 @@
+"""Benchmark: averaging rules against one process over many seeds, their arithmetic without the network.
+
+A single run of ``bench_gradients.py`` moves by a few points between repeats: after 100 steps the small models are
+still leaving a plateau, and when each one leaves it depends on every rounding. One seed ranks nothing. This script
+replays each rule's arithmetic on two replicas in one process, with the project's own pieces (the pipeline's stages
+and optimizer, ``SpartaMasks``, the int8 codec ``values.round_trip``), for each of ``--seeds`` initialisations, and
+prints each rule's loss against one process trained on the same batches, per seed and as mean ± standard deviation:
+
+- ``full``: both replicas step on the mean gradient (one process, up to float rounding: the noise floor);
+- ``powersgd:R``: the mean of rank-R PowerSGD factors in int8, Q warm-started, with error feedback
+  (``client.averaging.gradients``'s round, without its defences);
+- ``sparta:EVERY/P``: each replica steps on its own half batch, and every EVERY steps the replicas average one
+  1/P slice; ``sparta:EVERY/P:int8`` sends each slice as its change since the last average, in int8
+  (``client.averaging.anchored``);
+- ``none``: each replica on its own half, never averaged.
+
+Replicas see the batches split as a round's two workers would: the first half to one, the second to the other.
+
+Run::
+
+    python tests/benchmarks/bench_seeds.py --seeds 10 full powersgd:4 sparta:1/16:int8 none
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from bench_sparta import evaluate  # this directory
+from hivemind.utils.math import orthogonalize_
+
+from client.averaging.powersgd import compressed_shape, seeded_matrix
+from client.averaging.sparta import SpartaMasks
+from client.averaging.values import GradValues, round_trip
+from client.data import open_byte_dataset
+from client.pipeline.local import LocalTrainer
+from client.pipeline.model import ModelConfig
+from client.pipeline.optim import OptimizerConfig
+
+Grads = list[list[torch.Tensor]]  # per stage, per parameter
+
+
+def int8_mean(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The mean of ``parts`` as a reducer returns it in int8: each part rounded on its way in, the mean on its way
+    out."""
+    return round_trip(sum(round_trip(p.contiguous(), GradValues.INT8) for p in parts) / len(parts), GradValues.INT8)
+
+
+class PowerSGD:
+    """Two replicas' rank-``rank`` PowerSGD round in int8: the mean of the factors, with error feedback."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], rank: int) -> None:
+        self.factors = [compressed_shape(shape, rank, 2.0) for shape in shapes]
+        self.qs = [None if f is None else seeded_matrix(0, str(i), f[1], rank) for i, f in enumerate(self.factors)]
+        self.errors = [[None if f is None else torch.zeros(f) for f in self.factors] for _ in range(2)]
+
+    def __call__(self, grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        out = []
+        for i, factor in enumerate(self.factors):
+            if factor is None:
+                out.append((grads[0][i] + grads[1][i]) / 2)
+                continue
+            ms = [g[i].reshape(factor) + e[i] for g, e in zip(grads, self.errors, strict=True)]
+            orthogonalize_(self.qs[i])
+            p = int8_mean([m @ self.qs[i] for m in ms])
+            orthogonalize_(p)
+            local = [m.t() @ p for m in ms]
+            for error, m, q in zip(self.errors, ms, local, strict=True):
+                error[i] = m - p @ q.t()
+            self.qs[i] = int8_mean(local)
+            out.append((p @ self.qs[i].t()).reshape(grads[0][i].shape))
+        return out
+
+
+def halves(trainer: LocalTrainer, indices: list[int], microbatch: int) -> tuple[list[float], list[Grads]]:
+    """Each half batch's losses and mean gradients, from the same parameters."""
+    losses, grads = [], []
+    for half in (indices[: len(indices) // 2], indices[len(indices) // 2:]):
+        for optimizer in trainer.optimizers:
+            optimizer.zero_grad()
+        losses += trainer.train(half, microbatch)
+        grads.append([[p.grad / len(half) for p in o.params] for o in trainer.optimizers])
+    return losses, grads
+
+
+def shared(config: ModelConfig, rounds: int, combine: Callable[[int], Callable] | None) -> tuple[list[float], float]:
+    """One model stepping on ``combine``'s result of the two halves' gradients (None: on the whole batch)."""
+    dataset = open_byte_dataset(["stdlib"], config.seq_len)
+    trainer = LocalTrainer(config, dataset, OptimizerConfig(lr=ARGS.lr))
+    rules = None if combine is None else [combine(s) for s in range(config.num_stages)]
+    losses = []
+    for round_ in range(rounds):
+        indices = list(range(round_ * ARGS.batch_size, (round_ + 1) * ARGS.batch_size))
+        if rules is None:
+            losses.append(statistics.fmean(trainer.train(indices, ARGS.microbatch_size)))
+        else:
+            got, grads = halves(trainer, indices, ARGS.microbatch_size)
+            losses.append(statistics.fmean(got))
+            for s, optimizer in enumerate(trainer.optimizers):
+                for param, grad in zip(optimizer.params, rules[s]([grads[0][s], grads[1][s]]), strict=True):
+                    param.grad = grad * ARGS.batch_size
+            trainer.samples_accumulated = ARGS.batch_size
+        trainer.step()
+    return losses, evaluate(trainer.stages, dataset, HELD_OUT)
+
+
+def replicas(config: ModelConfig, rounds: int, every: int | None, partitions: int,
+             values: GradValues) -> tuple[list[float], float]:
+    """Two replicas each stepping on its own half; every ``every`` steps one slice averaged, in ``values``."""
+    dataset = open_byte_dataset(["stdlib"], config.seq_len)
+    pair = [LocalTrainer(config, dataset, OptimizerConfig(lr=ARGS.lr)) for _ in range(2)]
+    params = [[o.params for o in t.optimizers] for t in pair]
+    masks = [SpartaMasks([(f"{s}.{i}", p.numel()) for i, p in enumerate(ps)], partitions, config.seed)
+             for s, ps in enumerate(params[0])]
+    anchors = [[p.detach().clone().reshape(-1) for p in ps] for ps in params[0]]
+    losses = []
+    for round_ in range(rounds):
+        half = ARGS.batch_size // 2
+        got = []
+        for w, trainer in enumerate(pair):
+            start = round_ * ARGS.batch_size + w * half
+            got += trainer.train(list(range(start, start + half)), ARGS.microbatch_size)
+            trainer.step()
+        losses.append(statistics.fmean(got))
+        if every is None or (round_ + 1) % every:
+            continue
+        partition = (round_ + 1) // every % partitions
+        with torch.no_grad():
+            for s, mask in enumerate(masks):
+                for i, idx in enumerate(mask.indices(partition)):
+                    flats = [ps[s][i].data.view(-1) for ps in params]
+                    anchor = anchors[s][i]
+                    if values == GradValues.FLOAT32:
+                        new = (flats[0][idx] + flats[1][idx]) / 2
+                    else:
+                        new = anchor[idx] + int8_mean([f[idx] - anchor[idx] for f in flats])
+                    for flat in flats:
+                        flat[idx] = new
+                    anchor[idx] = new
+    return losses, statistics.fmean(evaluate(t.stages, dataset, HELD_OUT) for t in pair)
+
+
+def rule(name: str, config: ModelConfig) -> tuple[list[float], float]:
+    kind, _, setting = name.partition(":")
+    if kind == "full":
+        return shared(config, ARGS.rounds, lambda s: lambda g: [(a + b) / 2 for a, b in zip(*g, strict=True)])
+    if kind == "powersgd":
+        def factored(stage: int) -> PowerSGD:
+            trainer = LocalTrainer(config, open_byte_dataset(["stdlib"], config.seq_len))
+            return PowerSGD([tuple(p.shape) for p in trainer.optimizers[stage].params], int(setting))
+        return shared(config, ARGS.rounds, factored)
+    if kind == "sparta":
+        every, _, rest = setting.partition("/")
+        partitions, _, codec = rest.partition(":")
+        if codec not in ("", "int8"):
+            raise SystemExit(f"{name!r}: a slice travels in float32 or int8 here")
+        return replicas(config, ARGS.rounds, int(every), int(partitions), GradValues(codec or "float32"))
+    if kind == "none":
+        return replicas(config, ARGS.rounds, None, 1, GradValues.FLOAT32)
+    raise SystemExit(f"{name!r}: expected full, powersgd:R, sparta:EVERY/P[:int8] or none")
+
+
+def spread(values: Sequence[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else math.nan
+
+
+def main() -> None:
+    global ARGS, HELD_OUT
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("rules", nargs="+", help="full, powersgd:R, sparta:EVERY/P[:int8], none")
+    parser.add_argument("--seeds", type=int, default=10, help="initialisations: N seeds from --first-seed on")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--last", type=int, default=20, help="rounds averaged for the training loss")
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--microbatch-size", type=int, default=4)
+    ARGS = parser.parse_args()
+    HELD_OUT = list(range(open_byte_dataset(["stdlib"], ARGS.seq_len).num_samples - 64,
+                          open_byte_dataset(["stdlib"], ARGS.seq_len).num_samples))
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    gaps: dict[str, list[tuple[float, float]]] = {name: [] for name in ARGS.rules}
+    for seed in range(ARGS.first_seed, ARGS.first_seed + ARGS.seeds):
+        config = ModelConfig(n_layers=ARGS.layers, d_model=ARGS.width, seq_len=ARGS.seq_len, seed=seed)
+        base, base_held = shared(config, ARGS.rounds, None)
+        base_train = statistics.fmean(base[-ARGS.last:])
+        for name in ARGS.rules:
+            losses, held = rule(name, config)
+            gap = (statistics.fmean(losses[-ARGS.last:]) / base_train - 1, held / base_held - 1)
+            gaps[name].append(gap)
+            print(f"seed {seed}  {name:20s} training {gap[0]:+.2%}  held-out {gap[1]:+.2%}", flush=True)
+    print(f"\nagainst one process, over {ARGS.seeds} seeds (mean ± standard deviation), "
+          f"{time.monotonic() - started:.0f} s:")
+    for name, found in gaps.items():
+        train, held = zip(*found, strict=True)
+        print(f"  {name:20s} training {statistics.fmean(train):+.2%} ± {spread(train):.2%}   held-out "
+              f"{statistics.fmean(held):+.2%} ± {spread(held):.2%}")
+
+
+ARGS: argparse.Namespace
+HELD_OUT: list[int]
+
+if __name__ == "__main__":
+    main()
