@@ -136,8 +136,8 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
     if gradients is not None:
         rank = (f" rank {gradients.rank}" if gradients.rank else
                 f" {gradients.chunk}/{gradients.topk} beta {gradients.beta:g}" if gradients.chunk else "")
-        values = "" if gradients.values == GradValues.FLOAT32 else f" in {gradients.values.value}"
-        replicas_name += f", {gradients.mode.value}{rank} gradient averaging{values}"
+        sent_as = "" if gradients.values == GradValues.FLOAT32 else f" in {gradients.values.value}"
+        replicas_name += f", {gradients.mode.value}{rank} gradient averaging{sent_as}"
         if defended:
             gradients = dataclasses.replace(gradients, round_samples=args.batch_size, max_weight=args.batch_size)
         else:
