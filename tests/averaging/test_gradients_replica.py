@@ -214,3 +214,13 @@ def test_a_checked_microbatch_both_replicas_accumulated_still_averages(make_repl
     assert [r[-1].samples for r in rounds] == [10, 10]
     if all(r[-1].complete for r in rounds):
         assert all(torch.equal(a, b) for a, b in zip(parameters(replicas[0]), parameters(replicas[1]), strict=True))
+
+
+@pytest.mark.parametrize(("model", "anchors"), [({}, False), ({"grad_values": "int8"}, True),
+                                                ({"grad_averaging": "full", "grad_values": "float16"}, True)])
+def test_the_runs_grad_values_is_the_codec_of_its_sparta_slices(make_replica, run_id: str, model: dict,
+                                                                  anchors: bool) -> None:
+    """With grad averaging off or on, SPARTA's slices travel in the run's codec: as changes since their anchor
+    unless it is float32 (``client.averaging.anchored``)."""
+    averager = make_replica(run_state(run_id, **model)).averager.averager
+    assert averager.anchors == anchors

@@ -14,34 +14,58 @@ prints each rule's loss against one process trained on the same batches, per see
   (``client.averaging.anchored``);
 - ``none``: each replica on its own half, never averaged.
 
+A rule ending in ``*SCALE`` (``sparta:1/17:int8*1.414``) runs its replicas at SCALE × the learning rate: a replica
+stepping Adam on half the batch sees gradients twice as noisy, so its second moment is larger and its steps smaller
+than one process's, which the square-root rule for Adam's batch size (scale by √2) would offset where noise dominates.
+
 Replicas see the batches split as a round's two workers would: the first half to one, the second to the other.
+``--model tiny-llama`` runs the demo's Llama (``bench_gradients.tiny_llama_run``) instead of psyswarm's model.
 
 Run::
 
     python tests/benchmarks/bench_seeds.py --seeds 10 full powersgd:4 sparta:1/16:int8 none
+    python tests/benchmarks/bench_seeds.py --model tiny-llama --seeds 6 full powersgd:4 sparta:1/17:int8 none
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+from bench_gradients import tiny_llama_run  # this directory
 from bench_sparta import evaluate  # this directory
 from hivemind.utils.math import orthogonalize_
 
 from client.averaging.powersgd import compressed_shape, seeded_matrix
 from client.averaging.sparta import SpartaMasks
 from client.averaging.values import GradValues, round_trip
-from client.data import open_byte_dataset
+from client.data import SampleDataset, open_byte_dataset
 from client.pipeline.local import LocalTrainer
-from client.pipeline.model import ModelConfig
+from client.pipeline.model import ModelConfig, ModelSpec
 from client.pipeline.optim import OptimizerConfig
 
 Grads = list[list[torch.Tensor]]  # per stage, per parameter
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What every run of every rule shares: the settings, the tokens, and the held-out samples."""
+
+    args: argparse.Namespace
+    dataset: SampleDataset
+    held_out: list[int]
+
+    def trainer(self, spec: ModelSpec, lr_scale: float = 1.0) -> LocalTrainer:
+        return LocalTrainer(spec, self.dataset, OptimizerConfig(lr=self.args.lr * lr_scale))
+
+    def held_out_loss(self, trainer: LocalTrainer) -> float:
+        return evaluate(trainer.stages, self.dataset, self.held_out)
 
 
 def int8_mean(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -87,43 +111,43 @@ def halves(trainer: LocalTrainer, indices: list[int], microbatch: int) -> tuple[
     return losses, grads
 
 
-def shared(config: ModelConfig, rounds: int, combine: Callable[[int], Callable] | None) -> tuple[list[float], float]:
+def shared(bench: Bench, spec: ModelSpec, combine: Callable[[int], Callable] | None) -> tuple[list[float], float]:
     """One model stepping on ``combine``'s result of the two halves' gradients (None: on the whole batch)."""
-    dataset = open_byte_dataset(["stdlib"], config.seq_len)
-    trainer = LocalTrainer(config, dataset, OptimizerConfig(lr=ARGS.lr))
-    rules = None if combine is None else [combine(s) for s in range(config.num_stages)]
+    args, trainer = bench.args, bench.trainer(spec)
+    rules = None if combine is None else [combine(s) for s in range(spec.num_stages)]
     losses = []
-    for round_ in range(rounds):
-        indices = list(range(round_ * ARGS.batch_size, (round_ + 1) * ARGS.batch_size))
+    for round_ in range(args.rounds):
+        indices = list(range(round_ * args.batch_size, (round_ + 1) * args.batch_size))
         if rules is None:
-            losses.append(statistics.fmean(trainer.train(indices, ARGS.microbatch_size)))
+            losses.append(statistics.fmean(trainer.train(indices, args.microbatch_size)))
         else:
-            got, grads = halves(trainer, indices, ARGS.microbatch_size)
+            got, grads = halves(trainer, indices, args.microbatch_size)
             losses.append(statistics.fmean(got))
             for s, optimizer in enumerate(trainer.optimizers):
                 for param, grad in zip(optimizer.params, rules[s]([grads[0][s], grads[1][s]]), strict=True):
-                    param.grad = grad * ARGS.batch_size
-            trainer.samples_accumulated = ARGS.batch_size
+                    param.grad = grad * args.batch_size
+            trainer.samples_accumulated = args.batch_size
         trainer.step()
-    return losses, evaluate(trainer.stages, dataset, HELD_OUT)
+    return losses, bench.held_out_loss(trainer)
 
 
-def replicas(config: ModelConfig, rounds: int, every: int | None, partitions: int,
-             values: GradValues) -> tuple[list[float], float]:
-    """Two replicas each stepping on its own half; every ``every`` steps one slice averaged, in ``values``."""
-    dataset = open_byte_dataset(["stdlib"], config.seq_len)
-    pair = [LocalTrainer(config, dataset, OptimizerConfig(lr=ARGS.lr)) for _ in range(2)]
+def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int,
+             values: GradValues, lr_scale: float = 1.0) -> tuple[list[float], float]:
+    """Two replicas each stepping on its own half at ``lr_scale`` × the rate; every ``every`` steps one slice
+    averaged, in ``values``."""
+    args = bench.args
+    pair = [bench.trainer(spec, lr_scale) for _ in range(2)]
     params = [[o.params for o in t.optimizers] for t in pair]
-    masks = [SpartaMasks([(f"{s}.{i}", p.numel()) for i, p in enumerate(ps)], partitions, config.seed)
+    masks = [SpartaMasks([(f"{s}.{i}", p.numel()) for i, p in enumerate(ps)], partitions, spec.seed)
              for s, ps in enumerate(params[0])]
     anchors = [[p.detach().clone().reshape(-1) for p in ps] for ps in params[0]]
     losses = []
-    for round_ in range(rounds):
-        half = ARGS.batch_size // 2
+    half = args.batch_size // 2
+    for round_ in range(args.rounds):
         got = []
         for w, trainer in enumerate(pair):
-            start = round_ * ARGS.batch_size + w * half
-            got += trainer.train(list(range(start, start + half)), ARGS.microbatch_size)
+            start = round_ * args.batch_size + w * half
+            got += trainer.train(list(range(start, start + half)), args.microbatch_size)
             trainer.step()
         losses.append(statistics.fmean(got))
         if every is None or (round_ + 1) % every:
@@ -141,26 +165,29 @@ def replicas(config: ModelConfig, rounds: int, every: int | None, partitions: in
                     for flat in flats:
                         flat[idx] = new
                     anchor[idx] = new
-    return losses, statistics.fmean(evaluate(t.stages, dataset, HELD_OUT) for t in pair)
+    return losses, statistics.fmean(bench.held_out_loss(t) for t in pair)
 
 
-def rule(name: str, config: ModelConfig) -> tuple[list[float], float]:
+def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
+    """The training losses and held-out loss of rule ``name`` (the module docstring) from ``spec``'s weights."""
+    name, _, scale = name.partition("*")
+    lr_scale = float(scale or 1.0)
     kind, _, setting = name.partition(":")
+    if scale and kind in ("full", "powersgd"):
+        raise SystemExit(f"{name!r}: *SCALE applies to the replicas' rules (sparta, none)")
     if kind == "full":
-        return shared(config, ARGS.rounds, lambda s: lambda g: [(a + b) / 2 for a, b in zip(*g, strict=True)])
+        return shared(bench, spec, lambda s: lambda g: [(a + b) / 2 for a, b in zip(*g, strict=True)])
     if kind == "powersgd":
-        def factored(stage: int) -> PowerSGD:
-            trainer = LocalTrainer(config, open_byte_dataset(["stdlib"], config.seq_len))
-            return PowerSGD([tuple(p.shape) for p in trainer.optimizers[stage].params], int(setting))
-        return shared(config, ARGS.rounds, factored)
+        shapes = [[tuple(p.shape) for p in o.params] for o in bench.trainer(spec).optimizers]
+        return shared(bench, spec, lambda s: PowerSGD(shapes[s], int(setting)))
     if kind == "sparta":
         every, _, rest = setting.partition("/")
         partitions, _, codec = rest.partition(":")
         if codec not in ("", "int8"):
             raise SystemExit(f"{name!r}: a slice travels in float32 or int8 here")
-        return replicas(config, ARGS.rounds, int(every), int(partitions), GradValues(codec or "float32"))
+        return replicas(bench, spec, int(every), int(partitions), GradValues(codec or "float32"), lr_scale)
     if kind == "none":
-        return replicas(config, ARGS.rounds, None, 1, GradValues.FLOAT32)
+        return replicas(bench, spec, None, 1, GradValues.FLOAT32, lr_scale)
     raise SystemExit(f"{name!r}: expected full, powersgd:R, sparta:EVERY/P[:int8] or none")
 
 
@@ -169,11 +196,13 @@ def spread(values: Sequence[float]) -> float:
 
 
 def main() -> None:
-    global ARGS, HELD_OUT
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("rules", nargs="+", help="full, powersgd:R, sparta:EVERY/P[:int8], none")
+    parser.add_argument("rules", nargs="+", help="full, powersgd:R, sparta:EVERY/P[:int8], none; replicas' rules "
+                                                 "may end in *SCALE (the learning rate × SCALE)")
     parser.add_argument("--seeds", type=int, default=10, help="initialisations: N seeds from --first-seed on")
     parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--model", choices=["psyswarm", "tiny-llama"], default="psyswarm",
+                        help="psyswarm's byte-level model (--layers, --width), or the demo's tiny Llama")
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--last", type=int, default=20, help="rounds averaged for the training loss")
     parser.add_argument("--layers", type=int, default=3)
@@ -182,31 +211,32 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--microbatch-size", type=int, default=4)
-    ARGS = parser.parse_args()
-    HELD_OUT = list(range(open_byte_dataset(["stdlib"], ARGS.seq_len).num_samples - 64,
-                          open_byte_dataset(["stdlib"], ARGS.seq_len).num_samples))
+    args = parser.parse_args()
+    if args.model == "tiny-llama":
+        spec, dataset = tiny_llama_run(args.seq_len)
+    else:
+        spec = ModelConfig(n_layers=args.layers, d_model=args.width, seq_len=args.seq_len)
+        dataset = open_byte_dataset(["stdlib"], args.seq_len)
+    bench = Bench(args, dataset, list(range(dataset.num_samples - 64, dataset.num_samples)))
     torch.set_num_threads(1)
     started = time.monotonic()
-    gaps: dict[str, list[tuple[float, float]]] = {name: [] for name in ARGS.rules}
-    for seed in range(ARGS.first_seed, ARGS.first_seed + ARGS.seeds):
-        config = ModelConfig(n_layers=ARGS.layers, d_model=ARGS.width, seq_len=ARGS.seq_len, seed=seed)
-        base, base_held = shared(config, ARGS.rounds, None)
-        base_train = statistics.fmean(base[-ARGS.last:])
-        for name in ARGS.rules:
-            losses, held = rule(name, config)
-            gap = (statistics.fmean(losses[-ARGS.last:]) / base_train - 1, held / base_held - 1)
+    gaps: dict[str, list[tuple[float, float]]] = {name: [] for name in args.rules}
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        seeded = dataclasses.replace(spec, seed=seed)
+        base, base_held = shared(bench, seeded, None)
+        base_train = statistics.fmean(base[-args.last:])
+        for name in args.rules:
+            losses, held = rule(bench, name, seeded)
+            gap = (statistics.fmean(losses[-args.last:]) / base_train - 1, held / base_held - 1)
             gaps[name].append(gap)
             print(f"seed {seed}  {name:20s} training {gap[0]:+.2%}  held-out {gap[1]:+.2%}", flush=True)
-    print(f"\nagainst one process, over {ARGS.seeds} seeds (mean ± standard deviation), "
+    print(f"\nagainst one process, over {args.seeds} seeds (mean ± standard deviation), "
           f"{time.monotonic() - started:.0f} s:")
     for name, found in gaps.items():
         train, held = zip(*found, strict=True)
         print(f"  {name:20s} training {statistics.fmean(train):+.2%} ± {spread(train):.2%}   held-out "
               f"{statistics.fmean(held):+.2%} ± {spread(held):.2%}")
 
-
-ARGS: argparse.Namespace
-HELD_OUT: list[int]
 
 if __name__ == "__main__":
     main()
