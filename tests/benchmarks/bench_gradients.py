@@ -20,7 +20,9 @@ declared indices, at most ``group size × TOPK`` per chunk (counted at that boun
 its ``TOPK`` positions per chunk (one byte each in msgpack), shown beside it.
 
 ``--values int8`` (or float16, repeatable) sends PowerSGD's and DeMo's values in that codec (a run's
-``grad_values``: ``client.averaging.values``), and counts their bytes so.
+``grad_values``: ``client.averaging.values``), and counts their bytes so. ``--sparta-values int8`` sends the
+SPARTA-only run's slices as changes since their last average in that codec (``client.averaging.anchored``), and
+prints its bytes per step beside full averaging's.
 
 Run::
 
