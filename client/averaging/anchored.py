@@ -89,11 +89,11 @@ class AnchoredAverager(StageAverager):
 
     async def _aggregate_admitted(self, group_info: GroupInfo, admitted: dict[PeerID, Declared],
                                   min_vector_size: int, **kwargs: Any) -> Any:
-        """Changes in the run's codec when every admitted peer declared this peer's anchor, else values."""
-        partition = int(self._round.value) % self._masks.partitions
-        own = self.declared_anchor(partition)
+        """Changes in the run's codec when every admitted peer declared the anchor this peer declared, else values.
+        (This peer is admitted, with the declaration its host sealed: the digest is not computed again.)"""
+        own = admitted[self.peer_id].body.get("anchor")
         self._changes = bool(own) and all(d.body.get("anchor") == own for d in admitted.values())
-        self._anchored[partition] = False  # until this round has completed
+        self._anchored[int(self._round.value) % self._masks.partitions] = False  # until this round has completed
         return await super()._aggregate_admitted(group_info, admitted, min_vector_size, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
@@ -102,19 +102,18 @@ class AnchoredAverager(StageAverager):
             return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
         partition = int(self._round.value) % self._masks.partitions
         indices = self._masks.indices(partition)
-        anchors = [torch.zeros_like(t) for t in tensors]  # padded like the buffers; the padding stays 0
-        for padded, anchor, idx in zip(anchors, self._anchor, indices, strict=True):
-            padded[: len(idx)] = anchor[idx]
+        anchors = []  # the slice's anchor, padded like the buffers (the padding stays 0): only to send changes
         if self._changes:
             kwargs["compression"] = codec(self._values)
-            for tensor, padded in zip(tensors, anchors, strict=True):
-                tensor.sub_(padded)
+            for tensor, anchor, idx in zip(tensors, self._anchor, indices, strict=True):
+                anchors.append(torch.zeros_like(tensor))
+                anchors[-1][: len(idx)] = anchor[idx]
+                tensor.sub_(anchors[-1])
         try:
             await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
         finally:
-            if self._changes:
-                for tensor, padded in zip(tensors, anchors, strict=True):
-                    tensor.add_(padded)
+            for tensor, padded in zip(tensors, anchors, strict=False):  # none when values were sent
+                tensor.add_(padded)
         if self._complete(group_info.group_id if group_id is None else group_id):
             for anchor, tensor, idx in zip(self._anchor, tensors, indices, strict=True):
                 anchor[idx] = tensor[: len(idx)]

@@ -47,7 +47,7 @@ from client.averaging.sparta import SpartaMasks
 from client.averaging.values import GradValues, round_trip
 from client.data import SampleDataset, open_byte_dataset
 from client.pipeline.local import LocalTrainer
-from client.pipeline.model import ModelConfig, ModelSpec
+from client.pipeline.model import ModelConfig, ModelSpec, build_all_stages
 from client.pipeline.optim import OptimizerConfig
 
 Grads = list[list[torch.Tensor]]  # per stage, per parameter
@@ -178,7 +178,7 @@ def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
     if kind == "full":
         return shared(bench, spec, lambda s: lambda g: [(a + b) / 2 for a, b in zip(*g, strict=True)])
     if kind == "powersgd":
-        shapes = [[tuple(p.shape) for p in o.params] for o in bench.trainer(spec).optimizers]
+        shapes = [[tuple(p.shape) for p in stage.parameters() if p.requires_grad] for stage in build_all_stages(spec)]
         return shared(bench, spec, lambda s: PowerSGD(shapes[s], int(setting)))
     if kind == "sparta":
         every, _, rest = setting.partition("/")
