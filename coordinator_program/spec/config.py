@@ -523,7 +523,7 @@ MODEL_KEYS = {
     "grad_averaging": _choice("grad_averaging", {"off": GradAveraging.Off, "full": GradAveraging.Full,
                                                  "powersgd": GradAveraging.PowerSGD, "demo": GradAveraging.DeMo}),
     "grad_values": _choice("grad_values", {"float32": GradValues.Float32, "float16": GradValues.Float16,
-                                           "int8": GradValues.Int8}),
+                                           "int8": GradValues.Int8, "int4": GradValues.Int4}),
     "wire_codec": _choice("wire_codec", {"float32": WireCodec.Float32, "float16": WireCodec.Float16,
                                          "bfloat16": WireCodec.BFloat16, "int8": WireCodec.Int8Block}),
 }

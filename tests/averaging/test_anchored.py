@@ -1,13 +1,15 @@
-"""SPARTA slices in int8 as changes since their anchor (``client.averaging.anchored``), with real hivemind averagers."""
+"""SPARTA slices in int8 or int4 as changes since their anchor (``client.averaging.anchored``), with real hivemind
+averagers."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from client.averaging.sparta import AveragingStatus, SpartaAverager
-from client.averaging.values import LEVELS, GradValues
+from client.averaging.values import INT4_LEVELS, LEVELS, GradValues
 from tests.averagers import average_together
 
 
@@ -36,9 +38,12 @@ def error(peers: list[list[tuple[str, torch.Tensor]]], expected: list[torch.Tens
                for (_, t), e, idx in zip(named, expected, indices or [None] * len(expected), strict=True))
 
 
-def test_changes_travel_in_int8_and_every_anchor_ends_bit_identical(make_averager) -> None:
+@pytest.mark.parametrize(("values", "levels"), [(GradValues.INT8, LEVELS), (GradValues.INT4, INT4_LEVELS)],
+                         ids=["int8", "int4"])
+def test_changes_travel_in_the_codec_and_every_anchor_ends_bit_identical(make_averager, values: GradValues,
+                                                                         levels: int) -> None:
     peers = [tensors(1), tensors(2)]
-    averagers = [make_averager(p, partitions=2, values=GradValues.INT8) for p in peers]
+    averagers = [make_averager(p, partitions=2, values=values) for p in peers]
     assert [a._averager.declared_anchor(0) for a in averagers] == ["", ""]  # no anchor before a complete round
 
     first = averagers[0].masks.indices(0)
@@ -60,10 +65,10 @@ def test_changes_travel_in_int8_and_every_anchor_ends_bit_identical(make_average
     # (the values differ from the anchor by float rounding at most: SPARTA adds the change to the live values)
     assert all(torch.allclose(a.reshape(-1)[idx], b.reshape(-1)[idx], rtol=0, atol=1e-8)
                for (_, a), (_, b), idx in zip(*peers, first, strict=True))
-    # Within the int8 rounding of the changes (a few × 1e-3, half a level each, twice: sent, then returned)...
-    assert 0 < error(peers, expected, first) <= 2 * 5e-3 / LEVELS
-    # ...where int8 of the values themselves (up to 4 × 0.02) could be off by up to half a level of those.
-    assert error(peers, expected, first) < 4 * 0.02 / (2 * LEVELS) / 4
+    # Within the codec's rounding of the changes (a few × 1e-3, half a level each, twice: sent, then returned)...
+    assert 0 < error(peers, expected, first) <= 2 * 5e-3 / levels
+    # ...where the codec of the values themselves (up to 4 × 0.02) could be off by up to half a level of those.
+    assert error(peers, expected, first) < 4 * 0.02 / (2 * levels) / 4
 
 
 class ForeignAnchor(SpartaAverager):

@@ -42,7 +42,7 @@ from tests.averaging.test_audit import averager_class, lies_after
 from tests.averaging.test_demo import alike, demo_average, demo_settings
 from tests.averaging.test_gradients import grads, together
 
-INT8, FLOAT16, FLOAT32 = GradValues.INT8, GradValues.FLOAT16, GradValues.FLOAT32
+INT8, INT4, FLOAT16, FLOAT32 = GradValues.INT8, GradValues.INT4, GradValues.FLOAT16, GradValues.FLOAT32
 PLACE = Place("run.body1.grad", b"group-id", b"reducer-peer", 0)
 
 
@@ -84,6 +84,36 @@ def test_int8_sends_one_byte_a_value_and_a_scale_a_block() -> None:
     assert torch.equal(decode(wire, INT8), round_trip(x, INT8))  # the same values wherever decoded
 
 
+def test_int4_sends_half_a_byte_a_value_and_a_scale_every_64() -> None:
+    x = kinds()["short end"]  # 549 values: 9 blocks of 64, the last short, and an odd count
+    wire = codec(INT4).compress(x, None)
+    assert len(wire.buffer) == 4 * 9 + 275
+    assert torch.equal(decode(wire, INT4), round_trip(x, INT4))
+    assert len(codec(INT4).compress(torch.randn(2 * BLOCK), None).buffer) == 4 * 16 + BLOCK  # a ninth of float32's
+
+
+def test_int4_refuses_a_nibble_that_is_no_level_and_a_claim_to_its_pad() -> None:
+    """Levels are stored 1..15, so a 0 nibble among the values is refused, and an odd count's pad nibble (0) cannot
+    be read as a value by a part claiming one value more: the same bytes would otherwise stand for two sizes."""
+    wire = codec(INT4).compress(torch.randn(65), None)
+    zeroed = runtime_pb2.Tensor()
+    zeroed.CopyFrom(wire)
+    zeroed.buffer = wire.buffer[:-2] + bytes([wire.buffer[-2] & 0xF0]) + wire.buffer[-1:]
+    with pytest.raises(ValueError, match="nibble of 0"):
+        decode(zeroed, INT4)
+    longer = runtime_pb2.Tensor()
+    longer.CopyFrom(wire)
+    del longer.size[:]
+    longer.size.append(66)
+    with pytest.raises(ValueError, match="nibble of 0"):
+        decode(longer, INT4)
+    padded = runtime_pb2.Tensor()
+    padded.CopyFrom(wire)
+    padded.buffer = wire.buffer[:-1] + bytes([wire.buffer[-1] | 0x80])
+    with pytest.raises(ValueError, match="pad nibble"):
+        decode(padded, INT4)
+
+
 def test_a_part_in_another_codec_than_the_run_s_is_refused_naming_both() -> None:
     x = torch.randn(100)
     with pytest.raises(ValueError, match="sent as NONE, where the run's grad_values is int8"):
@@ -121,7 +151,7 @@ def test_a_malformed_part_is_refused_never_read(values: GradValues, what: str) -
         decode(part, values)
 
 
-@pytest.mark.parametrize("values", [INT8, FLOAT16])
+@pytest.mark.parametrize("values", [INT8, INT4, FLOAT16])
 def test_fuzzed_parts_decode_to_their_declared_float32_values_or_are_refused(values: GradValues) -> None:
     """Random bytes, sizes and dtypes: ``decode`` returns float32 values of the declared size or raises
     ``ValueError``, never anything else."""

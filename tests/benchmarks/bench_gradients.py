@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--sparta", type=parse_sparta, default=(5, 20),
                         help="EVERY/P of the SPARTA runs (default 5/20: Node0's 5%% every 5 steps)")
     parser.add_argument("--sparta-values", type=GradValues, default=GradValues.FLOAT32,
-                        help="how the SPARTA-only run's slices travel: float32 (default), or float16 or int8 as "
+                        help="how the SPARTA-only run's slices travel: float32 (default), or float16, int8 or int4 as "
                              "changes since their last average (client.averaging.anchored)")
     parser.add_argument("--model", choices=["psyswarm", "tiny-llama"], default="psyswarm",
                         help="psyswarm's byte-level model (--layers, --width), or the Llama of examples/tiny-llama "

@@ -10,8 +10,8 @@ prints each rule's loss against one process trained on the same batches, per see
 - ``powersgd:R``: the mean of rank-R PowerSGD factors in int8, Q warm-started, with error feedback
   (``client.averaging.gradients``'s round, without its defences);
 - ``sparta:EVERY/P``: each replica steps on its own half batch, and every EVERY steps the replicas average one
-  1/P slice; ``sparta:EVERY/P:int8`` sends each slice as its change since the last average, in int8
-  (``client.averaging.anchored``);
+  1/P slice; ``sparta:EVERY/P:int8`` (or ``:int4``) sends each slice as its change since the last average, in that
+  codec (``client.averaging.anchored``);
 - ``none``: each replica on its own half, never averaged.
 
 A rule ending in ``*SCALE`` (``sparta:1/17:int8*1.414``) runs its replicas at SCALE × the learning rate: a replica
@@ -25,6 +25,7 @@ Run::
 
     python tests/benchmarks/bench_seeds.py --seeds 10 full powersgd:4 sparta:1/16:int8 none
     python tests/benchmarks/bench_seeds.py --model tiny-llama --seeds 6 full powersgd:4 sparta:1/17:int8 none
+    python tests/benchmarks/bench_seeds.py --seeds 10 sparta:1/17:int8 sparta:1/9:int4
 """
 
 from __future__ import annotations
@@ -68,10 +69,10 @@ class Bench:
         return evaluate(trainer.stages, self.dataset, self.held_out)
 
 
-def int8_mean(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The mean of ``parts`` as a reducer returns it in int8: each part rounded on its way in, the mean on its way
-    out."""
-    return round_trip(sum(round_trip(p.contiguous(), GradValues.INT8) for p in parts) / len(parts), GradValues.INT8)
+def reduced(parts: list[torch.Tensor], values: GradValues = GradValues.INT8) -> torch.Tensor:
+    """The mean of ``parts`` as a reducer returns it in ``values``: each part rounded on its way in, the mean on its
+    way out."""
+    return round_trip(sum(round_trip(p.contiguous(), values) for p in parts) / len(parts), values)
 
 
 class PowerSGD:
@@ -90,12 +91,12 @@ class PowerSGD:
                 continue
             ms = [g[i].reshape(factor) + e[i] for g, e in zip(grads, self.errors, strict=True)]
             orthogonalize_(self.qs[i])
-            p = int8_mean([m @ self.qs[i] for m in ms])
+            p = reduced([m @ self.qs[i] for m in ms])
             orthogonalize_(p)
             local = [m.t() @ p for m in ms]
             for error, m, q in zip(self.errors, ms, local, strict=True):
                 error[i] = m - p @ q.t()
-            self.qs[i] = int8_mean(local)
+            self.qs[i] = reduced(local)
             out.append((p @ self.qs[i].t()).reshape(grads[0][i].shape))
         return out
 
@@ -161,7 +162,7 @@ def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int,
                     if values == GradValues.FLOAT32:
                         new = (flats[0][idx] + flats[1][idx]) / 2
                     else:
-                        new = anchor[idx] + int8_mean([f[idx] - anchor[idx] for f in flats])
+                        new = anchor[idx] + reduced([f[idx] - anchor[idx] for f in flats], values)
                     for flat in flats:
                         flat[idx] = new
                     anchor[idx] = new
@@ -183,12 +184,12 @@ def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
     if kind == "sparta":
         every, _, rest = setting.partition("/")
         partitions, _, codec = rest.partition(":")
-        if codec not in ("", "int8"):
-            raise SystemExit(f"{name!r}: a slice travels in float32 or int8 here")
+        if codec not in ("", "int8", "int4"):
+            raise SystemExit(f"{name!r}: a slice travels in float32, int8 or int4 here")
         return replicas(bench, spec, int(every), int(partitions), GradValues(codec or "float32"), lr_scale)
     if kind == "none":
         return replicas(bench, spec, None, 1, GradValues.FLOAT32, lr_scale)
-    raise SystemExit(f"{name!r}: expected full, powersgd:R, sparta:EVERY/P[:int8] or none")
+    raise SystemExit(f"{name!r}: expected full, powersgd:R, sparta:EVERY/P[:int8|:int4] or none")
 
 
 def spread(values: Sequence[float]) -> float:
@@ -197,7 +198,7 @@ def spread(values: Sequence[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("rules", nargs="+", help="full, powersgd:R, sparta:EVERY/P[:int8], none; replicas' rules "
+    parser.add_argument("rules", nargs="+", help="full, powersgd:R, sparta:EVERY/P[:int8|:int4], none; replicas' rules "
                                                  "may end in *SCALE (the learning rate × SCALE)")
     parser.add_argument("--seeds", type=int, default=10, help="initialisations: N seeds from --first-seed on")
     parser.add_argument("--first-seed", type=int, default=0)

@@ -17,8 +17,8 @@ Run::
     python tests/benchmarks/bench_sparta.py [--rounds 300] [--sparta 20/20 --sparta 5/20 --sparta none …]
 
 Each ``--sparta EVERY/P`` adds a run of the system (default: 20/20, the seeds' setting); ``none`` runs it
-without any averaging, to show what SPARTA buys. ``--values int8`` (or float16; repeatable, float32 when left out)
-runs every SPARTA setting with its slices sent in that codec, as changes since their last average (a run's
+without any averaging, to show what SPARTA buys. ``--values int8`` (or float16 or int4; repeatable, float32 when left
+out) runs every SPARTA setting with its slices sent in that codec, as changes since their last average (a run's
 ``grad_values``: ``client.averaging.anchored``), and counts their bytes so.
 """
 
@@ -329,8 +329,8 @@ def main() -> None:
     parser.add_argument("--held-out", type=int, default=64, help="held-out samples for the final loss")
     parser.add_argument("--last", type=int, default=50, help="rounds averaged for the final training loss")
     parser.add_argument("--values", type=GradValues, action="append",
-                        help="how SPARTA's slices travel: float32, or float16 or int8 as changes since their last "
-                             "average (repeatable, each with every --sparta; default float32)")
+                        help="how SPARTA's slices travel: float32, or float16, int8 or int4 as changes since their "
+                             "last average (repeatable, each with every --sparta; default float32)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     setups = args.sparta or [(20, 20)]

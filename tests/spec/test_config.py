@@ -198,6 +198,7 @@ LLAMA = Model(n_layers=4, architecture="llama", source="HuggingFaceTB/SmolLM2-13
     Model(grad_averaging=GradAveraging.DeMo, demo_chunk=64, demo_topk=4, grad_values=GradValues.Float16),
     Model(grad_averaging=GradAveraging.DeMo, demo_chunk=64, demo_topk=4, grad_values=GradValues.Int8),
     Model(grad_values=GradValues.Int8),  # without gradient averaging: SPARTA's parameter changes travel in int8
+    Model(grad_values=GradValues.Int4),
     Model(grad_values=GradValues.Float16),
 ])
 def test_valid_model_descriptions_are_accepted(model: Model) -> None:
@@ -359,7 +360,7 @@ def test_state_toml_demo_errors_are_one_line_and_name_the_key(changes: dict, mes
 @pytest.mark.parametrize("mode", [{"grad_averaging": "off"}, {"grad_averaging": "full"},
                                   {"grad_averaging": "powersgd", "powersgd_rank": 4}, DEMO_TOML])
 @pytest.mark.parametrize(("name", "values"), [("float32", GradValues.Float32), ("float16", GradValues.Float16),
-                                              ("int8", GradValues.Int8)])
+                                              ("int8", GradValues.Int8), ("int4", GradValues.Int4)])
 def test_state_toml_grad_values(mode: dict, name: str, values: GradValues) -> None:
     """How averaged values travel is a run setting, by name, with any averaging mode."""
     model = parse_run_spec({"run_id": "ok", "model": {**mode, "grad_values": name}}).model
@@ -373,10 +374,10 @@ def test_grad_values_default_to_float32() -> None:
 
 
 @pytest.mark.parametrize(("table", "message"), [
-    ({"grad_averaging": "full", "grad_values": "int4"}, "grad_values: must be one of float32, float16, int8, got "
-                                                        "'int4'"),
-    ({"grad_averaging": "full", "grad_values": 2}, "grad_values: must be one of float32, float16, int8, got 2"),
-    ({"grad_values": "int4"}, "grad_values: must be one of float32, float16, int8, got 'int4'"),
+    ({"grad_averaging": "full", "grad_values": "int2"}, "grad_values: must be one of float32, float16, int8, int4, "
+                                                        "got 'int2'"),
+    ({"grad_averaging": "full", "grad_values": 2}, "grad_values: must be one of float32, float16, int8, int4, got 2"),
+    ({"grad_values": "int16"}, "grad_values: must be one of float32, float16, int8, int4, got 'int16'"),
     ({"grad_value": "int8"}, "grad_value: unknown key in [model]; did you mean 'grad_values'?"),
 ])
 def test_state_toml_grad_values_errors_are_one_line_and_name_the_key(table: dict, message: str) -> None:
