@@ -34,7 +34,7 @@ local value.
 Untrusted groupmates. Each peer declares its round, weight (samples), the trainer-signed headers of the Backwards
 its gradient sums (in a coordinated run its weight is at most the samples they prove: ``client.averaging.work``)
 and the L2 norm of what it will send; every part of its contribution in either phase is bounded by that norm (P̂
-and Q̂ are orthonormal), and by what the run's codec (``values``: float32, float16 or int8) can add to it. A peer
+and Q̂ are orthonormal), and by what the run's codec (``values``: float32, float16, int8 or int4) can add to it. A peer
 claiming more than ``max_weight`` samples (a round's global batch) is dropped before the all-reduce
 (``membership``). A reducer bans for the round any sender whose part is non-finite, not in the run's codec, larger
 than it declared, sent with a weight other than the declared one, or from a peer declaring a norm above ``factor``

@@ -16,9 +16,10 @@ change rather than overwriting keeps any optimizer step taken while the network 
 changes are applied: where a group ended up with no weight for some elements (a weighted peer failed
 mid-round and the rest weigh 0) those elements keep their local value instead of becoming NaN.
 
-Codec. In a run whose ``grad_values`` is float16 or int8, a slice travels as its change since the group last
+Codec. In a run whose ``grad_values`` is float16, int8 or int4, a slice travels as its change since the group last
 averaged it, in that codec, and every peer adds the average change to that common value (``anchored``): about a
-quarter of the bytes in int8, where rounding the parameters themselves would move each by more than a step does.
+quarter of the bytes in int8 and a seventh in int4, where rounding the parameters themselves would move each by
+more than a step does.
 
 Weights. A round's weight is the caller's, at most ``max_weight`` (the swarm's replicas weigh 1 each when they
 trained since the last round, 0 otherwise: ``client.join.stage_replica.REPLICA_WEIGHT``); a groupmate claiming

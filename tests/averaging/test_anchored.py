@@ -7,9 +7,14 @@ from typing import Any
 
 import pytest
 import torch
+from hivemind.proto import averaging_pb2
 
+from client.averaging import sparta
+from client.averaging.anchored import AnchoredAverager
+from client.averaging.audit import make_statement
+from client.averaging.runner import RobustRunner
 from client.averaging.sparta import AveragingStatus, SpartaAverager
-from client.averaging.values import INT4_LEVELS, LEVELS, GradValues
+from client.averaging.values import INT4_LEVELS, LEVELS, GradValues, decode
 from tests.averagers import average_together
 
 
@@ -124,3 +129,54 @@ def test_a_float32_peer_among_int8_ones_averages_values_with_them(make_averager)
         results = average_together(averagers, index, [1.0, 1.0])
         assert {r.status for r in results} == {AveragingStatus.AVERAGED}
         assert error(peers, expected) < 1e-7
+
+
+class _Equivocating(RobustRunner):
+    """A reducer that, in a round of changes, answers one sender with another average than the one it keeps and
+    sends the others: one value moved by 1e-3, in the run's codec, under a statement it signs for that result."""
+
+    async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
+        victim = min(i for i, peer in enumerate(self.sender_peer_ids) if peer != self.peer_id)
+        part_index = 0
+        async for message in super()._accumulate_parts_streaming(stream, sender_index):
+            if sender_index == victim and self.values != GradValues.FLOAT32:
+                _, result, statement = self._answer(part_index, torch.zeros(0))
+                other = result.clone()
+                other.view(-1)[0] += 1e-3
+                wire = self.tensor_part_container.compression.compress(other, None)
+                other = decode(wire, self.values)
+                lie = make_statement(self.signer, self.place(self.peer_id, part_index), statement.entries, other,
+                                     self.values)
+                message = averaging_pb2.AveragingData(code=message.code, tensor_part=wire, peer_id=lie.to_bytes())
+            part_index += 1
+            yield message
+
+
+def test_a_reducer_that_equivocates_splits_the_anchors_for_one_round_only(make_averager, monkeypatch) -> None:
+    """A reducer that sends one groupmate another average than the rest leaves that peer's anchor apart from the
+    group's; the next round of the partition finds the digests apart, averages the values in float32, and every
+    peer holds the same values and one anchor again: an equivocation in a round of changes costs the group one
+    float32 round, and does not outlast it."""
+    peers = [tensors(9), tensors(10), tensors(11)]
+    averagers = [make_averager(p, values=GradValues.INT8) for p in peers[:2]]
+    liar_class = type("AnchoredAverager", (AnchoredAverager,), {"runner_class": _Equivocating})
+    monkeypatch.setattr(sparta, "AnchoredAverager", liar_class)  # the same name: hivemind routes by class name
+    averagers.append(make_averager(peers[2], values=GradValues.INT8))
+    monkeypatch.undo()
+
+    average_together(averagers, 0, [1.0] * 3)  # no anchors yet: values, in float32
+    for i, named in enumerate(peers):
+        nudge(named, 50 + i)
+    results = average_together(averagers, 0, [1.0] * 3)  # changes, in int8, one reducer equivocating
+    assert {r.status for r in results} == {AveragingStatus.AVERAGED}
+    digests = [a._averager.declared_anchor(0) for a in averagers]
+    assert "" not in digests and len(set(digests)) == 2, "one peer was answered apart, and holds another anchor"
+
+    for i, named in enumerate(peers):
+        nudge(named, 60 + i)
+    results = average_together(averagers, 0, [1.0] * 3)  # the digests differ: values, in float32
+    assert {r.status for r in results} == {AveragingStatus.AVERAGED}
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for other in peers[1:]  # the same values everywhere
+               for (_, a), (_, b) in zip(peers[0], other, strict=True))
+    digests = [a._averager.declared_anchor(0) for a in averagers]
+    assert "" not in digests and len(set(digests)) == 1, "one anchor again, the same everywhere"

@@ -19,9 +19,9 @@ serializer from the actual tensor sizes; aim: at most 1/32). DeMo's all-reduce c
 declared indices, at most ``group size × TOPK`` per chunk (counted at that bound), and each worker also declares
 its ``TOPK`` positions per chunk (one byte each in msgpack), shown beside it.
 
-``--values int8`` (or float16, repeatable) sends PowerSGD's and DeMo's values in that codec (a run's
-``grad_values``: ``client.averaging.values``), and counts their bytes so. ``--sparta-values int8`` sends the
-SPARTA-only run's slices as changes since their last average in that codec (``client.averaging.anchored``), and
+``--values int8`` (or float16 or int4, repeatable) sends PowerSGD's and DeMo's values in that codec (a run's
+``grad_values``: ``client.averaging.values``), and counts their bytes so. ``--sparta-values int8`` (or int4) sends
+the SPARTA-only run's slices as changes since their last average in that codec (``client.averaging.anchored``), and
 prints its bytes per step beside full averaging's.
 
 Run::
@@ -131,8 +131,8 @@ def main() -> None:
                         help=f"DeMo's momentum decay (repeatable, each with every --demo; default "
                              f"{GradientSettings.beta})")
     parser.add_argument("--values", type=GradValues, action="append",
-                        help="how PowerSGD's and DeMo's values travel: float32, float16 or int8 (repeatable, each "
-                             "with every --rank and --demo; default float32)")
+                        help="how PowerSGD's and DeMo's values travel: float32, float16, int8 or int4 (repeatable, "
+                             "each with every --rank and --demo; default float32)")
     parser.add_argument("--sparta", type=parse_sparta, default=(5, 20),
                         help="EVERY/P of the SPARTA runs (default 5/20: Node0's 5%% every 5 steps)")
     parser.add_argument("--sparta-values", type=GradValues, default=GradValues.FLOAT32,

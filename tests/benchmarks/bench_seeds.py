@@ -17,6 +17,9 @@ prints each rule's loss against one process trained on the same batches, per see
 A rule ending in ``*SCALE`` (``sparta:1/17:int8*1.414``) runs its replicas at SCALE × the learning rate: a replica
 stepping Adam on half the batch sees gradients twice as noisy, so its second moment is larger and its steps smaller
 than one process's, which the square-root rule for Adam's batch size (scale by √2) would offset where noise dominates.
+A rule ending in ``+moment`` (``sparta:1/10:int4+moment``) offsets it by measurement instead (``GlobalMoment``): each
+replica estimates, per tensor, how much of its second moment is the noise of its half batch, from the spread of its
+own microbatches, and steps Adam on the second moment the whole batch would have had.
 
 Replicas see the batches split as a round's two workers would: the first half to one, the second to the other.
 ``--model tiny-llama`` runs the demo's Llama (``bench_gradients.tiny_llama_run``) instead of psyswarm's model.
@@ -101,6 +104,65 @@ class PowerSGD:
         return out
 
 
+class GlobalMoment:
+    """A replica whose Adam steps on an estimate of the whole batch's second moment instead of its own share's.
+
+    A replica's mean gradient over its share of the batch is the whole batch's mean plus more noise: per element,
+    E[g²] = E[ḡ²] + (1 − share) · s², where s² is the variance of the replica's mean. The spread of its own
+    microbatches estimates s² without a byte sent (Σ n_i (g_i − g)² / ((k − 1) N) over its k microbatches of n_i
+    of its N samples). Per tensor, the noise's share of the second moment, f = EMA(Σ (1 − share) s²) / Σ v (at
+    most 1 − share), scales Adam's second moment by 1 − f for the step: per element the estimate would be too noisy
+    to take a square root of, and a tensor's elements share their noise fraction roughly.
+    """
+
+    def __init__(self, trainer: LocalTrainer, share: float) -> None:
+        self.trainer, self.share = trainer, share
+        self.noise = [[0.0 for _ in o.params] for o in trainer.optimizers]  # per tensor: EMA of Σ (1 − share) s²
+        self.spread: list[list[torch.Tensor]] = []
+        self.microbatches = 0
+
+    def train(self, indices: list[int], microbatch: int) -> list[float]:
+        """Train on ``indices`` microbatch by microbatch, keeping Σ c_i² / n_i per element of each contribution c_i."""
+        params = [o.params for o in self.trainer.optimizers]
+        self.spread = [[torch.zeros_like(p) for p in ps] for ps in params]
+        losses = []
+        for start in range(0, len(indices), microbatch):
+            chunk = indices[start:start + microbatch]
+            before = [[None if p.grad is None else p.grad.clone() for p in ps] for ps in params]
+            losses += self.trainer.train(chunk, microbatch)
+            for ps, was, spread in zip(params, before, self.spread, strict=True):
+                for p, b, q in zip(ps, was, spread, strict=True):
+                    if p.grad is not None:
+                        c = p.grad if b is None else p.grad - b
+                        q.add_(c * c / len(chunk))
+        self.microbatches = -(-len(indices) // microbatch)
+        return losses
+
+    def step(self) -> None:
+        samples = self.trainer.samples_accumulated
+        restore = []
+        for s, optimizer in enumerate(self.trainer.optimizers):
+            beta2 = optimizer.optimizer.defaults["betas"][1]
+            means = [torch.zeros_like(p) if p.grad is None else p.grad / samples for p in optimizer.params]
+            norm = math.sqrt(sum(float((g * g).sum()) for g in means))
+            clip2 = min(1.0, optimizer.clip / (norm + 1e-6)) ** 2
+            for i, (p, g) in enumerate(zip(optimizer.params, means, strict=True)):
+                if self.microbatches > 1:
+                    s2 = (self.spread[s][i] - samples * g * g) / ((self.microbatches - 1) * samples)
+                    noise = (1 - self.share) * float(s2.sum()) * clip2
+                    self.noise[s][i] = beta2 * self.noise[s][i] + (1 - beta2) * noise
+                state = optimizer.optimizer.state.get(p)
+                if not state or "exp_avg_sq" not in state:
+                    continue
+                own = state["exp_avg_sq"] * beta2 + (1 - beta2) * g * g * clip2  # Adam's after this step
+                f = min(max(self.noise[s][i] / max(float(own.sum()), 1e-30), 0.0), 1 - self.share)
+                state["exp_avg_sq"].copy_(((own * (1 - f) - (1 - beta2) * g * g * clip2) / beta2).clamp_min(0))
+                restore.append((state["exp_avg_sq"], own))
+        self.trainer.step()
+        for moment, own in restore:  # Adam's own second moment goes on; the correction is the step's alone
+            moment.copy_(own)
+
+
 def halves(trainer: LocalTrainer, indices: list[int], microbatch: int) -> tuple[list[float], list[Grads]]:
     """Each half batch's losses and mean gradients, from the same parameters."""
     losses, grads = [], []
@@ -133,11 +195,12 @@ def shared(bench: Bench, spec: ModelSpec, combine: Callable[[int], Callable] | N
 
 
 def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int,
-             values: GradValues, lr_scale: float = 1.0) -> tuple[list[float], float]:
-    """Two replicas each stepping on its own half at ``lr_scale`` × the rate; every ``every`` steps one slice
-    averaged, in ``values``."""
+             values: GradValues, lr_scale: float = 1.0, moment: bool = False) -> tuple[list[float], float]:
+    """Two replicas each stepping on its own half at ``lr_scale`` × the rate (with ``moment``, on the whole batch's
+    estimated second moment); every ``every`` steps one slice averaged, in ``values``."""
     args = bench.args
     pair = [bench.trainer(spec, lr_scale) for _ in range(2)]
+    steppers: list[LocalTrainer | GlobalMoment] = [GlobalMoment(t, 0.5) if moment else t for t in pair]
     params = [[o.params for o in t.optimizers] for t in pair]
     masks = [SpartaMasks([(f"{s}.{i}", p.numel()) for i, p in enumerate(ps)], partitions, spec.seed)
              for s, ps in enumerate(params[0])]
@@ -146,10 +209,10 @@ def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int,
     half = args.batch_size // 2
     for round_ in range(args.rounds):
         got = []
-        for w, trainer in enumerate(pair):
+        for w, stepper in enumerate(steppers):
             start = round_ * args.batch_size + w * half
-            got += trainer.train(list(range(start, start + half)), args.microbatch_size)
-            trainer.step()
+            got += stepper.train(list(range(start, start + half)), args.microbatch_size)
+            stepper.step()
         losses.append(statistics.fmean(got))
         if every is None or (round_ + 1) % every:
             continue
@@ -171,11 +234,12 @@ def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int,
 
 def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
     """The training losses and held-out loss of rule ``name`` (the module docstring) from ``spec``'s weights."""
+    moment, name = name.endswith("+moment"), name.removesuffix("+moment")
     name, _, scale = name.partition("*")
     lr_scale = float(scale or 1.0)
     kind, _, setting = name.partition(":")
-    if scale and kind in ("full", "powersgd"):
-        raise SystemExit(f"{name!r}: *SCALE applies to the replicas' rules (sparta, none)")
+    if (scale or moment) and kind in ("full", "powersgd"):
+        raise SystemExit(f"{name!r}: *SCALE and +moment apply to the replicas' rules (sparta, none)")
     if kind == "full":
         return shared(bench, spec, lambda s: lambda g: [(a + b) / 2 for a, b in zip(*g, strict=True)])
     if kind == "powersgd":
@@ -186,9 +250,9 @@ def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
         partitions, _, codec = rest.partition(":")
         if codec not in ("", "int8", "int4"):
             raise SystemExit(f"{name!r}: a slice travels in float32, int8 or int4 here")
-        return replicas(bench, spec, int(every), int(partitions), GradValues(codec or "float32"), lr_scale)
+        return replicas(bench, spec, int(every), int(partitions), GradValues(codec or "float32"), lr_scale, moment)
     if kind == "none":
-        return replicas(bench, spec, None, 1, GradValues.FLOAT32, lr_scale)
+        return replicas(bench, spec, None, 1, GradValues.FLOAT32, lr_scale, moment)
     raise SystemExit(f"{name!r}: expected full, powersgd:R, sparta:EVERY/P[:int8|:int4] or none")
 
 
@@ -199,7 +263,7 @@ def spread(values: Sequence[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rules", nargs="+", help="full, powersgd:R, sparta:EVERY/P[:int8|:int4], none; replicas' rules "
-                                                 "may end in *SCALE (the learning rate × SCALE)")
+                                                 "may end in *SCALE (the learning rate × SCALE) and +moment")
     parser.add_argument("--seeds", type=int, default=10, help="initialisations: N seeds from --first-seed on")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--model", choices=["psyswarm", "tiny-llama"], default="psyswarm",
