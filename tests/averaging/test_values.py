@@ -179,34 +179,40 @@ def test_fuzzed_parts_decode_to_their_declared_float32_values_or_are_refused(val
 
 # ----- audits in a codec -----
 
-def int8_reduction(shift: float, rounded: bool = True) -> tuple[Keypair, Any, list[torch.Tensor], torch.Tensor]:
-    """Three senders' signed int8 inputs and a reducer's int8 statement of their blockwise robust mean (rounded in
-    int8, as an honest reducer returns it, or exact), with ``shift`` added to one value of the second block."""
+def blockwise_reduction(shift: float, rounded: bool = True, values: GradValues = INT8
+                        ) -> tuple[Keypair, Any, list[torch.Tensor], torch.Tensor]:
+    """Three senders' signed inputs in ``values`` and a reducer's statement in ``values`` of their blockwise robust
+    mean (rounded in that codec, as an honest reducer returns it, or exact), with ``shift`` added to one value of
+    the second block."""
     reducer, senders = Keypair(), [Keypair() for _ in range(3)]
     generator = torch.Generator().manual_seed(5)
-    inputs = [round_trip(torch.randn(3 * BLOCK, generator=generator), INT8) for _ in senders]
+    inputs = [round_trip(torch.randn(3 * BLOCK, generator=generator), values) for _ in senders]
     entries = [signed_entry(k, PLACE, p, 4.0) for k, p in zip(senders, inputs, strict=True)]
     exact = reduce_blocks(inputs, [4.0] * 3)
-    result = round_trip(exact, INT8) if rounded else exact.clone()
+    result = round_trip(exact, values) if rounded else exact.clone()
     result[BLOCK + 9] += shift
-    return reducer, make_statement(reducer, PLACE, entries, result, INT8), inputs, result
+    return reducer, make_statement(reducer, PLACE, entries, result, values), inputs, result
 
 
-def test_an_honest_int8_reduction_convicts_no_one() -> None:
-    reducer, statement, inputs, result = int8_reduction(0.0)
+@pytest.mark.parametrize("values", [INT8, INT4])
+def test_an_honest_blockwise_reduction_convicts_no_one(values: GradValues) -> None:
+    reducer, statement, inputs, result = blockwise_reduction(0.0, values=values)
     key = bytes(reducer.pubkey())
     assert not torch.equal(result, reduce_blocks(inputs, [4.0] * 3))  # rounded: not the exact robust mean
     assert false_block(statement, inputs, result) is None
     assert all(proven_liar(evidence(PLACE, key, statement, inputs, result, b)) is None for b in range(3))
 
 
-def test_an_int8_reduction_is_convicted_exactly_beyond_half_a_level_of_the_robust_mean() -> None:
-    """Evidence allows a value half a level (1/254 of its block's largest) from the exact robust mean, the most
-    int8 rounding moves it, and convicts beyond: all a lying reducer can move a value unseen."""
-    _, _, inputs, exact = int8_reduction(0.0, rounded=False)
-    half_level = value_error(INT8, float(exact[BLOCK:2 * BLOCK].abs().max()))
-    _, within, _, nudged = int8_reduction(0.95 * half_level, rounded=False)
-    reducer, beyond, _, shifted = int8_reduction(1.05 * half_level, rounded=False)
+@pytest.mark.parametrize("values", [INT8, INT4])
+def test_a_blockwise_reduction_is_convicted_exactly_beyond_half_a_level_of_the_robust_mean(values: GradValues
+                                                                                           ) -> None:
+    """Evidence allows a value half a level (int8: 1/254 of its audit block's largest; int4: 1/14) from the exact
+    robust mean, the most the codec's rounding moves it, and convicts beyond: all a lying reducer can move a value
+    unseen."""
+    _, _, inputs, exact = blockwise_reduction(0.0, rounded=False, values=values)
+    half_level = value_error(values, float(exact[BLOCK:2 * BLOCK].abs().max()))
+    _, within, _, nudged = blockwise_reduction(0.95 * half_level, rounded=False, values=values)
+    reducer, beyond, _, shifted = blockwise_reduction(1.05 * half_level, rounded=False, values=values)
     assert false_block(within, inputs, nudged) is None
     assert false_block(beyond, inputs, shifted) == 1
     key = bytes(reducer.pubkey())
@@ -217,7 +223,7 @@ def test_an_int8_reduction_is_convicted_exactly_beyond_half_a_level_of_the_robus
 def test_a_statement_naming_another_codec_than_the_run_s_is_refused() -> None:
     """A reducer that names int8 where the run sends float32 would widen what its evidence allows: no sender
     takes its part."""
-    reducer, statement, _, result = int8_reduction(0.0)
+    reducer, statement, _, result = blockwise_reduction(0.0)
     own = statement.entries[0]
     assert statement_refusal(statement, PLACE, bytes(reducer.pubkey()), result, own, INT8) == ""
     assert "names the codec int8, not the run's float32" in statement_refusal(
