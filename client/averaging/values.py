@@ -24,7 +24,7 @@ blocks (``audit.BLOCK`` is this ``BLOCK``), both counted from the start of each 
 rule with 15 levels in blocks of ``INT4_BLOCK`` (64) values, eight to an audit block, so a value is within half a
 level of its codec block's scale, and so within the audit block's largest magnitude / 14. It is meant for SPARTA's
 slices sent as changes (``client.averaging.anchored``), where a slice's bytes buy more of the stage averaged each
-step: at a sixty-fourth of full averaging's bytes, a ninth of the parameters every step in int4 instead of a
+step: at a sixty-fourth of full averaging's bytes, a tenth of the parameters every step in int4 instead of a
 seventeenth in int8.
 
 hivemind's protobuf names a codec by an enum that has no slot for a new one; ``BlockInt8`` travels under
@@ -80,6 +80,7 @@ class _Blockwise(CompressionBase):
     levels: int
 
     def pack(self, levels: torch.Tensor) -> bytes:
+        """The levels (int8 tensor, one per value, within ``levels``) as this codec's bytes."""
         raise NotImplementedError
 
     def unpack(self, data: bytes, count: int) -> np.ndarray:
@@ -87,6 +88,7 @@ class _Blockwise(CompressionBase):
         raise NotImplementedError
 
     def packed_bytes(self, count: int) -> int:
+        """The bytes ``count`` levels take, scales apart."""
         raise NotImplementedError
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo | None = None,
