@@ -36,8 +36,9 @@ class GradAveraging(enum.IntEnum):
 
 class GradValues(enum.IntEnum):
     """How averaged values travel: float32 as computed, float16 (hivemind's Float16Compression, elementwise), or
-    int8 or int4 in blocks with one float32 scale each (client.averaging.values); per-step gradients as they are,
-    SPARTA's slices as their change since they were last averaged (client.averaging.anchored)."""
+    int8 or int4 in blocks with one float32 scale each (client.averaging.values); per-step gradients as they are
+    (int4 excepted: config.validate_grad_values), SPARTA's slices as their change since they were last averaged
+    (client.averaging.anchored)."""
 
     Float32 = 0
     Float16 = 1

@@ -326,9 +326,20 @@ def validate_schedule(m: Model, total_steps: int) -> None:
 
 def validate_grad_averaging(m: Model) -> None:
     """Each compressed mode's settings are in range with that mode and 0 without it, so one on-chain description
-    never means two things."""
+    never means two things; and the codec suits what it carries."""
     validate_powersgd(m)
     validate_demo(m)
+    validate_grad_values(m)
+
+
+def validate_grad_values(m: Model) -> None:
+    """int4 carries SPARTA's slices, whose changes since their last average survive it as well as int8's (measured:
+    README, "SPARTA in int4"), and not per-step gradients: no run has measured them in it, and its rounding would
+    loosen every gradient round's declared-norm limit by 57% of a part's norm (client.averaging.values)."""
+    if m.grad_values == GradValues.Int4:
+        _need(m.grad_averaging == GradAveraging.Off, "grad_values",
+              f"int4 carries SPARTA's slices only; with grad_averaging {m.grad_averaging.name.lower()} choose "
+              "float32, float16 or int8")
 
 
 def validate_powersgd(m: Model) -> None:

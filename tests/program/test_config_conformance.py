@@ -159,15 +159,21 @@ MODES = {GradAveraging.Off: {}, GradAveraging.Full: {},
 @pytest.mark.parametrize("values", list(GradValues), ids=lambda v: v.name)
 @pytest.mark.parametrize("mode", list(MODES), ids=lambda m: m.name)
 def test_grad_values_are_accepted_or_refused_alike(replay: Replay, mode: GradAveraging, values: GradValues) -> None:
-    """Any encoding with any averaging mode (with it off, SPARTA's parameter changes travel in it): program and spec
-    alike."""
+    """Any encoding with any averaging mode (with it off, SPARTA's parameter changes travel in it), except int4
+    with gradient averaging (int4 carries SPARTA's slices only): program and spec alike."""
     model = dataclasses.replace(MODEL, grad_averaging=mode, **MODES[mode], grad_values=values)
-    validate_model(model, SMALL)
-    assert replay.apply(Update(SMALL, model, Checkpoint()), replay.authority) is None
+    refused = values == GradValues.Int4 and mode != GradAveraging.Off
+    if refused:
+        with pytest.raises(errors.InvalidConfig, match="int4 carries SPARTA's slices only"):
+            validate_model(model, SMALL)
+    else:
+        validate_model(model, SMALL)
+    outcome = replay.apply(Update(SMALL, model, Checkpoint()), replay.authority)
+    assert outcome == (errors.InvalidConfig.code if refused else None)
 
 
-@pytest.mark.parametrize(("mode", "byte"), [(GradAveraging.Full, 2), (GradAveraging.Full, 3),
-                                            (GradAveraging.DeMo, 3), (GradAveraging.Off, 3),
+@pytest.mark.parametrize(("mode", "byte"), [(GradAveraging.Full, 2), (GradAveraging.Off, 3),
+                                            (GradAveraging.Full, 4), (GradAveraging.DeMo, 4), (GradAveraging.Off, 4),
                                             (GradAveraging.PowerSGD, 255)])
 def test_a_grad_values_byte_past_the_enum_is_malformed(replay: Replay, mode: GradAveraging, byte: int) -> None:
     """Raw update data whose grad_values byte names no encoding: the program refuses it as the decoding does."""

@@ -360,11 +360,20 @@ def test_state_toml_demo_errors_are_one_line_and_name_the_key(changes: dict, mes
 @pytest.mark.parametrize("mode", [{"grad_averaging": "off"}, {"grad_averaging": "full"},
                                   {"grad_averaging": "powersgd", "powersgd_rank": 4}, DEMO_TOML])
 @pytest.mark.parametrize(("name", "values"), [("float32", GradValues.Float32), ("float16", GradValues.Float16),
-                                              ("int8", GradValues.Int8), ("int4", GradValues.Int4)])
+                                              ("int8", GradValues.Int8)])
 def test_state_toml_grad_values(mode: dict, name: str, values: GradValues) -> None:
     """How averaged values travel is a run setting, by name, with any averaging mode."""
     model = parse_run_spec({"run_id": "ok", "model": {**mode, "grad_values": name}}).model
     assert model.grad_values == values and model.grad_averaging.name.lower() == mode["grad_averaging"]
+
+
+def test_int4_carries_sparta_s_slices_and_no_gradients() -> None:
+    assert parse_run_spec({"run_id": "ok", "model": {"grad_values": "int4"}}).model.grad_values == GradValues.Int4
+    for mode in ({"grad_averaging": "full"}, {"grad_averaging": "powersgd", "powersgd_rank": 4}, DEMO_TOML):
+        with pytest.raises(InvalidConfig) as info:
+            parse_run_spec({"run_id": "ok", "model": {**mode, "grad_values": "int4"}})
+        assert info.value.detail == (f"grad_values: int4 carries SPARTA's slices only; with grad_averaging "
+                                     f"{mode['grad_averaging']} choose float32, float16 or int8")
 
 
 def test_grad_values_default_to_float32() -> None:

@@ -151,9 +151,16 @@ static bool valid_demo(const uint8_t *m) {
   return chunk == 0 && topk == 0 && beta == 0;
 }
 
-/* config.validate_grad_averaging: each compressed mode's settings in range with it, 0 without it */
+/* config.validate_grad_values: int4 carries SPARTA's slices only */
+static bool valid_grad_values(const uint8_t *m) {
+  return PSY_MODEL_GRAD_VALUES_GET(m) != PSY_GRAD_VALUES_INT4 ||
+         PSY_MODEL_GRAD_AVERAGING_GET(m) == PSY_GRAD_AVERAGING_OFF;
+}
+
+/* config.validate_grad_averaging: each compressed mode's settings in range with it, 0 without it; the codec
+   suits what it carries */
 static bool valid_grad_averaging(const uint8_t *m) {
-  return valid_powersgd(m) && valid_demo(m);
+  return valid_powersgd(m) && valid_demo(m) && valid_grad_values(m);
 }
 
 uint64_t psy_validate_model(const uint8_t *m, const uint8_t *c) {
