@@ -139,6 +139,8 @@ class GlobalMoment:
         return losses
 
     def step(self) -> None:
+        """One optimizer step on (1 − f) × Adam's second moment, per tensor; Adam's own second moment goes on as if
+        uncorrected, so the correction is each step's alone and the optimizer's state stays the standard one."""
         samples = self.trainer.samples_accumulated
         restore = []
         for s, optimizer in enumerate(self.trainer.optimizers):
