@@ -83,7 +83,7 @@ class _Blockwise(CompressionBase):
         """The levels (int8 tensor, one per value, within ``levels``) as this codec's bytes."""
         raise NotImplementedError
 
-    def unpack(self, data: bytes, count: int) -> np.ndarray:
+    def unpack(self, data: memoryview, count: int) -> np.ndarray:
         """``count`` levels from ``data`` (exactly their bytes), as float32; ``ValueError`` where malformed."""
         raise NotImplementedError
 
@@ -117,7 +117,7 @@ class _Blockwise(CompressionBase):
             raise ValueError(f"an {self.name} part of {count} values is {expected} bytes, not "
                              f"{len(serialized_tensor.buffer)}")
         scales = torch.from_numpy(np.frombuffer(serialized_tensor.buffer, dtype="<f4", count=blocks).copy())
-        levels = self.unpack(serialized_tensor.buffer[4 * blocks:], count)
+        levels = self.unpack(memoryview(serialized_tensor.buffer)[4 * blocks:], count)  # the levels, not copied
         padded = torch.nn.functional.pad(torch.from_numpy(levels), (0, blocks * self.block - count))
         return (padded.reshape(blocks, self.block) * scales[:, None]).reshape(-1)[:count].reshape(shape)
 
@@ -134,7 +134,7 @@ class BlockInt8(_Blockwise):
     def pack(self, levels: torch.Tensor) -> bytes:
         return levels.numpy().tobytes()
 
-    def unpack(self, data: bytes, count: int) -> np.ndarray:
+    def unpack(self, data: memoryview, count: int) -> np.ndarray:
         return np.frombuffer(data, dtype=np.int8).astype(np.float32)
 
     def packed_bytes(self, count: int) -> int:
@@ -155,7 +155,7 @@ class BlockInt4(_Blockwise):
         nibbles = torch.nn.functional.pad(nibbles, (0, nibbles.numel() % 2))  # the pad nibble: 0
         return (nibbles[0::2] | (nibbles[1::2] << 4)).numpy().tobytes()
 
-    def unpack(self, data: bytes, count: int) -> np.ndarray:
+    def unpack(self, data: memoryview, count: int) -> np.ndarray:
         packed = np.frombuffer(data, dtype=np.uint8)
         nibbles = np.empty(2 * packed.size, dtype=np.uint8)
         nibbles[0::2], nibbles[1::2] = packed & 0x0F, packed >> 4

@@ -217,6 +217,7 @@ def test_a_checked_microbatch_both_replicas_accumulated_still_averages(make_repl
 
 
 @pytest.mark.parametrize(("model", "anchors"), [({}, False), ({"grad_values": "int8"}, True),
+                                                ({"grad_values": "int4"}, True),
                                                 ({"grad_averaging": "full", "grad_values": "float16"}, True)])
 def test_the_runs_grad_values_is_the_codec_of_its_sparta_slices(make_replica, run_id: str, model: dict,
                                                                   anchors: bool) -> None:
