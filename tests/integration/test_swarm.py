@@ -109,8 +109,11 @@ def launch(tmp_path: Path, toml: str, workers: list[str], trainers: int = 1, bac
 
 
 def fail_with_logs(swarm: Swarm, exc: BaseException) -> None:
+    """Fail with every phase change the server logged (an epoch that ended early shows there, however long the run)
+    and the end of each process's log."""
+    phases = [line for line in swarm.log_text("server").splitlines() if " phase " in line]
     logs = "\n".join(f"--- {name}\n{swarm.log_text(name)[-1500:]}" for name in swarm.procs)
-    pytest.fail(f"{exc!r}\n{logs}")
+    pytest.fail(f"{exc!r}\n--- the server's phases\n" + "\n".join(phases) + f"\n{logs}")
 
 
 class CommittedLosses:
