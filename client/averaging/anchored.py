@@ -68,7 +68,7 @@ class AnchoredAverager(StageAverager):
         self._anchor = ([] if values == GradValues.FLOAT32 else
                         [torch.zeros(numel, dtype=torch.float32).share_memory_() for numel in masks.numels])
         self._anchored = mp.Array(ctypes.c_bool, masks.partitions, lock=False)
-        self._changes = False  # the process's: whether the current group sends changes (else values)
+        self._changes = mp.Value(ctypes.c_bool, False, lock=False)  # whether this round's group sends changes
         super().__init__(averaged_tensors, dht, **kwargs)
 
     # ----- host side -----
@@ -85,6 +85,16 @@ class AnchoredAverager(StageAverager):
             return ""
         return anchor_digest(self._anchor, self._masks.indices(partition))
 
+    def prepare_round(self, averaging_index: int, declaration: dict[str, Any]) -> dict[str, Any]:
+        self._changes.value = False  # until this round's group forms
+        return super().prepare_round(averaging_index, declaration)
+
+    @property
+    def values_sent(self) -> GradValues:
+        """How this round's slice travelled: as changes in the run's codec, or as values in float32 (no group
+        formed yet, or its peers did not all declare this peer's anchor)."""
+        return self._values if self._changes.value else GradValues.FLOAT32
+
     # ----- averager process -----
 
     async def _aggregate_admitted(self, group_info: GroupInfo, admitted: dict[PeerID, Declared],
@@ -92,7 +102,7 @@ class AnchoredAverager(StageAverager):
         """Changes in the run's codec when every admitted peer declared the anchor this peer declared, else values.
         (This peer is admitted, with the declaration its host sealed: the digest is not computed again.)"""
         own = admitted[self.peer_id].body.get("anchor")
-        self._changes = bool(own) and all(d.body.get("anchor") == own for d in admitted.values())
+        self._changes.value = bool(own) and all(d.body.get("anchor") == own for d in admitted.values())
         self._anchored[int(self._round.value) % self._masks.partitions] = False  # until this round has completed
         return await super()._aggregate_admitted(group_info, admitted, min_vector_size, **kwargs)
 
@@ -103,7 +113,7 @@ class AnchoredAverager(StageAverager):
         partition = int(self._round.value) % self._masks.partitions
         indices = self._masks.indices(partition)
         anchors = []  # the slice's anchor, padded like the buffers (the padding stays 0): only to send changes
-        if self._changes:
+        if self._changes.value:
             kwargs["compression"] = codec(self._values)
             for tensor, anchor, idx in zip(tensors, self._anchor, indices, strict=True):
                 anchors.append(torch.zeros_like(tensor))

@@ -61,7 +61,7 @@ from client.averaging.anchored import AnchoredAverager
 from client.averaging.membership import Membership, Roster
 from client.averaging.rounds import GRACE, Wedged, holding, run_round
 from client.averaging.state_transfer import SharedState, StateExpectation
-from client.averaging.values import GradValues
+from client.averaging.values import GradValues, encoded_bytes
 
 if TYPE_CHECKING:
     import hivemind
@@ -144,7 +144,8 @@ class AveragingResult:
     refused: int  # groupmates dropped because their declaration did not pass (strangers, other rounds…)
     total_weight: float  # summed weight of the group (NaN when unknown)
     elements: int  # parameter elements in the partition
-    payload_bytes: int  # bytes of this peer's padded slice in float32 (int8 changes: about a quarter travels)
+    payload_bytes: int  # bytes of this peer's padded slice as it travelled (levels and scales; 0 without a group)
+    payload_values: GradValues | None  # changes in the run's codec, values in float32, or None without a group
     delta_norm: float  # L2 norm of the change applied to the parameters
     seconds: float
     consecutive_failures: int
@@ -293,6 +294,7 @@ class SpartaAverager:
 
         def result(status: AveragingStatus, reason: str, group: int = 0, total: float = math.nan,
                    delta: float = 0.0, counts: bool = True) -> AveragingResult:
+            sent = self._averager.values_sent if group else None
             if status == AveragingStatus.FAILED and counts:
                 self.consecutive_failures += 1
             elif status == AveragingStatus.AVERAGED:
@@ -301,12 +303,14 @@ class SpartaAverager:
                 averaging_index=averaging_index, partition=partition, status=status, reason=reason, weight=weight,
                 group_size=group, refused=self._averager.last_refused, total_weight=total,
                 elements=sum(len(i) for i in indices),
-                payload_bytes=sum(b.numel() * b.element_size() for b in self._buffers), delta_norm=delta,
+                payload_bytes=0 if sent is None else sum(encoded_bytes(sent, b.numel()) for b in self._buffers),
+                payload_values=sent, delta_norm=delta,
                 seconds=time.monotonic() - started, consecutive_failures=self.consecutive_failures,
                 remove=self.consecutive_failures >= self.settings.max_failures)
             log.log(logging.WARNING if status == AveragingStatus.FAILED else logging.INFO,
-                    "%s averaging round %d (partition %d): %s%s, group of %d, %.1f s", self.stage, averaging_index,
-                    partition, status.value, f" ({reason})" if reason else "", group, outcome.seconds)
+                    "%s averaging round %d (partition %d): %s%s, group of %d, %.1f s%s", self.stage, averaging_index,
+                    partition, status.value, f" ({reason})" if reason else "", group, outcome.seconds,
+                    "" if sent is None else f", slice of {outcome.payload_bytes / 1e3:.1f} kB in {sent.value}")
             return outcome
 
         if peers == 0:

@@ -91,6 +91,10 @@ class _Blockwise(CompressionBase):
         """The bytes ``count`` levels take, scales apart."""
         raise NotImplementedError
 
+    def buffer_bytes(self, count: int) -> int:
+        """The bytes a part of ``count`` values takes: its blocks' scales and its levels."""
+        return 4 * -(-count // self.block) + self.packed_bytes(count)
+
     def compress(self, tensor: torch.Tensor, info: CompressionInfo | None = None,
                  allow_inplace: bool = False) -> runtime_pb2.Tensor:
         flat = tensor.detach().reshape(-1).to(torch.float32)
@@ -112,7 +116,7 @@ class _Blockwise(CompressionBase):
             raise ValueError(f"an {self.name} part stands for float32 values")
         count = math.prod(shape)
         blocks = -(-count // self.block)
-        expected = 4 * blocks + self.packed_bytes(count)
+        expected = self.buffer_bytes(count)
         if len(serialized_tensor.buffer) != expected:
             raise ValueError(f"an {self.name} part of {count} values is {expected} bytes, not "
                              f"{len(serialized_tensor.buffer)}")
@@ -177,6 +181,14 @@ _CODECS: dict[GradValues, CompressionBase] = {
 def codec(values: GradValues) -> CompressionBase:
     """The compression hivemind's partitioner applies to every part sent in ``values``."""
     return _CODECS[values]
+
+
+def encoded_bytes(values: GradValues, count: int) -> int:
+    """The bytes ``count`` values take as one part in ``values`` (hivemind's message framing apart)."""
+    compression = _CODECS[values]
+    if isinstance(compression, _Blockwise):
+        return compression.buffer_bytes(count)
+    return count * (2 if values == GradValues.FLOAT16 else 4)
 
 
 def values_of(compression: CompressionBase) -> GradValues:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from hivemind.compression import CompressionInfo
 from hivemind.proto import averaging_pb2
 
 from client.averaging import sparta
@@ -14,7 +15,7 @@ from client.averaging.anchored import AnchoredAverager
 from client.averaging.audit import make_statement
 from client.averaging.runner import RobustRunner
 from client.averaging.sparta import AveragingStatus, SpartaAverager
-from client.averaging.values import INT4_LEVELS, LEVELS, GradValues, decode
+from client.averaging.values import INT4_LEVELS, LEVELS, GradValues, codec, decode
 from tests.averagers import average_together
 
 
@@ -43,6 +44,12 @@ def error(peers: list[list[tuple[str, torch.Tensor]]], expected: list[torch.Tens
                for (_, t), e, idx in zip(named, expected, indices or [None] * len(expected), strict=True))
 
 
+def sent(averager: SpartaAverager, values: GradValues = GradValues.FLOAT32) -> int:
+    """The bytes of ``averager``'s slices in ``values``, computed from the codec itself."""
+    return sum(len(codec(values).compress(torch.zeros(size), CompressionInfo.from_tensor(torch.zeros(size))).buffer)
+               for size in averager.masks.slice_sizes)
+
+
 @pytest.mark.parametrize(("values", "levels"), [(GradValues.INT8, LEVELS), (GradValues.INT4, INT4_LEVELS)],
                          ids=["int8", "int4"])
 def test_changes_travel_in_the_codec_and_every_anchor_ends_bit_identical(make_averager, values: GradValues,
@@ -56,6 +63,7 @@ def test_changes_travel_in_the_codec_and_every_anchor_ends_bit_identical(make_av
     results = average_together(averagers, 0, [1.0, 1.0])
     assert {r.status for r in results} == {AveragingStatus.AVERAGED}
     assert error(peers, expected, first) < 1e-7, "without anchors the values themselves are averaged, in float32"
+    assert {(r.payload_values, r.payload_bytes) for r in results} == {(GradValues.FLOAT32, sent(averagers[0]))}
     digests = {a._averager.declared_anchor(0) for a in averagers}
     assert len(digests) == 1 and "" not in digests
     assert [a._averager.declared_anchor(1) for a in averagers] == ["", ""]  # partition 1 was not averaged
@@ -65,6 +73,8 @@ def test_changes_travel_in_the_codec_and_every_anchor_ends_bit_identical(make_av
     expected = mean(peers)
     results = average_together(averagers, 2, [1.0, 1.0])  # partition 0 again: both hold its anchor
     assert {r.status for r in results} == {AveragingStatus.AVERAGED}
+    assert {(r.payload_values, r.payload_bytes) for r in results} == {(values, sent(averagers[0], values))}
+    assert sent(averagers[0], values) < sent(averagers[0]) / 3  # int8 about a quarter, int4 about a seventh
     new = {a._averager.declared_anchor(0) for a in averagers}
     assert len(new) == 1 and new != digests, "every peer added the same decoded average to the same anchor"
     # (the values differ from the anchor by float rounding at most: SPARTA adds the change to the live values)

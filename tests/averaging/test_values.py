@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from hivemind.compression import NoCompression
+from hivemind.compression import CompressionInfo, NoCompression
 from hivemind.proto import runtime_pb2
 from solders.keypair import Keypair
 
@@ -32,6 +32,7 @@ from client.averaging.values import (
     GradValues,
     codec,
     decode,
+    encoded_bytes,
     norm_bound,
     norm_error,
     round_trip,
@@ -90,6 +91,14 @@ def test_int4_sends_half_a_byte_a_value_and_a_scale_every_64() -> None:
     assert len(wire.buffer) == 4 * 9 + 275
     assert torch.equal(decode(wire, INT4), round_trip(x, INT4))
     assert len(codec(INT4).compress(torch.randn(2 * BLOCK), None).buffer) == 4 * 16 + BLOCK  # a ninth of float32's
+
+
+@pytest.mark.parametrize("values", list(GradValues), ids=lambda v: v.value)
+def test_encoded_bytes_is_the_length_of_a_part_in_the_codec(values: GradValues) -> None:
+    """What a SPARTA round reports it sent (``AveragingResult.payload_bytes``) is what the codec makes."""
+    for count in (1, 2, 63, 64, 65, 511, 512, 513, 1031):
+        x = torch.randn(count, generator=torch.Generator().manual_seed(count))
+        assert encoded_bytes(values, count) == len(codec(values).compress(x, CompressionInfo.from_tensor(x)).buffer)
 
 
 def test_int4_refuses_a_nibble_that_is_no_level_and_a_claim_to_its_pad() -> None:
