@@ -7,9 +7,11 @@ peers it meets under one DHT prefix. ``StageAverager`` adds, inside that process
   (through hivemind's all-gather) the round it is in and its weight, sealed with its key. A leader refuses a
   follower whose declaration does not pass, and every groupmate admits to the all-reduce only the peers whose
   declarations pass (roster, epoch, round, seal, one seat per key, a weight no larger than ``max_weight``, a
-  bandwidth and mode hivemind can take): the rest are dropped, not the round. A reducer then refuses every
-  part sent with another weight than its sender declared (hivemind's reducer weighs each part by the weight it
-  arrives with, not by the declaration) and bans that sender for the round. A peer in another round would
+  bandwidth and mode hivemind can take): the rest are dropped, not the round. A leader begins the round as soon
+  as every member of the roster holds a seat, since no one else may join, rather than after
+  ``min_matchmaking_time``. A reducer then refuses every part sent with another weight than its sender declared
+  (hivemind's reducer weighs each part by the weight it arrives with, not by the declaration) and bans that
+  sender for the round. A peer in another round would
   average other SPARTA slices element by element, so it is dropped like a stranger; a group whose admitted
   weights are all 0 skips the all-reduce (hivemind's reducer would give NaN);
 - robust reduction (``client.averaging.robust``): each part is reduced by one CenteredClip step from the
@@ -266,7 +268,26 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for response in super().rpc_join_group(request, context):
+            if response.code == averaging_pb2.ACCEPTED and self._every_member_seated():
+                await self._assemble_now()
             yield response
+
+    def _every_member_seated(self) -> bool:
+        """Whether this leader and its followers hold a seat for every member of the roster: no one else may join,
+        so the group need not wait out ``min_matchmaking_time`` (a key seated twice counts once, so a member
+        running two peers cannot start a round without an honest member)."""
+        seated = {self._membership.key}
+        for peer, request in self._matchmaking.current_followers.items():
+            found = self._check(request.gather, peer)
+            if isinstance(found, Declared):
+                seated.add(found.member)
+        return len(seated) >= self._matchmaking.min_group_size and seated >= self._roster.members
+
+    async def _assemble_now(self) -> None:
+        """hivemind's own early assembly (what its ``target_group_size`` does), at the point hivemind does it: right
+        after a follower is accepted, while that join still holds the lock over joins."""
+        if not self._matchmaking.assembled_group.done():
+            await self._matchmaking.leader_assemble_group()
 
     async def rpc_aggregate_part(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:

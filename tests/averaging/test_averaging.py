@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from solders.keypair import Keypair
 
 from client.averaging.sparta import AveragingStatus
 from tests.averagers import FAST, average_together
@@ -88,6 +89,25 @@ def test_a_round_averages_exactly_its_partition_and_p_rounds_cover_everything(ma
                 torch.testing.assert_close(now[inside], mean[inside], rtol=0, atol=1e-6)
                 assert torch.equal(now[~inside], old[t].view(-1)[~inside])  # outside the slice: untouched
     assert_all_close(values(peers[0]), values(peers[1]))
+
+
+PATIENT = dataclasses.replace(FAST, min_matchmaking_time=6.0, request_timeout=3.0, matchmaking_timeout=12.0)
+"""Matchmaking that would wait 6 s for more peers."""
+
+
+def test_a_group_of_every_roster_member_begins_at_once_and_one_short_waits_for_the_rest(make_averager) -> None:
+    """Every member of the roster is in the group: no one else may join, so the round begins at once rather than
+    after ``min_matchmaking_time``. With a member missing, the others wait it out, then average without it."""
+    peers = [tensors(i) for i in (1, 2, 3)]
+    averagers = [make_averager(p, settings=PATIENT) for p in peers]
+    results = average_together(averagers, 0, [1.0, 1.0, 1.0])
+    assert [(r.status, r.group_size) for r in results] == [(AveragingStatus.AVERAGED, 3)] * 3
+    assert max(r.seconds for r in results) < PATIENT.min_matchmaking_time / 2, results
+
+    make_averager.members.add(bytes(Keypair().pubkey()))  # type: ignore[attr-defined]  # on the roster, absent
+    results = average_together(averagers, 1, [1.0, 1.0, 1.0])
+    assert [(r.status, r.group_size) for r in results] == [(AveragingStatus.AVERAGED, 3)] * 3
+    assert min(r.seconds for r in results) >= PATIENT.min_matchmaking_time * 0.9, results
 
 
 def test_an_update_made_during_the_round_is_kept(make_averager) -> None:

@@ -1,0 +1,149 @@
+"""Benchmark: what averaging every step costs a coordinated run's rounds.
+
+It runs the whole system on loopback three times, one run after the other, with the same model, clients and
+rounds: a TCP coordinator, a DHT, two workers on each of three stages and one trainer, each a process of its own.
+The runs differ in how a stage's workers average: not at all (``sparta_every`` beyond the run's last step), the
+internet setting of ``examples/state.toml`` (SPARTA: a tenth of the stage every step, sent in int4 as its change
+since its anchor), or the whole gradient every step (``grad_averaging = "full"``). It prints, per run:
+
+- seconds per round, from one RoundTrain's start to the next's as the coordinator's states arrive (the median of
+  every round after the first), and their ratio to the run without averaging;
+- each averaging round's seconds as the workers log them, and for SPARTA the bytes its slice took
+  (``SpartaAverager.average``). A worker averages its gradients before its step, and SPARTA's slice after it, in
+  RoundWitness, holding the next round's batches until it is done: an averaging round that outlasts
+  RoundWitness delays the next round by the difference.
+
+Run::
+
+    python -m tests.benchmarks.bench_swarm_sparta [--rounds 12] [--width 128] [--witness-time 2]
+
+Eight processes share this machine's two cores, so a round's seconds here are mostly compute; the ratio is what
+averaging adds to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from client.swarm.launcher import Swarm
+from coordinator_program.spec.state import CoordinatorState, Phase
+from tests.integration.test_swarm import watch
+
+STAGES = ("head", "body1", "tail")
+WORKERS_PER_STAGE = 2
+RUN = """
+run_id = "bench"
+[config]
+min_clients = {clients}
+max_clients = 16
+num_stages = 3
+witness_nodes = 3
+witness_quorum = 2
+warmup_time = 30
+max_round_train_time = 120
+round_witness_time = {witness_time}
+cooldown_time = 5
+rounds_per_epoch = {rounds}
+total_steps = {rounds}
+global_batch_size = 16
+[model]
+n_layers = 3
+n_heads = 4
+d_model = {width}
+seq_len = 64
+microbatch_size = 8
+learning_rate = 0.002
+sparta_every = {every}
+sparta_partitions = 10
+grad_values = "{values}"
+grad_averaging = "{gradients}"
+"""
+AVERAGING = re.compile(r"(?:averaging|gradient) round \d+(?: \(partition \d+\))?: (\w+).*?, ([\d.]+) s"
+                       r"(?:, slice of ([\d.]+) kB)?")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    name: str
+    round_seconds: list[float]  # from one RoundTrain's start to the next's, every round after the first
+    averaging_seconds: list[float]  # every worker's averaging rounds that averaged
+    slice_kb: list[float]
+    statuses: dict[str, int]
+
+
+def run(name: str, toml: str, timeout: float) -> Outcome:
+    """One whole run of ``toml``; its round times and its workers' SPARTA rounds."""
+    with tempfile.TemporaryDirectory(prefix="bench-swarm-") as workdir:
+        swarm = Swarm(Path(workdir), toml)
+        starts: dict[tuple[int, int], float] = {}
+
+        def on_state(state: CoordinatorState) -> None:
+            if state.phase == Phase.RoundTrain:
+                starts.setdefault((state.epoch, state.round.height), time.monotonic())
+
+        try:
+            swarm.start_server()
+            swarm.start_dht()
+            workers = [(f"{stage}{i}", stage) for i in range(WORKERS_PER_STAGE) for stage in STAGES]
+            for label, stage in workers[:-1]:
+                swarm.start_client(label, "worker", stage)
+            swarm.start_client("trainer", "trainer")
+            # the last worker once every other client is queued: all enter the first epoch
+            asyncio.run(watch(swarm, lambda s: len(s.pending) >= len(workers), 180))
+            label, stage = workers[-1]
+            swarm.start_client(label, "worker", stage)
+            asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, timeout, on_state))
+        finally:
+            swarm.stop()
+        times = [starts[k] for k in sorted(starts)]
+        averaging, kb, statuses = [], [], {}
+        for label, _ in workers:
+            for status, seconds, size in AVERAGING.findall(swarm.log_text(label)):
+                statuses[status] = statuses.get(status, 0) + 1
+                if status == "averaged":
+                    averaging.append(float(seconds))
+                    kb.append(float(size or 0))
+        return Outcome(name, [b - a for a, b in zip(times[1:], times[2:], strict=False)], averaging, kb, statuses)
+
+
+def describe(outcome: Outcome, baseline: Outcome | None) -> str:
+    line = f"{outcome.name:<28} {statistics.median(outcome.round_seconds):6.2f} s a round"
+    if baseline is not None:
+        line += (f" ({statistics.median(outcome.round_seconds) / statistics.median(baseline.round_seconds):.2f}×"
+                 " the run without averaging)")
+    if outcome.averaging_seconds:
+        line += (f"; averaging rounds {statistics.median(outcome.averaging_seconds):.2f} s median, "
+                 f"{max(outcome.averaging_seconds):.2f} s at most")
+    if any(outcome.slice_kb):
+        line += f", slice {statistics.median(outcome.slice_kb):.1f} kB"
+    return line + f"; averaging outcomes {outcome.statuses}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=12, help="rounds (optimizer steps) in each run")
+    parser.add_argument("--width", type=int, default=128, help="the model's d_model")
+    parser.add_argument("--witness-time", type=int, default=2, help="round_witness_time, seconds (1..5 sets "
+                        "how long SPARTA's matchmaking waits: client.join.stage_replica.sparta_settings)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
+    args = parser.parse_args()
+    common = dict(clients=len(STAGES) * WORKERS_PER_STAGE + 1, rounds=args.rounds, width=args.width,
+                  witness_time=args.witness_time)
+    none = args.rounds + 1
+    baseline = run("no averaging", RUN.format(every=none, values="float32", gradients="off", **common), args.timeout)
+    print(describe(baseline, None), flush=True)
+    for name, every, values, gradients in (("SPARTA 1/10 every step, int4", 1, "int4", "off"),
+                                           ("full gradients every step", none, "float32", "full")):
+        outcome = run(name, RUN.format(every=every, values=values, gradients=gradients, **common), args.timeout)
+        print(describe(outcome, baseline), flush=True)
+
+
+if __name__ == "__main__":
+    main()
