@@ -76,8 +76,9 @@ PEER_DOWNLOAD_TIMEOUT = 120.0  # seconds a joiner tries same-stage donors before
 
 
 def sparta_settings(round_witness_time: int) -> SpartaSettings:
-    """Averaging timeouts that fit the run: matchmaking waits about one RoundWitness (1-5 s) for the stage's
-    peers, which leave RoundTrain within a state broadcast of each other."""
+    """Averaging timeouts that fit the run: matchmaking waits up to about one RoundWitness (1-5 s) for the stage's
+    peers, which leave RoundTrain within a state broadcast of each other; a round whose every member is seated
+    begins at once (``StageAverager``)."""
     wait = float(min(max(round_witness_time, 1), 5))
     return SpartaSettings(min_matchmaking_time=wait, request_timeout=wait / 2, matchmaking_timeout=wait + 4.0)
 
