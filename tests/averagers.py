@@ -6,6 +6,7 @@ Backwards a worker accumulated: the headers a trainer signs for them, as ``Stage
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -19,6 +20,8 @@ from client.pipeline.admission import RequestHeader, now_ms
 FAST = SpartaSettings(min_matchmaking_time=1.0, request_timeout=0.5, matchmaking_timeout=4.0,
                       allreduce_timeout=8.0, chunk_timeout=1.5)
 GRADIENTS = GradientSettings(GradAveraging.FULL, timeouts=FAST)
+PATIENT = dataclasses.replace(FAST, min_matchmaking_time=6.0, request_timeout=3.0, matchmaking_timeout=12.0)
+"""Matchmaking that would wait 6 s for more peers: a round that begins sooner did not wait."""
 T = TypeVar("T")
 
 

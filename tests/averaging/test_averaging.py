@@ -12,7 +12,7 @@ import torch
 from solders.keypair import Keypair
 
 from client.averaging.sparta import AveragingStatus
-from tests.averagers import FAST, average_together
+from tests.averagers import FAST, PATIENT, average_together
 
 
 def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -89,10 +89,6 @@ def test_a_round_averages_exactly_its_partition_and_p_rounds_cover_everything(ma
                 torch.testing.assert_close(now[inside], mean[inside], rtol=0, atol=1e-6)
                 assert torch.equal(now[~inside], old[t].view(-1)[~inside])  # outside the slice: untouched
     assert_all_close(values(peers[0]), values(peers[1]))
-
-
-PATIENT = dataclasses.replace(FAST, min_matchmaking_time=6.0, request_timeout=3.0, matchmaking_timeout=12.0)
-"""Matchmaking that would wait 6 s for more peers."""
 
 
 def test_a_group_of_every_roster_member_begins_at_once_and_one_short_waits_for_the_rest(make_averager) -> None:

@@ -19,6 +19,7 @@ from client.averaging.gradients import (
 )
 from client.averaging.robust import KAPPA
 from client.averaging.sparta import AveragingStatus, SpartaSettings
+from tests.averagers import PATIENT
 
 QUICK = SpartaSettings(min_matchmaking_time=1.0, request_timeout=0.5, matchmaking_timeout=4.0,
                        allreduce_timeout=8.0, chunk_timeout=1.5)
@@ -85,6 +86,18 @@ def test_full_mode_gives_the_sample_weighted_average(make_grad_averager) -> None
         (AveragingStatus.AVERAGED, 4, 2, True)] * 2
     for v in values:
         assert_close(v, expected)
+
+
+def test_a_gradient_group_of_every_roster_member_begins_at_once(make_grad_averager) -> None:
+    """As a SPARTA group does (``test_averaging``): every member holds a seat, so no one else may join and the
+    round does not wait out ``min_matchmaking_time``."""
+    pairs = [named(1), named(2), named(3)]
+    values = [grads(p) for p in pairs]
+    averagers = [make_grad_averager(p, dataclasses.replace(FULL, timeouts=PATIENT)) for p in pairs]
+    results = together(averagers, values, 0, [1.0, 2.0, 1.0])
+    assert [(r.status, r.group_size, r.complete) for r in results] == [(AveragingStatus.AVERAGED, 3, True)] * 3
+    assert max(r.seconds for r in results) < PATIENT.min_matchmaking_time / 2, results
+    assert all(torch.equal(a, b) for v in values[1:] for a, b in zip(values[0], v, strict=True))  # one average
 
 
 def test_a_weight_zero_peer_receives_the_average_and_changes_nothing(make_grad_averager) -> None:
