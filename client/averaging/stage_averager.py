@@ -100,6 +100,7 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
         self._max_weight = float(max_weight)
         self._work = work
         self._admitted_by_group: dict[bytes, dict[PeerID, Declared]] = {}  # the process's, during all-reduces
+        self._seats: dict[PeerID, bytes] = {}  # the process's: each current follower's key, as it was checked
         self._lies: mp.Queue = mp.Queue(MAX_LIES)  # the process's proven lies, for the host (``drain_lies``)
         self._start_audits()
         kwargs.setdefault("part_size_bytes", PART_BYTES)
@@ -268,26 +269,24 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for response in super().rpc_join_group(request, context):
-            if response.code == averaging_pb2.ACCEPTED and self._every_member_seated():
-                await self._assemble_now()
+            if response.code == averaging_pb2.ACCEPTED:
+                await self._seat(context.remote_id, found.member)
             yield response
 
-    def _every_member_seated(self) -> bool:
-        """Whether this leader and its followers hold a seat for every member of the roster: no one else may join,
-        so the group need not wait out ``min_matchmaking_time`` (a key seated twice counts once, so a member
-        running two peers cannot start a round without an honest member)."""
-        seated = {self._membership.key}
-        for peer, request in self._matchmaking.current_followers.items():
-            found = self._check(request.gather, peer)
-            if isinstance(found, Declared):
-                seated.add(found.member)
-        return len(seated) >= self._matchmaking.min_group_size and seated >= self._roster.members
-
-    async def _assemble_now(self) -> None:
-        """hivemind's own early assembly (what its ``target_group_size`` does), at the point hivemind does it: right
-        after a follower is accepted, while that join still holds the lock over joins."""
-        if not self._matchmaking.assembled_group.done():
-            await self._matchmaking.leader_assemble_group()
+    async def _seat(self, follower: PeerID, member: bytes) -> None:
+        """Record the key ``follower`` was accepted for (its declaration checked as it joined, not again), and begin
+        the round once every member of the roster holds a seat: no one else may join, so the group need not wait
+        out ``min_matchmaking_time``. A key seated twice counts once, so a member running two peers cannot start a
+        round without an honest member. This is hivemind's own early assembly (what its ``target_group_size``
+        does), at the point hivemind does it: right after a follower is accepted, while its join holds the lock
+        over joins."""
+        matchmaking = self._matchmaking
+        self._seats = {peer: key for peer, key in self._seats.items() if peer in matchmaking.current_followers}
+        self._seats[follower] = member
+        seated = {self._membership.key, *self._seats.values()}
+        if (len(seated) >= matchmaking.min_group_size and seated >= self._roster.members
+                and not matchmaking.assembled_group.done()):
+            await matchmaking.leader_assemble_group()
 
     async def rpc_aggregate_part(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:

@@ -45,7 +45,7 @@ from client.averaging.membership import Membership, Roster, seal
 from client.averaging.robust import KAPPA
 from client.averaging.rounds import run_round
 from client.averaging.sparta import AveragingStatus, SpartaAverager
-from tests.averagers import FAST, average_together
+from tests.averagers import FAST, PATIENT, average_together
 
 TRIO = dataclasses.replace(FAST, min_group_size=3)  # the round waits for every peer the test starts
 
@@ -135,6 +135,20 @@ def test_a_member_running_two_peers_under_one_key_holds_one_seat_at_most(make_av
             for t in twin.parameters:
                 t.data.fill_(7.0)
     assert together >= 1
+
+
+def test_a_member_running_two_peers_cannot_start_a_round_without_an_honest_member(make_averager) -> None:
+    """The roster lists two honest workers and the twins' key; one honest worker is away. The twins and the other
+    honest worker are three peers for three members, but two keys: the round waits out ``min_matchmaking_time``
+    for the missing member instead of beginning at once without it."""
+    honest = make_averager(tensors(1), settings=PATIENT)
+    make_averager.members.add(bytes(Keypair().pubkey()))  # type: ignore[attr-defined]  # the honest worker away
+    twin_key = Keypair()
+    twins = [make_averager([(name, torch.full_like(t, 7.0)) for name, t in tensors(3)], keypair=twin_key,
+                           settings=PATIENT) for _ in range(2)]
+    results = average_together([honest, *twins], 0, [1.0] * 3)
+    assert results[0].seconds >= 0.9 * PATIENT.min_matchmaking_time, results[0]
+    assert results[0].consecutive_failures == 0
 
 
 class _OtherRound(SpartaAverager):

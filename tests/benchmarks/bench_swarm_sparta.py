@@ -17,8 +17,8 @@ Run::
 
     python -m tests.benchmarks.bench_swarm_sparta [--rounds 12] [--width 128] [--witness-time 2]
 
-Eight processes share this machine's two cores, so a round's seconds here are mostly compute; the ratio is what
-averaging adds to it.
+Nine processes (coordinator, DHT, six workers, a trainer) share this machine's two cores, so a round's seconds
+here are mostly compute; the ratio is what averaging adds to it.
 """
 
 from __future__ import annotations
