@@ -11,13 +11,19 @@ That only holds while the group's anchors are the same. Each peer declares the S
 round's partition beside its weight (``"anchor"``, sealed like the rest; empty when it holds none); the group sends
 changes only when every admitted peer declared the same digest, and otherwise averages the values themselves in
 float32, which sets every anchor to the same average again. A peer holds no anchor for a partition until a round
-that averaged it completed (every sender heard, every reducer's result kept): at its start, after joining, and
-after a round that failed part-way, whose shards may have kept local values. A liar declaring another digest costs
-the group one float32 round of that partition, the bytes it would have cost without this module, and no accuracy:
-a change is reduced (robustly, checked, audited) like any part.
+that averaged it completed (every sender heard, every reducer's result kept): at its start, and after a round that
+failed part-way, whose shards may have kept local values. A liar declaring another digest costs the group one
+float32 round of that partition, the bytes it would have cost without this module, and no accuracy: a change is
+reduced (robustly, checked, audited) like any part.
 
-The anchor is one float32 copy of the stage's parameters in shared memory, written only by the averaging
-process, inside the round.
+Joiners. A peer that downloads a same-stage peer's state takes that donor's anchors with it (``served_anchors``,
+``install_anchors``), so its first cycle of partitions travels in the codec too: without them every group it
+joins would average values in float32 for P rounds. The anchors are no part of the state's digest, and they need no
+trust: a wrong one only makes the joiner declare another digest than the group, which costs that partition one
+float32 round and resets the joiner's anchor to the group's.
+
+The anchor is one float32 copy of the stage's parameters in shared memory, written by the averaging process inside
+a round, and by the host only while no round runs (a joiner installing its donor's anchors).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import ctypes
 import hashlib
 import multiprocessing as mp
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -37,6 +44,15 @@ from client.averaging.values import GradValues, codec
 
 if TYPE_CHECKING:
     from client.averaging.membership import Declared
+
+
+@dataclass(frozen=True)
+class Anchors:
+    """A peer's anchors as served to a joiner: the partitions it holds one for, and one float32 tensor per parameter
+    tensor (its values at those partitions' elements are the anchors; the rest are not read)."""
+
+    partitions: tuple[int, ...]
+    values: Sequence[torch.Tensor]
 
 
 class Partitions(Protocol):
@@ -88,6 +104,36 @@ class AnchoredAverager(StageAverager):
     def prepare_round(self, averaging_index: int, declaration: dict[str, Any]) -> dict[str, Any]:
         self._changes.value = False  # until this round's group forms
         return super().prepare_round(averaging_index, declaration)
+
+    def served_anchors(self) -> Anchors | None:
+        """The anchors this peer holds, to serve with its state (None when it holds none). Read while the averaging
+        process may complete a round: a torn copy only costs the joiner one float32 round of that partition."""
+        partitions = tuple(p for p in range(self._masks.partitions) if self._anchored[p])
+        if not partitions:
+            return None
+        return Anchors(partitions, [anchor.clone() for anchor in self._anchor])
+
+    def install_anchors(self, anchors: Anchors) -> None:
+        """Take a donor's anchors in place of this peer's own, while no round runs (the caller's to ensure). They
+        are checked where it matters, at each round: a wrong one makes this peer's digest differ from the group's."""
+        if not self._anchor:
+            return
+        if len(anchors.values) != len(self._anchor) or any(
+                tuple(v.shape) != tuple(a.shape) for v, a in zip(anchors.values, self._anchor, strict=True)):
+            raise ValueError("the anchors do not fit this stage's parameters")
+        if not all(0 <= p < self._masks.partitions for p in anchors.partitions):
+            raise ValueError(f"anchored partitions must be in 0..{self._masks.partitions - 1}")
+        for partition in range(self._masks.partitions):
+            self._anchored[partition] = False
+        for anchor, values in zip(self._anchor, anchors.values, strict=True):
+            anchor.copy_(values)
+        for partition in anchors.partitions:
+            self._anchored[partition] = True
+
+    @property
+    def anchor_numels(self) -> tuple[int, ...]:
+        """The anchors' sizes, one per parameter tensor; () when this peer keeps none (float32)."""
+        return tuple(a.numel() for a in self._anchor)
 
     @property
     def values_sent(self) -> GradValues:

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from client.averaging.anchored import AnchoredAverager
+from client.averaging.anchored import AnchoredAverager, Anchors
 from client.averaging.membership import Membership, Roster
 from client.averaging.rounds import GRACE, Wedged, holding, run_round
 from client.averaging.state_transfer import SharedState, StateExpectation
@@ -389,18 +389,51 @@ class SpartaAverager:
     # ----- state sharing -----
 
     def _serve(self, provider: Callable[[], SharedState]) -> Callable[[], SharedState]:
-        s = self.settings
-        bound = s.matchmaking_timeout + s.allreduce_timeout + GRACE
+        """``provider``'s state, with this peer's anchors after it when it holds any (``anchored``)."""
 
         def serve() -> SharedState:
             # Hand out the post-round parameters of a round in progress rather than the pre-round ones. (A
             # round never blocks on this: it only waits for rounds, and the copy-back is atomic under the
             # parameters' lock anyway, so a state is never half averaged.)
-            with self._round_cv:
-                self._round_cv.wait_for(lambda: not self._round_active, timeout=bound)
-            return provider()
+            self._between_rounds()
+            state = provider()
+            anchors = self._averager.served_anchors()
+            if anchors is None:
+                return state
+            return SharedState({**state.metadata, "anchored": list(anchors.partitions)},
+                               [*state.tensors, *anchors.values])
 
         return serve
+
+    def _between_rounds(self) -> None:
+        """Wait, within a round's bound, until no round runs."""
+        s = self.settings
+        with self._round_cv:
+            self._round_cv.wait_for(lambda: not self._round_active,
+                                    timeout=s.matchmaking_timeout + s.allreduce_timeout + GRACE)
+
+    @property
+    def anchor_layout(self) -> dict[str, Any]:
+        """What a joiner's ``StateExpectation`` needs to accept a donor's anchors (none in a float32 run)."""
+        return {"anchors": self._averager.anchor_numels, "partitions": self.masks.partitions}
+
+    def install_anchors(self, anchors: Anchors) -> bool:
+        """Take a donor's anchors (``anchored``), downloaded with its state, once no round runs (a round asked for
+        meanwhile is skipped as if the previous one still ran); False, and nothing changed, when a round still runs
+        after a round's bound: the anchors only spare bytes, and the rounds set their own."""
+        self._between_rounds()
+        with self._round_cv:
+            if self._round_active:
+                log.warning("%s: an averaging round is still running; the donor's anchors are not taken", self.stage)
+                return False
+            self._round_active = True
+        try:
+            self._averager.install_anchors(anchors)
+        finally:
+            with self._round_cv:
+                self._round_active = False
+                self._round_cv.notify_all()
+        return True
 
     @property
     def sharing(self) -> bool:

@@ -14,6 +14,10 @@ other peer gets that peer refused at its metadata), and is untrusted even so: te
 shape or dtype, non-finite values, or metadata of another run, stage or model are refused and the next donor
 is tried. Where the stage's majority has vouched for digests of its state (``client.witness.digests``), a state
 that hashes to none of them is refused as well, whatever step or priority its donor claims.
+
+A donor in a run whose slices travel as changes serves its SPARTA anchors after the state's tensors (metadata
+``"anchored"``: the partitions it holds one for; ``client.averaging.anchored``). They are checked for their
+form like any tensor, and kept out of the digest: they are not the state, and a wrong one costs one float32 round.
 """
 
 from __future__ import annotations
@@ -71,7 +75,9 @@ class StateExpectation:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     digests: frozenset[str] = frozenset()  # when given, the state must hash to one (``client.pipeline.digests``)
-    nbytes: int = field(init=False)
+    anchors: tuple[int, ...] = ()  # the SPARTA anchors' sizes a donor may serve after the state; () for none
+    partitions: int = 0  # SPARTA's partitions, which a donor's "anchored" names
+    nbytes: int = field(init=False)  # the state's bytes, without the anchors
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.shapes) == len(self.dtypes):
@@ -81,16 +87,42 @@ class StateExpectation:
         object.__setattr__(self, "nbytes", sum(sizes))
 
     @classmethod
-    def of(cls, identity: dict[str, Any], tensors: dict[str, torch.Tensor],
-           digests: Collection[str] = ()) -> StateExpectation:
-        """The expectation matching a local module's ``state_dict()`` (and, if any are given, one of ``digests``)."""
+    def of(cls, identity: dict[str, Any], tensors: dict[str, torch.Tensor], digests: Collection[str] = (), *,
+           anchors: Sequence[int] = (), partitions: int = 0) -> StateExpectation:
+        """The expectation matching a local module's ``state_dict()`` (and, if any are given, one of ``digests``),
+        with SPARTA anchors of ``anchors`` sizes over ``partitions`` partitions, if a donor serves them."""
         return cls(
             identity=dict(identity),
             names=tuple(tensors),
             shapes=tuple(tuple(t.shape) for t in tensors.values()),
             dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in tensors.values()),
             digests=frozenset(digests),
+            anchors=tuple(anchors),
+            partitions=partitions,
         )
+
+    @property
+    def anchor_nbytes(self) -> int:
+        """The bytes of a donor's anchors, when it serves them (float32)."""
+        return 4 * sum(self.anchors)
+
+    def anchored(self, metadata: dict[str, Any]) -> tuple[int, ...]:
+        """The partitions a donor's metadata says it serves anchors for (none: no anchor tensors follow), refused
+        (ValueError) unless they are distinct partitions of this stage and this peer keeps anchors."""
+        anchored = metadata.get("anchored", [])
+        if not isinstance(anchored, list | tuple) or not all(
+                isinstance(p, int) and not isinstance(p, bool) for p in anchored):
+            raise ValueError("its anchored partitions are not a list of integers")
+        if anchored and not self.anchors:
+            raise ValueError("it serves anchors, and this run's slices travel as values")
+        if len(set(anchored)) != len(anchored) or not all(0 <= p < self.partitions for p in anchored):
+            raise ValueError(f"its anchored partitions are not distinct partitions in 0..{self.partitions - 1}")
+        return tuple(anchored)
+
+    def layout(self, anchored: bool) -> list[tuple[str, tuple[int, ...], str]]:
+        """(name, shape, dtype) of each tensor a donor sends: the state's, then its anchors if it serves them."""
+        state = list(zip(self.names, self.shapes, self.dtypes, strict=True))
+        return state + [(f"anchor {i}", (n,), "float32") for i, n in enumerate(self.anchors)] if anchored else state
 
     def check_digest(self, tensors: Sequence[torch.Tensor]) -> None:
         """Refuse (ValueError) a complete state that hashes to none of ``digests``, when there are any: whatever
@@ -134,7 +166,8 @@ class StateTransfer:
 
     def fetch_state(self, expect: StateExpectation, *, timeout: float, chunk_timeout: float) -> MPFuture:
         """Start downloading a same-stage peer's state; the future holds ``(metadata, tensors, refusals)``,
-        ``metadata`` None when no donor served an acceptable state."""
+        ``metadata`` None when no donor served an acceptable state, ``tensors`` the state's and then, where
+        ``expect.anchored(metadata)`` names partitions, the donor's anchors."""
         self._received.value = 0
         future: MPFuture = MPFuture()
         self._outer_pipe.send(("_fetch_state", [], dict(future=future, expect=expect, timeout=timeout,
@@ -230,9 +263,12 @@ class StateTransfer:
 
     async def _receive(self, stream: Any, expect: StateExpectation, chunk_timeout: float, donor: PeerID,
                        roster: Roster) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """The donor's state, refused (ValueError) at its metadata unless the donor is a roster member who sealed
-        its declaration for the peer id this stream comes from, then tensor by tensor as it arrives."""
+        """The donor's state (and its anchors, if it serves them), refused (ValueError) at its metadata unless the
+        donor is a roster member who sealed its declaration for the peer id this stream comes from, then tensor by
+        tensor as it arrives."""
         metadata: dict[str, Any] | None = None
+        layout: list[tuple[str, tuple[int, ...], str]] = []
+        limit = 0
         tensors: list[torch.Tensor] = []
         parts: list[Any] = []
         remaining = received = 0
@@ -245,33 +281,37 @@ class StateTransfer:
                 admitted = check(metadata.get("donor"), self.prefix, donor.to_bytes(), roster, STATE_SHARING)
                 if isinstance(admitted, str):
                     raise ValueError(f"it is not a worker of this stage: {admitted}")
+                anchored = bool(expect.anchored(metadata))
+                layout = expect.layout(anchored)
+                limit = expect.nbytes + (expect.anchor_nbytes if anchored else 0) + _CHUNK_SLACK_BYTES * len(layout)
             if metadata is None:
                 raise ValueError("it sent tensors before metadata")
             part = message.tensor_part
             index = len(tensors)
             if remaining == 0:
-                if index == len(expect.names):
+                if index == len(layout):
                     raise ValueError(f"it sent more than the {index} expected tensors")
-                if part.dtype != expect.dtypes[index] or tuple(part.size) != expect.shapes[index]:
-                    raise ValueError(f"tensor {expect.names[index]} arrives as {part.dtype}{list(part.size)}, "
-                                     f"expected {expect.dtypes[index]}{list(expect.shapes[index])}")
+                name, shape, dtype = layout[index]
+                if part.dtype != dtype or tuple(part.size) != shape:
+                    raise ValueError(f"tensor {name} arrives as {part.dtype}{list(part.size)}, "
+                                     f"expected {dtype}{list(shape)}")
                 remaining, parts = max(part.chunks, 1), []
             parts.append(part)
             received += len(part.buffer)
-            if received > expect.nbytes + _CHUNK_SLACK_BYTES * len(expect.names):
+            if received > limit:
                 raise ValueError("it sent more bytes than the stage's state holds")
             self._received.value = received
             remaining -= 1
             if remaining == 0:
                 tensor = deserialize_torch_tensor(combine_from_streaming(parts))
-                if tuple(tensor.shape) != expect.shapes[index] or not torch.isfinite(tensor).all():
-                    raise ValueError(f"tensor {expect.names[index]} is malformed or not finite")
+                if tuple(tensor.shape) != layout[index][1] or not torch.isfinite(tensor).all():
+                    raise ValueError(f"tensor {layout[index][0]} is malformed or not finite")
                 tensors.append(tensor)
         if metadata is None:
             raise ValueError("it does not share its state")
-        if remaining or len(tensors) != len(expect.names):
-            raise _BrokenOff(f"its state stopped after {len(tensors)} of {len(expect.names)} tensors")
-        expect.check_digest(tensors)
+        if remaining or len(tensors) != len(layout):
+            raise _BrokenOff(f"its state stopped after {len(tensors)} of {len(layout)} tensors")
+        expect.check_digest(tensors[: len(expect.names)])
         return metadata, tensors
 
 

@@ -212,9 +212,7 @@ class StageReplica:
             log.info("stage %s starts from the run's seed (step %s)", self.stage,
                      "0" if self.local_step == 0 else f"unknown: the swarm is at step {state.step}")
             return None
-        compute = self.worker.compute
-        load_stage_state(compute.module, found, compute.lock, compute.optimizer.optimizer)
-        self.local_step = found.step
+        self._take(found)
         log.info("stage %s loaded from %s (step %s; the swarm is at step %d)", self.stage, found.source,
                  "unknown" if found.step is None else found.step, state.step)
         return found
@@ -308,10 +306,18 @@ class StageReplica:
         found = self._download(vouched, timeout)
         if found.step is None:
             raise StateDownloadError("no donor served a state its stage's majority vouched for")
+        self._take(found)
+        return found.step
+
+    def _take(self, found: StageState) -> None:
+        """Load ``found`` into the worker, and the SPARTA anchors its donor served with it into the averager: with
+        them this worker's first slices travel in the run's codec instead of float32 (``client.averaging.anchored``)."""
         compute = self.worker.compute
         load_stage_state(compute.module, found, compute.lock, compute.optimizer.optimizer)
         self.local_step = found.step
-        return found.step
+        if found.anchors is not None and self.averager.install_anchors(found.anchors):
+            log.info("stage %s took its donor's anchors for %d of %d partitions", self.stage,
+                     len(found.anchors.partitions), self.averager.masks.partitions)
 
     # ----- sync phases -----
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from client.averaging.anchored import Anchors
 from client.averaging.state_transfer import SharedState, StateExpectation
 from client.identity import from_json
 from client.join.checkpoints import (
@@ -58,12 +59,14 @@ class StateDownloadError(RuntimeError):
 @dataclass(frozen=True)
 class StageState:
     """A stage's ``state_dict``, the swarm step it was taken at (None: unknown), where it came from, and the
-    optimizer state saved with it, as read and not yet checked (None: none, or unreadable)."""
+    optimizer state saved with it, as read and not yet checked (None: none, or unreadable), and the SPARTA anchors
+    a peer served with it."""
 
     tensors: dict[str, torch.Tensor]
     step: int | None
     source: str
     optimizer: object = None
+    anchors: Anchors | None = None  # a donor's SPARTA anchors, served with its state (``client.averaging.anchored``)
 
 
 class JoinWindow:
@@ -267,11 +270,12 @@ def download_from_peers(averager: SpartaAverager, module: nn.Module, identity: d
     from tqdm.auto import tqdm
 
     vouched = dict(vouched or {})
-    expect = StateExpectation.of(identity, replica_tensors(module), vouched.values())  # the layout: values unread
+    # The layout (values unread), with the anchors a donor may serve after the state: at most their bytes more.
+    expect = StateExpectation.of(identity, replica_tensors(module), vouched.values(), **averager.anchor_layout)
     future = averager.fetch_state(expect, timeout=timeout, chunk_timeout=chunk_timeout)
     deadline = time.monotonic() + timeout + _HOST_GRACE
-    with tqdm(total=expect.nbytes, unit="B", unit_scale=True, desc=f"{identity['stage']} state from peers",
-              disable=not progress) as bar:
+    with tqdm(total=expect.nbytes + expect.anchor_nbytes, unit="B", unit_scale=True,
+              desc=f"{identity['stage']} state from peers", disable=not progress) as bar:
         while True:
             try:
                 metadata, tensors, refusals = future.result(timeout=0.2)
@@ -281,7 +285,7 @@ def download_from_peers(averager: SpartaAverager, module: nn.Module, identity: d
                 if time.monotonic() > deadline:  # the averaging process itself is gone or wedged
                     raise StateDownloadError(f"the state download did not finish in {timeout:.0f} s") from None
         if metadata is not None:
-            bar.update(expect.nbytes - bar.n)
+            bar.update(bar.total - bar.n)
     for refusal in refusals:
         log.warning("state download: %s", refusal)
     if metadata is None:
@@ -292,13 +296,17 @@ def download_from_peers(averager: SpartaAverager, module: nn.Module, identity: d
     # it hashes to a digest the stage's majority vouched for, which proves its step.
     # Its optimizer state too, then: the moments of a state nobody vouched for are not loaded, since a donor's
     # moments alone could make the joiner's first steps as large as it likes.
-    state = dict(zip(expect.names, tensors, strict=True))
+    # Its anchors need no trust (``client.averaging.anchored``): they are taken whether or not the state is vouched for.
+    count = len(expect.names)
+    state = dict(zip(expect.names, tensors[:count], strict=True))
+    anchored = expect.anchored(metadata)
     got = state_digest(state) if vouched else None
     proven = [step for step, digest in vouched.items() if digest == got]
     weights, moments = split_replica_tensors(state)
     return StageState(tensors=weights, step=max(proven, default=None),
                       source="peers (its digest vouched for)" if proven else "peers",
-                      optimizer=moments if proven else None)
+                      optimizer=moments if proven else None,
+                      anchors=Anchors(anchored, tensors[count:]) if anchored else None)
 
 
 # ----- loading -----------------------------------------------------------------------------------------

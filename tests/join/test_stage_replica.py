@@ -5,6 +5,7 @@ Real DHT nodes, real averagers and real workers announcing themselves; the Hub i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from solders.keypair import Keypair
 
 from client.averaging.membership import Roster
+from client.averaging.sparta import AveragingStatus
 from client.contributor.run_model import model_config
 from client.join.checkpoints import save_snapshot, save_stage, snapshot_root
 from client.join.stage_replica import REPLICA_WEIGHT, StageReplica, StateSources
@@ -21,6 +23,7 @@ from client.join.sync import SyncPhase
 from coordinator_program.spec import limits
 from coordinator_program.spec.config import Checkpoint, CheckpointKind, parse_run_spec
 from coordinator_program.spec.state import CoordinatorState, Phase
+from tests.averagers import at_once
 from tests.fake_hub import FakeHub
 from tests.pipeline.conftest import wait_until
 
@@ -273,3 +276,33 @@ def test_sparta_replicas_weigh_alike_and_one_that_trained_nothing_adds_nothing(m
     assert results[trained].weight == REPLICA_WEIGHT and results[idle].weight == 0.0
     assert trained.samples_since_average == 0
     assert all(r.averager.max_weight == REPLICA_WEIGHT for r in replicas)
+
+
+def test_a_joiner_loading_from_peers_takes_their_anchors(make_replica, run_id: str) -> None:
+    """In an int4 run two replicas average both partitions, so each holds their anchors; a replica joining later
+    loads its state from them and the anchors with it: it declares the same anchor as its donor for each
+    partition, where without them it would declare none for a whole cycle (and its groups would send float32)."""
+    spec = {**SPEC, "run_id": run_id, "model": {**SPEC["model"], "grad_values": "int4"}}
+    state = dataclasses.replace(run_state(run_id, 0), model=parse_run_spec(spec).model)
+    replicas = [make_replica(state) for _ in range(2)]
+    for replica in replicas:
+        replica.load(state, 1, StateSources(), lambda: None)
+        replica.begin(0)
+        replica.start()
+    wait_until(lambda: all(r.peers() == 1 for r in replicas), timeout=20)
+    every = SPEC["model"]["sparta_every"]
+    for completed in (every, 2 * every):  # averaging rounds 1 and 2: partitions 1 and 0
+        for replica in replicas:
+            replica.samples_since_average = 4  # each trained since the last round, so each weighs REPLICA_WEIGHT
+        results = at_once([functools.partial(r.average, completed) for r in replicas], timeout=60,
+                          what="an averaging round")
+        assert {result.status for result in results} == {AveragingStatus.AVERAGED}
+    donors = [r.averager.averager.declared_anchor(p) for r in replicas for p in (0, 1)]
+    assert "" not in donors and donors[:2] == donors[2:]
+
+    later = dataclasses.replace(state, step=2 * every)
+    joiner = make_replica(later)
+    wait_until(lambda: joiner.peers() == 2, timeout=20)
+    found = joiner.load(later, 1, StateSources(), lambda: None)
+    assert found is not None and found.source == "peers"
+    assert [joiner.averager.averager.declared_anchor(p) for p in (0, 1)] == donors[:2]

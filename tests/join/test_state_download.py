@@ -14,9 +14,11 @@ import safetensors.torch
 import torch
 from solders.keypair import Keypair
 
+from client.averaging.anchored import Anchors
 from client.averaging.membership import Roster
 from client.averaging.sparta import AveragingStatus, SpartaAverager
-from client.averaging.state_transfer import SharedState
+from client.averaging.state_transfer import SharedState, StateExpectation
+from client.averaging.values import GradValues
 from client.join.checkpoints import FileLimits
 from client.join.state_download import (
     JoinWindow,
@@ -30,8 +32,10 @@ from client.join.state_download import (
     worker_state_provider,
 )
 from client.join.sync import SyncPolicy
+from client.pipeline.digests import state_digest
 from client.pipeline.model import ModelConfig, build_stage
 from client.pipeline.worker import StageWorker
+from tests.averagers import average_together
 
 DONOR_WAIT = 45.0
 """Seconds a joiner looks for donors: a donor's declaration that is stored before the DHT nodes have found each
@@ -108,8 +112,10 @@ class Peer:
 
     def __init__(self, make_averager, run_id: str, seed: int | None, *, step: int = 0,
                  config: ModelConfig = TINY,
-                 corrupt: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> None:
-        """``corrupt`` rewrites the tensors this peer serves (a hostile member's state)."""
+                 corrupt: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+                 values: GradValues = GradValues.FLOAT32) -> None:
+        """``corrupt`` rewrites the tensors this peer serves (a hostile member's state); ``values`` is the run's
+        codec, in which slices travel as changes since their anchors unless it is float32."""
         self.worker = StageWorker(config, "body1", run_id=run_id)
         if seed is not None:
             self.worker.compute.module.load_state_dict(perturbed_state(seed))
@@ -124,7 +130,7 @@ class Peer:
 
         self.averager: SpartaAverager = make_averager(
             list(self.worker.compute.module.named_parameters()), lock=self.worker.compute.lock, partitions=2,
-            seed=config.seed, state_provider=provider)
+            seed=config.seed, state_provider=provider, values=values)
 
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.worker.compute.module.state_dict().items()}
@@ -297,6 +303,154 @@ def test_no_donor_is_a_clear_error(make_averager, run_id: str) -> None:
     with pytest.raises(StateDownloadError, match="no same-stage peer shares its state"):
         download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id), timeout=2,
                             progress=False)
+
+
+
+# ----- a donor's anchors -------------------------------------------------------------------------------
+
+
+def anchored_stage(make_averager, run_id: str) -> list[Peer]:
+    """Two members of an int4 run that have averaged both partitions once, so each holds an anchor for both."""
+    members = [Peer(make_averager, run_id, seed=seed, step=2, values=GradValues.INT4) for seed in (1, 2)]
+    for index in (0, 1):
+        results = average_together([m.averager for m in members], index, [1.0, 1.0])
+        assert {r.status for r in results} == {AveragingStatus.AVERAGED}
+    return members
+
+
+def nudge(peers: list[Peer], seed: int) -> None:
+    """A few optimizer steps' worth of change, different on each peer."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for peer in peers:
+            for param in peer.worker.compute.module.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * 1e-3)
+
+
+def parameters(peer: Peer) -> list[torch.Tensor]:
+    return [p.detach().clone().reshape(-1) for p in peer.worker.compute.module.parameters()]
+
+
+def test_a_joiner_takes_its_donor_s_anchors_so_its_first_slices_travel_in_the_codec(make_averager,
+                                                                                   run_id: str) -> None:
+    """Without its donor's anchors a joiner declares none for P rounds, and every group it joins averages those
+    slices' values in float32. With them its first round already sends changes in int4; the anchors are no part
+    of the state's digest, so a state the stage vouched for is still proven."""
+    members = anchored_stage(make_averager, run_id)
+    donor = members[0]
+    donor.averager.sharing = True
+    compute = donor.worker.compute
+    vouched = {2: state_digest(replica_tensors(compute.module, compute.optimizer.optimizer))}
+    joiner = Peer(make_averager, run_id, seed=None, values=GradValues.INT4)
+    assert joiner.averager.averager.declared_anchor(0) == ""
+    state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id), timeout=DONOR_WAIT,
+                                progress=False, vouched=vouched)
+    assert state.step == 2, "the anchors served after the state leave its digest as the stage vouched for it"
+    assert state.anchors is not None and state.anchors.partitions == (0, 1)
+    served = sum(t.numel() * t.element_size() for t in replica_tensors(compute.module, compute.optimizer.optimizer)
+                 .values()) + 4 * sum(p.numel() for p in compute.module.parameters())
+    assert joiner.averager.bytes_received == served
+    load_stage_state(joiner.worker.compute.module, state, joiner.worker.compute.lock)
+    assert joiner.averager.install_anchors(state.anchors)
+    assert [joiner.averager.averager.declared_anchor(i) for i in (0, 1)] == [
+        donor.averager.averager.declared_anchor(i) for i in (0, 1)] != ["", ""]
+
+    everyone = [*members, joiner]
+    nudge(everyone, 5)
+    results = average_together([p.averager for p in everyone], 2, [1.0, 1.0, 1.0])
+    assert {r.status for r in results} == {AveragingStatus.AVERAGED}
+    assert {r.group_size for r in results} == {3}
+    assert {r.payload_values for r in results} == {GradValues.INT4}, "the joiner's first slice went in int4"
+    assert len({p.averager.averager.declared_anchor(0) for p in everyone}) == 1
+
+
+def test_a_donor_s_wrong_anchor_costs_one_float32_round_and_no_accuracy(make_averager, run_id: str) -> None:
+    """A member serves its state with one anchor value moved (for partition 0 only). The joiner takes it, declares
+    a digest the group does not hold, and that partition's round averages the values in float32: its result is the
+    exact mean, and afterwards every anchor agrees. Partition 1's anchor was right, and its round goes in int4."""
+    members = anchored_stage(make_averager, run_id)
+    donor = members[0]
+    honest = donor.averager.averager.served_anchors
+    first = donor.averager.masks.indices(0)[0][0]
+
+    def forged() -> Anchors | None:
+        anchors = honest()
+        assert anchors is not None
+        moved = [v.clone() for v in anchors.values]
+        moved[0][first] += 0.5
+        return Anchors(anchors.partitions, moved)
+
+    donor.averager.averager.served_anchors = forged  # type: ignore[method-assign]
+    donor.averager.sharing = True
+    joiner = Peer(make_averager, run_id, seed=None, values=GradValues.INT4)
+    state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id), timeout=DONOR_WAIT,
+                                progress=False)
+    assert state.anchors is not None
+    load_stage_state(joiner.worker.compute.module, state, joiner.worker.compute.lock)
+    joiner.averager.install_anchors(state.anchors)
+
+    everyone = [*members, joiner]
+    nudge(everyone, 6)
+    expected = [sum(ts) / 3 for ts in zip(*(parameters(p) for p in everyone), strict=True)]
+    results = average_together([p.averager for p in everyone], 2, [1.0, 1.0, 1.0])
+    assert {r.status for r in results} == {AveragingStatus.AVERAGED} and {r.group_size for r in results} == {3}
+    assert {r.payload_values for r in results} == {GradValues.FLOAT32}
+    indices = donor.averager.masks.indices(0)
+    assert max(float((got - want)[idx].abs().max()) for p in everyone
+               for got, want, idx in zip(parameters(p), expected, indices, strict=True)) < 1e-6
+    assert len({p.averager.averager.declared_anchor(0) for p in everyone}) == 1
+    results = average_together([p.averager for p in everyone], 3, [1.0, 1.0, 1.0])
+    assert {r.payload_values for r in results} == {GradValues.INT4}
+
+
+def nan_anchor(anchors: Anchors) -> Anchors:
+    return Anchors(anchors.partitions, [torch.full_like(anchors.values[0], float("nan")), *anchors.values[1:]])
+
+
+ANCHOR_CORRUPTIONS = {
+    "anchor 0 is malformed or not finite": nan_anchor,
+    "anchor 1 arrives as float32[1, ": lambda a: Anchors(a.partitions, [a.values[0], a.values[1].reshape(1, -1),
+                                                                         *a.values[2:]]),
+    "not distinct partitions in 0..1": lambda a: Anchors((0, 2), a.values),
+    "it sent more than the": lambda a: Anchors(a.partitions, [*a.values, a.values[0]]),
+}
+
+
+@pytest.mark.parametrize("refusal", list(ANCHOR_CORRUPTIONS))
+def test_a_member_s_malformed_anchors_are_refused_and_the_next_donor_used(make_averager, run_id: str, caplog,
+                                                                          refusal: str) -> None:
+    """A member tried first serves a NaN anchor, one of another shape, a partition the stage does not have, or one
+    anchor too many: the joiner refuses its state as it arrives and downloads the other member's, anchors and all."""
+    good, hostile = anchored_stage(make_averager, run_id)
+    honest = hostile.averager.averager.served_anchors
+    hostile.averager.averager.served_anchors = lambda: ANCHOR_CORRUPTIONS[refusal](honest())  # type: ignore
+    for peer, priority in ((good, 10), (hostile, 99)):
+        peer.averager.sharing = True
+        peer.averager.set_sharing_priority(priority)
+    joiner = Peer(make_averager, run_id, seed=None, values=GradValues.INT4)
+    wait_until_listed(joiner, 2)
+    with caplog.at_level(logging.WARNING, logger="psyswarm.state"):
+        state = download_from_peers(joiner.averager, joiner.worker.compute.module, identity(run_id),
+                                    timeout=DONOR_WAIT, progress=False)
+    assert same(state.tensors, good.state())
+    assert state.anchors is not None and state.anchors.partitions == (0, 1)
+    assert any(refusal in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(("anchored", "refusal"), [
+    ("0", "not a list of integers"), ([True], "not a list of integers"), ([0.0], "not a list of integers"),
+    ([0, 0], "not distinct"), ([-1], "not distinct"), ([2], "not distinct"), ([0, 1, 2], "not distinct"),
+])
+def test_a_donor_s_anchored_partitions_must_be_distinct_partitions_of_the_stage(anchored: object,
+                                                                                 refusal: str) -> None:
+    expect = StateExpectation.of({}, {"w": torch.zeros(3)}, anchors=(3,), partitions=2)
+    assert expect.anchored({}) == () and expect.anchored({"anchored": [1, 0]}) == (1, 0)
+    assert len(expect.layout(True)) == 2 and len(expect.layout(False)) == 1
+    with pytest.raises(ValueError, match=refusal):
+        expect.anchored({"anchored": anchored})
+    values_run = StateExpectation.of({}, {"w": torch.zeros(3)})  # a float32 run keeps no anchors
+    with pytest.raises(ValueError, match="travel as values"):
+        values_run.anchored({"anchored": [0]})
 
 
 # ----- the join blocking window --------------------------------------------------------------------------
