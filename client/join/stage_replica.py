@@ -96,6 +96,13 @@ PERMILLE = 1000
 """DeMo's β is kept on chain in thousandths (``Model.demo_beta_permille``)."""
 
 
+def optimizer_config(state: CoordinatorState) -> OptimizerConfig:
+    """The run's optimizer: its learning rate, and whether each replica steps Adam on the whole batch's estimated
+    second moment (``whole_batch_moment``: ``client.pipeline.optim.BatchMoment``)."""
+    whole_batch = state.config.global_batch_size if state.model.whole_batch_moment else 0
+    return OptimizerConfig(lr=state.model.learning_rate_micros / 1e6, whole_batch=whole_batch)
+
+
 def averaged_values(state: CoordinatorState) -> GradValues:
     """How the run's averaged values travel (``grad_values``): its gradients, and SPARTA's parameter changes."""
     return GradValues(state.model.grad_values.name.lower())  # the spec's Float16: float16, and so on
@@ -180,7 +187,7 @@ class StageReplica:
         worker = StageWorker(config, stage, keypair=keypair, dht=dht, run_id=namespace, host=host,
                              trainer_allowed=trainer_allowed, device=device, data_check=data_check,
                              wire_codec=codec_name(state.model.wire_codec),
-                             optimizer=OptimizerConfig(lr=state.model.learning_rate_micros / 1e6))
+                             optimizer=optimizer_config(state))
         replica: StageReplica  # bound below; the provider only runs once sharing is on, long after
         averager = SpartaAverager.for_worker(
             worker, dht, partitions=state.model.sparta_partitions, seed=state.model.init_seed,

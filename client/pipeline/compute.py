@@ -286,6 +286,7 @@ class StageCompute:
                     param.grad = grad
                 else:
                     param.grad.add_(grad)
+            self.optimizer.observe(param_grads, request.batch_size)
             self.samples_accumulated += request.batch_size
             self.work.append((request.header, request.signature))  # the trainer's word for it: the step's weight
         meta: dict[str, object] = {}

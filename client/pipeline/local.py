@@ -38,7 +38,12 @@ class LocalTrainer:
             for stage in self.stages[:-1]:
                 hidden = stage(hidden)
             loss = self.stages[-1](hidden, tokens[:, 1:])
+            observed = [o for o in self.optimizers if o.moment is not None]  # each microbatch's own gradients
+            before = [[None if p.grad is None else p.grad.clone() for p in o.params] for o in observed]
             (loss * len(chunk)).backward()
+            for optimizer, was in zip(observed, before, strict=True):
+                optimizer.observe([p.grad if b is None or p.grad is None else p.grad - b
+                                   for p, b in zip(optimizer.params, was, strict=True)], len(chunk))
             self.samples_accumulated += len(chunk)
             losses.append(float(loss.detach()))
         return losses

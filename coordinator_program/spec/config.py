@@ -20,6 +20,7 @@ from coordinator_program.spec import limits
 from coordinator_program.spec.choices import GradAveraging, GradValues, Schedule, Tokenizer, WireCodec
 from coordinator_program.spec.errors import InvalidCheckpoint, InvalidConfig
 from coordinator_program.spec.layout import (
+    BOOL,
     U8,
     U16,
     U32,
@@ -122,6 +123,7 @@ class Model:
     demo_beta_permille: int = 0  # DeMo's momentum decay β, in thousandths
     grad_values: GradValues = GradValues.Float32
     wire_codec: WireCodec = WireCodec.Float32
+    whole_batch_moment: bool = False  # each replica's Adam on the whole batch's estimated second moment
 
 
 MODEL_LAYOUT = Struct(Model, [
@@ -155,6 +157,7 @@ MODEL_LAYOUT = Struct(Model, [
     Field("demo_beta_permille", U16),
     Field("grad_values", Enum8(GradValues)),
     Field("wire_codec", Enum8(WireCodec)),
+    Field("whole_batch_moment", BOOL),
 ], doc="The model and training hyperparameters every client shares.")
 
 
@@ -330,6 +333,17 @@ def validate_grad_averaging(m: Model) -> None:
     validate_powersgd(m)
     validate_demo(m)
     validate_grad_values(m)
+    validate_whole_batch_moment(m)
+
+
+def validate_whole_batch_moment(m: Model) -> None:
+    """The whole batch's second moment is what a replica lacks when it steps on its own share of the batch
+    (``client.pipeline.optim.BatchMoment``); with per-step gradient averaging every replica steps on the whole batch's
+    gradient already."""
+    if m.whole_batch_moment:
+        _need(m.grad_averaging == GradAveraging.Off, "whole_batch_moment",
+              f"applies only with grad_averaging off: with {m.grad_averaging.name.lower()} every replica already "
+              "steps on the whole batch's gradient")
 
 
 def validate_grad_values(m: Model) -> None:
@@ -461,7 +475,10 @@ def _take_section(doc: dict[str, Any], section: str, cls: type, converters: dict
             out.update(converters[key](value))
             continue
         default = getattr(cls, key)
-        if isinstance(default, int) and (isinstance(value, bool) or not isinstance(value, int)):
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise InvalidConfig(f"{key}: must be true or false, got {value!r}")
+        elif isinstance(default, int) and (isinstance(value, bool) or not isinstance(value, int)):
             raise InvalidConfig(f"{key}: must be an integer, got {value!r}")
         if isinstance(default, str) and not isinstance(value, str):
             raise InvalidConfig(f"{key}: must be a string, got {value!r}")

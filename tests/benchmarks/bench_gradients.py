@@ -138,6 +138,9 @@ def main() -> None:
     parser.add_argument("--sparta-values", type=GradValues, default=GradValues.FLOAT32,
                         help="how the SPARTA-only run's slices travel: float32 (default), or float16, int8 or int4 as "
                              "changes since their last average (client.averaging.anchored)")
+    parser.add_argument("--whole-batch-moment", action="store_true",
+                        help="also run SPARTA with each replica's Adam on the whole batch's estimated second moment "
+                             "(a run's whole_batch_moment)")
     parser.add_argument("--model", choices=["psyswarm", "tiny-llama"], default="psyswarm",
                         help="psyswarm's byte-level model (--layers, --width), or the Llama of examples/tiny-llama "
                              "(transformers' LlamaForCausalLM: 6 layers, 64 wide, its own 2,048-token BPE), prepared "
@@ -182,6 +185,8 @@ def main() -> None:
     runs: list[Run] = [reference(config, dataset, args, held_out)]
     runs.append(system(config, dataset, args, held_out, None, 1))
     runs.append(system(config, dataset, args, held_out, every, partitions, values=args.sparta_values))
+    if args.whole_batch_moment:
+        runs.append(system(config, dataset, args, held_out, every, partitions, values=args.sparta_values, moment=True))
     for sparta, gradients in [(None, full), *((every, p) for p in [*powersgd, *demos])]:
         runs.append(system(config, dataset, args, held_out, sparta, partitions if sparta else 1, gradients))
         if gradients is not None and args.undefended:

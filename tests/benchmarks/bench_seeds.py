@@ -17,9 +17,10 @@ prints each rule's loss against one process trained on the same batches, per see
 A rule ending in ``*SCALE`` (``sparta:1/17:int8*1.414``) runs its replicas at SCALE × the learning rate: a replica
 stepping Adam on half the batch sees gradients twice as noisy, so its second moment is larger and its steps smaller
 than one process's, which the square-root rule for Adam's batch size (scale by √2) would offset where noise dominates.
-A rule ending in ``+moment`` (``sparta:1/10:int4+moment``) offsets it by measurement instead (``GlobalMoment``): each
-replica estimates, per tensor, how much of its second moment is the noise of its half batch, from the spread of its
-own microbatches, and steps Adam on the second moment the whole batch would have had.
+A rule ending in ``+moment`` (``sparta:1/10:int4+moment``) offsets it by measurement instead
+(``client.pipeline.optim.BatchMoment``, a run's ``whole_batch_moment``): each replica estimates, per tensor, how much
+of its second moment is the noise of its half batch, from the spread of its own microbatches, and steps Adam on the
+second moment the whole batch would have had.
 
 Replicas see the batches split as a round's two workers would: the first half to one, the second to the other.
 ``--model tiny-llama`` runs the demo's Llama (``bench_gradients.tiny_llama_run``) instead of psyswarm's model.
@@ -65,8 +66,8 @@ class Bench:
     dataset: SampleDataset
     held_out: list[int]
 
-    def trainer(self, spec: ModelSpec, lr_scale: float = 1.0) -> LocalTrainer:
-        return LocalTrainer(spec, self.dataset, OptimizerConfig(lr=self.args.lr * lr_scale))
+    def trainer(self, spec: ModelSpec, lr_scale: float = 1.0, whole_batch: int = 0) -> LocalTrainer:
+        return LocalTrainer(spec, self.dataset, OptimizerConfig(lr=self.args.lr * lr_scale, whole_batch=whole_batch))
 
     def held_out_loss(self, trainer: LocalTrainer) -> float:
         return evaluate(trainer.stages, self.dataset, self.held_out)
@@ -102,67 +103,6 @@ class PowerSGD:
             self.qs[i] = reduced(local)
             out.append((p @ self.qs[i].t()).reshape(grads[0][i].shape))
         return out
-
-
-class GlobalMoment:
-    """A replica whose Adam steps on an estimate of the whole batch's second moment instead of its own share's.
-
-    A replica's mean gradient over its share of the batch is the whole batch's mean plus more noise: per element,
-    E[g²] = E[ḡ²] + (1 − share) · s², where s² is the variance of the replica's mean. The spread of its own
-    microbatches estimates s² without a byte sent (Σ n_i (g_i − g)² / ((k − 1) N) over its k microbatches of n_i
-    of its N samples). Per tensor, the noise's share of the second moment, f = EMA(Σ (1 − share) s²) / Σ v (at
-    most 1 − share), scales Adam's second moment by 1 − f for the step: per element the estimate would be too noisy
-    to take a square root of, and a tensor's elements share their noise fraction roughly.
-    """
-
-    def __init__(self, trainer: LocalTrainer, share: float) -> None:
-        self.trainer, self.share = trainer, share
-        self.noise = [[0.0 for _ in o.params] for o in trainer.optimizers]  # per tensor: EMA of Σ (1 − share) s²
-        self.spread: list[list[torch.Tensor]] = []
-        self.microbatches = 0
-
-    def train(self, indices: list[int], microbatch: int) -> list[float]:
-        """Train on ``indices`` microbatch by microbatch, keeping Σ c_i² / n_i per element of each contribution c_i."""
-        params = [o.params for o in self.trainer.optimizers]
-        self.spread = [[torch.zeros_like(p) for p in ps] for ps in params]
-        losses = []
-        for start in range(0, len(indices), microbatch):
-            chunk = indices[start:start + microbatch]
-            before = [[None if p.grad is None else p.grad.clone() for p in ps] for ps in params]
-            losses += self.trainer.train(chunk, microbatch)
-            for ps, was, spread in zip(params, before, self.spread, strict=True):
-                for p, b, q in zip(ps, was, spread, strict=True):
-                    if p.grad is not None:
-                        c = p.grad if b is None else p.grad - b
-                        q.add_(c * c / len(chunk))
-        self.microbatches = -(-len(indices) // microbatch)
-        return losses
-
-    def step(self) -> None:
-        """One optimizer step on (1 − f) × Adam's second moment, per tensor; Adam's own second moment goes on as if
-        uncorrected, so the correction is each step's alone and the optimizer's state stays the standard one."""
-        samples = self.trainer.samples_accumulated
-        restore = []
-        for s, optimizer in enumerate(self.trainer.optimizers):
-            beta2 = optimizer.optimizer.defaults["betas"][1]
-            means = [torch.zeros_like(p) if p.grad is None else p.grad / samples for p in optimizer.params]
-            norm = math.sqrt(sum(float((g * g).sum()) for g in means))
-            clip2 = min(1.0, optimizer.clip / (norm + 1e-6)) ** 2
-            for i, (p, g) in enumerate(zip(optimizer.params, means, strict=True)):
-                if self.microbatches > 1:
-                    s2 = (self.spread[s][i] - samples * g * g) / ((self.microbatches - 1) * samples)
-                    noise = (1 - self.share) * float(s2.sum()) * clip2
-                    self.noise[s][i] = beta2 * self.noise[s][i] + (1 - beta2) * noise
-                state = optimizer.optimizer.state.get(p)
-                if not state or "exp_avg_sq" not in state:
-                    continue
-                own = state["exp_avg_sq"] * beta2 + (1 - beta2) * g * g * clip2  # Adam's after this step
-                f = min(max(self.noise[s][i] / max(float(own.sum()), 1e-30), 0.0), 1 - self.share)
-                state["exp_avg_sq"].copy_(((own * (1 - f) - (1 - beta2) * g * g * clip2) / beta2).clamp_min(0))
-                restore.append((state["exp_avg_sq"], own))
-        self.trainer.step()
-        for moment, own in restore:  # Adam's own second moment goes on; the correction is the step's alone
-            moment.copy_(own)
 
 
 def halves(trainer: LocalTrainer, indices: list[int], microbatch: int) -> tuple[list[float], list[Grads]]:
@@ -201,8 +141,7 @@ def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int,
     """Two replicas each stepping on its own half at ``lr_scale`` × the rate (with ``moment``, on the whole batch's
     estimated second moment); every ``every`` steps one slice averaged, in ``values``."""
     args = bench.args
-    pair = [bench.trainer(spec, lr_scale) for _ in range(2)]
-    steppers: list[LocalTrainer | GlobalMoment] = [GlobalMoment(t, 0.5) if moment else t for t in pair]
+    pair = [bench.trainer(spec, lr_scale, args.batch_size if moment else 0) for _ in range(2)]
     params = [[o.params for o in t.optimizers] for t in pair]
     masks = [SpartaMasks([(f"{s}.{i}", p.numel()) for i, p in enumerate(ps)], partitions, spec.seed)
              for s, ps in enumerate(params[0])]
@@ -211,7 +150,7 @@ def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int,
     half = args.batch_size // 2
     for round_ in range(args.rounds):
         got = []
-        for w, stepper in enumerate(steppers):
+        for w, stepper in enumerate(pair):
             start = round_ * args.batch_size + w * half
             got += stepper.train(list(range(start, start + half)), args.microbatch_size)
             stepper.step()

@@ -119,19 +119,20 @@ def undefended() -> Iterator[None]:
 
 def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
            every: int | None, partitions: int, gradients: GradientSettings | None = None,
-           defended: bool = True, values: GradValues = GradValues.FLOAT32) -> Run:
+           defended: bool = True, values: GradValues = GradValues.FLOAT32, moment: bool = False) -> Run:
     """The pipeline with ``--workers-per-stage`` replicas per stage; SPARTA p = 1/``partitions`` every ``every``
     steps (None: never); with ``gradients``, the stage's workers also average their gradients before every step
     (``client.averaging.gradients``, used by tests/benchmarks/bench_gradients.py), with the averaging layer's
     defences (robust reduction, weights from the trainer's signed Backwards) or, ``defended`` False, without
-    (hivemind's weighted mean of the declared weights); SPARTA's slices travel in ``values``."""
+    (hivemind's weighted mean of the declared weights); SPARTA's slices travel in ``values``; with ``moment`` each
+    replica's Adam steps on the whole batch's estimated second moment (a run's ``whole_batch_moment``)."""
     with contextlib.nullcontext() if defended else undefended():
-        return _system(config, dataset, args, held_out, every, partitions, gradients, defended, values)
+        return _system(config, dataset, args, held_out, every, partitions, gradients, defended, values, moment)
 
 
 def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
             every: int | None, partitions: int, gradients: GradientSettings | None, defended: bool,
-            values: GradValues) -> Run:
+            values: GradValues, moment: bool) -> Run:
     replicas_name = f"{args.workers_per_stage} workers/stage"
     if gradients is not None:
         rank = (f" rank {gradients.rank}" if gradients.rank else
@@ -143,14 +144,16 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
         else:
             replicas_name += " (undefended)"
     in_codec = "" if values == GradValues.FLOAT32 else f" in {values.value}"
-    run = Run(f"{replicas_name}, SPARTA 1/{partitions} every {every}{in_codec}" if every else
-              f"{replicas_name}, no SPARTA" if gradients else f"{replicas_name}, no averaging")
+    run = Run((f"{replicas_name}, SPARTA 1/{partitions} every {every}{in_codec}" if every else
+               f"{replicas_name}, no SPARTA" if gradients else f"{replicas_name}, no averaging")
+              + (", whole-batch moment" if moment else ""))
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     bootstrap = start_dht()
     peers = [str(a) for a in bootstrap.get_visible_maddrs()]
     names = stage_names(config.num_stages)
     dhts = [start_dht(peers) for _ in range(len(names) * args.workers_per_stage)]  # one per worker (peer id)
-    workers = {s: [StageWorker(config, s, run_id=run_id, index=i, optimizer=OptimizerConfig(lr=args.lr),
+    optimizer = OptimizerConfig(lr=args.lr, whole_batch=args.batch_size if moment else 0)
+    workers = {s: [StageWorker(config, s, run_id=run_id, index=i, optimizer=optimizer,
                                dht=dhts[j * args.workers_per_stage + i], max_batch_size=args.microbatch_size)
                    for i in range(args.workers_per_stage)] for j, s in enumerate(names)}
     averagers = {}

@@ -8,10 +8,12 @@ since its anchor), or the whole gradient every step (``grad_averaging = "full"``
 
 - seconds per round, from one RoundTrain's start to the next's as the coordinator's states arrive (the median of
   every round after the first), and their ratio to the run without averaging;
-- each averaging round's seconds as the workers log them, and for SPARTA the bytes its slice took
-  (``SpartaAverager.average``). A worker averages its gradients before its step, and SPARTA's slice after it, in
-  RoundWitness, holding the next round's batches until it is done: an averaging round that outlasts
-  RoundWitness delays the next round by the difference.
+- each averaging round's seconds as the workers log them, and for SPARTA how many slices travelled in which codec
+  and their size (``SpartaAverager.average``): a stage's first cycle of partitions goes in float32, since no peer
+  holds an anchor yet (``client.averaging.anchored``), so a run of ``--rounds`` 10 or fewer sends no int4 slice.
+  A worker averages its gradients before its step, and SPARTA's slice after it, in RoundWitness, holding the next
+  round's batches until it is done: an averaging round that outlasts RoundWitness delays the next round by the
+  difference.
 
 Run::
 
@@ -66,7 +68,7 @@ grad_values = "{values}"
 grad_averaging = "{gradients}"
 """
 AVERAGING = re.compile(r"(?:averaging|gradient) round \d+(?: \(partition \d+\))?: (\w+).*?, ([\d.]+) s"
-                       r"(?:, slice of ([\d.]+) kB)?")
+                       r"(?:, slice of ([\d.]+) kB in (\w+))?")
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class Outcome:
     name: str
     round_seconds: list[float]  # from one RoundTrain's start to the next's, every round after the first
     averaging_seconds: list[float]  # every worker's averaging rounds that averaged
-    slice_kb: list[float]
+    slice_kb: dict[str, list[float]]  # by the codec they travelled in
     statuses: dict[str, int]
 
 
@@ -103,13 +105,14 @@ def run(name: str, toml: str, timeout: float) -> Outcome:
         finally:
             swarm.stop()
         times = [starts[k] for k in sorted(starts)]
-        averaging, kb, statuses = [], [], {}
+        averaging, kb, statuses = [], {}, {}
         for label, _ in workers:
-            for status, seconds, size in AVERAGING.findall(swarm.log_text(label)):
+            for status, seconds, size, values in AVERAGING.findall(swarm.log_text(label)):
                 statuses[status] = statuses.get(status, 0) + 1
                 if status == "averaged":
                     averaging.append(float(seconds))
-                    kb.append(float(size or 0))
+                    if size:
+                        kb.setdefault(values, []).append(float(size))
         return Outcome(name, [b - a for a, b in zip(times[1:], times[2:], strict=False)], averaging, kb, statuses)
 
 
@@ -121,8 +124,8 @@ def describe(outcome: Outcome, baseline: Outcome | None) -> str:
     if outcome.averaging_seconds:
         line += (f"; averaging rounds {statistics.median(outcome.averaging_seconds):.2f} s median, "
                  f"{max(outcome.averaging_seconds):.2f} s at most")
-    if any(outcome.slice_kb):
-        line += f", slice {statistics.median(outcome.slice_kb):.1f} kB"
+    for values, sizes in outcome.slice_kb.items():  # float32: a cycle without anchors yet (``anchored``)
+        line += f", {len(sizes)} slices in {values} ({statistics.median(sizes):.1f} kB)"
     return line + f"; averaging outcomes {outcome.statuses}"
 
 

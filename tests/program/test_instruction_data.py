@@ -92,6 +92,7 @@ CASES: list[tuple[str, bytes, type[Instruction]]] = [
     ("control character in repo", _update_with("checkpoint.repo", b"org/\x7fmodel"), Update),
     ("repo not UTF-8", _update_with("checkpoint.repo", b"org/\xfe"), Update),
     ("grad values 3", _update_with("model.grad_values", b"\x03"), Update),
+    ("whole-batch moment 2", _update_with("model.whole_batch_moment", b"\x02"), Update),
 ]
 
 

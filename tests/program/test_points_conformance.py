@@ -126,6 +126,9 @@ DEMO = dataclasses.replace(LLAMA, grad_averaging=GradAveraging.DeMo, powersgd_ra
     (dataclasses.replace(MODEL, grad_values=GradValues.Int8), None),  # without grad averaging: SPARTA's codec
     (dataclasses.replace(MODEL, grad_values=GradValues.Int4), None),
     (dataclasses.replace(LLAMA, grad_values=GradValues.Int4), errors.InvalidConfig),  # int4: SPARTA's slices only
+    (dataclasses.replace(MODEL, whole_batch_moment=True, grad_values=GradValues.Int4), None),
+    (dataclasses.replace(LLAMA, whole_batch_moment=True), errors.InvalidConfig),  # with gradient averaging
+    (dataclasses.replace(DEMO, whole_batch_moment=True), errors.InvalidConfig),
 ], ids=lambda v: "" if not isinstance(v, Model) else f"{v.architecture}-{v.lr_schedule.name}")
 def test_model_descriptions_are_accepted_or_refused_alike(model: Model, error: type | None) -> None:
     authority = Keypair()

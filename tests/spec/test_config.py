@@ -382,6 +382,23 @@ def test_grad_values_default_to_float32() -> None:
         assert parse_run_spec({"run_id": "ok", "model": mode}).model.grad_values == GradValues.Float32
 
 
+def test_each_replica_may_step_on_the_whole_batch_s_second_moment_with_gradient_averaging_off() -> None:
+    assert not Model().whole_batch_moment
+    model = parse_run_spec({"run_id": "ok", "model": {"whole_batch_moment": True, "grad_values": "int4"}}).model
+    assert model.whole_batch_moment and model.grad_values == GradValues.Int4
+    assert not parse_run_spec({"run_id": "ok", "model": {"whole_batch_moment": False}}).model.whole_batch_moment
+    for mode in ({"grad_averaging": "full"}, {"grad_averaging": "powersgd", "powersgd_rank": 4}, DEMO_TOML):
+        with pytest.raises(InvalidConfig) as info:
+            parse_run_spec({"run_id": "ok", "model": {**mode, "whole_batch_moment": True}})
+        assert info.value.detail == (f"whole_batch_moment: applies only with grad_averaging off: with "
+                                     f"{mode['grad_averaging']} every replica already steps on the whole batch's "
+                                     "gradient")
+    for value in (1, 0, "true", None, 1.0):
+        with pytest.raises(InvalidConfig) as info:
+            parse_run_spec({"run_id": "ok", "model": {"whole_batch_moment": value}})
+        assert info.value.detail == f"whole_batch_moment: must be true or false, got {value!r}"
+
+
 @pytest.mark.parametrize(("table", "message"), [
     ({"grad_averaging": "full", "grad_values": "int2"}, "grad_values: must be one of float32, float16, int8, int4, "
                                                         "got 'int2'"),

@@ -157,10 +157,15 @@ static bool valid_grad_values(const uint8_t *m) {
          PSY_MODEL_GRAD_AVERAGING_GET(m) == PSY_GRAD_AVERAGING_OFF;
 }
 
+/* config.validate_whole_batch_moment: with gradient averaging off only */
+static bool valid_whole_batch_moment(const uint8_t *m) {
+  return !PSY_MODEL_WHOLE_BATCH_MOMENT_GET(m) || PSY_MODEL_GRAD_AVERAGING_GET(m) == PSY_GRAD_AVERAGING_OFF;
+}
+
 /* config.validate_grad_averaging: each compressed mode's settings in range with it, 0 without it; the codec
    suits what it carries */
 static bool valid_grad_averaging(const uint8_t *m) {
-  return valid_powersgd(m) && valid_demo(m) && valid_grad_values(m);
+  return valid_powersgd(m) && valid_demo(m) && valid_grad_values(m) && valid_whole_batch_moment(m);
 }
 
 uint64_t psy_validate_model(const uint8_t *m, const uint8_t *c) {
