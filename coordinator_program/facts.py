@@ -20,7 +20,8 @@ from solders.transaction import Transaction
 
 from coordinator_program.spec import limits
 from coordinator_program.spec.bloom import part_count
-from coordinator_program.spec.config import Config, filter_capacity, predicted_false_positive_rate
+from coordinator_program.spec.config import Config, predicted_false_positive_rate
+from coordinator_program.spec.filter_sizing import filter_capacity
 from coordinator_program.spec.instructions import Witness
 from coordinator_program.spec.rules import NO_AUTHORITY
 from coordinator_program.spec.state import ACCOUNT_SIZE

@@ -33,8 +33,9 @@ MAX_PART_BYTES = 1 << 20
 """The largest input an audit reads (parts here are ``stage_averager.PART_BYTES``, 64 KiB)."""
 
 AUDIT_RATE = 0.25
-"""The chance that this peer audits a given other reducer after a round (``audit``): each audit costs one part's
-inputs, k parts (``stage_averager.PART_BYTES``) in a group of k, against the whole vector's two ways each round."""
+"""The chance that this peer audits a given other reducer after a round (``audit``), unless the run sets another
+(``Model.audit_permille``, which defaults to this): each audit costs one part's inputs, k parts
+(``stage_averager.PART_BYTES``) in a group of k, against the whole vector's two ways each round."""
 KEPT_REDUCTIONS = 32
 """All-reduces whose inputs a reducer keeps for its groupmates' audits (a round runs one to three)."""
 
@@ -43,7 +44,7 @@ class Auditor:
     """Audits for a ``StageAverager`` (module docstring); what it uses of the averager besides the attributes
     declared here: hivemind's ``get_stub`` and the averager's ``_keep``."""
 
-    audit_rate: float = AUDIT_RATE  # how often this peer audits each other reducer of a round
+    audit_rate: float  # how often this peer audits each other reducer of a round (a run's ``audit_rate``)
 
     prefix: str
     _p2p: Any

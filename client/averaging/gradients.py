@@ -487,7 +487,7 @@ class GradientAverager:
             work=WorkRule(run_id, stage, settings.round_samples) if settings.round_samples else None,
             target_group_size=t.target_group_size, min_matchmaking_time=t.min_matchmaking_time,
             request_timeout=t.request_timeout, allreduce_timeout=t.allreduce_timeout,
-            next_chunk_timeout=t.chunk_timeout, allow_state_sharing=False)
+            next_chunk_timeout=t.chunk_timeout, allow_state_sharing=False, audit_rate=t.audit_rate)
 
     @classmethod
     def for_worker(cls, worker: StageWorker, dht: hivemind.DHT, *, seed: int, settings: GradientSettings,

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from client.averaging.anchored import AnchoredAverager, Anchors
+from client.averaging.auditor import AUDIT_RATE
 from client.averaging.membership import Membership, Roster
 from client.averaging.rounds import GRACE, Wedged, holding, run_round
 from client.averaging.state_transfer import SharedState, StateExpectation
@@ -154,7 +155,7 @@ class AveragingResult:
 
 @dataclass(frozen=True)
 class SpartaSettings:
-    """Timeouts and group sizes of averaging rounds.
+    """Timeouts, group sizes and the audit rate of averaging rounds.
 
     hivemind requires ``request_timeout`` < ``min_matchmaking_time`` (or matchmaking can deadlock). A round
     lasts at most ``matchmaking_timeout`` to form a group plus ``allreduce_timeout`` to run it; a peer that
@@ -170,6 +171,7 @@ class SpartaSettings:
     min_group_size: int = 2
     target_group_size: int | None = None
     max_failures: int = 3
+    audit_rate: float = AUDIT_RATE  # how often this peer audits each other reducer of a round (``auditor``)
 
     def __post_init__(self) -> None:
         if not 0 < self.request_timeout < self.min_matchmaking_time:
@@ -184,6 +186,8 @@ class SpartaSettings:
             raise ValueError("min_group_size must be at least 2 and target_group_size at least min_group_size")
         if self.max_failures < 1:
             raise ValueError("max_failures must be at least 1")
+        if not 0 <= self.audit_rate <= 1:
+            raise ValueError(f"audit_rate must be in [0, 1], got {self.audit_rate}")
 
 
 def averager_prefix(run_id: str, stage: str, kind: str = "sparta") -> str:
@@ -250,6 +254,7 @@ class SpartaAverager:
             membership=membership,
             state_provider=self._serve(state_provider) if state_provider is not None else None,
             min_group_size=s.min_group_size,
+            audit_rate=s.audit_rate,
             target_group_size=s.target_group_size,
             min_matchmaking_time=s.min_matchmaking_time,
             request_timeout=s.request_timeout,

@@ -53,7 +53,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time, get_logger
 from hivemind.utils.asyncio import achain, as_aiter, azip
 
-from client.averaging.auditor import Auditor
+from client.averaging.auditor import AUDIT_RATE, Auditor
 from client.averaging.membership import Declared, Membership, Roster, check, falsehood, seal
 from client.averaging.runner import RobustRunner
 from client.averaging.state_transfer import SharedState, StateTransfer
@@ -84,11 +84,13 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
         state_provider: Callable[[], SharedState] | None = None,
         max_weight: float = math.inf,
         work: WorkRule | None = None,
+        audit_rate: float = AUDIT_RATE,
         **kwargs: Any,
     ) -> None:
         """``max_weight``: the most a groupmate may declare (``membership``: what its role can honestly claim);
         ``work``: how rounds credit work, each weight then at most the samples a groupmate's evidence proves
-        (``client.averaging.work``; None: declared weights stand)."""
+        (``client.averaging.work``; None: declared weights stand); ``audit_rate``: the chance that this peer audits
+        each other reducer of a round (``auditor``; a run's ``audit_rate``)."""
         # Shared with the averager's process, so they must exist before it forks.
         self._round = mp.Value(ctypes.c_int64, -1, lock=False)
         self._group_size = mp.Value(ctypes.c_int32, 0, lock=False)
@@ -99,6 +101,7 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
         self._state_provider = state_provider
         self._max_weight = float(max_weight)
         self._work = work
+        self.audit_rate = audit_rate
         self._admitted_by_group: dict[bytes, dict[PeerID, Declared]] = {}  # the process's, during all-reduces
         self._seats: dict[PeerID, bytes] = {}  # the process's: each current follower's key, as it was checked
         self._lies: mp.Queue = mp.Queue(MAX_LIES)  # the process's proven lies, for the host (``drain_lies``)

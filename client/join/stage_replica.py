@@ -75,12 +75,18 @@ log = logging.getLogger("psyswarm.replica")
 PEER_DOWNLOAD_TIMEOUT = 120.0  # seconds a joiner tries same-stage donors before falling back
 
 
-def sparta_settings(round_witness_time: int) -> SpartaSettings:
-    """Averaging timeouts that fit the run: matchmaking waits up to about one RoundWitness (1-5 s) for the stage's
-    peers, which leave RoundTrain within a state broadcast of each other; a round whose every member is seated
-    begins at once (``StageAverager``)."""
-    wait = float(min(max(round_witness_time, 1), 5))
-    return SpartaSettings(min_matchmaking_time=wait, request_timeout=wait / 2, matchmaking_timeout=wait + 4.0)
+PERMILLE = 1000
+"""DeMo's β and the audit rate are kept on chain in thousandths (``Model.demo_beta_permille``,
+``Model.audit_permille``)."""
+
+
+def sparta_settings(state: CoordinatorState) -> SpartaSettings:
+    """Averaging rounds that fit the run: matchmaking waits up to about one RoundWitness (1-5 s) for the stage's
+    peers, which leave RoundTrain within a state broadcast of each other (a round whose every member is seated
+    begins at once: ``StageAverager``); each peer audits each other reducer at the run's ``audit_rate``."""
+    wait = float(min(max(state.config.round_witness_time, 1), 5))
+    return SpartaSettings(min_matchmaking_time=wait, request_timeout=wait / 2, matchmaking_timeout=wait + 4.0,
+                          audit_rate=state.model.audit_permille / PERMILLE)
 
 
 def stage_roster(state: CoordinatorState, stage: int) -> Roster:
@@ -92,8 +98,6 @@ def stage_roster(state: CoordinatorState, stage: int) -> Roster:
                   frozenset(c.id for c in state.clients if c.role == Role.Trainer))
 
 
-PERMILLE = 1000
-"""DeMo's β is kept on chain in thousandths (``Model.demo_beta_permille``)."""
 
 
 def optimizer_config(state: CoordinatorState) -> OptimizerConfig:
@@ -120,7 +124,7 @@ def gradient_settings(state: CoordinatorState) -> GradientSettings | None:
     return GradientSettings(mode, rank=model.powersgd_rank, chunk=model.demo_chunk, topk=model.demo_topk,
                             beta=model.demo_beta_permille / PERMILLE,
                             values=averaged_values(state),
-                            timeouts=sparta_settings(state.config.round_witness_time),
+                            timeouts=sparta_settings(state),
                             max_weight=float(state.config.global_batch_size),
                             round_samples=state.config.global_batch_size)
 
@@ -191,7 +195,7 @@ class StageReplica:
         replica: StageReplica  # bound below; the provider only runs once sharing is on, long after
         averager = SpartaAverager.for_worker(
             worker, dht, partitions=state.model.sparta_partitions, seed=state.model.init_seed,
-            roster=roster, settings=sparta_settings(state.config.round_witness_time),
+            roster=roster, settings=sparta_settings(state),
             state_provider=worker_state_provider(worker, lambda: replica.local_step or 0),
             max_weight=REPLICA_WEIGHT, values=averaged_values(state))
         replica = cls(worker, averager, SyncTracker(SyncPolicy.from_model(state.model), say=say),

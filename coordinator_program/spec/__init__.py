@@ -8,6 +8,7 @@ passes the time and the entropy; nothing here does I/O or imports a Solana clien
 - ``layout``: the Borsh-compatible schema language the account and the instructions are declared in;
 - ``config``, ``state``: a run's configuration and the coordinator's state, with their layouts;
 - ``selection``, ``bloom``, ``schedule``: what a round's seed decides, the witness filters, the learning rate;
+  ``filter_sizing``: how large those filters are;
 - ``derived``: what everyone reads off the state alike (the instance name, witnesses, quorum, data assignment, stages);
 - ``beacon``: the commit-reveal behind every seed; ``reveals``: its operations (commitments, reveals and their close);
 - ``signers``: who may act; ``rules``: the other operations and the tick; ``points``: what a round earns and the

@@ -3,7 +3,8 @@
 A witness fills a participant filter with every client whose signed round record it verified, and a
 batch filter with every verified result commitment. A proof comes in parts, one per ``limits.PART_CLIENTS``
 clients by client index (``proof_parts``): part p's filters hold only the keys of p's clients, so every part's
-filters are sized for one part's keys (``config.filter_capacity``) and fit one transaction whatever the run's size.
+filters are sized for one part's keys (``filter_sizing.filter_capacity``) and fit one transaction whatever the run's
+size.
 The coordinator (here, and the C program on chain) tests membership from the raw bits alone, recomputing
 pybloom-live's bit positions: with 11-16 slices of fewer than 32,768 bits, the positions are the first ``slices``
 little-endian u16 words of sha256(sha256(u32 0) ‖ key), each modulo the slice size, slice s starting at bit
@@ -20,7 +21,8 @@ from collections.abc import Collection, Mapping
 from pybloom_live import BloomFilter
 
 from coordinator_program.spec import limits
-from coordinator_program.spec.config import Config, filter_capacity
+from coordinator_program.spec.config import Config
+from coordinator_program.spec.filter_sizing import filter_capacity
 
 SALT_PREFIX = hashlib.sha256(struct.pack("<I", 0)).digest()
 """The 32 bytes pybloom-live's first salt has absorbed before the key; the program embeds this constant."""

@@ -19,6 +19,7 @@ from typing import Any
 from coordinator_program.spec import limits
 from coordinator_program.spec.choices import GradAveraging, GradValues, Schedule, Tokenizer, WireCodec
 from coordinator_program.spec.errors import InvalidCheckpoint, InvalidConfig
+from coordinator_program.spec.filter_sizing import bloom_params, filter_bytes, filter_capacity, largest_max_clients
 from coordinator_program.spec.layout import (
     BOOL,
     U8,
@@ -63,7 +64,7 @@ class Config:
     @property
     def bloom_bytes(self) -> int:
         """Bytes of one filter of a proof part: pybloom-live's bit array, rounded up to whole bytes."""
-        return _filter_bytes(self.bloom_slices, self.bloom_bits_per_slice)
+        return filter_bytes(self.bloom_slices, self.bloom_bits_per_slice)
 
 
 CONFIG_LAYOUT = Struct(Config, [
@@ -124,6 +125,7 @@ class Model:
     grad_values: GradValues = GradValues.Float32
     wire_codec: WireCodec = WireCodec.Float32
     whole_batch_moment: bool = False  # each replica's Adam on the whole batch's estimated second moment
+    audit_permille: int = 250  # how often, in thousandths, a peer audits each other reducer of its averaging rounds
 
 
 MODEL_LAYOUT = Struct(Model, [
@@ -158,6 +160,7 @@ MODEL_LAYOUT = Struct(Model, [
     Field("grad_values", Enum8(GradValues)),
     Field("wire_codec", Enum8(WireCodec)),
     Field("whole_batch_moment", BOOL),
+    Field("audit_permille", U16),
 ], doc="The model and training hyperparameters every client shares.")
 
 
@@ -243,6 +246,8 @@ def validate_model(m: Model, c: Config) -> None:
     validate_model_source(m)
     validate_schedule(m, c.total_steps)
     validate_grad_averaging(m)
+    _need(m.audit_permille <= limits.MAX_AUDIT_PERMILLE, "audit_permille",
+          f"must be at most {limits.MAX_AUDIT_PERMILLE} (audit_rate at most 1)")
 
 
 STDLIB_DATASET = "stdlib"
@@ -396,40 +401,6 @@ def validate_checkpoint(cp: Checkpoint) -> None:
         raise InvalidCheckpoint("a run cannot start from a P2P checkpoint")
 
 
-def bloom_params(capacity: int, error_rate: float) -> tuple[int, int]:
-    """(slices, bits per slice) that pybloom-live's ``BloomFilter(capacity, error_rate)`` uses."""
-    if not 0 < error_rate < 1:
-        raise InvalidConfig("bloom_error_rate: must be between 0 and 1")
-    from pybloom_live import BloomFilter
-
-    bloom = BloomFilter(capacity, error_rate)
-    return bloom.num_slices, bloom.bits_per_slice
-
-
-KEYS_PER_CLIENT = 2
-"""A witness's participant filter holds each client's participant key and, for counted work, its compute key."""
-
-
-def filter_capacity(max_clients: int) -> int:
-    """Keys a part's participant filter is sized for: every client of a full part (``limits.PART_CLIENTS``, or
-    all of a smaller run) present and credited for compute."""
-    return KEYS_PER_CLIENT * min(max_clients, limits.PART_CLIENTS)
-
-
-def largest_max_clients(error_rate: float) -> int:
-    """The most clients whose part filters still fit a witness transaction at ``error_rate``: any run size once a
-    full part fits."""
-    fits = [n for n in range(1, limits.PART_CLIENTS + 1)
-            if _filter_bytes(*bloom_params(filter_capacity(n), error_rate)) <= limits.MAX_BLOOM_BYTES]
-    if fits and fits[-1] == limits.PART_CLIENTS:
-        return limits.MAX_CLIENTS
-    return max(fits, default=0)
-
-
-def _filter_bytes(slices: int, bits_per_slice: int) -> int:
-    return (slices * bits_per_slice + 7) // 8
-
-
 def predicted_false_positive_rate(config: Config, items: int) -> float:
     """Chance that a non-member tests positive once ``items`` keys are in a filter (one key per slice)."""
     fill = 1.0 - (1.0 - 1.0 / config.bloom_bits_per_slice) ** items
@@ -486,11 +457,13 @@ def _take_section(doc: dict[str, Any], section: str, cls: type, converters: dict
     return out
 
 
-def _whole_units(key: str, value: Any, per_one: int, unit: str, below: float) -> int:
-    """A number in [0, ``below``) given as a decimal, in whole ``unit`` (1/``per_one`` each): the program has no
-    floating point, and a value that is not whole would round to something its writer did not ask for."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < below:
-        raise InvalidConfig(f"{key}: must be a number in [0, {below:g}), got {value!r}")
+def _whole_units(key: str, value: Any, per_one: int, unit: str, below: float, *, up_to: bool = False) -> int:
+    """A number in [0, ``below``) (``up_to``: [0, ``below``]) given as a decimal, in whole ``unit`` (1/``per_one``
+    each): the program has no floating point, and a value that is not whole would round to something its writer did
+    not ask for."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 <= value <= below if up_to else 0 <= value < below):
+        raise InvalidConfig(f"{key}: must be a number in [0, {below:g}{']' if up_to else ')'}, got {value!r}")
     units = round(value * per_one)
     if not math.isclose(units, value * per_one, rel_tol=1e-6, abs_tol=1e-9):
         raise InvalidConfig(f"{key}: {value!r} is not a whole number of {unit}")
@@ -515,6 +488,10 @@ def _lr_floor(value: Any) -> dict[str, int]:
 
 def _demo_beta(value: Any) -> dict[str, int]:
     return {"demo_beta_permille": _whole_units("demo_beta", value, 1000, "thousandths", 1)}
+
+
+def _audit_rate(value: Any) -> dict[str, int]:
+    return {"audit_permille": _whole_units("audit_rate", value, 1000, "thousandths", 1, up_to=True)}
 
 
 DEFAULT_DEMO_BETA_PERMILLE = 900
@@ -542,6 +519,7 @@ MODEL_KEYS = {
     "learning_rate": _learning_rate,
     "lr_floor": _lr_floor,
     "demo_beta": _demo_beta,
+    "audit_rate": _audit_rate,
     "config_sha256": _digest("config_sha256"),
     "tokenizer_sha256": _digest("tokenizer_sha256"),
     "dataset_sha256": _digest("dataset_sha256"),
@@ -608,7 +586,8 @@ def parse_run_spec(doc: dict[str, Any], resolve_model: Callable[[Model], Model] 
     validate_config(config)
 
     model_args = _take_section(doc, "model", Model, MODEL_KEYS,
-                               derived=("learning_rate_micros", "lr_floor_micros", "demo_beta_permille"))
+                               derived=("learning_rate_micros", "lr_floor_micros", "demo_beta_permille",
+                                        "audit_permille"))
     model = Model(**{**_mode_defaults(model_args), **model_args})
     if resolve_model is not None:
         model = resolve_model(model)

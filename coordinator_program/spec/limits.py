@@ -68,6 +68,9 @@ MAX_DEMO_CHUNK = 128
 MAX_DEMO_BETA_PERMILLE = 999
 """DeMo's largest momentum decay, in thousandths: below 1, or the momentum would never decay."""
 
+MAX_AUDIT_PERMILLE = 1000
+"""The largest audit rate, in thousandths: every other reducer of every round audited."""
+
 NO_STAGE = 0xFF
 """The stage of a trainer, and of a worker that lets the coordinator choose its stage."""
 

@@ -16,6 +16,7 @@ peer caught lying is excluded with evidence the others and the witnesses can che
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from types import SimpleNamespace
@@ -287,9 +288,9 @@ class _ForgingRunner(RobustRunner):
 
 
 def averager_class(runner: type[RobustRunner] = RobustRunner) -> type[GradientAverager]:
-    """A gradient averager auditing every other reducer after each round, reducing with ``runner`` (hivemind names
-    a peer's handlers after its class: every peer's process must be called what an honest peer's is)."""
-    process = type("GradientProcess", (GradientProcess,), {"audit_rate": 1.0, "runner_class": runner})
+    """A gradient averager reducing with ``runner`` (hivemind names a peer's handlers after its class: every peer's
+    process must be called what an honest peer's is)."""
+    process = type("GradientProcess", (GradientProcess,), {"runner_class": runner})
     return type("GradientAverager", (GradientAverager,), {"process_class": process})
 
 
@@ -310,8 +311,12 @@ def lies_after(averagers: list[GradientAverager], expected: int, wait: float = 1
     return found
 
 
-def trio(make_grad_averager, liar: type[RobustRunner]) -> tuple[list[GradientAverager], list[Any], list[Any]]:
-    settings = GradientSettings(GradAveraging.FULL, timeouts=TRIO, max_weight=16.0)
+def trio(make_grad_averager, liar: type[RobustRunner],
+         audit_rate: float = 1.0) -> tuple[list[GradientAverager], list[Any], list[Any]]:
+    """A round of three, the third reducing with ``liar``; each peer audits each other reducer at ``audit_rate`` (the
+    run's: every one, unless a test says otherwise)."""
+    timeouts = dataclasses.replace(TRIO, audit_rate=audit_rate)
+    settings = GradientSettings(GradAveraging.FULL, timeouts=timeouts, max_weight=16.0)
     shared = shared_gradient(384, 256)  # six parts of 64 KiB: every peer reduces a shard
     pairs = [gradient_pairs(i, shared) for i in (1, 2, 3)]
     keys = [Keypair() for _ in range(3)]
@@ -339,6 +344,15 @@ def test_a_reducer_shifting_its_shard_is_caught_by_an_audit_and_convicted_by_its
     assert len(lies) == 2, lies  # each honest groupmate audited it
     liar = bytes(keys[2].pubkey())
     assert {proven_liar(item) for item in lies} == {(liar, averagers[0].process.prefix)}
+
+
+def test_with_the_run_s_audit_rate_0_a_shifted_shard_is_never_audited(make_grad_averager) -> None:
+    """The audit rate is the run's: at 0 nobody audits, so the reducer shifting its shard (within the robust bound)
+    goes unconvicted. What audits cost and catch is the run's trade (README, threat model)."""
+    averagers, results, _ = trio(make_grad_averager, _ShiftingRunner, audit_rate=0.0)
+    assert all(a.process.audit_rate == 0.0 for a in averagers)
+    assert all(r is not None and r.complete for r in results[:2]), results
+    assert lies_after(averagers[:2], expected=1, wait=6.0) == []
 
 
 def test_a_reducer_listing_a_forged_input_has_its_shard_refused_and_is_convicted(make_grad_averager) -> None:

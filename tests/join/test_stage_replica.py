@@ -14,6 +14,7 @@ import pytest
 import torch
 from solders.keypair import Keypair
 
+from client.averaging.auditor import AUDIT_RATE
 from client.averaging.membership import Roster
 from client.averaging.sparta import AveragingStatus
 from client.contributor.run_model import model_config
@@ -306,3 +307,14 @@ def test_a_joiner_loading_from_peers_takes_their_anchors(make_replica, run_id: s
     found = joiner.load(later, 1, StateSources(), lambda: None)
     assert found is not None and found.source == "peers"
     assert [joiner.averager.averager.declared_anchor(p) for p in (0, 1)] == donors[:2]
+
+
+def test_a_replica_audits_at_its_run_s_rate(make_replica, run_id: str) -> None:
+    """Both of a replica's averagers, SPARTA's and the gradients', audit each other reducer at the run's
+    ``audit_rate``; a run that names none audits at the clients' own rate."""
+    assert run_state(run_id, 0).model.audit_permille / 1000 == AUDIT_RATE
+    spec = {**SPEC, "run_id": run_id, "model": {**SPEC["model"], "audit_rate": 0.6, "grad_averaging": "full"}}
+    state = dataclasses.replace(run_state(run_id, 0), model=parse_run_spec(spec).model)
+    replica = make_replica(state)
+    assert replica.gradients is not None
+    assert replica.averager.averager.audit_rate == replica.gradients.process.audit_rate == 0.6

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from solders.keypair import Keypair
 
 from coordinator_program.spec import derived, errors, limits
-from coordinator_program.spec.config import Checkpoint, CheckpointKind, Config, Model, bloom_params, filter_capacity
+from coordinator_program.spec.config import Checkpoint, CheckpointKind, Config, Model
+from coordinator_program.spec.filter_sizing import bloom_params, filter_capacity
 from coordinator_program.spec.instructions import (
     CheckpointReport,
     CloseRun,

@@ -129,6 +129,10 @@ DEMO = dataclasses.replace(LLAMA, grad_averaging=GradAveraging.DeMo, powersgd_ra
     (dataclasses.replace(MODEL, whole_batch_moment=True, grad_values=GradValues.Int4), None),
     (dataclasses.replace(LLAMA, whole_batch_moment=True), errors.InvalidConfig),  # with gradient averaging
     (dataclasses.replace(DEMO, whole_batch_moment=True), errors.InvalidConfig),
+    (dataclasses.replace(MODEL, audit_permille=0), None),
+    (dataclasses.replace(MODEL, audit_permille=1000), None),
+    (dataclasses.replace(MODEL, audit_permille=1001), errors.InvalidConfig),
+    (dataclasses.replace(MODEL, audit_permille=65535), errors.InvalidConfig),
 ], ids=lambda v: "" if not isinstance(v, Model) else f"{v.architecture}-{v.lr_schedule.name}")
 def test_model_descriptions_are_accepted_or_refused_alike(model: Model, error: type | None) -> None:
     authority = Keypair()

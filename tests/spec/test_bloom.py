@@ -18,7 +18,8 @@ from coordinator_program.spec.bloom import (
     participant_key,
     proof_parts,
 )
-from coordinator_program.spec.config import Config, bloom_params, filter_capacity, predicted_false_positive_rate
+from coordinator_program.spec.config import Config, predicted_false_positive_rate
+from coordinator_program.spec.filter_sizing import bloom_params, filter_capacity
 
 RATE = 0.0009
 CAPACITY = filter_capacity(limits.MAX_CLIENTS)

@@ -22,14 +22,13 @@ from coordinator_program.spec.config import (
     Schedule,
     Tokenizer,
     WireCodec,
-    bloom_params,
-    largest_max_clients,
     load_run_spec,
     parse_run_spec,
     validate_config,
     validate_model,
 )
 from coordinator_program.spec.errors import InvalidConfig
+from coordinator_program.spec.filter_sizing import bloom_params, largest_max_clients
 from coordinator_program.spec.state import ACCOUNT_SIZE
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "state.toml"
@@ -380,6 +379,20 @@ def test_grad_values_default_to_float32() -> None:
     assert Model().grad_values == GradValues.Float32
     for mode in ({}, {"grad_averaging": "full"}, DEMO_TOML):
         assert parse_run_spec({"run_id": "ok", "model": mode}).model.grad_values == GradValues.Float32
+
+
+def test_the_audit_rate_is_the_run_s_in_thousandths() -> None:
+    assert Model().audit_permille == 250
+    for rate, permille in ((0, 0), (0.05, 50), (0.25, 250), (1, 1000), (1.0, 1000)):
+        assert parse_run_spec({"run_id": "ok", "model": {"audit_rate": rate}}).model.audit_permille == permille
+    outside = "must be a number in [0, 1], got"
+    for rate, message in ((1.5, f"{outside} 1.5"), (-0.1, f"{outside} -0.1"), (True, f"{outside} True"),
+                          ("0.2", f"{outside} '0.2'"), (0.0005, "0.0005 is not a whole number of thousandths")):
+        with pytest.raises(InvalidConfig) as info:
+            parse_run_spec({"run_id": "ok", "model": {"audit_rate": rate}})
+        assert info.value.detail == f"audit_rate: {message}"
+    with pytest.raises(InvalidConfig, match="must be at most 1000"):
+        validate_model(Model(audit_permille=1001), GOOD)
 
 
 def test_each_replica_may_step_on_the_whole_batch_s_second_moment_with_gradient_averaging_off() -> None:

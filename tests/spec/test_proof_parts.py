@@ -8,7 +8,7 @@ import pytest
 
 from coordinator_program.spec import derived, errors, limits, points, rules
 from coordinator_program.spec.bloom import build_filter, compute_key, part_count, participant_key, proof_parts
-from coordinator_program.spec.config import bloom_params, filter_capacity
+from coordinator_program.spec.filter_sizing import bloom_params, filter_capacity
 from coordinator_program.spec.state import CoordinatorState, LedgerEntry, Phase
 from tests.spec.scenario import SMALL, join_pipeline, new_run, replace, start_training
 

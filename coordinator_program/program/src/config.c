@@ -179,7 +179,8 @@ uint64_t psy_validate_model(const uint8_t *m, const uint8_t *c) {
             PSY_MODEL_SPARTA_EVERY_GET(m) >= 1 && PSY_MODEL_SPARTA_PARTITIONS_GET(m) >= 1 &&
             dataset[0] != 0 && psy_text_printable(dataset, PSY_MODEL_DATASET_SIZE) && valid_dataset_pin(m) &&
             valid_model_source(m) &&
-            valid_schedule(m, PSY_CONFIG_TOTAL_STEPS_GET(c)) && valid_grad_averaging(m);
+            valid_schedule(m, PSY_CONFIG_TOTAL_STEPS_GET(c)) && valid_grad_averaging(m) &&
+            PSY_MODEL_AUDIT_PERMILLE_GET(m) <= PSY_MAX_AUDIT_PERMILLE;
   return ok ? PSY_SUCCESS : INVALID_CONFIG;
 }
 
