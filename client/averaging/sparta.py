@@ -322,10 +322,8 @@ class SpartaAverager:
             return result(AveragingStatus.SKIPPED, "no other worker in the stage")
         if not self._averager.is_alive():
             return result(AveragingStatus.FAILED, "the averaging process is not running")
-        with self._round_cv:
-            if self._round_active:
-                return result(AveragingStatus.SKIPPED, "the previous averaging round is still running")
-            self._round_active = True
+        if not self._claim_round():
+            return result(AveragingStatus.SKIPPED, "the previous averaging round is still running")
         wedged = False
         try:
             sent = self._load_buffers(indices)
@@ -337,9 +335,7 @@ class SpartaAverager:
             gathered, failure, delta, wedged = {}, str(exc), 0.0, True
         finally:
             self._control = None
-            with self._round_cv:
-                self._round_active = False
-                self._round_cv.notify_all()
+            self._release_round()
         group = self._averager.last_group_size
         if failure is not None:
             own = wedged or not self._averager.is_alive()
@@ -350,6 +346,19 @@ class SpartaAverager:
         if total == 0:
             return result(AveragingStatus.SKIPPED, "every weight in the group is 0", group, total, delta)
         return result(AveragingStatus.AVERAGED, "", group, total, delta)
+
+    def _claim_round(self) -> bool:
+        """Mark a round (or an anchors' install) under way; False if one already is."""
+        with self._round_cv:
+            if self._round_active:
+                return False
+            self._round_active = True
+            return True
+
+    def _release_round(self) -> None:
+        with self._round_cv:
+            self._round_active = False
+            self._round_cv.notify_all()
 
     def _load_buffers(self, indices: list[torch.Tensor]) -> list[torch.Tensor]:
         with self._buffers_locked(), self.lock, torch.no_grad():
@@ -427,17 +436,13 @@ class SpartaAverager:
         meanwhile is skipped as if the previous one still ran); False, and nothing changed, when a round still runs
         after a round's bound: the anchors only spare bytes, and the rounds set their own."""
         self._between_rounds()
-        with self._round_cv:
-            if self._round_active:
-                log.warning("%s: an averaging round is still running; the donor's anchors are not taken", self.stage)
-                return False
-            self._round_active = True
+        if not self._claim_round():
+            log.warning("%s: an averaging round is still running; the donor's anchors are not taken", self.stage)
+            return False
         try:
             self._averager.install_anchors(anchors)
         finally:
-            with self._round_cv:
-                self._round_active = False
-                self._round_cv.notify_all()
+            self._release_round()
         return True
 
     @property
