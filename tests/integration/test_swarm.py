@@ -286,7 +286,8 @@ def test_a_replacement_for_an_emptied_stage_starts_from_its_snapshot(tmp_path: P
         loaded = re.search(r"stage body1 loaded from local:\S+/snapshots/step-(\d+)/body1\.safetensors \(step (\d+);",
                            swarm.log_text("replacement-body1"))
         assert loaded, "the replacement did not start from a snapshot"
-        assert 2 <= int(loaded[1]) == int(loaded[2]) <= killed[0]
+        # A worker steps within a round, before the coordinator counts it: the snapshot can be one step ahead.
+        assert 2 <= int(loaded[1]) == int(loaded[2]) <= killed[0] + 1
         steps = [int(n) for name in swarm.procs if "worker" in name or "replacement" in name
                  for n in re.findall(r"stepped on (\d+) samples", swarm.log_text(name))]
         assert steps and max(steps) <= 16, f"a step took more samples than the global batch of 16: {steps}"
