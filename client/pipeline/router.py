@@ -21,6 +21,13 @@ instead, a slow worker's first answer would cancel far more than its first tasks
 runtime below zero). An attempt that fails releases what it was charged. A backward is not chosen but
 claimed from the worker that ran its forward, so choosing a worker for a forward commits it to the backward
 too, and the forward is charged both in advance; each is corrected by its own measured duration.
+
+Each round starts the runtimes afresh (``begin_round``): a round's microbatches are dealt by that round's work
+alone, priced at each worker's measured throughput. Carried over, the runtimes balance the workers' work over all
+rounds, not within each: a replica one microbatch ahead after a round gets one fewer in the next, so equal replicas
+of a stage step on three and one of four microbatches as often as on two each. Each step is then a noisier Adam step
+on a smaller share for one of them, and SPARTA's replicas end further from one process (measured: on the tiny Llama,
+about a point of loss, ``tests/benchmarks/bench_seeds.py``'s uneven deals against even halves; README).
 """
 
 from __future__ import annotations
@@ -83,6 +90,14 @@ class StageRouter:
         self._heap: list[tuple[float, int, str]] = []
         self._tiebreak = itertools.count()
         self._lock = threading.Lock()
+
+    def begin_round(self) -> None:
+        """A new round: every worker's runtime starts again from nothing (its throughput, bans and any task still
+        charged stay), so that this round's microbatches are shared by this round's work alone."""
+        with self._lock:
+            for uid, state in self._workers.items():
+                state.measured = 0.0
+                self._push(uid)
 
     def update(self, records: Sequence[WorkerRecord]) -> None:
         """Sync with the directory: add newcomers at the bottom, forget workers no longer announced.

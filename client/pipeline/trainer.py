@@ -213,6 +213,8 @@ class PipelineTrainer:
                 on_microbatch(micro)
 
         round_ = round_ or ReceiptRound(self.run_id, 0, 0)
+        for router in self.routers.values():
+            router.begin_round()
         windowed_map(lambda chunk: self._microbatch(chunk, round_), chunks, lambda: self.inflight(microbatch_size),
                      threads=threads, on_result=deliver)
         result.seconds = time.perf_counter() - started

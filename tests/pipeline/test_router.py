@@ -3,6 +3,8 @@ rather than waits, and a backward claimed from its forward's worker."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from client.pipeline.discovery import STATE_UP, WorkerRecord
@@ -46,25 +48,31 @@ def simulate(router: StageRouter, seconds_per_unit: dict[str, float], tasks: int
     return counts
 
 
-def rounds(router: StageRouter, rounds: int, microbatches: int, forward: float) -> list[dict[str, int]]:
+def rounds(router: StageRouter, rounds: int, microbatches: int, forward: float, *, jitter: float = 0.0,
+           fresh: bool = False) -> list[dict[str, int]]:
     """Rounds of ``microbatches`` sent at once, as a trainer with that many in flight sends them: each forward
     is chosen (charged with its backward too), then claimed back for its backward. Each worker runs its
-    forwards, then its backwards (three times as long), one at a time. Returns each round's split."""
+    forwards, then its backwards (three times as long), one at a time, each task taking up to ``jitter`` (a
+    fraction) more or less than its work. With ``fresh`` each round begins as a trainer's does
+    (``begin_round``). Returns each round's split."""
+    noise = random.Random(7)
     splits = []
     start = 0.0
     for _ in range(rounds):
+        if fresh:
+            router.begin_round()
         chosen = [router.choose(1.0 + 3.0) for _ in range(microbatches)]
         split = {uid: [r.uid for r in chosen].count(uid) for uid in sorted({r.uid for r in chosen})}
         finished = start
         for uid, count in split.items():
             now = start
             for _ in range(count):
-                now += forward
+                now += forward * noise.uniform(1 - jitter, 1 + jitter)
                 router.report(uid, 1.0, start, now)
             backward_sent = now
             for record in [r for r in chosen if r.uid == uid]:
                 assert router.claim(record) == record
-                now += 3 * forward
+                now += 3 * forward * noise.uniform(1 - jitter, 1 + jitter)
                 router.report(uid, 3.0, backward_sent, now)
             finished = max(finished, now)
         start = finished
@@ -144,6 +152,39 @@ def test_concurrent_rounds_are_shared_not_taken_in_turns() -> None:
     router.report("a", 1.0, -0.05, 0.0)
     splits = rounds(router, 30, 4, 0.05)
     assert all(split == {"a": 2, "b": 2} for split in splits[3:]), splits
+
+
+def test_each_round_is_shared_evenly_however_the_last_one_went() -> None:
+    """Two equal replicas whose tasks take 30% more or less than their work: a trainer beginning each round afresh
+    deals every round two and two. Carried over from round to round, the runtimes balance the replicas over all
+    rounds, so a replica a microbatch ahead gets one fewer next time: here 15 of 100 rounds go three and one.
+    A replica stepping on a quarter of the batch steps Adam on a noisier gradient, and SPARTA's replicas end
+    further from one process."""
+    router = StageRouter("body1")
+    router.update([record("a"), record("b")])
+    splits = rounds(router, 100, 4, 0.05, jitter=0.3, fresh=True)
+    assert all(split == {"a": 2, "b": 2} for split in splits[1:]), splits
+    carried = StageRouter("body1")
+    carried.update([record("a"), record("b")])
+    uneven = [s for s in rounds(carried, 100, 4, 0.05, jitter=0.3)[1:] if s != {"a": 2, "b": 2}]
+    assert len(uneven) >= 8, "the jitter should unbalance rounds whose runtimes are carried over"
+
+
+def test_a_faster_replica_still_gets_more_of_each_round() -> None:
+    """Afresh each round, work still follows throughput: a replica three times as fast takes three of four."""
+    router = StageRouter("body1")
+    router.update([record("fast"), record("slow")])
+    splits = []
+    for _ in range(10):
+        router.begin_round()
+        chosen = [router.choose(4.0).uid for _ in range(4)]
+        splits.append(chosen.count("fast"))
+        for uid in set(chosen):  # each answers its tasks, the slow one taking three times as long a task
+            seconds = 0.0
+            for _ in range(chosen.count(uid)):
+                seconds += 4.0 * (0.003 if uid == "slow" else 0.001)
+                router.report(uid, 4.0, 0.0, seconds)
+    assert all(count == 3 for count in splits[2:]), splits
 
 
 def test_claim_returns_the_same_worker_while_it_is_usable() -> None:
