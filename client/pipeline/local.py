@@ -33,19 +33,8 @@ class LocalTrainer:
         """Forward and backward every microbatch, accumulating gradients; returns per-microbatch losses."""
         losses = []
         for chunk in microbatches(indices, microbatch_size):
-            tokens = self.dataset.batch(chunk)
-            hidden = tokens[:, :-1]
-            for stage in self.stages[:-1]:
-                hidden = stage(hidden)
-            loss = self.stages[-1](hidden, tokens[:, 1:])
-            observed = [o for o in self.optimizers if o.moment is not None]  # each microbatch's own gradients
-            before = [[None if p.grad is None else p.grad.clone() for p in o.params] for o in observed]
-            (loss * len(chunk)).backward()
-            for optimizer, was in zip(observed, before, strict=True):
-                optimizer.observe([p.grad if b is None or p.grad is None else p.grad - b
-                                   for p, b in zip(optimizer.params, was, strict=True)], len(chunk))
+            losses.append(accumulate(self.stages, self.optimizers, self.dataset.batch(chunk)))
             self.samples_accumulated += len(chunk)
-            losses.append(float(loss.detach()))
         return losses
 
     def step(self) -> list[StepStats]:
@@ -56,3 +45,21 @@ class LocalTrainer:
 
     def parameters(self, stage: int) -> list[torch.Tensor]:
         return [p.data for p in self.stages[stage].parameters()]
+
+
+def accumulate(stages: Sequence[torch.nn.Module], optimizers: Sequence[StageOptimizer], tokens: torch.Tensor) -> float:
+    """One microbatch through ``stages`` (one module per stage, in order), its gradients (sums over its samples, as a
+    worker accumulates them) added to their parameters' and shown to each stage's ``optimizers``; returns its loss.
+    The stages may be different replicas' (``tests/benchmarks/bench_seeds.py`` crosses them as a trainer's routers
+    do)."""
+    hidden = tokens[:, :-1]
+    for stage in stages[:-1]:
+        hidden = stage(hidden)
+    loss = stages[-1](hidden, tokens[:, 1:])
+    observed = [o for o in optimizers if o.moment is not None]  # each microbatch's own gradients
+    before = [[None if p.grad is None else p.grad.clone() for p in o.params] for o in observed]
+    (loss * len(tokens)).backward()
+    for optimizer, was in zip(observed, before, strict=True):
+        optimizer.observe([p.grad if b is None or p.grad is None else p.grad - b
+                           for p, b in zip(optimizer.params, was, strict=True)], len(tokens))
+    return float(loss.detach())

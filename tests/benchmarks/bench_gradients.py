@@ -204,6 +204,8 @@ def main() -> None:
               + (f"  {statistics.median(run.seconds):.3f} s/round (median)" if run.seconds else "")
               + (f"  {sum(run.shared)}/{len(run.shared)} gradient rounds shared" if run.shared else "")
               + (f"  [{run.lost} rounds lost]" if run.lost else ""))
+        if run.busiest:
+            print(f"  {'':70s} {run.deals()}")
     print()
     group = args.workers_per_stage
     print(f"bytes each worker sends per step averaging its gradients (group of {group}):")

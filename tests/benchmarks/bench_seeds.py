@@ -22,7 +22,12 @@ A rule ending in ``+moment`` (``sparta:1/10:int4+moment``) offsets it by measure
 of its second moment is the noise of its half batch, from the spread of its own microbatches, and steps Adam on the
 second moment the whole batch would have had.
 
-Replicas see the batches split as a round's two workers would: the first half to one, the second to the other.
+Replicas see each batch split in halves: the first to one, the second to the other. A rule ending in ``+uneven`` deals
+each step 1, 2, 2 or 3 of its four microbatches (at random; in general, half give or take one) to the first replica,
+as a trainer's routers did when they carried each worker's runtime over from round to round
+(``client.pipeline.router``); one ending in ``+crossed`` deals each stage's microbatches evenly but independently of
+the other stages', as the routers now do: a microbatch may run the head of one replica and the body of the other.
+Suffixes go in the order ``+moment+uneven`` (or ``+moment+crossed``).
 ``--model tiny-llama`` runs the demo's Llama (``bench_gradients.tiny_llama_run``) instead of psyswarm's model.
 
 Run::
@@ -36,7 +41,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -51,7 +58,8 @@ from client.averaging.powersgd import compressed_shape, seeded_matrix
 from client.averaging.sparta import SpartaMasks
 from client.averaging.values import GradValues, round_trip
 from client.data import SampleDataset, open_byte_dataset
-from client.pipeline.local import LocalTrainer
+from client.pipeline.data import microbatches
+from client.pipeline.local import LocalTrainer, accumulate
 from client.pipeline.model import ModelConfig, ModelSpec, build_all_stages
 from client.pipeline.optim import OptimizerConfig
 
@@ -136,10 +144,27 @@ def shared(bench: Bench, spec: ModelSpec, combine: Callable[[int], Callable] | N
     return losses, bench.held_out_loss(trainer)
 
 
-def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int,
-             values: GradValues, lr_scale: float = 1.0, moment: bool = False) -> tuple[list[float], float]:
-    """Two replicas each stepping on its own half at ``lr_scale`` × the rate (with ``moment``, on the whole batch's
-    estimated second moment); every ``every`` steps one slice averaged, in ``values``."""
+class Deal(enum.Enum):
+    """How a step's microbatches are shared out between the two replicas (the module docstring)."""
+
+    HALVES = "halves"
+    UNEVEN = "uneven"
+    CROSSED = "crossed"
+
+
+def owners(deal: Deal, rng: random.Random, microbatches: int, stages: int) -> list[list[int]]:
+    """Per stage, per microbatch: the replica that runs it."""
+    half = microbatches // 2
+    if deal is Deal.CROSSED:
+        return [rng.sample([0] * half + [1] * (microbatches - half), microbatches) for _ in range(stages)]
+    first = half if deal is Deal.HALVES else half + rng.choice([-1, 0, 0, 1])
+    return [[0] * first + [1] * (microbatches - first)] * stages
+
+
+def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int, values: GradValues,
+             lr_scale: float = 1.0, moment: bool = False, deal: Deal = Deal.HALVES) -> tuple[list[float], float]:
+    """Two replicas each stepping on its share of each batch (``deal``) at ``lr_scale`` × the rate (with ``moment``,
+    on the whole batch's estimated second moment); every ``every`` steps one slice averaged, in ``values``."""
     args = bench.args
     pair = [bench.trainer(spec, lr_scale, args.batch_size if moment else 0) for _ in range(2)]
     params = [[o.params for o in t.optimizers] for t in pair]
@@ -147,13 +172,21 @@ def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int,
              for s, ps in enumerate(params[0])]
     anchors = [[p.detach().clone().reshape(-1) for p in ps] for ps in params[0]]
     losses = []
-    half = args.batch_size // 2
+    rng = random.Random(spec.seed)
     for round_ in range(args.rounds):
+        chunks = microbatches(range(round_ * args.batch_size, (round_ + 1) * args.batch_size), args.microbatch_size)
+        dealt = owners(deal, rng, len(chunks), spec.num_stages)
+        samples = [[0] * spec.num_stages for _ in pair]
         got = []
-        for w, stepper in enumerate(pair):
-            start = round_ * args.batch_size + w * half
-            got += stepper.train(list(range(start, start + half)), args.microbatch_size)
-            stepper.step()
+        for m, chunk in enumerate(chunks):
+            chain = [dealt[s][m] for s in range(spec.num_stages)]
+            got.append(accumulate([pair[r].stages[s] for s, r in enumerate(chain)],
+                                  [pair[r].optimizers[s] for s, r in enumerate(chain)], bench.dataset.batch(chunk)))
+            for s, r in enumerate(chain):
+                samples[r][s] += len(chunk)
+        for r, trainer in enumerate(pair):
+            for s, optimizer in enumerate(trainer.optimizers):
+                optimizer.step(samples[r][s])
         losses.append(statistics.fmean(got))
         if every is None or (round_ + 1) % every:
             continue
@@ -175,12 +208,14 @@ def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int,
 
 def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
     """The training losses and held-out loss of rule ``name`` (the module docstring) from ``spec``'s weights."""
+    deal = next((d for d in Deal if name.endswith(f"+{d.value}")), Deal.HALVES)
+    name = name.removesuffix(f"+{deal.value}")
     moment, name = name.endswith("+moment"), name.removesuffix("+moment")
     name, _, scale = name.partition("*")
     lr_scale = float(scale or 1.0)
     kind, _, setting = name.partition(":")
-    if (scale or moment) and kind in ("full", "powersgd"):
-        raise SystemExit(f"{name!r}: *SCALE and +moment apply to the replicas' rules (sparta, none)")
+    if (scale or moment or deal is not Deal.HALVES) and kind in ("full", "powersgd"):
+        raise SystemExit(f"{name!r}: *SCALE, +moment and deals apply to the replicas' rules (sparta, none)")
     if kind == "full":
         return shared(bench, spec, lambda s: lambda g: [(a + b) / 2 for a, b in zip(*g, strict=True)])
     if kind == "powersgd":
@@ -191,9 +226,10 @@ def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
         partitions, _, codec = rest.partition(":")
         if codec not in ("", "int8", "int4"):
             raise SystemExit(f"{name!r}: a slice travels in float32, int8 or int4 here")
-        return replicas(bench, spec, int(every), int(partitions), GradValues(codec or "float32"), lr_scale, moment)
+        return replicas(bench, spec, int(every), int(partitions), GradValues(codec or "float32"), lr_scale, moment,
+                        deal)
     if kind == "none":
-        return replicas(bench, spec, None, 1, GradValues.FLOAT32, lr_scale, moment)
+        return replicas(bench, spec, None, 1, GradValues.FLOAT32, lr_scale, moment, deal)
     raise SystemExit(f"{name!r}: expected full, powersgd:R, sparta:EVERY/P[:int8|:int4] or none")
 
 
@@ -203,8 +239,9 @@ def spread(values: Sequence[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("rules", nargs="+", help="full, powersgd:R, sparta:EVERY/P[:int8|:int4], none; replicas' rules "
-                                                 "may end in *SCALE (the learning rate × SCALE) and +moment")
+    parser.add_argument("rules", nargs="+", help="full, powersgd:R, sparta:EVERY/P[:int8|:int4], none; replicas' "
+                                                 "rules may end in *SCALE (the learning rate × SCALE), +moment, and "
+                                                 "+uneven or +crossed (how microbatches are dealt)")
     parser.add_argument("--seeds", type=int, default=10, help="initialisations: N seeds from --first-seed on")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--model", choices=["psyswarm", "tiny-llama"], default="psyswarm",

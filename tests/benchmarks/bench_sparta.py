@@ -56,7 +56,7 @@ from client.data import ByteDataset, open_byte_dataset
 from client.pipeline.discovery import WorkerDirectory, start_dht
 from client.pipeline.local import LocalTrainer
 from client.pipeline.model import ModelConfig, build_stage, stage_names
-from client.pipeline.optim import OptimizerConfig
+from client.pipeline.optim import OptimizerConfig, StepStats
 from client.pipeline.trainer import PipelineError, PipelineTrainer
 from client.pipeline.worker import StageWorker
 
@@ -75,6 +75,13 @@ class Run:
     rounds: list[AveragingResult] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)  # wall time per round: training, stepping, averaging
     shared: list[bool] = field(default_factory=list)  # per worker and step: whether its gradient round was shared
+    busiest: list[float] = field(default_factory=list)  # per stage and step: the busiest replica's share of it
+
+    def deals(self) -> str:
+        """How evenly the trainer shared out each stage's steps among its replicas."""
+        even = sum(share <= 1 / 2 + 1e-9 for share in self.busiest)
+        return (f"{even} of {len(self.busiest)} stage-steps shared evenly, the busiest replica's share "
+                f"{statistics.fmean(self.busiest):.2f} on average") if self.busiest else ""
 
     def tail_loss(self, last: int) -> float:
         return statistics.fmean(self.losses[-last:])
@@ -201,7 +208,11 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
                 for worker in replicas:
                     samples[worker.uid] += sum(r.sample_end - r.sample_start for r in worker.drain_receipts())
             current["round"] = round_
-            step_all([w for replicas in workers.values() for w in replicas])
+            stepped = step_all([w for replicas in workers.values() for w in replicas])
+            for replicas in workers.values():
+                counts = [stepped[w.uid].samples for w in replicas]
+                if sum(counts):
+                    run.busiest.append(max(counts) / sum(counts))
             run.shared += [a.last is not None and a.last.round == round_ and a.last.shared for a in grad_averagers]
             index = averaging_index(round_ + 1, every) if every else None
             if index is not None:
@@ -233,13 +244,19 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
     return run
 
 
-def step_all(workers: list[StageWorker]) -> None:
+def step_all(workers: list[StageWorker]) -> dict[str, StepStats]:
     """Every worker steps at once, as the swarm's do when a round ends (gradient averaging waits for peers)."""
-    threads = [threading.Thread(target=w.step) for w in workers]
+    stepped: dict[str, StepStats] = {}
+
+    def step(worker: StageWorker) -> None:
+        stepped[worker.uid] = worker.step()
+
+    threads = [threading.Thread(target=step, args=(w,)) for w in workers]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    return stepped
 
 
 def average_all(workers: dict[str, list[StageWorker]], averagers: dict[str, SpartaAverager],
@@ -361,7 +378,7 @@ def main() -> None:
               + "  ".join(f"{k} {v:.4f} ({v / base.held_out['model'] - 1:+.2%})" for k, v in run.held_out.items()))
         if run.passes:
             print(f"  {'':40s} {run.crossed / run.passes:.0%} of forward passes had their backward on the other "
-                  "replica")
+                  f"replica; {run.deals()}")
         if run.rounds:
             averaged = sum(r.status == AveragingStatus.AVERAGED for r in run.rounds)
             print(f"  {'':40s} {averaged} of {len(run.rounds)} worker-rounds averaged, "
