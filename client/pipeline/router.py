@@ -24,10 +24,11 @@ too, and the forward is charged both in advance; each is corrected by its own me
 
 Each round starts the runtimes afresh (``begin_round``): a round's microbatches are dealt by that round's work
 alone, priced at each worker's measured throughput. Carried over, the runtimes balance the workers' work over all
-rounds, not within each: a replica one microbatch ahead after a round gets one fewer in the next, so equal replicas
-of a stage step on three and one of four microbatches as often as on two each. Each step is then a noisier Adam step
-on a smaller share for one of them, and SPARTA's replicas end further from one process (measured: on the tiny Llama,
-about a point of loss, ``tests/benchmarks/bench_seeds.py``'s uneven deals against even halves; README).
+rounds, not within each: a replica one microbatch ahead after a round gets one fewer in the next, and equal replicas
+of a stage stepped on three and one of four microbatches in about one step in six (the tiny Llama on loopback,
+``tests/benchmarks/bench_gradients.py``; afresh, 297 to 300 of 300 steps are even). Such a step is a noisier Adam step
+on a smaller share for one of them; in the seeds' arithmetic, dealing so every other step costs SPARTA's replicas
+about a point of loss against one process (``tests/benchmarks/bench_seeds.py``, ``+uneven``; README).
 """
 
 from __future__ import annotations
