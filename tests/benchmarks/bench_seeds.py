@@ -35,6 +35,8 @@ Run::
     python tests/benchmarks/bench_seeds.py --seeds 10 full powersgd:4 sparta:1/16:int8 none
     python tests/benchmarks/bench_seeds.py --model tiny-llama --seeds 6 full powersgd:4 sparta:1/17:int8 none
     python tests/benchmarks/bench_seeds.py --seeds 10 sparta:1/17:int8 sparta:1/9:int4
+    python tests/benchmarks/bench_seeds.py --model tiny-llama --seeds 6 "sparta:1/10:int4+moment" \\
+        "sparta:1/10:int4+moment+uneven" "sparta:1/10:int4+moment+crossed"
 """
 
 from __future__ import annotations
