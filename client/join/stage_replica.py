@@ -98,8 +98,6 @@ def stage_roster(state: CoordinatorState, stage: int) -> Roster:
                   frozenset(c.id for c in state.clients if c.role == Role.Trainer))
 
 
-
-
 def optimizer_config(state: CoordinatorState) -> OptimizerConfig:
     """The run's optimizer: its learning rate, and whether each replica steps Adam on the whole batch's estimated
     second moment (``whole_batch_moment``: ``client.pipeline.optim.BatchMoment``)."""

@@ -76,11 +76,11 @@ class Run:
     seconds: list[float] = field(default_factory=list)  # wall time per round: training, stepping, averaging
     shared: list[bool] = field(default_factory=list)  # per worker and step: whether its gradient round was shared
     busiest: list[float] = field(default_factory=list)  # per stage and step: the busiest replica's share of it
+    even: list[bool] = field(default_factory=list)  # per stage-step: no replica over a microbatch ahead of another
 
     def deals(self) -> str:
         """How evenly the trainer shared out each stage's steps among its replicas."""
-        even = sum(share <= 1 / 2 + 1e-9 for share in self.busiest)
-        return (f"{even} of {len(self.busiest)} stage-steps shared evenly, the busiest replica's share "
+        return (f"{sum(self.even)} of {len(self.even)} stage-steps shared evenly, the busiest replica's share "
                 f"{statistics.fmean(self.busiest):.2f} on average") if self.busiest else ""
 
     def tail_loss(self, last: int) -> float:
@@ -213,6 +213,7 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
                 counts = [stepped[w.uid].samples for w in replicas]
                 if sum(counts):
                     run.busiest.append(max(counts) / sum(counts))
+                    run.even.append(max(counts) - min(counts) < 2 * args.microbatch_size)
             run.shared += [a.last is not None and a.last.round == round_ and a.last.shared for a in grad_averagers]
             index = averaging_index(round_ + 1, every) if every else None
             if index is not None:

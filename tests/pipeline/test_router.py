@@ -175,15 +175,19 @@ def test_a_faster_replica_still_gets_more_of_each_round() -> None:
     router = StageRouter("body1")
     router.update([record("fast"), record("slow")])
     splits = []
+    start = 0.0
     for _ in range(10):
         router.begin_round()
         chosen = [router.choose(4.0).uid for _ in range(4)]
         splits.append(chosen.count("fast"))
-        for uid in set(chosen):  # each answers its tasks, the slow one taking three times as long a task
-            seconds = 0.0
+        finished = start
+        for uid in set(chosen):  # each answers its tasks in turn, the slow one taking three times as long a task
+            now = start
             for _ in range(chosen.count(uid)):
-                seconds += 4.0 * (0.003 if uid == "slow" else 0.001)
-                router.report(uid, 4.0, 0.0, seconds)
+                now += 4.0 * (0.003 if uid == "slow" else 0.001)
+                router.report(uid, 4.0, start, now)
+            finished = max(finished, now)
+        start = finished
     assert all(count == 3 for count in splits[2:]), splits
 
 
