@@ -15,7 +15,8 @@ A hostile trainer
 
 A lying worker computes wrong but well formed: a share ``LIE_SHARE`` of its stage's outputs scaled by 1.01 (its
 input gradients with them), each answer signed as its own (a trainer refuses unsigned ones); checked results catch
-it where replicas are identical.
+it where replicas are identical. It never withdraws, though its state departs from its stage's: an attacker leaves only
+when the run removes it (and a liar that withdrew itself would end the test's run, which needs every client).
 
 A lying trainer sends plausible data that is not the run's: real text, each sample index answered with the next
 sample's tokens (``OtherText``); everything else it does honestly, a presence each round included.
@@ -154,6 +155,19 @@ def hostile_worker() -> None:
     WorkerRole.publish_receipts = publish_and_attack
 
 
+def never_withdraw() -> None:
+    """A departed state (``client.contributor.agreement``) never makes this worker withdraw: it stays until removed."""
+    from client.contributor.agreement import Agreement, Outcome
+
+    check = Agreement.check
+
+    def stay(self, epoch, step):
+        outcome = check(self, epoch, step)
+        return Outcome.DEPARTED if outcome == Outcome.WITHDRAW else outcome
+
+    Agreement.check = stay
+
+
 def lying_worker() -> None:
     import random
 
@@ -174,6 +188,7 @@ def lying_worker() -> None:
         return module
 
     compute.build_stage = falsifying
+    never_withdraw()
 
 
 def hijack(role, victims: list[str]) -> None:
@@ -228,19 +243,12 @@ def lying_trainer() -> None:
 
 def overclaiming_worker() -> None:
     from client.averaging.gradients import GradientAverager
-    from client.contributor.agreement import Agreement, Outcome
 
     load = GradientAverager._load
 
     def overclaim(self, grads, index, weight, work=()):
         declared = load(self, [grad * -60 for grad in grads], index, weight, work)
         return {**declared, "weight": 2 * self.settings.max_weight}
-
-    check = Agreement.check
-
-    def stay(self, epoch, step):  # its state departs from the stage's (it steps alone): it stays all the same
-        outcome = check(self, epoch, step)
-        return Outcome.DEPARTED if outcome == Outcome.WITHDRAW else outcome
 
     for_worker = GradientAverager.for_worker.__func__
 
@@ -272,7 +280,7 @@ def overclaiming_worker() -> None:
 
     GradientAverager._load = overclaim
     GradientAverager.for_worker = classmethod(with_a_stranger)
-    Agreement.check = stay
+    never_withdraw()  # its state departs from the stage's (it steps alone): it stays all the same
 
 
 def false_reducer() -> None:
