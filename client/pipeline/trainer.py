@@ -250,19 +250,20 @@ class PipelineTrainer:
         unsent: set[str] = set()  # stages whose forward ran and whose backward was not yet sent
         checked = self.checker is not None and self.checker.chosen(micro.id)
         partners: dict[str, WorkerRecord | None] = {}  # the replica that answered a checked Forward, per stage
+        previous: WorkerRecord | None = None  # the worker of the stage before: the microbatch's lane
         try:
             for stage in self.stages[:-1]:
-                reply = self._call(stage, micro, False, {"input": inputs[-1]})
+                reply = self._call(stage, micro, False, {"input": inputs[-1]}, after=previous)
                 if checked:
                     reply, partners[stage] = self._checked(stage, micro, False, {"input": inputs[-1]}, reply, None)
                 record, _, out = reply
-                forward_records[stage] = record
+                forward_records[stage] = previous = record
                 unsent.add(stage)
                 inputs.append(out["output"])
             receipts: dict[str, SignedReceipt] = {}
             tail = self.stages[-1]
             tensors = {"input": inputs[-1], "targets": targets}
-            reply = self._call(tail, micro, True, tensors)
+            reply = self._call(tail, micro, True, tensors, after=previous)
             if checked:
                 reply, _ = self._checked(tail, micro, True, tensors, reply, None)
             record, meta, out = reply
@@ -318,11 +319,12 @@ class PipelineTrainer:
         tensors: dict[str, WireTensor],
         *,
         affinity: WorkerRecord | None = None,
+        after: WorkerRecord | None = None,
     ) -> Answered:
         """One Forward or Backward, checked. ``affinity`` is the worker that ran this stage's forward: the
         first attempt goes to it while it is usable; retries, and a first attempt without it, go to the
-        router's pick, which must first run the stage's Forward for a head or body Backward (the worker's
-        ticket for it)."""
+        router's pick (in the lane of ``after``, the worker of the stage before, where it may), which must first
+        run the stage's Forward for a head or body Backward (the worker's ticket for it)."""
         method = "Backward" if backward else "Forward"
         batch, length = tensors["input"].shape[:2]
         costs = {False: batch * length * 1.0, True: batch * length * BACKWARD_COST}
@@ -338,7 +340,7 @@ class PipelineTrainer:
         while failures < self.max_attempts:
             claimed = self.finder.claim(stage, affinity, micro.id) if affinity is not None else None
             affinity = None  # only the first attempt: a retry goes wherever the router picks
-            record = claimed or self.finder.pick(stage, charge, tried)
+            record = claimed or self.finder.pick(stage, charge, tried, after)
             owed = costs[backward] if claimed is not None else charge  # what this attempt leaves charged if it fails
             try:
                 if needs_ticket and claimed is None:

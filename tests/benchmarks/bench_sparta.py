@@ -77,11 +77,14 @@ class Run:
     shared: list[bool] = field(default_factory=list)  # per worker and step: whether its gradient round was shared
     busiest: list[float] = field(default_factory=list)  # per stage and step: the busiest replica's share of it
     even: list[bool] = field(default_factory=list)  # per stage-step: no replica over a microbatch ahead of another
+    lanes: list[bool] = field(default_factory=list)  # per microbatch: every stage ran on its replicas' same position
 
     def deals(self) -> str:
-        """How evenly the trainer shared out each stage's steps among its replicas."""
+        """How evenly the trainer shared out each stage's steps among its replicas, and how many microbatches kept
+        to one lane (the i-th replica of every stage, in uid order: ``client.pipeline.router``)."""
         return (f"{sum(self.even)} of {len(self.even)} stage-steps shared evenly, the busiest replica's share "
-                f"{statistics.fmean(self.busiest):.2f} on average") if self.busiest else ""
+                f"{statistics.fmean(self.busiest):.2f} on average; {sum(self.lanes)} of {len(self.lanes)} "
+                f"microbatches kept one lane") if self.busiest else ""
 
     def tail_loss(self, last: int) -> float:
         return statistics.fmean(self.losses[-last:])
@@ -186,6 +189,7 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
     trainer = PipelineTrainer(config, dataset, directory, run_id=run_id, max_inflight=args.inflight, refresh_period=1.0,
                               keypair=trainer_key)
     samples = {w.uid: 0 for replicas in workers.values() for w in replicas}
+    lane = {uid: i for replicas in workers.values() for i, uid in enumerate(sorted(w.uid for w in replicas))}
     try:
         for replicas in workers.values():
             for worker in replicas:
@@ -204,6 +208,7 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
                 for micro in result.microbatches:
                     run.passes += len(micro.forward_workers)
                     run.crossed += sum(micro.workers[s] != uid for s, uid in micro.forward_workers.items())
+                    run.lanes.append(len({lane[uid] for uid in micro.workers.values()}) == 1)
             for replicas in workers.values():
                 for worker in replicas:
                     samples[worker.uid] += sum(r.sample_end - r.sample_start for r in worker.drain_receipts())

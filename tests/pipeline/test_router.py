@@ -3,12 +3,13 @@ rather than waits, and a backward claimed from its forward's worker."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from client.pipeline.discovery import STATE_UP, WorkerRecord
-from client.pipeline.router import StageRouter
+from client.pipeline.router import LANE_SLACK, StageFinder, StageRouter
 
 
 def record(uid: str, pubkey: str = "aa") -> WorkerRecord:
@@ -254,3 +255,107 @@ def test_a_failed_attempt_releases_its_charge() -> None:
     router.choose(5.0, exclude={"b"})
     router.ban("a")
     assert router._workers["a"].outstanding == 0.0
+
+
+def measured(router: StageRouter, seconds: dict[str, float]) -> None:
+    """One task answered by each worker, taking ``seconds`` per unit of work: every worker measured."""
+    for uid, per_unit in seconds.items():
+        router.choose(1.0, exclude=set(seconds) - {uid})
+        router.report(uid, 1.0, 0.0, per_unit)
+
+
+def test_a_microbatch_keeps_its_lane_where_the_runtime_alone_would_alternate() -> None:
+    """Two equal replicas, a round whose microbatches came from the stage before as a, a, b, b: each goes to its lane,
+    two and two. Without a lane the runtime alone alternates them, so two of the four cross to the other chain."""
+    lanes, alone = StageRouter("body1"), StageRouter("body1")
+    for router in (lanes, alone):
+        router.update([record("a"), record("b")])
+        measured(router, {"a": 0.01, "b": 0.01})
+        router.begin_round()
+    assert [lanes.choose(4.0, prefer=uid).uid for uid in "aabb"] == list("aabb")
+    assert [alone.choose(4.0).uid for _ in range(4)] in (list("abab"), list("baba"))
+
+
+def test_a_lane_gives_way_once_its_worker_is_dealt_more_than_the_slack_beyond_the_others() -> None:
+    """Every microbatch arriving in lane a (an uneven stage before): a takes ``LANE_SLACK`` + 1, then one goes to b,
+    and a never gets more than that beyond b's share."""
+    router = StageRouter("body1")
+    router.update([record("a"), record("b")])
+    measured(router, {"a": 0.01, "b": 0.01})
+    router.begin_round()
+    chosen = [router.choose(4.0, prefer="a").uid for _ in range(8)]
+    assert chosen[:LANE_SLACK + 2] == ["a"] * (LANE_SLACK + 1) + ["b"]
+    for n in range(1, 9):
+        assert chosen[:n].count("a") - chosen[:n].count("b") <= LANE_SLACK + 1, chosen
+
+
+@pytest.mark.parametrize(("speed", "kept"), [(0.6, True), (0.4, False)])
+def test_a_lane_whose_worker_is_measured_slow_gives_way(speed: float, kept: bool) -> None:
+    """A lane's worker at 0.6 of its peer's throughput keeps the lane (``LANE_SPEED``: equal replicas on a loaded
+    machine measure up to twice apart); at 0.4 of it, the work goes by runtime."""
+    router = StageRouter("body1")
+    router.update([record("a"), record("b")])
+    measured(router, {"a": 0.01 / speed, "b": 0.01})
+    router.begin_round()
+    router.choose(4.0, exclude={"a"})  # b one task ahead: a is the least-loaded
+    router.choose(4.0, exclude={"b"})  # and a one behind it again: b is
+    assert (router.choose(4.0, prefer="a").uid == "a") is kept
+
+
+def test_a_banned_or_excluded_lane_is_not_taken() -> None:
+    clock = FakeClock()
+    router = StageRouter("body1", clock=clock)
+    router.update([record("a"), record("b")])
+    measured(router, {"a": 0.01, "b": 0.01})
+    assert router.choose(4.0, exclude={"a"}, prefer="a").uid == "b"
+    router.ban("a")
+    assert router.choose(4.0, prefer="a").uid == "b"
+    clock.now += router.ban_seconds + 1
+    assert router.choose(4.0, prefer="a").uid == "a"
+
+
+class Directory:
+    """Two workers in each of three stages, as the DHT's directory would announce them."""
+
+    stages = ("head", "body1", "tail")
+
+    def workers(self, stage: str) -> list[WorkerRecord]:
+        return [dataclasses.replace(record(f"{stage}.{i}"), stage=stage) for i in range(2)]
+
+
+def pipeline_rounds(finder: StageFinder, rounds: int, *, lanes: bool) -> list[list[tuple[str, ...]]]:
+    """Rounds of four microbatches in flight through three stages, their steps taken in a random order, each task
+    taking 30% more or less than its work: each round's microbatches' workers, stage by stage. Without ``lanes`` each
+    stage is dealt by runtime alone."""
+    noise = random.Random(11)
+    busy: dict[str, float] = {}
+    now = 0.0
+    dealt = []
+    for _ in range(rounds):
+        for router in finder.routers.values():
+            router.begin_round()
+        paths: list[list[WorkerRecord]] = [[] for _ in range(4)]
+        while any(len(path) < len(Directory.stages) for path in paths):
+            path = noise.choice([p for p in paths if len(p) < len(Directory.stages)])
+            stage = Directory.stages[len(path)]
+            chosen = finder.pick(stage, 4.0, set(), path[-1] if path and lanes else None)
+            busy[chosen.uid] = max(busy.get(chosen.uid, now), now) + 0.04 * noise.uniform(0.7, 1.3)
+            finder.routers[stage].report(chosen.uid, 4.0, now, busy[chosen.uid])
+            path.append(chosen)
+        now = max(busy.values())
+        dealt.append([tuple(r.uid for r in path) for path in paths])
+    return dealt
+
+
+def test_every_microbatch_keeps_its_lane_and_every_stage_is_dealt_evenly() -> None:
+    """Three stages of two equal replicas, four microbatches a round whose steps interleave at random: with lanes every
+    microbatch stays on the i-th worker of every stage and every stage is dealt two and two; dealt by runtime alone,
+    each stage is still even, but microbatches cross from one chain to another."""
+    kept = pipeline_rounds(StageFinder(Directory(), Directory.stages), 100, lanes=True)[1:]
+    for paths in kept:
+        assert all(len({uid[-1] for uid in path}) == 1 for path in paths), paths
+        for position in range(3):
+            assert sorted(path[position][-1] for path in paths) == ["0", "0", "1", "1"], paths
+    crossed = pipeline_rounds(StageFinder(Directory(), Directory.stages), 100, lanes=False)[1:]
+    crossings = sum(len({uid[-1] for uid in path}) > 1 for paths in crossed for path in paths)
+    assert crossings >= 100, f"dealt by runtime alone, {crossings} of 396 microbatches crossed"
