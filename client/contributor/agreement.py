@@ -10,7 +10,11 @@ machine cut short left its shard local, or when the worker lies. What follows a 
   a cut-short round leaves the worker's own gradient in its Adam moments too, and parameters alone would depart
   again at the next step), and goes on from it, bit-identical to the stage and taking the stage's steps;
 - if it departs again before agreeing once more, it withdraws from the run: after a resynchronisation an honest
-  replica agrees unless another round is cut short for it at once, a liar does not. It withdraws too if no donor
+  replica agrees unless another round is cut short for it at once, a liar does not. Where this worker knows the
+  round before the check was cut short for it (``doubt``), it resynchronises again instead, up to ``MAX_RESYNCS``
+  times in a row: on a loaded machine two rounds in a row can miss a part, and an honest worker withdrawn so leaves
+  a run that needs it (a liar's departures come whether or not its rounds complete, and it still withdraws, or
+  is removed, once the cap is reached). It withdraws too if no donor
   serves a vouched state, having agreed before; a joiner that never agreed then only stops donating, since
   withdrawing every honest joiner of a stage without a vouched donor would empty it. Withdrawing is clean: it
   leaves through the coordinator and may join again, afresh.
@@ -37,6 +41,8 @@ from client.witness.digests import StageDigests, Verdict
 
 log = logging.getLogger("psyswarm.agreement")
 
+MAX_RESYNCS = 3  # resynchronisations in a row, each after a round cut short for this worker, before it withdraws
+
 
 class Outcome(enum.Enum):
     """What a step's check did."""
@@ -59,7 +65,8 @@ class Agreement:
         self.replica, self.digests, self.keypair = replica, digests, keypair
         self.enforced, self.wait = enforced, wait
         self.agreed = False  # whether its digest ever agreed with the stage's
-        self.resynced = False  # whether it resynchronised since it last agreed
+        self.resynced = 0  # resynchronisations since it last agreed
+        self.cut_short: set[int] = set()  # the steps after which its gradient round did not bring every part back
 
     def doubt(self, step: int) -> None:
         """After the optimizer step of round ``step``: if its gradient round did not bring every part back, this
@@ -71,6 +78,7 @@ class Agreement:
         if result is not None and not result.shared:
             self.replica.worker.unsure = (f"its gradient round of step {step} did not complete "
                                           f"({result.reason or 'no group'})")
+            self.cut_short.add(step + 1)
 
     def check(self, epoch: int, step: int) -> Outcome:
         """Publish this worker's digest of its state after ``step`` swarm steps, compare it with the stage's
@@ -82,6 +90,8 @@ class Agreement:
 
     def _check(self, epoch: int, step: int) -> Outcome:
         replica = self.replica
+        cut_short = step in self.cut_short
+        self.cut_short = {later for later in self.cut_short if later > step}
         if not replica.tracker.shares_state:
             return Outcome.SKIPPED
         own = replica.digest()
@@ -95,7 +105,7 @@ class Agreement:
             if not self.agreed:
                 log.info("stage %s: its state agrees with its stage's majority at step %d", replica.stage, step)
             replica.agree(True)
-            self.agreed, self.resynced = True, False
+            self.agreed, self.resynced = True, 0
             return Outcome.AGREED
         assert stage_digest is not None
         replica.agree(False)
@@ -103,7 +113,7 @@ class Agreement:
             log.info("stage %s: its state departs from the stage's at step %d; it serves no joiner", replica.stage,
                      step)
             return Outcome.DEPARTED
-        if self.resynced:
+        if self.resynced and not (cut_short and self.resynced < MAX_RESYNCS):
             log.error("stage %s: its state departs from the stage's again at step %d, after resynchronising",
                       replica.stage, step)
             return Outcome.WITHDRAW
@@ -116,6 +126,6 @@ class Agreement:
             return Outcome.WITHDRAW if self.agreed else Outcome.DEPARTED
         log.warning("stage %s: its state departed from the stage's at step %d; resynchronised to step %d",
                     replica.stage, step, loaded)
-        self.resynced = True
+        self.resynced += 1
         replica.agree(True)
         return Outcome.RESYNCED

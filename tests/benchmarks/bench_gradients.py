@@ -141,6 +141,9 @@ def main() -> None:
     parser.add_argument("--whole-batch-moment", action="store_true",
                         help="also run SPARTA with each replica's Adam on the whole batch's estimated second moment "
                              "(a run's whole_batch_moment)")
+    parser.add_argument("--crossed", action="store_true",
+                        help="also run that SPARTA setting (with --whole-batch-moment, the moment's) with each "
+                             "stage's microbatches dealt by runtime alone, not kept to one lane of replicas")
     parser.add_argument("--model", choices=["psyswarm", "tiny-llama"], default="psyswarm",
                         help="psyswarm's byte-level model (--layers, --width), or the Llama of examples/tiny-llama "
                              "(transformers' LlamaForCausalLM: 6 layers, 64 wide, its own 2,048-token BPE), prepared "
@@ -187,6 +190,9 @@ def main() -> None:
     runs.append(system(config, dataset, args, held_out, every, partitions, values=args.sparta_values))
     if args.whole_batch_moment:
         runs.append(system(config, dataset, args, held_out, every, partitions, values=args.sparta_values, moment=True))
+    if args.crossed:
+        runs.append(system(config, dataset, args, held_out, every, partitions, values=args.sparta_values,
+                           moment=args.whole_batch_moment, lanes=False))
     for sparta, gradients in [(None, full), *((every, p) for p in [*powersgd, *demos])]:
         runs.append(system(config, dataset, args, held_out, sparta, partitions if sparta else 1, gradients))
         if gradients is not None and args.undefended:

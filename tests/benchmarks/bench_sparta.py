@@ -57,6 +57,7 @@ from client.pipeline.discovery import WorkerDirectory, start_dht
 from client.pipeline.local import LocalTrainer
 from client.pipeline.model import ModelConfig, build_stage, stage_names
 from client.pipeline.optim import OptimizerConfig, StepStats
+from client.pipeline.router import StageFinder
 from client.pipeline.trainer import PipelineError, PipelineTrainer
 from client.pipeline.worker import StageWorker
 
@@ -127,17 +128,34 @@ def undefended() -> Iterator[None]:
         runner.reduce_blocks = defended
 
 
+@contextlib.contextmanager
+def crossed() -> Iterator[None]:
+    """The trainer's routers deal each stage by runtime alone, as before lanes (``client.pipeline.router``): most
+    microbatches cross from one replica's chain to another's."""
+    lane = StageFinder.lane
+    StageFinder.lane = lambda self, stage, after: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        StageFinder.lane = lane  # type: ignore[method-assign]
+
+
 def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
            every: int | None, partitions: int, gradients: GradientSettings | None = None,
-           defended: bool = True, values: GradValues = GradValues.FLOAT32, moment: bool = False) -> Run:
+           defended: bool = True, values: GradValues = GradValues.FLOAT32, moment: bool = False,
+           lanes: bool = True) -> Run:
     """The pipeline with ``--workers-per-stage`` replicas per stage; SPARTA p = 1/``partitions`` every ``every``
     steps (None: never); with ``gradients``, the stage's workers also average their gradients before every step
     (``client.averaging.gradients``, used by tests/benchmarks/bench_gradients.py), with the averaging layer's
     defences (robust reduction, weights from the trainer's signed Backwards) or, ``defended`` False, without
     (hivemind's weighted mean of the declared weights); SPARTA's slices travel in ``values``; with ``moment`` each
-    replica's Adam steps on the whole batch's estimated second moment (a run's ``whole_batch_moment``)."""
-    with contextlib.nullcontext() if defended else undefended():
-        return _system(config, dataset, args, held_out, every, partitions, gradients, defended, values, moment)
+    replica's Adam steps on the whole batch's estimated second moment (a run's ``whole_batch_moment``); without
+    ``lanes`` each stage's microbatches are dealt by runtime alone (``crossed``)."""
+    with contextlib.nullcontext() if defended else undefended(), contextlib.nullcontext() if lanes else crossed():
+        run = _system(config, dataset, args, held_out, every, partitions, gradients, defended, values, moment)
+    if not lanes:
+        run.name += ", crossed"
+    return run
 
 
 def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],

@@ -16,7 +16,7 @@ from solders.keypair import Keypair
 
 from client.averaging.gradients import GradientResult
 from client.averaging.sparta import AveragingStatus
-from client.contributor.agreement import Agreement, Outcome
+from client.contributor.agreement import MAX_RESYNCS, Agreement, Outcome
 from client.join.stage_replica import StageReplica
 from client.join.state_download import StateDownloadError, download_from_peers, stage_identity
 from client.witness.digests import StageDigests, majority
@@ -151,6 +151,33 @@ def test_a_departing_replica_is_resynchronised_to_the_stage_and_withdrawn_if_it_
     perturb(liar)
     assert check_together(checks, 0, 1)[2] == Outcome.WITHDRAW
     assert not liar.averager.sharing  # nobody downloads its state meanwhile
+
+
+def test_a_replica_whose_rounds_were_cut_short_resynchronises_again_up_to_the_cap(
+        make_replica, run_id: str) -> None:  # noqa: F811
+    """A replica on a loaded machine departs right after it resynchronised, each time after a gradient round that did
+    not bring every part back for it, and it knows so (``Agreement.doubt``): it resynchronises again rather than
+    withdraw (CI saw an honest tail withdrawn so, which left a run needing it waiting for members), ``MAX_RESYNCS``
+    times in a row; the next departure withdraws it. (A departure with no round cut short withdraws it at once:
+    the test above.)"""
+    state = run_state(run_id, grad_averaging="full")
+    honest, _, unlucky = replicas = serving([make_replica(state) for _ in range(3)])
+    checks = agreements(state, replicas)
+    assert check_together(checks, 0, 0) == [Outcome.AGREED] * 3
+    cut_short = GradientResult(round=0, status=AveragingStatus.AVERAGED, reason="some peer's parts did not arrive",
+                               weight=4.0, samples=4, group_size=3, refused=0, complete=False, seconds=0.1,
+                               consecutive_failures=0)
+    outcomes = []
+    for _ in range(MAX_RESYNCS + 1):
+        unlucky.gradients.last = cut_short
+        checks[2].doubt(-1)  # its round before step 0's check was cut short
+        assert unlucky.worker.unsure  # it serves no batch until the check
+        perturb(unlucky)
+        outcomes.append(check_together(checks, 0, 0)[2])
+        assert unlucky.worker.unsure is None
+        assert same(unlucky, honest) == (outcomes[-1] == Outcome.RESYNCED)  # brought back bit for bit, or left
+    assert outcomes == [Outcome.RESYNCED] * MAX_RESYNCS + [Outcome.WITHDRAW]
+    assert not unlucky.averager.sharing  # nobody downloads its state meanwhile
 
 
 def test_a_joiner_refuses_a_hostile_donor_s_state_and_loads_the_one_the_majority_vouched_for(
