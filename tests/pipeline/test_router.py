@@ -297,8 +297,8 @@ def test_a_lane_whose_worker_is_measured_slow_gives_way(speed: float, kept: bool
     router.update([record("a"), record("b")])
     measured(router, {"a": 0.01 / speed, "b": 0.01})
     router.begin_round()
-    router.choose(4.0, exclude={"a"})  # b one task ahead: a is the least-loaded
-    router.choose(4.0, exclude={"b"})  # and a one behind it again: b is
+    router.choose(4.0, exclude={"a"})
+    router.choose(4.0, exclude={"b"})  # one task each, a's priced at its lower throughput: b is the least-loaded
     assert (router.choose(4.0, prefer="a").uid == "a") is kept
 
 
