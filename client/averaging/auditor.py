@@ -70,7 +70,10 @@ class Auditor:
 
     async def _audit(self, ids: Sequence[bytes]) -> None:
         """Audit, each with probability ``audit_rate``, the other reducers of the all-reduces ``ids`` on one part
-        each, chosen at random (``audit``); keep every forgery and every false result found as evidence."""
+        each, chosen at random (``audit``), and every reducer that returned a part too large to be an honest
+        average on that part: refusing it kept the part out of this round, and the audit turns the reducer's own
+        statement into evidence, so a false reducer gains no escape by lying far enough to be refused. Keep every
+        forgery and every false result found as evidence."""
         draw = secrets.SystemRandom()  # private: a reducer must not foresee which of its statements are audited
         for group_id in ids:
             reductions = self._reductions.get(group_id)
@@ -82,8 +85,10 @@ class Auditor:
             for reducer, part in reductions.returned:
                 parts.setdefault(reducer, []).append(part)
             for reducer, indices in parts.items():
-                if draw.random() < self.audit_rate:
-                    await self._audit_part(group_id, reducer, draw.choice(indices), reductions)
+                oversized = [part for part in indices if (reducer, part) in reductions.oversized]
+                if oversized or draw.random() < self.audit_rate:
+                    chosen = oversized[0] if oversized else draw.choice(indices)
+                    await self._audit_part(group_id, reducer, chosen, reductions)
 
     async def _audit_part(self, group_id: bytes, reducer: PeerID, part: int, reductions: Reductions) -> None:
         """Ask ``reducer`` for the inputs of its part ``part`` and recompute it; a false result is kept as

@@ -113,6 +113,8 @@ class Reductions:
     returned: dict[tuple[PeerID, int], tuple[Statement, torch.Tensor]] = field(default_factory=dict)
     forgeries: list[tuple[PeerID, Place, Statement]] = field(default_factory=list)  # statements signed
     # over inputs their senders did not sign: evidence by themselves
+    oversized: set[tuple[PeerID, int]] = field(default_factory=set)  # returned parts, their statements holding,
+    # that were refused for a norm no honest average of the part reaches: audited every time (``auditor``)
 
 
 class _CheckedStub:
@@ -161,6 +163,7 @@ class RobustRunner(AllReduceRunner):
             if peer_index != own and not torch.equal(part, local):
                 norm = float(torch.linalg.vector_norm(part, dtype=torch.float64))
                 if not norm <= result_bound:  # also refuses NaN and infinity
+                    self.reductions.oversized.add((self.ordered_peer_ids[peer_index], part_index))
                     raise AllreduceException(f"reducer {self.ordered_peer_ids[peer_index]} returned part "
                                              f"{part_index} of norm {norm:.3g}, above {result_bound:.3g}")
             register(peer_index, part_index, part)

@@ -264,17 +264,27 @@ def test_an_accuser_publishes_the_first_pieces_that_fit_a_record(dht, new_dht, r
 
 
 class _ShiftedReducer(RobustReducer):
+    shift = 0.01
+
     async def accumulate_part(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return (await super().accumulate_part(*args, **kwargs)) + 0.01
+        return (await super().accumulate_part(*args, **kwargs)) + self.shift
 
 
 class _ShiftingRunner(RobustRunner):
     """A reducer that returns its shard's robust mean plus 0.01, and signs that."""
 
+    reducer_class: type[_ShiftedReducer] = _ShiftedReducer
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.tensor_part_reducer = _ShiftedReducer(tuple(p.shape for p in self.parts_for_local_averaging),
-                                                   len(self.sender_peer_ids))
+        self.tensor_part_reducer = self.reducer_class(tuple(p.shape for p in self.parts_for_local_averaging),
+                                                      len(self.sender_peer_ids))
+
+
+class _FarShiftingRunner(_ShiftingRunner):
+    """A reducer that returns its shard's robust mean plus 10, far above any honest average's norm, and signs that."""
+
+    reducer_class = type("_FarShiftedReducer", (_ShiftedReducer,), {"shift": 10.0})
 
 
 class _ForgingRunner(RobustRunner):
@@ -353,6 +363,18 @@ def test_with_the_run_s_audit_rate_0_a_shifted_shard_is_never_audited(make_grad_
     assert all(a.process.audit_rate == 0.0 for a in averagers)
     assert all(r is not None and r.complete for r in results[:2]), results
     assert lies_after(averagers[:2], expected=1, wait=6.0) == []
+
+
+def test_a_reducer_whose_false_part_is_refused_for_its_size_is_audited_and_convicted_even_at_audit_rate_0(
+        make_grad_averager) -> None:
+    """A false reducer cannot escape the audits by lying by more than the bound: the part is refused (kept out of
+    the round) and audited every time, whatever the run's audit rate. CI saw this escape: a shift within the bound
+    while gradients were large went over it once they were small, and twelve rounds went unaudited."""
+    averagers, results, (_, keys) = trio(make_grad_averager, _FarShiftingRunner, audit_rate=0.0)
+    assert all(r is not None and r.group_size == 3 and not r.complete for r in results[:2]), results  # refused
+    lies = lies_after(averagers[:2], expected=2)
+    assert len(lies) == 2, lies  # each honest groupmate audited it
+    assert {proven_liar(item) for item in lies} == {(bytes(keys[2].pubkey()), averagers[0].process.prefix)}
 
 
 def test_a_reducer_listing_a_forged_input_has_its_shard_refused_and_is_convicted(make_grad_averager) -> None:
