@@ -35,7 +35,9 @@ from tests.averagers import FAST, signed_backwards
 from tests.averaging.test_attacks import TRIO, _Reverser, reverser_round
 
 ADMITTED = GradientSettings(GradAveraging.FULL, timeouts=TRIO, max_weight=16.0, round_samples=16)
-DROPPED = dataclasses.replace(ADMITTED, timeouts=FAST)  # an honest leader refuses it: groups of two form
+DROPPED = dataclasses.replace(ADMITTED, timeouts=dataclasses.replace(FAST, matchmaking_timeout=8.0))
+"""An honest leader refuses it, so groups of two form: with ``FAST``'s 4 s, one run in about seventeen found no
+group at all on a loaded machine; a group found sooner ends matchmaking as soon."""
 
 
 class _Claimant(_Reverser):
