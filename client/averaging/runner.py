@@ -140,14 +140,16 @@ class RobustRunner(AllReduceRunner):
 
     ``signer`` is this peer's key; ``keys`` every groupmate's (their admitted declarations'), by peer id."""
 
+    reducer_class: type[RobustReducer] = RobustReducer
+
     def __init__(self, *, signer: Keypair, keys: Mapping[PeerID, bytes], result_bound: float = math.inf,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.signer, self.keys = signer, dict(keys)
         self.tensor_part_reducer.finished.set()  # hivemind's own, never used: its finaliser would log every round
         # that it "received 0.0% of input tensors"
-        self.tensor_part_reducer = RobustReducer(tuple(part.shape for part in self.parts_for_local_averaging),
-                                                 len(self.sender_peer_ids))
+        self.tensor_part_reducer = self.reducer_class(tuple(part.shape for part in self.parts_for_local_averaging),
+                                                      len(self.sender_peer_ids))
         self.reductions = Reductions(frozenset(self.sender_peer_ids), self.keys)
         self._sent: dict[tuple[PeerID, int], Entry] = {}  # this peer's signed input to each reducer's part
         self._answers: dict[int, tuple[Any, torch.Tensor, Statement]] = {}  # this reducer's, by part

@@ -291,13 +291,7 @@ def false_reducer() -> None:
         async def accumulate_part(self, *args, **kwargs):
             return (await super().accumulate_part(*args, **kwargs)) + FALSE_SHIFT
 
-    class ShiftingRunner(RobustRunner):
-        def __init__(self, **kwargs) -> None:
-            super().__init__(**kwargs)
-            self.tensor_part_reducer = Shifted(tuple(p.shape for p in self.parts_for_local_averaging),
-                                               len(self.sender_peer_ids))
-
-    StageAverager.runner_class = ShiftingRunner
+    StageAverager.runner_class = type("ShiftingRunner", (RobustRunner,), {"reducer_class": Shifted})
 
 
 def idle_trainer() -> None:

@@ -273,12 +273,7 @@ class _ShiftedReducer(RobustReducer):
 class _ShiftingRunner(RobustRunner):
     """A reducer that returns its shard's robust mean plus 0.01, and signs that."""
 
-    reducer_class: type[_ShiftedReducer] = _ShiftedReducer
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.tensor_part_reducer = self.reducer_class(tuple(p.shape for p in self.parts_for_local_averaging),
-                                                      len(self.sender_peer_ids))
+    reducer_class = _ShiftedReducer
 
 
 class _FarShiftingRunner(_ShiftingRunner):
