@@ -27,7 +27,11 @@ each step 1, 2, 2 or 3 of its four microbatches (at random; in general, half giv
 as a trainer's routers did when they carried each worker's runtime over from round to round
 (``client.pipeline.router``); one ending in ``+crossed`` deals each stage's microbatches evenly but independently of
 the other stages', as the routers now do: a microbatch may run the head of one replica and the body of the other.
-Suffixes go in the order ``+moment+uneven`` (or ``+moment+crossed``).
+A replicas' rule ending in ``+rankR`` (``sparta:1/20:int4+rank2``, ``none+rank4``) also averages, every step, each
+replica's gradient on a rank-R subspace the pair finds as PowerSGD does (``Subspace``: its factors in int8, Q warm
+started) and keeps the rest of it local, with no error feedback: one candidate for PowerSGD at small widths, where
+error feedback under Adam does worse than no averaging at all (README, "A subspace averaged, the rest kept local").
+Suffixes go in the order ``+moment+rankR+uneven`` (or ``+crossed``).
 ``--model tiny-llama`` runs the demo's Llama (``bench_gradients.tiny_llama_run``) instead of psyswarm's model.
 
 Run::
@@ -35,6 +39,7 @@ Run::
     python tests/benchmarks/bench_seeds.py --seeds 10 full powersgd:4 sparta:1/16:int8 none
     python tests/benchmarks/bench_seeds.py --model tiny-llama --seeds 6 full powersgd:4 sparta:1/17:int8 none
     python tests/benchmarks/bench_seeds.py --seeds 10 sparta:1/17:int8 sparta:1/9:int4
+    python tests/benchmarks/bench_seeds.py --seeds 10 sparta:1/10:int4 "sparta:1/20:int4+rank2" "none+rank4"
     python tests/benchmarks/bench_seeds.py --model tiny-llama --seeds 6 "sparta:1/10:int4+moment" \\
         "sparta:1/10:int4+moment+uneven" "sparta:1/10:int4+moment+crossed"
 """
@@ -89,12 +94,28 @@ def reduced(parts: list[torch.Tensor], values: GradValues = GradValues.INT8) -> 
     return round_trip(sum(round_trip(p.contiguous(), values) for p in parts) / len(parts), values)
 
 
-class PowerSGD:
-    """Two replicas' rank-``rank`` PowerSGD round in int8: the mean of the factors, with error feedback."""
+class Phases:
+    """Two replicas' rank-``rank`` PowerSGD phases in int8, Q warm-started from the last round's mean."""
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], rank: int) -> None:
         self.factors = [compressed_shape(shape, rank, 2.0) for shape in shapes]
         self.qs = [None if f is None else seeded_matrix(0, str(i), f[1], rank) for i, f in enumerate(self.factors)]
+
+    def phases(self, i: int, ms: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Tensor ``i``'s P̂ from the replicas' matrices ``ms`` and each one's own Mᵀ P̂; the Q kept is their mean."""
+        orthogonalize_(self.qs[i])
+        p = reduced([m @ self.qs[i] for m in ms])
+        orthogonalize_(p)
+        local = [m.t() @ p for m in ms]
+        self.qs[i] = reduced(local)
+        return p, local
+
+
+class PowerSGD(Phases):
+    """The mean of the factors for both replicas, with error feedback (``client.averaging.gradients``'s round)."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], rank: int) -> None:
+        super().__init__(shapes, rank)
         self.errors = [[None if f is None else torch.zeros(f) for f in self.factors] for _ in range(2)]
 
     def __call__(self, grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -104,14 +125,30 @@ class PowerSGD:
                 out.append((grads[0][i] + grads[1][i]) / 2)
                 continue
             ms = [g[i].reshape(factor) + e[i] for g, e in zip(grads, self.errors, strict=True)]
-            orthogonalize_(self.qs[i])
-            p = reduced([m @ self.qs[i] for m in ms])
-            orthogonalize_(p)
-            local = [m.t() @ p for m in ms]
+            p, local = self.phases(i, ms)
             for error, m, q in zip(self.errors, ms, local, strict=True):
                 error[i] = m - p @ q.t()
-            self.qs[i] = reduced(local)
             out.append((p @ self.qs[i].t()).reshape(grads[0][i].shape))
+        return out
+
+
+class Subspace(Phases):
+    """The factors' mean replaces only the part of each replica's own gradient they span: each steps on its
+    gradient with its projection onto the pair's P̂ swapped for the pair's (G_r + P̂ P̂ᵀ (mean G − G_r)); the rest
+    stays local, with no error feedback, and SPARTA averages what it moves apart."""
+
+    def __call__(self, grads: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        out: list[list[torch.Tensor]] = [[], []]
+        for i, factor in enumerate(self.factors):
+            if factor is None:
+                mean = reduced([g[i] for g in grads])
+                for o in out:
+                    o.append(mean)
+                continue
+            ms = [g[i].reshape(factor) for g in grads]
+            p, local = self.phases(i, ms)
+            for o, m, q in zip(out, ms, local, strict=True):
+                o.append((m + p @ (self.qs[i] - q).t()).reshape(grads[0][i].shape))
         return out
 
 
@@ -164,12 +201,15 @@ def owners(deal: Deal, rng: random.Random, microbatches: int, stages: int) -> li
 
 
 def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int, values: GradValues,
-             lr_scale: float = 1.0, moment: bool = False, deal: Deal = Deal.HALVES) -> tuple[list[float], float]:
+             lr_scale: float = 1.0, moment: bool = False, deal: Deal = Deal.HALVES,
+             rank: int = 0) -> tuple[list[float], float]:
     """Two replicas each stepping on its share of each batch (``deal``) at ``lr_scale`` × the rate (with ``moment``,
-    on the whole batch's estimated second moment); every ``every`` steps one slice averaged, in ``values``."""
+    on the whole batch's estimated second moment; with ``rank``, on its gradient with a rank-``rank`` subspace
+    averaged: ``Subspace``); every ``every`` steps one slice averaged, in ``values``."""
     args = bench.args
     pair = [bench.trainer(spec, lr_scale, args.batch_size if moment else 0) for _ in range(2)]
     params = [[o.params for o in t.optimizers] for t in pair]
+    subspaces = [Subspace([tuple(p.shape) for p in ps], rank) for ps in params[0]] if rank else []
     masks = [SpartaMasks([(f"{s}.{i}", p.numel()) for i, p in enumerate(ps)], partitions, spec.seed)
              for s, ps in enumerate(params[0])]
     anchors = [[p.detach().clone().reshape(-1) for p in ps] for ps in params[0]]
@@ -186,6 +226,11 @@ def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int, 
                                   [pair[r].optimizers[s] for s, r in enumerate(chain)], bench.dataset.batch(chunk)))
             for s, r in enumerate(chain):
                 samples[r][s] += len(chunk)
+        for s, subspace in enumerate(subspaces):
+            means = [[p.grad / samples[r][s] for p in params[r][s]] for r in range(2)]
+            for r, got_back in enumerate(subspace(means)):
+                for param, grad in zip(params[r][s], got_back, strict=True):
+                    param.grad = grad * samples[r][s]
         for r, trainer in enumerate(pair):
             for s, optimizer in enumerate(trainer.optimizers):
                 optimizer.step(samples[r][s])
@@ -212,12 +257,16 @@ def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
     """The training losses and held-out loss of rule ``name`` (the module docstring) from ``spec``'s weights."""
     deal = next((d for d in Deal if name.endswith(f"+{d.value}")), Deal.HALVES)
     name = name.removesuffix(f"+{deal.value}")
+    name, _, subspace = name.partition("+rank")
+    if subspace and not subspace.isdigit():
+        raise SystemExit(f"{name}+rank{subspace!r}: expected +rankR with R a whole number, such as +rank2")
+    rank = int(subspace or 0)
     moment, name = name.endswith("+moment"), name.removesuffix("+moment")
     name, _, scale = name.partition("*")
     lr_scale = float(scale or 1.0)
     kind, _, setting = name.partition(":")
-    if (scale or moment or deal is not Deal.HALVES) and kind in ("full", "powersgd"):
-        raise SystemExit(f"{name!r}: *SCALE, +moment and deals apply to the replicas' rules (sparta, none)")
+    if (scale or moment or rank or deal is not Deal.HALVES) and kind in ("full", "powersgd"):
+        raise SystemExit(f"{name!r}: *SCALE, +moment, +rankR and deals apply to the replicas' rules (sparta, none)")
     if kind == "full":
         return shared(bench, spec, lambda s: lambda g: [(a + b) / 2 for a, b in zip(*g, strict=True)])
     if kind == "powersgd":
@@ -229,9 +278,9 @@ def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
         if codec not in ("", "int8", "int4"):
             raise SystemExit(f"{name!r}: a slice travels in float32, int8 or int4 here")
         return replicas(bench, spec, int(every), int(partitions), GradValues(codec or "float32"), lr_scale, moment,
-                        deal)
+                        deal, rank)
     if kind == "none":
-        return replicas(bench, spec, None, 1, GradValues.FLOAT32, lr_scale, moment, deal)
+        return replicas(bench, spec, None, 1, GradValues.FLOAT32, lr_scale, moment, deal, rank)
     raise SystemExit(f"{name!r}: expected full, powersgd:R, sparta:EVERY/P[:int8|:int4] or none")
 
 
@@ -242,7 +291,8 @@ def spread(values: Sequence[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rules", nargs="+", help="full, powersgd:R, sparta:EVERY/P[:int8|:int4], none; replicas' "
-                                                 "rules may end in *SCALE (the learning rate × SCALE), +moment, and "
+                                                 "rules may end in *SCALE (the learning rate × SCALE), +moment, "
+                                                 "+rankR (a rank-R subspace of the gradients averaged), and "
                                                  "+uneven or +crossed (how microbatches are dealt)")
     parser.add_argument("--seeds", type=int, default=10, help="initialisations: N seeds from --first-seed on")
     parser.add_argument("--first-seed", type=int, default=0)
