@@ -35,9 +35,12 @@ from tests.averagers import FAST, signed_backwards
 from tests.averaging.test_attacks import TRIO, _Reverser, reverser_round
 
 ADMITTED = GradientSettings(GradAveraging.FULL, timeouts=TRIO, max_weight=16.0, round_samples=16)
-DROPPED = dataclasses.replace(ADMITTED, timeouts=dataclasses.replace(FAST, matchmaking_timeout=8.0))
+DROPPED = dataclasses.replace(ADMITTED, timeouts=dataclasses.replace(FAST, min_matchmaking_time=3.0,
+                                                                    matchmaking_timeout=8.0))
 """An honest leader refuses it, so groups of two form: with ``FAST``'s 4 s, one run in about seventeen found no
-group at all on a loaded machine; a group found sooner ends matchmaking as soon."""
+group at all on a loaded machine; a group found sooner ends matchmaking as soon. Where the liar leads, its group
+waits 3 s for both honest workers (who then drop it and average as two): with ``FAST``'s 1 s, a loaded machine once
+let it begin with one, who, dropping it, was left alone, while the other found no group."""
 
 
 class _Claimant(_Reverser):
