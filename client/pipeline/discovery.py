@@ -274,9 +274,12 @@ class WorkerDirectory:
             log.warning(message)
 
 
-def start_dht(initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0) -> hivemind.DHT:
+def start_dht(initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
+              announce: Sequence[str] = ()) -> hivemind.DHT:
     """A hivemind DHT node listening on ``host:port`` (0: any free port), joined to ``initial_peers``, that
-    stores and reads only records sealed by the owner their subkey names (``client.sealed``)."""
+    stores and reads only records sealed by the owner their subkey names (``client.sealed``). With ``announce``
+    (multiaddrs), peers are told to reach it there instead, as behind a forwarded port; its averagers share its
+    daemon, so their traffic comes in that way too."""
     from client.helper_processes import forking_helpers
     from client.pipeline.dht_node import DHTNode
     from client.sealed import SealValidator
@@ -285,6 +288,7 @@ def start_dht(initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: 
         return DHTNode(
             initial_peers=list(initial_peers) or None,
             host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+            announce_maddrs=list(announce) or None,
             record_validators=[SealValidator()],
             start=True,
         )

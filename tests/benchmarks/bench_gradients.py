@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import statistics
@@ -55,6 +56,7 @@ from bench_sparta import (  # this directory
     system,
 )
 from hivemind.utils.serializer import MSGPackSerializer
+from link_emulator import Link  # this directory
 
 from client.averaging import demo
 from client.averaging.gradients import GradAveraging, GradientSettings, round_payload
@@ -126,6 +128,15 @@ def parse_demo(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected CHUNK/TOPK such as 64/4") from None
 
 
+def parse_link(text: str) -> Link:
+    """``MBIT/MS``: a link of MBIT megabits per second each way and MS milliseconds of round trip."""
+    mbit, _, ms = text.partition("/")
+    try:
+        return Link(float(mbit) * 1e6, float(ms) / 1e3)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MBIT/MS such as 100/50, both positive") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=120, help="optimizer steps")
@@ -169,6 +180,10 @@ def main() -> None:
                         help="replicas per stage (the robust reduction differs from the mean from 3 on)")
     parser.add_argument("--matchmaking", type=float, default=0.3,
                         help="seconds each gradient round's matchmaking waits for groupmates")
+    parser.add_argument("--link", type=parse_link,
+                        help="MBIT/MS: every worker's averaging traffic through its own emulated link of MBIT Mbit/s "
+                             "each way and MS ms round trip (link_emulator.py; the pipeline stays on loopback), to "
+                             "time the rounds as over the internet (default: loopback)")
     parser.add_argument("--undefended", action="store_true",
                         help="also run each gradient-averaging setting without the averaging layer's defences "
                              "(hivemind's weighted mean of declared weights), for their cost side by side")
@@ -196,20 +211,21 @@ def main() -> None:
           f"{args.workers_per_stage} workers per stage, {torch.get_num_threads()} torch threads", flush=True)
 
     started = time.monotonic()
+    on_link = functools.partial(system, link=args.link)
     runs: list[Run] = [reference(config, dataset, args, held_out)]
-    runs.append(system(config, dataset, args, held_out, None, 1))
-    runs.append(system(config, dataset, args, held_out, every, partitions, values=args.sparta_values))
+    runs.append(on_link(config, dataset, args, held_out, None, 1))
+    runs.append(on_link(config, dataset, args, held_out, every, partitions, values=args.sparta_values))
     if args.whole_batch_moment:
-        runs.append(system(config, dataset, args, held_out, every, partitions, values=args.sparta_values, moment=True))
+        runs.append(on_link(config, dataset, args, held_out, every, partitions, values=args.sparta_values, moment=True))
     if args.crossed:
-        runs.append(system(config, dataset, args, held_out, every, partitions, values=args.sparta_values,
+        runs.append(on_link(config, dataset, args, held_out, every, partitions, values=args.sparta_values,
                            moment=args.whole_batch_moment, lanes=False))
     grad_every, grad_partitions = args.grad_sparta
     for sparta, gradients in [(None, full), *((grad_every, p) for p in [*powersgd, *demos])]:
         beside = {"every": sparta, "partitions": grad_partitions if sparta else 1, "values": gradients.values}
-        runs.append(system(config, dataset, args, held_out, gradients=gradients, **beside))
+        runs.append(on_link(config, dataset, args, held_out, gradients=gradients, **beside))
         if args.undefended:
-            runs.append(system(config, dataset, args, held_out, gradients=gradients, defended=False, **beside))
+            runs.append(on_link(config, dataset, args, held_out, gradients=gradients, defended=False, **beside))
 
     base = runs[0]
     print()
@@ -219,7 +235,9 @@ def main() -> None:
         train = run.tail_loss(args.last)
         print(f"  {run.name:96s} training {train:.4f} ({train / base.tail_loss(args.last) - 1:+.2%})  "
               + "  ".join(f"{k} {v:.4f} ({v / base.held_out['model'] - 1:+.2%})" for k, v in run.held_out.items())
-              + (f"  {statistics.median(run.seconds):.3f} s/round (median)" if run.seconds else "")
+              + (f"  {statistics.median(run.seconds):.3f} s/round (median), {statistics.median(run.averaging):.3f} "
+                 f"s of it stepping and averaging" if run.seconds else "")
+              + (f", {run.link_bytes:,} B on the busiest link" if run.link_bytes else "")
               + (f"  {sum(run.shared)}/{len(run.shared)} gradient rounds shared" if run.shared else "")
               + (f"  [{run.lost} rounds lost]" if run.lost else ""))
         if run.busiest:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 from bench_robust import weighted_mean  # this directory
+from link_emulator import Link, Relay, dht_behind_relay  # this directory
 from solders.keypair import Keypair
 
 from client.averaging import runner
@@ -75,6 +76,8 @@ class Run:
     passes: int = 0
     rounds: list[AveragingResult] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)  # wall time per round: training, stepping, averaging
+    averaging: list[float] = field(default_factory=list)  # of which stepping (gradients averaged) and SPARTA
+    link_bytes: int = 0  # with a link: the most any worker's link carried in one direction
     shared: list[bool] = field(default_factory=list)  # per worker and step: whether its gradient round was shared
     busiest: list[float] = field(default_factory=list)  # per stage and step: the busiest replica's share of it
     even: list[bool] = field(default_factory=list)  # per stage-step: no replica over a microbatch ahead of another
@@ -143,16 +146,18 @@ def crossed() -> Iterator[None]:
 def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
            every: int | None, partitions: int, gradients: GradientSettings | None = None,
            defended: bool = True, values: GradValues = GradValues.FLOAT32, moment: bool = False,
-           lanes: bool = True) -> Run:
+           lanes: bool = True, link: Link | None = None) -> Run:
     """The pipeline with ``--workers-per-stage`` replicas per stage; SPARTA p = 1/``partitions`` every ``every``
     steps (None: never); with ``gradients``, the stage's workers also average their gradients before every step
     (``client.averaging.gradients``, used by tests/benchmarks/bench_gradients.py), with the averaging layer's
     defences (robust reduction, weights from the trainer's signed Backwards) or, ``defended`` False, without
     (hivemind's weighted mean of the declared weights); SPARTA's slices travel in ``values``; with ``moment`` each
     replica's Adam steps on the whole batch's estimated second moment (a run's ``whole_batch_moment``); without
-    ``lanes`` each stage's microbatches are dealt by runtime alone (``crossed``)."""
+    ``lanes`` each stage's microbatches are dealt by runtime alone (``crossed``); with ``link``, every worker's
+    averaging traffic comes in through its own emulated link (``link_emulator``: its DHT, whose daemon its averagers
+    share, announces a relay in front of it), while the pipeline's stays on loopback."""
     with contextlib.nullcontext() if defended else undefended(), contextlib.nullcontext() if lanes else crossed():
-        run = _system(config, dataset, args, held_out, every, partitions, gradients, defended, values, moment)
+        run = _system(config, dataset, args, held_out, every, partitions, gradients, defended, values, moment, link)
     if not lanes:
         run.name += ", crossed"
     return run
@@ -160,7 +165,7 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
 
 def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
             every: int | None, partitions: int, gradients: GradientSettings | None, defended: bool,
-            values: GradValues, moment: bool) -> Run:
+            values: GradValues, moment: bool, link: Link | None) -> Run:
     replicas_name = f"{args.workers_per_stage} workers/stage"
     if gradients is not None:
         rank = (f" rank {gradients.rank}" if gradients.rank else
@@ -179,7 +184,9 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
     bootstrap = start_dht()
     peers = [str(a) for a in bootstrap.get_visible_maddrs()]
     names = stage_names(config.num_stages)
-    dhts = [start_dht(peers) for _ in range(len(names) * args.workers_per_stage)]  # one per worker (peer id)
+    relays: list[Relay] = []
+    dhts = [start_dht(peers) if link is None else dht_behind_relay(peers, link, relays)
+            for _ in range(len(names) * args.workers_per_stage)]  # one per worker (peer id)
     optimizer = OptimizerConfig(lr=args.lr, whole_batch=args.batch_size if moment else 0)
     workers = {s: [StageWorker(config, s, run_id=run_id, index=i, optimizer=optimizer,
                                dht=dhts[j * args.workers_per_stage + i], max_batch_size=args.microbatch_size)
@@ -231,6 +238,7 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
                 for worker in replicas:
                     samples[worker.uid] += sum(r.sample_end - r.sample_start for r in worker.drain_receipts())
             current["round"] = round_
+            averaging_started = time.perf_counter()
             stepped = step_all([w for replicas in workers.values() for w in replicas])
             for replicas in workers.values():
                 counts = [stepped[w.uid].samples for w in replicas]
@@ -243,6 +251,7 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
                 run.rounds += average_all(workers, averagers, samples, index)
                 samples = dict.fromkeys(samples, 0)
             run.seconds.append(time.perf_counter() - round_started)
+            run.averaging.append(time.perf_counter() - averaging_started)
             if (round_ + 1) % 50 == 0:
                 print(f"  {run.name}: round {round_ + 1}, loss {statistics.fmean(run.losses[-50:]):.4f}", flush=True)
         modules = {s: [w.compute.module for w in replicas] for s, replicas in workers.items()}
@@ -265,6 +274,9 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
         for dht in dhts:
             dht.shutdown()
         bootstrap.shutdown()
+        run.link_bytes = max((relay.busiest_direction_bytes for relay in relays), default=0)
+        for relay in relays:
+            relay.stop()
     return run
 
 

@@ -12,16 +12,22 @@ out of the client package: only benchmarks and their tests use it.
 
 ``RelayedDirectory`` puts a relay in front of every worker a trainer's directory lists, so a trainer on this
 machine talks to its workers as if over the internet while the workers announce their real addresses.
+``dht_behind_relay`` starts a DHT that announces a relay in front of it, so that its peers, and its averagers'
+groupmates, reach it only through its link.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 import threading
+from collections.abc import Sequence
 from typing import Protocol
 
-from client.pipeline.discovery import WorkerRecord
+import hivemind
+
+from client.pipeline.discovery import WorkerRecord, start_dht
 
 CHUNK = 16 * 1024
 MAX_QUEUED = 64  # chunks per connection and direction: 1 MiB, above 100 Mbit/s × 50 ms
@@ -180,3 +186,15 @@ class RelayedDirectory:
             for relay in self._relays.values():
                 relay.stop()
             self._relays.clear()
+
+
+def dht_behind_relay(initial_peers: Sequence[str], link: Link, relays: list[Relay]) -> hivemind.DHT:
+    """A DHT on a free loopback port that announces a relay on ``link`` in front of it (appended to ``relays``, for
+    the caller to stop after the DHT): whoever connects to it, its averagers' groupmates included, comes in through
+    the link and is answered the same way."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    relays.append(Relay(f"127.0.0.1:{port}", link).start())
+    _, _, relay_port = relays[-1].address.rpartition(":")
+    return start_dht(initial_peers, port=port, announce=[f"/ip4/127.0.0.1/tcp/{relay_port}"])

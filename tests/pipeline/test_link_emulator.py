@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.benchmarks.link_emulator import Link, Relay
+from client.pipeline.discovery import start_dht
+from tests.benchmarks.link_emulator import Link, Relay, dht_behind_relay
 
 
 class _Echo(socketserver.BaseRequestHandler):
@@ -78,3 +79,23 @@ def test_stop_closes_open_connections(upstream: str) -> None:
     assert conn.recv(16) == b""  # the relay's side closed, not left hanging
     conn.close()
     assert not relay._thread.is_alive()
+
+
+def test_a_dht_behind_a_relay_announces_the_relay_and_its_peers_come_in_through_it() -> None:
+    bootstrap = start_dht()
+    relays: list[Relay] = []
+    dhts = [bootstrap]
+    try:
+        hidden = dht_behind_relay([str(a) for a in bootstrap.get_visible_maddrs()], Link(1e9, 0.0), relays)
+        dhts.append(hidden)
+        announced = [str(a) for a in hidden.get_visible_maddrs()]
+        relay_port = relays[0].address.rpartition(":")[2]
+        assert announced and all(f"/tcp/{relay_port}/" in a for a in announced), announced
+        carried = relays[0].busiest_direction_bytes
+        dhts.append(start_dht(announced))  # a peer that knows only the announced address
+        assert relays[0].busiest_direction_bytes > carried
+    finally:
+        for dht in reversed(dhts):
+            dht.shutdown()
+        for relay in relays:
+            relay.stop()
