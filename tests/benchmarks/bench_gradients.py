@@ -24,7 +24,9 @@ its ``TOPK`` positions per chunk (one byte each in msgpack), counted with it.
 ``--values int8`` (or float16 or int4, repeatable) sends PowerSGD's and DeMo's values in that codec (a run's
 ``grad_values``: ``client.averaging.values``), and counts their bytes so. ``--sparta-values int8`` (or int4) sends
 the SPARTA-only run's slices as changes since their last average in that codec (``client.averaging.anchored``), and
-prints its bytes per step beside full averaging's.
+prints its bytes per step beside full averaging's. ``--link 100/50`` puts every worker's averaging behind its own
+emulated link of 100 Mbit/s and 50 ms round trip (``link_emulator.dht_behind_relay``; the pipeline stays on loopback),
+to time each round's stepping and averaging as over the internet.
 
 Run::
 
