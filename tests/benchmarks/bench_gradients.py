@@ -89,6 +89,11 @@ def gradient_bytes(config: ModelConfig, settings: GradientSettings, group_size: 
     return out
 
 
+def sparta_bytes(config: ModelConfig, every: int, partitions: int, group_size: int, values: GradValues) -> float:
+    """Bytes one worker sends a step, on average, averaging a 1/``partitions`` slice every ``every`` steps."""
+    return sum(b for _, b, _ in stage_bytes(config, partitions, group_size, values).values()) / every
+
+
 def with_sparta(config: ModelConfig, schedule: tuple[int | None, int], group_size: int, values: GradValues,
                 gradient: int, full: int) -> str:
     """What the SPARTA run beside a gradient-averaging run adds a step, its slices in that run's codec, and the two
@@ -96,7 +101,7 @@ def with_sparta(config: ModelConfig, schedule: tuple[int | None, int], group_siz
     every, partitions = schedule
     if every is None:
         return ", no SPARTA beside it"
-    sparta = sum(b for _, b, _ in stage_bytes(config, partitions, group_size, values).values()) / every
+    sparta = sparta_bytes(config, every, partitions, group_size, values)
     return (f"; with SPARTA 1/{partitions} every {every} in {values.value} ({sparta:,.0f} B a step) "
             f"{gradient + sparta:,.0f} B (1/{full / (gradient + sparta):.1f})")
 
@@ -249,7 +254,7 @@ def main() -> None:
     print(f"bytes each worker sends per step averaging its gradients (group of {group}):")
     dense = gradient_bytes(config, full, group)
     total_full = sum(b for _, b in dense.values())
-    sparta = sum(b for _, b, _ in stage_bytes(config, partitions, group, args.sparta_values).values()) / every
+    sparta = sparta_bytes(config, every, partitions, group, args.sparta_values)
     print(f"  all stages: full {total_full:,} B, SPARTA 1/{partitions} every {every} in {args.sparta_values.value} "
           f"{sparta:,.0f} B a step on average (1/{total_full / sparta:.1f})")
     for settings in powersgd:
