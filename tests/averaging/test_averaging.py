@@ -12,7 +12,7 @@ import torch
 from solders.keypair import Keypair
 
 from client.averaging.sparta import AveragingStatus
-from tests.averagers import FAST, PATIENT, average_together
+from tests.averagers import FAST, PATIENT, STEADY, average_together
 
 
 def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -34,7 +34,7 @@ def assert_all_close(actual: list[torch.Tensor], expected: list[torch.Tensor]) -
 def test_weights_one_and_zero_give_the_weighted_mean(make_averager) -> None:
     peers = [tensors(1), tensors(2)]
     first = values(peers[0])
-    averagers = [make_averager(p) for p in peers]
+    averagers = [make_averager(p, settings=STEADY) for p in peers]
     results = average_together(averagers, 0, [1.0, 0.0])
     assert [r.status for r in results] == [AveragingStatus.AVERAGED] * 2
     assert [(r.group_size, r.total_weight) for r in results] == [(2, 1.0), (2, 1.0)]
@@ -47,7 +47,7 @@ def test_weights_zero_four_six_zero_give_the_weighted_mean(make_averager) -> Non
     peers = [tensors(i) for i in range(4)]
     weights = [0.0, 0.4, 0.6, 0.0]
     expected = [0.4 * b + 0.6 * c for b, c in zip(values(peers[1]), values(peers[2]), strict=True)]
-    averagers = [make_averager(p, settings=dataclasses.replace(FAST, min_group_size=4)) for p in peers]
+    averagers = [make_averager(p, settings=dataclasses.replace(STEADY, min_group_size=4)) for p in peers]
     results = average_together(averagers, 0, weights)
     assert {(r.status, r.group_size) for r in results} == {(AveragingStatus.AVERAGED, 4)}
     assert abs(results[0].total_weight - 1.0) < 1e-9
@@ -73,11 +73,12 @@ def test_a_group_whose_weights_are_all_zero_is_skipped_without_nan(make_averager
 def test_a_round_averages_exactly_its_partition_and_p_rounds_cover_everything(make_averager) -> None:
     partitions = 4
     peers = [tensors(1), tensors(2)]
-    averagers = [make_averager(p, partitions=partitions) for p in peers]
+    averagers = [make_averager(p, partitions=partitions, settings=STEADY) for p in peers]
     masks = averagers[0].masks
     for index in range(5, 5 + partitions):  # any P consecutive rounds cover every partition once
         before = [values(p) for p in peers]
         results = average_together(averagers, index, [1.0, 1.0])
+        assert [r.status for r in results] == [AveragingStatus.AVERAGED] * 2, results
         assert {r.partition for r in results} == {index % partitions}
         assert results[0].elements == sum(len(i) for i in masks.indices(index % partitions))
         for t, idx in enumerate(masks.indices(index % partitions)):

@@ -139,9 +139,12 @@ def test_microbatches_keep_to_one_lane_of_replicas(start_worker, directory, make
 @pytest.mark.parametrize("fault", ["killed", "banned"])
 def test_backward_fails_over_when_its_forward_worker_is_lost(fault, start_worker, directory, make_trainer, caplog):
     """Between a microbatch's body1 forward and its backward, the body1 worker that ran the forward stops
-    (``killed``) or the trainer bans it (``banned``): the backward goes to the other body1, and training goes
-    on there."""
-    start_worker("head")
+    (``killed``) or the trainer bans it (``banned``): the backward goes to the other body1, the lost worker is
+    asked for no backward afterwards, and microbatches begun afterwards train on the other body1.
+
+    Microbatches in flight at the loss may have run their forward on the lost worker: only those whose head
+    forward began after it must avoid it altogether."""
+    head = start_worker("head")
     tail = start_worker("tail")
     survivor = start_worker("body1", index=1)
     victim = start_worker("body1", index=2)
@@ -149,7 +152,15 @@ def test_backward_fails_over_when_its_forward_worker_is_lost(fault, start_worker
     trainer = make_trainer()
     ran_on_victim: set[str] = set()
     lost: list[str] = []
-    victim_forward, tail_backward = victim.compute.forward, tail.compute.backward
+    begun_after: set[str] = set()  # microbatches whose head forward began after the loss
+    asked_after: list[str] = []  # backwards the lost worker was asked for after the loss
+    head_forward, victim_forward = head.compute.forward, victim.compute.forward
+    tail_backward, victim_backward = tail.compute.backward, victim.compute.backward
+
+    def first_forward(request):
+        if lost:
+            begun_after.add(request.microbatch_id)
+        return head_forward(request)
 
     def forward(request):
         ran_on_victim.add(request.microbatch_id)
@@ -165,14 +176,21 @@ def test_backward_fails_over_when_its_forward_worker_is_lost(fault, start_worker
                 trainer.routers["body1"].ban(victim.uid)
         return tail_backward(request, sign)
 
-    victim.compute.forward, tail.compute.backward = forward, backward
+    def lost_backward(request, sign):
+        if lost:
+            asked_after.append(request.microbatch_id)
+        return victim_backward(request, sign)
+
+    head.compute.forward, victim.compute.forward = first_forward, forward
+    tail.compute.backward, victim.compute.backward = backward, lost_backward
     with caplog.at_level(logging.INFO, logger="client.pipeline"):
-        result = trainer.train(range(12), microbatch_size=2)
-    assert len(result.losses) == 6 and all(torch.isfinite(torch.tensor(result.losses)))
+        result = trainer.train(range(24), microbatch_size=2)
+    assert len(result.losses) == 12 and all(torch.isfinite(torch.tensor(result.losses)))
     [hit] = [m for m in result.microbatches if m.microbatch_id in lost]
     assert hit.forward_workers["body1"] == victim.uid and hit.workers["body1"] == survivor.uid
-    later = result.microbatches[result.microbatches.index(hit) + 1 :]
-    assert later and all(m.workers["body1"] == m.forward_workers["body1"] == survivor.uid for m in later)
+    assert asked_after == []
+    begun = [m for m in result.microbatches if m.microbatch_id in begun_after]
+    assert begun and all(m.workers["body1"] == m.forward_workers["body1"] == survivor.uid for m in begun)
     assert hit.microbatch_id in {r.microbatch_id for r in survivor.drain_receipts()}
     assert ("banned" if fault == "killed" else "moves off " + victim.uid) in caplog.text
 
