@@ -36,6 +36,10 @@ InitialPeers = Annotated[
                                                               "repeatable."),
 ]
 Host = Annotated[str, typer.Option(help="Address to listen on; keep 127.0.0.1 unless peers are remote.")]
+PublicHost = Annotated[str | None, typer.Option(
+    metavar="ADDRESS", help="The address other machines reach this one at (an IP or DNS name), if not --host: "
+                            "behind a router, forward this client's ports to it unchanged and fix them "
+                            "[default: --host]")]
 RunId = Annotated[str, typer.Option(metavar="RUN_ID", help="The run: namespace of its DHT records (required, as "
                                                            "everywhere a run is named).")]
 WireCodecOption = Annotated[
@@ -92,6 +96,17 @@ def parse_inflight_option(text: str) -> int | None:
     return int(value)
 
 
+def parse_public_host(host: str, public: str | None, *, worker: bool) -> str | None:
+    """Where peers are told to reach a client listening on ``host`` (``client.pipeline.addresses``): a worker's
+    record names one address, so for a worker never None; else a one-line error naming the fix."""
+    from client.pipeline.addresses import public_host, worker_host
+
+    try:
+        return worker_host(host, public) if worker else public_host(public)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--public-host") from None
+
+
 _DEFAULTS = {"layers": 6, "width": 128, "heads": 4, "seq_len": 128, "stages": 3, "seed": 0}
 
 
@@ -130,6 +145,7 @@ def dht_command(
     initial_peers: InitialPeers = [],  # noqa: B006 - typer reads the default, never mutates it
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one.")] = 0,
+    public_host: PublicHost = None,
 ) -> None:
     """Run a DHT bootstrap node: peers find each other through it; it stores no model data."""
     import signal
@@ -137,11 +153,12 @@ def dht_command(
 
     from client.pipeline.discovery import run_bootstrap
 
+    public_host = parse_public_host(host, public_host, worker=False)
     _setup_logging()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    run_bootstrap(initial_peers, host, port, stop)
+    run_bootstrap(initial_peers, host, port, stop, public_host)
     # multiprocessing's exit handler would join hivemind's DHT process, which a signal to the whole process group
     # can leave unable to answer; it is a helper that ends with its host (client.helper_processes).
     os._exit(0)
@@ -153,6 +170,7 @@ def worker_command(
     initial_peers: InitialPeers = [],  # noqa: B006
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gRPC port; 0 picks a free one.")] = 0,
+    public_host: PublicHost = None,
     keypair: Annotated[Path, keypair_option("Solana keypair file of this worker: it signs its DHT records.")] = (
         DEFAULT_KEYPAIR_PATH),
     layers: Layers = _DEFAULTS["layers"],
@@ -180,6 +198,7 @@ def worker_command(
     from client.pipeline.wire import WIRE_CODECS
     from client.pipeline.worker import run_worker
 
+    reached_at = parse_public_host(host, public_host, worker=True)
     _setup_logging()
     try:
         identity = load_keypair(keypair)
@@ -198,6 +217,7 @@ def worker_command(
         stage,
         initial_peers=initial_peers,
         dht_host=host,
+        public_host=reached_at,
         keypair=identity,
         torch_threads=threads or None,
         optimizer=OptimizerConfig(lr=lr),

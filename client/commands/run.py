@@ -28,8 +28,10 @@ from client.commands.pipeline import (
     DeviceOption,
     InflightOption,
     InitialPeers,
+    PublicHost,
     parse_device_option,
     parse_inflight_option,
+    parse_public_host,
     quiet_clean_p2p_stop,
 )
 from client.data import DEFAULT_MAX_DATASET_BYTES
@@ -170,6 +172,7 @@ def join_run(
                                                             "in a firewall); 0 picks a free one.")] = 0,
     dht_port: Annotated[int, typer.Option(min=0, max=65535, help="This client's DHT node's port; 0 picks a free "
                                                                 "one.")] = 0,
+    public_host: PublicHost = None,
     threads: Annotated[int, typer.Option(help="torch threads (0: torch's default).")] = 0,
     hub_repo: Annotated[str | None, typer.Option(help="A worker saves its stage at each epoch's end to this "
                                                       "Hugging Face repo (branch epoch-N) instead of "
@@ -220,6 +223,7 @@ def join_run(
         raise typer.BadParameter("the auth service assigns the stage: drop --stage when using --auth-url")
     chosen_device = parse_device_option(device)
     max_inflight = parse_inflight_option(inflight)
+    reached_at = parse_public_host(host, public_host, worker=role == "worker")
     if not math.isfinite(check_tolerance):
         raise typer.BadParameter(f"{check_tolerance!r}: give a finite number ≥ 0 (0: identical answers)",
                                  param_hint="--check-tolerance")
@@ -241,8 +245,8 @@ def join_run(
         options = RunnerOptions(role=Role.Worker if role == "worker" else Role.Trainer,
                                 initial_peers=list(initial_peers),
                                 stage=auth.grant.stage if auth is not None and role == "worker" else wanted,
-                                checkpoint_dir=checkpoint_dir, host=host, hub_repo=hub_repo, hf_token=hf_token,
-                                hf_endpoint=hf_endpoint, auth=auth, snapshot_every=snapshot_every,
+                                checkpoint_dir=checkpoint_dir, host=host, public_host=reached_at, hub_repo=hub_repo,
+                                hf_token=hf_token, hf_endpoint=hf_endpoint, auth=auth, snapshot_every=snapshot_every,
                                 device=chosen_device, port=port, dht_port=dht_port, max_inflight=max_inflight,
                                 max_dataset_bytes=max_dataset_gib << 30, check_rate=check_rate,
                                 check_tolerance=check_tolerance)

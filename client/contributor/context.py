@@ -31,6 +31,7 @@ class RunnerOptions:
     stage: int = limits.NO_STAGE
     checkpoint_dir: Path = Path("checkpoints")
     host: str = "127.0.0.1"
+    public_host: str | None = None  # where peers reach this client, if not at host (``pipeline.addresses``)
     hub_repo: str | None = None  # save checkpoints to this Hugging Face repo rather than checkpoint_dir
     hf_token: str | None = None
     hf_endpoint: str | None = None
@@ -43,6 +44,11 @@ class RunnerOptions:
     max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # the most a trainer downloads of the run's dataset
     check_rate: float = 0.05  # the share of a trainer's microbatches asked of a second replica (``pipeline.checks``)
     check_tolerance: float = 0.0  # how close two replicas' answers must be (0: identical digests)
+
+    @property
+    def reached_at(self) -> str:
+        """The host this client's peers are told to reach it at."""
+        return self.public_host or self.host
 
 
 @dataclasses.dataclass

@@ -176,7 +176,8 @@ class WorkerRole:
             data_check = (DataCheck(run_dataset(state, config, options), config.vocab, name)
                           if name in TOKEN_FIELD else None)
             replica = StageReplica.create(state, name, config, dht=context.dht, keypair=context.keypair,
-                                          host=options.host, device=options.device, data_check=data_check,
+                                          host=options.host, public_host=options.reached_at,
+                                          device=options.device, data_check=data_check,
                                           trainer_allowed=self._is_epoch_trainer,
                                           roster=lambda: stage_roster(self.context.state, stage),
                                           say=lambda line: print(line, flush=True))

@@ -176,7 +176,7 @@ class StageReplica:
 
     @classmethod
     def create(cls, state: CoordinatorState, stage: str, config: ModelSpec, *, dht, keypair: Keypair, host: str,
-               trainer_allowed: Callable[[bytes], bool], roster: Callable[[], Roster],
+               trainer_allowed: Callable[[bytes], bool], roster: Callable[[], Roster], public_host: str | None = None,
                say: Callable[[str], None] = print, device: str = "cpu",
                data_check: DataCheck | None = None) -> StageReplica:
         """Build the worker of ``stage`` of the run's model ``config`` (not serving yet) and its averager: the
@@ -184,11 +184,12 @@ class StageReplica:
         worker serves the trainers for which ``trainer_allowed`` (a public key) is true and averages with the
         workers ``roster`` lists (``stage_roster`` of the coordinator's current state); ``ModelSourceError``
         when its stage cannot be built as the run names it. ``data_check``: the head's or tail's check of the
-        tokens it receives against the run's dataset."""
+        tokens it receives against the run's dataset. Trainers reach the worker at ``public_host`` (``addresses``),
+        ``host`` by default."""
         namespace = run_instance(state)  # this run's workers, averaging groups and donors, apart from any earlier run
         worker = StageWorker(config, stage, keypair=keypair, dht=dht, run_id=namespace, host=host,
-                             trainer_allowed=trainer_allowed, device=device, data_check=data_check,
-                             wire_codec=codec_name(state.model.wire_codec),
+                             public_host=public_host, trainer_allowed=trainer_allowed, device=device,
+                             data_check=data_check, wire_codec=codec_name(state.model.wire_codec),
                              optimizer=optimizer_config(state))
         replica: StageReplica  # bound below; the provider only runs once sharing is on, long after
         averager = SpartaAverager.for_worker(

@@ -298,9 +298,14 @@ BOOTSTRAP_SHUTDOWN_GRACE = 1.0
 """Seconds a stopping bootstrap node waits for hivemind's DHT process to shut down."""
 
 
-def run_bootstrap(initial_peers: Sequence[str], host: str, port: int, stop: threading.Event) -> None:
-    """Run a DHT node that stores no model data and only lets peers find each other, until ``stop``."""
-    dht = start_dht(initial_peers, host, port)
+def run_bootstrap(initial_peers: Sequence[str], host: str, port: int, stop: threading.Event,
+                  public_host: str | None = None) -> None:
+    """Run a DHT node that stores no model data and only lets peers find each other, until ``stop``; peers reach
+    it at ``public_host`` (``addresses``), ``host`` by default."""
+    from client.pipeline.addresses import announced_dht
+
+    port, announce = announced_dht(host, port, public_host)
+    dht = start_dht(initial_peers, host, port, announce=announce)
     try:
         for addr in dht.get_visible_maddrs():
             print(f"DHT bootstrap listening: --initial-peer {addr}", flush=True)

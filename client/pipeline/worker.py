@@ -26,6 +26,7 @@ import grpc
 import torch
 from solders.keypair import Keypair
 
+from client.pipeline.addresses import endpoint
 from client.pipeline.admission import MicrobatchLedger, Ticket, TrainerAllowed, any_signed_trainer
 from client.pipeline.compute import StageCompute, StageRequest
 from client.pipeline.datacheck import DataCheck, WrongData
@@ -62,6 +63,7 @@ class StageWorker:
         index: int | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        public_host: str | None = None,
         dht: hivemind.DHT | None = None,
         run_id: str = "psyswarm",
         trainer_allowed: TrainerAllowed = any_signed_trainer,
@@ -91,6 +93,7 @@ class StageWorker:
         self.uid = worker_uid(stage, default_index(self.pubkey) if index is None else index)
         self.host = host
         self.port = port
+        self.public_host = public_host or host  # what its record tells trainers (``addresses``)
         self.dht = dht
         self.run_id = run_id
         self.trainer_allowed = trainer_allowed
@@ -122,7 +125,8 @@ class StageWorker:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        """Where trainers reach this worker, as its record announces it."""
+        return endpoint(self.public_host, self.port)
 
     def start(self) -> StageWorker:
         handlers = {
@@ -249,19 +253,9 @@ class StageWorker:
         }
 
     def _record(self, expires: float) -> WorkerRecord:
-        return WorkerRecord(
-            run_id=self.run_id,
-            stage=self.stage,
-            uid=self.uid,
-            address=self.address,
-            sync_phase=self.sync_phase,
-            load=self.load,
-            throughput=self.throughput,
-            model=self.config.fingerprint(),
-            pubkey="",
-            expires=expires,
-            state=STATE_UP,
-        )
+        return WorkerRecord(run_id=self.run_id, stage=self.stage, uid=self.uid, address=self.address,
+                            sync_phase=self.sync_phase, load=self.load, throughput=self.throughput,
+                            model=self.config.fingerprint(), pubkey="", expires=expires, state=STATE_UP)
 
     # ----- RPC handlers (gRPC threads) -----
 
@@ -357,11 +351,14 @@ def run_worker(
     *,
     initial_peers: Sequence[str],
     dht_host: str = "127.0.0.1",
+    public_host: str | None = None,
     keypair: Keypair | None = None,
     torch_threads: int | None = None,
     **worker_options: object,
 ) -> None:
-    """Run a worker with its own DHT node until SIGINT or SIGTERM (the CLI's and test subprocesses' entry)."""
+    """Run a worker with its own DHT node until SIGINT or SIGTERM (the CLI's and test subprocesses' entry); peers
+    reach both at ``public_host`` (``addresses``), ``dht_host`` by default."""
+    from client.pipeline.addresses import announced_dht
     from client.pipeline.discovery import start_dht
 
     if torch_threads:
@@ -369,8 +366,10 @@ def run_worker(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    dht = start_dht(initial_peers, dht_host)
-    worker = StageWorker(config, stage, keypair=keypair, dht=dht, **worker_options)  # type: ignore[arg-type]
+    dht_port, announce = announced_dht(dht_host, 0, public_host)
+    dht = start_dht(initial_peers, dht_host, dht_port, announce=announce)
+    worker = StageWorker(config, stage, keypair=keypair, dht=dht, public_host=public_host,
+                         **worker_options)  # type: ignore[arg-type]
     try:
         worker.start()
         print(f"worker {worker.uid} ({stage}) serving on {worker.address}", flush=True)

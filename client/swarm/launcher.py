@@ -16,6 +16,7 @@ from pathlib import Path
 from solders.keypair import Keypair
 
 from client.identity import save_keypair
+from client.pipeline.addresses import free_port
 
 DHT_LINE = "DHT bootstrap listening: --initial-peer "
 AUTH_LINE = " listening on "
@@ -23,12 +24,6 @@ JOIN_AUTHORITY = "join-authority"
 """The auth service's keypair, under ``keys/``: the run's join authority when the swarm runs one."""
 CLIENT_LAMPORTS = 10_000_000_000
 """What the local chain gives each client: its transaction fees for a long run."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Swarm:

@@ -65,11 +65,14 @@ class _Transmitter:
 
 
 class Relay:
-    """Forwards connections made to ``address`` to ``upstream`` (``host:port``) through ``link``."""
+    """Forwards connections made to ``address`` (``listen``, a free loopback port by default) to ``upstream``
+    (``host:port``) through ``link``."""
 
-    def __init__(self, upstream: str, link: Link) -> None:
+    def __init__(self, upstream: str, link: Link, listen: str = "127.0.0.1:0") -> None:
         host, _, port = upstream.rpartition(":")
         self.upstream = (host, int(port))
+        host, _, port = listen.rpartition(":")
+        self.listen = (host, int(port))
         self.link = link
         self.address = ""
         self._loop = asyncio.new_event_loop()
@@ -86,9 +89,9 @@ class Relay:
     def start(self) -> Relay:
         self._thread.start()
         self._server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._serve, "127.0.0.1", 0), self._loop
+            asyncio.start_server(self._serve, *self.listen), self._loop
         ).result()
-        self.address = f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        self.address = f"{self.listen[0]}:{self._server.sockets[0].getsockname()[1]}"
         return self
 
     def stop(self) -> None:

@@ -38,12 +38,14 @@ def directory(dht, run_id: str) -> WorkerDirectory:
 
 @pytest.fixture
 def start_worker(dht, run_id: str) -> Iterator[Callable[..., StageWorker]]:
-    """Start in-process workers announced under this test's run id; all are stopped at the end."""
+    """Start in-process workers announced under this test's run id (through the shared DHT node unless given
+    ``dht``); all are stopped at the end."""
     started: list[StageWorker] = []
 
     def start(stage: str, **options: object) -> StageWorker:
         options.setdefault("config", TINY)
-        worker = StageWorker(stage=stage, dht=dht, run_id=run_id, **options)  # type: ignore[arg-type]
+        options.setdefault("dht", dht)
+        worker = StageWorker(stage=stage, run_id=run_id, **options)  # type: ignore[arg-type]
         started.append(worker.start())
         return worker
 

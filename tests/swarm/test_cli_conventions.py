@@ -56,8 +56,29 @@ def test_help_shows_plain_types(command: str) -> None:
 
 def test_join_run_takes_ports_and_the_auth_service_shows_its_variable() -> None:
     join = help_of("join-run")
-    assert "--port" in join and "--dht-port" in join
+    assert "--port" in join and "--dht-port" in join and "--public-host" in join
     assert "[env var: HF_ENDPOINT]" in help_of("auth-service")
+
+
+JOIN_AS_WORKER = ["join-run", "--server", "127.0.0.1:1", "--run-id", "r", "--role", "worker", "--initial-peer",
+                  "/ip4/127.0.0.1/tcp/1"]
+
+
+@pytest.mark.parametrize(("command", "named"), [
+    ([*JOIN_AS_WORKER, "--host", "0.0.0.0"], "--host 0.0.0.0 listens on every interface but names none for "
+                                             "trainers to reach: give --public-host"),
+    (["worker", "--stage", "head", "--run-id", "r", "--host", "::"], "--host :: listens on every interface"),
+    ([*JOIN_AS_WORKER, "--public-host", "my node"], "--public-host 'my node' is neither an IP address nor a DNS"),
+    (["worker", "--stage", "head", "--run-id", "r", "--public-host", "0.0.0.0"], "names no single machine"),
+    (["dht", "--public-host", "10.0.0.256"], "--public-host '10.0.0.256' is neither an IP address nor a DNS name"),
+])
+def test_an_address_peers_cannot_reach_is_one_line_naming_the_fix(command: list[str], named: str,
+                                                                  tmp_path: Path) -> None:
+    """A worker announced at 0.0.0.0 is unreachable from any other machine: refused before anything starts."""
+    keypair = [] if command[0] == "dht" else ["-k", str(tmp_path / "id.json")]
+    code, output = invoke(*command, *keypair)
+    assert code == 2 and named in output, output
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("command", [["status", "--server", "127.0.0.1:1"], ["tick", "--server", "127.0.0.1:1"],

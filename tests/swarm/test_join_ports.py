@@ -1,6 +1,7 @@
 """``join-run --port`` and ``--dht-port``: a worker serves its stage, and its DHT node listens, on the ports given,
-so that a firewall can open them. A real ``join-run`` worker admitted to a run on the real TCP server; the run's
-other members are process-less clients joined through the coordinator's protocol."""
+so that a firewall can open them; with ``--public-host`` it tells peers that address instead. A real ``join-run``
+worker admitted to a run on the real TCP server; the run's other members are process-less clients joined through
+the coordinator's protocol."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ def listening(port: int) -> bool:
 
 
 @pytest.mark.slow
-def test_a_worker_listens_on_the_ports_it_was_given(swarm, members) -> None:  # noqa: F811
+def test_a_worker_listens_on_its_ports_and_is_announced_at_its_public_host(swarm, members) -> None:  # noqa: F811
     start(swarm, tiny())
     grpc_port, dht_port = free_port(), free_port()
-    swarm.start_client("worker", "worker", "head", extra=("--port", str(grpc_port), "--dht-port", str(dht_port)))
+    swarm.start_client("worker", "worker", "head", extra=("--port", str(grpc_port), "--dht-port", str(dht_port),
+                                                          "--public-host", "127.0.0.2"))
     wait_for(swarm, "worker", "waiting to be admitted")  # its DHT node is up: it joins after starting it
     assert listening(dht_port)
     members((Role.Worker, 1), (Role.Worker, 2), (Role.Trainer, limits.NO_STAGE))
-    wait_for(swarm, "worker", f"serving stage head as \\S+ at 127.0.0.1:{grpc_port} ")
+    wait_for(swarm, "worker", f"serving stage head as \\S+ at 127.0.0.2:{grpc_port} ")
     assert listening(grpc_port)
