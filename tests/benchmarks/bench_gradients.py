@@ -58,7 +58,7 @@ from bench_sparta import (  # this directory
     system,
 )
 from hivemind.utils.serializer import MSGPackSerializer
-from link_emulator import Link  # this directory
+from link_emulator import parse_link  # this directory
 
 from client.averaging import demo
 from client.averaging.gradients import GradAveraging, GradientSettings, round_payload
@@ -133,15 +133,6 @@ def parse_demo(text: str) -> tuple[int, int]:
         return int(chunk), int(topk)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected CHUNK/TOPK such as 64/4") from None
-
-
-def parse_link(text: str) -> Link:
-    """``MBIT/MS``: a link of MBIT megabits per second each way and MS milliseconds of round trip."""
-    mbit, _, ms = text.partition("/")
-    try:
-        return Link(float(mbit) * 1e6, float(ms) / 1e3)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected MBIT/MS such as 100/50, both positive") from None
 
 
 def main() -> None:

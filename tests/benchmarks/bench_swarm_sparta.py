@@ -15,9 +15,14 @@ since its anchor), or the whole gradient every step (``grad_averaging = "full"``
   round's batches until it is done: an averaging round that outlasts RoundWitness delays the next round by the
   difference.
 
+With ``--link MBIT/MS`` every worker sits behind a router of its own on that link (``link_emulator``): it listens
+on 127.0.0.1 and is reached at 127.0.0.2 (``join-run --public-host``), where one relay forwards its gRPC and DHT
+ports over one line, so the trainer's Forwards and Backwards, its groupmates' averaging and the DHT all cross it.
+The coordinator stays on loopback; its messages are a few hundred bytes a phase.
+
 Run::
 
-    python -m tests.benchmarks.bench_swarm_sparta [--rounds 12] [--width 128] [--witness-time 2]
+    python -m tests.benchmarks.bench_swarm_sparta [--rounds 12] [--width 128] [--witness-time 2] [--link 100/50]
 
 Nine processes (coordinator, DHT, six workers, a trainer) share this machine's two cores, so a round's seconds
 here are mostly compute; the ratio is what averaging adds to it.
@@ -34,8 +39,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from client.swarm.launcher import Swarm
+from client.swarm.launcher import Swarm, free_port
 from coordinator_program.spec.state import CoordinatorState, Phase
+from tests.benchmarks.link_emulator import Link, Relay, parse_link
 from tests.integration.test_swarm import watch
 
 STAGES = ("head", "body1", "tail")
@@ -78,13 +84,30 @@ class Outcome:
     averaging_seconds: list[float]  # every worker's averaging rounds that averaged
     slice_kb: dict[str, list[float]]  # by the codec they travelled in
     statuses: dict[str, int]
+    link_mb: float  # with a link: the most any worker's line carried in one direction, MB
 
 
-def run(name: str, toml: str, timeout: float) -> Outcome:
-    """One whole run of ``toml``; its round times and its workers' SPARTA rounds."""
+PUBLIC = "127.0.0.2"
+
+
+def behind_router(link: Link | None, routers: list[Relay]) -> tuple[str, ...]:
+    """``join-run`` options for a worker behind a router of its own on ``link`` (appended to ``routers``, for the
+    caller to stop); none without a link."""
+    if link is None:
+        return ()
+    grpc_port, dht_port = free_port(), free_port()
+    routers.append(Relay(f"127.0.0.1:{grpc_port}", link, listen=f"{PUBLIC}:{grpc_port}").start())
+    routers[-1].forward(f"{PUBLIC}:{dht_port}", f"127.0.0.1:{dht_port}")
+    return "--port", str(grpc_port), "--dht-port", str(dht_port), "--public-host", PUBLIC
+
+
+def run(name: str, toml: str, timeout: float, link: Link | None) -> Outcome:
+    """One whole run of ``toml``, every worker behind ``link`` if given; its round times and its workers' SPARTA
+    rounds."""
     with tempfile.TemporaryDirectory(prefix="bench-swarm-") as workdir:
         swarm = Swarm(Path(workdir), toml)
         starts: dict[tuple[int, int], float] = {}
+        routers: list[Relay] = []
 
         def on_state(state: CoordinatorState) -> None:
             if state.phase == Phase.RoundTrain:
@@ -95,15 +118,17 @@ def run(name: str, toml: str, timeout: float) -> Outcome:
             swarm.start_dht()
             workers = [(f"{stage}{i}", stage) for i in range(WORKERS_PER_STAGE) for stage in STAGES]
             for label, stage in workers[:-1]:
-                swarm.start_client(label, "worker", stage)
+                swarm.start_client(label, "worker", stage, extra=behind_router(link, routers))
             swarm.start_client("trainer", "trainer")
             # the last worker once every other client is queued: all enter the first epoch
             asyncio.run(watch(swarm, lambda s: len(s.pending) >= len(workers), 180))
             label, stage = workers[-1]
-            swarm.start_client(label, "worker", stage)
+            swarm.start_client(label, "worker", stage, extra=behind_router(link, routers))
             asyncio.run(watch(swarm, lambda s: s.phase == Phase.Finished, timeout, on_state))
         finally:
             swarm.stop()
+            for router in routers:
+                router.stop()
         times = [starts[k] for k in sorted(starts)]
         averaging, kb, statuses = [], {}, {}
         for label, _ in workers:
@@ -113,7 +138,9 @@ def run(name: str, toml: str, timeout: float) -> Outcome:
                     averaging.append(float(seconds))
                     if size:
                         kb.setdefault(values, []).append(float(size))
-        return Outcome(name, [b - a for a, b in zip(times[1:], times[2:], strict=False)], averaging, kb, statuses)
+        carried = max((r.busiest_direction_bytes for r in routers), default=0) / 1e6
+        return Outcome(name, [b - a for a, b in zip(times[1:], times[2:], strict=False)], averaging, kb, statuses,
+                       carried)
 
 
 def describe(outcome: Outcome, baseline: Outcome | None) -> str:
@@ -126,6 +153,8 @@ def describe(outcome: Outcome, baseline: Outcome | None) -> str:
                  f"{max(outcome.averaging_seconds):.2f} s at most")
     for values, sizes in outcome.slice_kb.items():  # float32: a cycle without anchors yet (``anchored``)
         line += f", {len(sizes)} slices in {values} ({statistics.median(sizes):.1f} kB)"
+    if outcome.link_mb:
+        line += f"; the busiest worker's line carried {outcome.link_mb:.1f} MB one way"
     return line + f"; averaging outcomes {outcome.statuses}"
 
 
@@ -136,15 +165,19 @@ def main() -> None:
     parser.add_argument("--witness-time", type=int, default=2, help="round_witness_time, seconds (1..5 sets "
                         "how long SPARTA's matchmaking waits: client.join.stage_replica.sparta_settings)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
+    parser.add_argument("--link", type=parse_link, metavar="MBIT/MS",
+                        help="put every worker behind a router of its own on this link, such as 100/50")
     args = parser.parse_args()
     common = dict(clients=len(STAGES) * WORKERS_PER_STAGE + 1, rounds=args.rounds, width=args.width,
                   witness_time=args.witness_time)
     none = args.rounds + 1
-    baseline = run("no averaging", RUN.format(every=none, values="float32", gradients="off", **common), args.timeout)
+    baseline = run("no averaging", RUN.format(every=none, values="float32", gradients="off", **common), args.timeout,
+                   args.link)
     print(describe(baseline, None), flush=True)
     for name, every, values, gradients in (("SPARTA 1/10 every step, int4", 1, "int4", "off"),
                                            ("full gradients every step", none, "float32", "full")):
-        outcome = run(name, RUN.format(every=every, values=values, gradients=gradients, **common), args.timeout)
+        outcome = run(name, RUN.format(every=every, values=values, gradients=gradients, **common), args.timeout,
+                      args.link)
         print(describe(outcome, baseline), flush=True)
 
 

@@ -18,8 +18,10 @@ groupmates, reach it only through its link.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
+import functools
 import socket
 import threading
 from collections.abc import Sequence
@@ -48,6 +50,15 @@ class Link:
         return f"{self.bandwidth / 1e6:g} Mbit/s, {self.rtt * 1000:g} ms RTT"
 
 
+def parse_link(text: str) -> Link:
+    """A benchmark's ``--link MBIT/MS``: MBIT megabits per second each way, MS milliseconds of round trip."""
+    mbit, _, ms = text.partition("/")
+    try:
+        return Link(float(mbit) * 1e6, float(ms) / 1e3)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MBIT/MS such as 100/50, both positive") from None
+
+
 class _Transmitter:
     """One direction of a link: when a chunk handed over now arrives at the far end."""
 
@@ -66,19 +77,18 @@ class _Transmitter:
 
 class Relay:
     """Forwards connections made to ``address`` (``listen``, a free loopback port by default) to ``upstream``
-    (``host:port``) through ``link``."""
+    (``host:port``) through ``link``; ``forward`` adds more ports over the same link, as a router forwards a
+    machine's ports over its one line."""
 
     def __init__(self, upstream: str, link: Link, listen: str = "127.0.0.1:0") -> None:
-        host, _, port = upstream.rpartition(":")
-        self.upstream = (host, int(port))
-        host, _, port = listen.rpartition(":")
-        self.listen = (host, int(port))
+        self.upstream = upstream
+        self.listen = listen
         self.link = link
         self.address = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"relay-{upstream}", daemon=True)
         self._up, self._down = _Transmitter(link), _Transmitter(link)
-        self._server: asyncio.base_events.Server | None = None
+        self._servers: list[asyncio.base_events.Server] = []
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -88,11 +98,18 @@ class Relay:
 
     def start(self) -> Relay:
         self._thread.start()
-        self._server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._serve, *self.listen), self._loop
-        ).result()
-        self.address = f"{self.listen[0]}:{self._server.sockets[0].getsockname()[1]}"
+        self.address = self.forward(self.listen, self.upstream)
         return self
+
+    def forward(self, listen: str, upstream: str) -> str:
+        """Also forward connections made to ``listen`` to ``upstream``, over this relay's link; the address it
+        listens on."""
+        host, _, port = listen.rpartition(":")
+        server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(functools.partial(self._serve, upstream), host, int(port)), self._loop
+        ).result()
+        self._servers.append(server)
+        return f"{host}:{server.sockets[0].getsockname()[1]}"
 
     def stop(self) -> None:
         if not self._thread.is_alive():
@@ -109,19 +126,22 @@ class Relay:
         self.stop()
 
     async def _shutdown(self) -> None:
-        assert self._server is not None
-        self._server.close()
+        for server in self._servers:
+            server.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._server.wait_closed()
+        for server in self._servers:
+            await server.wait_closed()
 
-    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, upstream: str, client_reader: asyncio.StreamReader,
+                     client_writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         try:
-            upstream_reader, upstream_writer = await asyncio.open_connection(*self.upstream)
+            host, _, port = upstream.rpartition(":")
+            upstream_reader, upstream_writer = await asyncio.open_connection(host, int(port))
             try:
                 async with asyncio.TaskGroup() as group:  # one direction failing ends the other
                     group.create_task(self._pump(client_reader, upstream_writer, self._up))

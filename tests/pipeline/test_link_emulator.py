@@ -81,6 +81,37 @@ def test_stop_closes_open_connections(upstream: str) -> None:
     assert not relay._thread.is_alive()
 
 
+def test_ports_forwarded_over_one_relay_share_its_bandwidth(upstream: str) -> None:
+    """A machine's ports share its one line: two transfers at once, one per forwarded port, take twice as long
+    as one."""
+    link = Link(bandwidth=16e6, rtt=0.0)
+    size = 1_000_000  # 0.5 s at 16 Mbit/s
+    with Relay(upstream, link) as relay:
+        other = relay.forward("127.0.0.1:0", upstream)
+        assert other != relay.address
+
+        def send(address: str, done: list[bytes]) -> None:
+            with _connect(address) as conn:
+                conn.sendall(bytes(size))
+                conn.shutdown(socket.SHUT_WR)
+                answer = b""
+                while chunk := conn.recv(16):
+                    answer += chunk
+                done.append(answer)
+
+        done: list[bytes] = []
+        started = time.perf_counter()
+        threads = [threading.Thread(target=send, args=(a, done)) for a in (relay.address, other)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=10)
+        elapsed = time.perf_counter() - started
+    assert done == [b"done", b"done"]
+    expected = 2 * size * 8 / link.bandwidth
+    assert 0.9 * expected <= elapsed <= 1.25 * expected, (elapsed, expected)
+
+
 def test_a_dht_behind_a_relay_announces_the_relay_and_its_peers_come_in_through_it() -> None:
     bootstrap = start_dht()
     relays: list[Relay] = []
