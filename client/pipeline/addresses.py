@@ -12,6 +12,8 @@ import ipaddress
 import re
 import socket
 
+MAX_NAME = 240
+"""The longest DNS name taken: its worker's address (``name:port``) must fit a record's 255 characters."""
 _LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
 _DNS_NAME = re.compile(rf"{_LABEL}(\.{_LABEL})*\.?")
 
@@ -25,6 +27,9 @@ def public_host(public: str | None) -> str | None:
     try:
         address = ipaddress.ip_address(public)
     except ValueError:
+        if len(public) > MAX_NAME:
+            raise ValueError(f"--public-host is {len(public)} characters long: give a name of at most {MAX_NAME}, "
+                             "or the IP address other machines reach this one at") from None
         if not _is_dns_name(public):
             raise ValueError(f"--public-host {public!r} is neither an IP address nor a DNS name: give the address "
                              "other machines reach this one at, such as 203.0.113.7 or node.example.org") from None
@@ -59,11 +64,9 @@ def _unspecified(host: str) -> bool:
 
 
 def _is_dns_name(name: str) -> bool:
-    """A DNS name (RFC 1123 labels, at most 253 characters) whose last label is not all digits, which only a
-    mistyped IP address (``10.0.0.256``) would have."""
-    if len(name.rstrip(".")) > 253 or not _DNS_NAME.fullmatch(name):
-        return False
-    return not name.rstrip(".").rsplit(".", 1)[-1].isdigit()
+    """A DNS name (RFC 1123 labels) whose last label is not all digits, which only a mistyped IP address
+    (``10.0.0.256``) would have."""
+    return bool(_DNS_NAME.fullmatch(name)) and not name.rstrip(".").rsplit(".", 1)[-1].isdigit()
 
 
 def endpoint(host: str, port: int) -> str:

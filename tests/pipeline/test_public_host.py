@@ -82,6 +82,7 @@ def test_a_worker_listening_on_every_interface_must_name_one(listen: str) -> Non
     ("-node.example.org", "neither an IP address nor a DNS name"),
     ("", "neither an IP address nor a DNS name"),
     ("a" * 64 + ".org", "neither an IP address nor a DNS name"),
+    (".".join(["a" * 60] * 4), "is 243 characters long: give a name of at most 240"),
     ("node.example.org:7000", "neither an IP address nor a DNS name"),
 ])
 def test_an_address_peers_cannot_reach_is_refused_naming_the_fix(public: str, named: str) -> None:
@@ -100,7 +101,7 @@ def test_any_public_host_is_refused_with_a_value_error_or_makes_well_formed_addr
         assert "--public-host" in str(exc)
         return
     assert host is not None and host.isascii() and host.strip() == host and "/" not in host
-    assert 0 < len(host) <= 254 and "%" not in host
+    assert 0 < len(endpoint(host, 65535)) <= 255 and "%" not in host  # fits a worker record's address
     assert endpoint(host, 7000).endswith(":7000") and multiaddr(host, 7000).endswith("/tcp/7000")
 
 
