@@ -7,7 +7,8 @@ internet setting of ``examples/state.toml`` (SPARTA: a tenth of the stage every 
 since its anchor), or the whole gradient every step (``grad_averaging = "full"``). It prints, per run:
 
 - seconds per round, from one RoundTrain's start to the next's as the coordinator's states arrive (the median of
-  every round after the first), and their ratio to the run without averaging;
+  every round after the first), and their ratio to the run without averaging; and the trainer's share of a round,
+  its calls through the pipeline (from the tokens per second it logs for each round);
 - each averaging round's seconds as the workers log them, and for SPARTA how many slices travelled in which codec
   and their size (``SpartaAverager.average``): a stage's first cycle of partitions goes in float32, since no peer
   holds an anchor yet (``client.averaging.anchored``), so a run of ``--rounds`` 10 or fewer sends no int4 slice.
@@ -73,6 +74,7 @@ sparta_partitions = 10
 grad_values = "{values}"
 grad_averaging = "{gradients}"
 """
+TRAINED = re.compile(r"round \S+: trained samples (\d+)-(\d+), loss [\d.]+, (\d+) tokens/s")
 AVERAGING = re.compile(r"(?:averaging|gradient) round \d+(?: \(partition \d+\))?: (\w+).*?, ([\d.]+) s"
                        r"(?:, slice of ([\d.]+) kB in (\w+))?")
 
@@ -85,6 +87,7 @@ class Outcome:
     slice_kb: dict[str, list[float]]  # by the codec they travelled in
     statuses: dict[str, int]
     link_mb: float  # with a link: the most any worker's line carried in one direction, MB
+    training_seconds: list[float]  # the trainer's, each round: its calls through the pipeline, from its log
 
 
 PUBLIC = "127.0.0.2"
@@ -139,8 +142,11 @@ def run(name: str, toml: str, timeout: float, link: Link | None) -> Outcome:
                     if size:
                         kb.setdefault(values, []).append(float(size))
         carried = max((r.busiest_direction_bytes for r in routers), default=0) / 1e6
+        seq_len = int(re.search(r"seq_len = (\d+)", toml).group(1))
+        training = [(int(end) - int(start)) * seq_len / int(rate)
+                    for start, end, rate in TRAINED.findall(swarm.log_text("trainer"))]
         return Outcome(name, [b - a for a, b in zip(times[1:], times[2:], strict=False)], averaging, kb, statuses,
-                       carried)
+                       carried, training)
 
 
 def describe(outcome: Outcome, baseline: Outcome | None) -> str:
@@ -148,6 +154,8 @@ def describe(outcome: Outcome, baseline: Outcome | None) -> str:
     if baseline is not None:
         line += (f" ({statistics.median(outcome.round_seconds) / statistics.median(baseline.round_seconds):.2f}×"
                  " the run without averaging)")
+    if outcome.training_seconds:
+        line += f", the trainer's share {statistics.median(outcome.training_seconds):.2f} s median"
     if outcome.averaging_seconds:
         line += (f"; averaging rounds {statistics.median(outcome.averaging_seconds):.2f} s median, "
                  f"{max(outcome.averaging_seconds):.2f} s at most")

@@ -117,7 +117,9 @@ def test_backward_runs_on_the_worker_that_ran_its_forward(start_worker, director
 def test_microbatches_keep_to_one_lane_of_replicas(start_worker, directory, make_trainer) -> None:
     """Two replicas of every stage: a microbatch the i-th head ran goes on to the i-th body1 and tail (in uid order,
     ``router.StageFinder.lane``), so each replica steps on its own chain's activations, and every stage is still
-    dealt evenly. Dealt by runtime alone, about three microbatches in four crossed between chains."""
+    dealt evenly. Dealt by runtime alone, about three microbatches in four crossed between chains (12 to 19 of 48
+    kept a lane); with lanes, 43 of 48 kept one on a machine with two CPU hogs beside the suite, so the bound is 4
+    in 5, well clear of either."""
     replicas = {s: sorted((start_worker(s, index=i) for i in (1, 2)), key=lambda w: w.uid) for s in STAGES}
     wait_for_stages(directory, dict.fromkeys(STAGES, 2))
     trainer = make_trainer(max_inflight=4)
@@ -133,7 +135,7 @@ def test_microbatches_keep_to_one_lane_of_replicas(start_worker, directory, make
             lanes = {[w.uid for w in replicas[stage]].index(uid) for stage, uid in micro.workers.items()}
             kept += len(lanes) == 1
             total += 1
-    assert kept >= 0.9 * total, f"{kept} of {total} microbatches kept one lane"
+    assert kept >= 0.8 * total, f"{kept} of {total} microbatches kept one lane"
 
 
 @pytest.mark.parametrize("fault", ["killed", "banned"])
