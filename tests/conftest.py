@@ -19,7 +19,7 @@ from client.averaging.gradients import GradientAverager, GradientSettings
 from client.averaging.membership import Membership, Roster
 from client.averaging.sparta import SpartaAverager
 from client.pipeline.discovery import start_dht
-from tests.averagers import FAST, GRADIENTS
+from tests.averagers import GRADIENTS, STEADY
 from tests.fake_hub import FakeHub
 
 # Property tests draw the same examples on every run, so that a run's verdict is the code's and not the draw's;
@@ -86,8 +86,9 @@ def make_averager(own_dht, run_id: str) -> Iterator[Callable[..., SpartaAverager
     """``make_averager(named_parameters, **options)``: a SpartaAverager on a fresh DHT node of this test's run,
     with a key of its own put on the test's roster (``make_averager.members``), which every averager made
     here reads unless ``roster`` says otherwise; ``enrol=False`` leaves the key off it (a stranger); ``cls``
-    a subclass (an attacker)."""
-    defaults = {"stage": "body1", "partitions": 1, "seed": 0, "settings": FAST}
+    a subclass (an attacker). Its timeouts are ``STEADY``'s, which a loaded machine's stalls do not cut short;
+    a test of what a timeout does gives its own."""
+    defaults = {"stage": "body1", "partitions": 1, "seed": 0, "settings": STEADY}
     members: set[bytes] = set()
 
     def test_roster() -> Roster:

@@ -34,7 +34,7 @@ def assert_all_close(actual: list[torch.Tensor], expected: list[torch.Tensor]) -
 def test_weights_one_and_zero_give_the_weighted_mean(make_averager) -> None:
     peers = [tensors(1), tensors(2)]
     first = values(peers[0])
-    averagers = [make_averager(p, settings=STEADY) for p in peers]
+    averagers = [make_averager(p) for p in peers]
     results = average_together(averagers, 0, [1.0, 0.0])
     assert [r.status for r in results] == [AveragingStatus.AVERAGED] * 2
     assert [(r.group_size, r.total_weight) for r in results] == [(2, 1.0), (2, 1.0)]
@@ -73,7 +73,7 @@ def test_a_group_whose_weights_are_all_zero_is_skipped_without_nan(make_averager
 def test_a_round_averages_exactly_its_partition_and_p_rounds_cover_everything(make_averager) -> None:
     partitions = 4
     peers = [tensors(1), tensors(2)]
-    averagers = [make_averager(p, partitions=partitions, settings=STEADY) for p in peers]
+    averagers = [make_averager(p, partitions=partitions) for p in peers]
     masks = averagers[0].masks
     for index in range(5, 5 + partitions):  # any P consecutive rounds cover every partition once
         before = [values(p) for p in peers]

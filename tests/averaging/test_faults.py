@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from client.averaging.sparta import AveragingResult, AveragingStatus, SpartaAverager
-from tests.averagers import average_together
+from tests.averagers import FAST, average_together
 
 
 def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -87,7 +87,7 @@ def test_a_peer_killed_mid_allreduce_is_dropped_and_the_others_keep_partial_resu
     weights = [1.0, 0.5, 1.0]
     local = [values(p) for p in peers]
     reference = [(1.0 * a + 0.5 * b) / 1.5 for a, b in zip(local[0], local[1], strict=True)]  # the survivors
-    averagers = [make_averager(p) for p in peers]
+    averagers = [make_averager(p, settings=FAST) for p in peers]
 
     results = stall_victim(averagers, weights, kill=True)
 
@@ -117,7 +117,7 @@ def test_a_stalled_peer_is_dropped_and_everyone_recovers_next_round(make_average
     peers = [tensors(4), tensors(5), tensors(6)]
     local = [values(p) for p in peers]
     survivors_mean = [(a + b) / 2 for a, b in zip(local[0], local[1], strict=True)]
-    averagers = [make_averager(p) for p in peers]
+    averagers = [make_averager(p, settings=FAST) for p in peers]
 
     started = time.monotonic()
     results = stall_victim(averagers, [1.0, 1.0, 1.0], kill=False, stall=4.0)  # over the reducer timeout

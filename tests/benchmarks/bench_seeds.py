@@ -12,7 +12,11 @@ prints each rule's loss against one process trained on the same batches, per see
 - ``sparta:EVERY/P``: each replica steps on its own half batch, and every EVERY steps the replicas average one
   1/P slice; ``sparta:EVERY/P:int8`` (or ``:int4``) sends each slice as its change since the last average, in that
   codec (``client.averaging.anchored``);
-- ``none``: each replica on its own half, never averaged.
+- ``none``: each replica on its own half, never averaged;
+- ``ownv:R``: each replica on its own half, Adam's first moment fed the pair's rank-R PowerSGD mean as ``powersgd:R``
+  makes it and its second moment the replica's own half's gradient (``OwnMoment``; R 0: the exact mean), one more
+  candidate for PowerSGD at small widths; ``ownv-check:R`` feeds the mean to both, and ``ownv-check:0`` must match
+  ``full`` (up to rounding), the check that ``OwnMoment`` is the stages' AdamW.
 
 A rule ending in ``*SCALE`` (``sparta:1/17:int8*1.414``) runs its replicas at SCALE × the learning rate: a replica
 stepping Adam on half the batch sees gradients twice as noisy, so its second moment is larger and its steps smaller
@@ -68,7 +72,7 @@ from client.data import SampleDataset, open_byte_dataset
 from client.pipeline.data import microbatches
 from client.pipeline.local import LocalTrainer, accumulate
 from client.pipeline.model import ModelConfig, ModelSpec, build_all_stages
-from client.pipeline.optim import OptimizerConfig
+from client.pipeline.optim import OptimizerConfig, StageOptimizer, gradient_norm
 
 Grads = list[list[torch.Tensor]]  # per stage, per parameter
 
@@ -150,6 +154,60 @@ class Subspace(Phases):
             for o, m, q in zip(out, ms, local, strict=True):
                 o.append((m + p @ (self.qs[i] - q).t()).reshape(grads[0][i].shape))
         return out
+
+
+class OwnMoment:
+    """One replica's AdamW (the stages' own: clipped, decoupled decay) whose first moment takes the pair's averaged
+    gradient and whose second moment the replica's own. 1-bit Adam's observation: error feedback makes a compressed
+    sum right over time, which serves what enters Adam linearly, but a second moment of low-rank gradients is not the
+    gradients' second moment; each replica's own, from its half batch, is uncompressed and costs no bytes."""
+
+    def __init__(self, optimizer: StageOptimizer, config: OptimizerConfig) -> None:
+        self.params, self.clip, self.config = optimizer.params, optimizer.clip, config
+        self.first = [torch.zeros_like(p) for p in self.params]
+        self.second = [torch.zeros_like(p) for p in self.params]
+        self.steps = 0
+
+    def step(self, shared: list[torch.Tensor], own: list[torch.Tensor]) -> None:
+        c, self.steps = self.config, self.steps + 1
+        norms = [gradient_norm(g) for g in (shared, own)]
+        scale = [self.clip / (n + 1e-6) if n > self.clip else 1.0 for n in norms]
+        with torch.no_grad():
+            for p, g, o, m, v in zip(self.params, shared, own, self.first, self.second, strict=True):
+                if p.dim() >= 2:
+                    p.mul_(1 - c.lr * c.weight_decay)
+                m.lerp_(g * scale[0], 1 - c.beta1)
+                v.mul_(c.beta2).addcmul_(o, o, value=(1 - c.beta2) * scale[1] ** 2)
+                denom = (v.sqrt() / math.sqrt(1 - c.beta2 ** self.steps)).add_(c.eps)
+                p.addcdiv_(m, denom, value=-c.lr / (1 - c.beta1 ** self.steps))
+
+
+def own_moment(bench: Bench, spec: ModelSpec, rank: int, check: bool = False) -> tuple[list[float], float]:
+    """Two replicas, each on its half batch, stepping ``OwnMoment`` on the pair's rank-``rank`` PowerSGD mean (int8,
+    error feedback; rank 0: the exact mean) and on its own second moment. ``check`` feeds the mean to both moments,
+    which must reproduce ``full``: the test that ``OwnMoment`` is the stages' AdamW."""
+    args = bench.args
+    pair = [bench.trainer(spec) for _ in range(2)]
+    adams = [[OwnMoment(o, OptimizerConfig(lr=args.lr)) for o in t.optimizers] for t in pair]
+    compress = [PowerSGD([tuple(p.shape) for p in o.params], rank) if rank else None for o in pair[0].optimizers]
+    losses = []
+    for round_ in range(args.rounds):
+        indices = list(range(round_ * args.batch_size, (round_ + 1) * args.batch_size))
+        got, means = [], []
+        for trainer, half in zip(pair, (indices[: len(indices) // 2], indices[len(indices) // 2:]), strict=True):
+            got += trainer.train(half, args.microbatch_size)
+            means.append([[p.grad / len(half) for p in o.params] for o in trainer.optimizers])
+        for s, squeeze in enumerate(compress):
+            grads = [means[0][s], means[1][s]]
+            mean = squeeze(grads) if squeeze else [(a + b) / 2 for a, b in zip(*grads, strict=True)]
+            for r, adam in enumerate(adams):
+                adam[s].step(mean, mean if check else grads[r])
+        for trainer in pair:
+            for optimizer in trainer.optimizers:
+                optimizer.zero_grad()
+            trainer.samples_accumulated = 0
+        losses.append(statistics.fmean(got))
+    return losses, statistics.fmean(bench.held_out_loss(t) for t in pair)
 
 
 def halves(trainer: LocalTrainer, indices: list[int], microbatch: int) -> tuple[list[float], list[Grads]]:
@@ -265,8 +323,12 @@ def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
     name, _, scale = name.partition("*")
     lr_scale = float(scale or 1.0)
     kind, _, setting = name.partition(":")
-    if (scale or moment or rank or deal is not Deal.HALVES) and kind in ("full", "powersgd"):
+    if (scale or moment or rank or deal is not Deal.HALVES) and kind in ("full", "powersgd", "ownv", "ownv-check"):
         raise SystemExit(f"{name!r}: *SCALE, +moment, +rankR and deals apply to the replicas' rules (sparta, none)")
+    if kind in ("ownv", "ownv-check"):
+        if not setting.isdigit():
+            raise SystemExit(f"{name!r}: expected ownv:R with R a whole number (0: the exact mean)")
+        return own_moment(bench, spec, int(setting), check=kind == "ownv-check")
     if kind == "full":
         return shared(bench, spec, lambda s: lambda g: [(a + b) / 2 for a, b in zip(*g, strict=True)])
     if kind == "powersgd":
@@ -281,7 +343,7 @@ def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
                         deal, rank)
     if kind == "none":
         return replicas(bench, spec, None, 1, GradValues.FLOAT32, lr_scale, moment, deal, rank)
-    raise SystemExit(f"{name!r}: expected full, powersgd:R, sparta:EVERY/P[:int8|:int4] or none")
+    raise SystemExit(f"{name!r}: expected full, powersgd:R, ownv:R, sparta:EVERY/P[:int8|:int4] or none")
 
 
 def spread(values: Sequence[float]) -> float:
@@ -290,9 +352,9 @@ def spread(values: Sequence[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("rules", nargs="+", help="full, powersgd:R, sparta:EVERY/P[:int8|:int4], none; replicas' "
-                                                 "rules may end in *SCALE (the learning rate × SCALE), +moment, "
-                                                 "+rankR (a rank-R subspace of the gradients averaged), and "
+    parser.add_argument("rules", nargs="+", help="full, powersgd:R, ownv:R, sparta:EVERY/P[:int8|:int4], none; "
+                                                 "replicas' rules may end in *SCALE (the learning rate × SCALE), "
+                                                 "+moment, +rankR (a rank-R subspace of the gradients averaged), and "
                                                  "+uneven or +crossed (how microbatches are dealt)")
     parser.add_argument("--seeds", type=int, default=10, help="initialisations: N seeds from --first-seed on")
     parser.add_argument("--first-seed", type=int, default=0)
