@@ -21,8 +21,8 @@ FAST = SpartaSettings(min_matchmaking_time=1.0, request_timeout=0.5, matchmaking
                       allreduce_timeout=8.0, chunk_timeout=1.5)
 GRADIENTS = GradientSettings(GradAveraging.FULL, timeouts=FAST)
 STEADY = dataclasses.replace(FAST, chunk_timeout=3.5, allreduce_timeout=10.0)
-"""For tests that check a round's exact average: a loaded machine's stall of over ``FAST``'s 1.5 s would drop a peer
-as a sender and leave its part local (a partial round, as designed), which such a test would read as a wrong mean."""
+"""``make_averager``'s timeouts: a loaded machine's stall of over ``FAST``'s 1.5 s would drop a peer as a sender and
+leave its part local (a partial round, as designed), which a test of exact averages or anchors reads as a fault."""
 PATIENT = dataclasses.replace(FAST, min_matchmaking_time=6.0, request_timeout=3.0, matchmaking_timeout=12.0)
 """Matchmaking that would wait 6 s for more peers: a round that begins sooner did not wait."""
 T = TypeVar("T")

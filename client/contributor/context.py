@@ -45,11 +45,6 @@ class RunnerOptions:
     check_rate: float = 0.05  # the share of a trainer's microbatches asked of a second replica (``pipeline.checks``)
     check_tolerance: float = 0.0  # how close two replicas' answers must be (0: identical digests)
 
-    @property
-    def reached_at(self) -> str:
-        """The host this client's peers are told to reach it at."""
-        return self.public_host or self.host
-
 
 @dataclasses.dataclass
 class ClientContext:

@@ -176,7 +176,7 @@ class WorkerRole:
             data_check = (DataCheck(run_dataset(state, config, options), config.vocab, name)
                           if name in TOKEN_FIELD else None)
             replica = StageReplica.create(state, name, config, dht=context.dht, keypair=context.keypair,
-                                          host=options.host, public_host=options.reached_at,
+                                          host=options.host, public_host=options.public_host,
                                           device=options.device, data_check=data_check,
                                           trainer_allowed=self._is_epoch_trainer,
                                           roster=lambda: stage_roster(self.context.state, stage),

@@ -37,6 +37,7 @@ import re
 import statistics
 import tempfile
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,7 +143,7 @@ def run(name: str, toml: str, timeout: float, link: Link | None) -> Outcome:
                     if size:
                         kb.setdefault(values, []).append(float(size))
         carried = max((r.busiest_direction_bytes for r in routers), default=0) / 1e6
-        seq_len = int(re.search(r"seq_len = (\d+)", toml).group(1))
+        seq_len = tomllib.loads(toml)["model"]["seq_len"]
         training = [(int(end) - int(start)) * seq_len / int(rate)
                     for start, end, rate in TRAINED.findall(swarm.log_text("trainer"))]
         return Outcome(name, [b - a for a, b in zip(times[1:], times[2:], strict=False)], averaging, kb, statuses,

@@ -22,13 +22,13 @@ import argparse
 import asyncio
 import dataclasses
 import functools
-import socket
 import threading
 from collections.abc import Sequence
 from typing import Protocol
 
 import hivemind
 
+from client.pipeline.addresses import free_port
 from client.pipeline.discovery import WorkerRecord, start_dht
 
 CHUNK = 16 * 1024
@@ -215,9 +215,7 @@ def dht_behind_relay(initial_peers: Sequence[str], link: Link, relays: list[Rela
     """A DHT on a free loopback port that announces a relay on ``link`` in front of it (appended to ``relays``, for
     the caller to stop after the DHT): whoever connects to it, its averagers' groupmates included, comes in through
     the link and is answered the same way."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     relays.append(Relay(f"127.0.0.1:{port}", link).start())
     _, _, relay_port = relays[-1].address.rpartition(":")
     return start_dht(initial_peers, port=port, announce=[f"/ip4/127.0.0.1/tcp/{relay_port}"])
