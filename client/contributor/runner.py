@@ -168,14 +168,12 @@ class Contributor:
         """This client's DHT node, joined to the run's through ``initial_peers``; ``CannotContribute`` when it
         cannot start or reach them (a mistyped address, a bootstrap node that is down, a --host not of this
         machine): there is no run to take part in without it."""
-        from client.pipeline.addresses import announced_dht
         from client.pipeline.discovery import start_dht
 
         options = self.context.options
         peers = options.initial_peers
         try:
-            port, announce = announced_dht(options.host, options.dht_port, options.public_host)
-            return start_dht(peers, options.host, port, announce=announce)
+            return start_dht(peers, options.host, options.dht_port, options.public_host)
         except Exception as exc:  # hivemind raises its P2PDaemonError, OSError or ValueError: all mean the same
             problem = re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", str(exc))  # p2pd's own timestamps
             raise CannotContribute(

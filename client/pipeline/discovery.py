@@ -275,15 +275,17 @@ class WorkerDirectory:
 
 
 def start_dht(initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
-              announce: Sequence[str] = ()) -> hivemind.DHT:
+              public_host: str | None = None) -> hivemind.DHT:
     """A hivemind DHT node listening on ``host:port`` (0: any free port), joined to ``initial_peers``, that
-    stores and reads only records sealed by the owner their subkey names (``client.sealed``). With ``announce``
-    (multiaddrs), peers are told to reach it there instead, as behind a forwarded port; its averagers share its
-    daemon, so their traffic comes in that way too."""
+    stores and reads only records sealed by the owner their subkey names (``client.sealed``). With
+    ``public_host``, peers are told to reach it there at the same port instead, as behind a router that forwards
+    it (``addresses.announced_dht``); its averagers share its daemon, so their traffic comes in that way too."""
     from client.helper_processes import forking_helpers
+    from client.pipeline.addresses import announced_dht
     from client.pipeline.dht_node import DHTNode
     from client.sealed import SealValidator
 
+    port, announce = announced_dht(host, port, public_host)
     with forking_helpers():  # stopped by dht.shutdown(), not by Ctrl+C; killed with this process
         return DHTNode(
             initial_peers=list(initial_peers) or None,
@@ -302,10 +304,7 @@ def run_bootstrap(initial_peers: Sequence[str], host: str, port: int, stop: thre
                   public_host: str | None = None) -> None:
     """Run a DHT node that stores no model data and only lets peers find each other, until ``stop``; peers reach
     it at ``public_host`` (``addresses``), ``host`` by default."""
-    from client.pipeline.addresses import announced_dht
-
-    port, announce = announced_dht(host, port, public_host)
-    dht = start_dht(initial_peers, host, port, announce=announce)
+    dht = start_dht(initial_peers, host, port, public_host)
     try:
         for addr in dht.get_visible_maddrs():
             print(f"DHT bootstrap listening: --initial-peer {addr}", flush=True)

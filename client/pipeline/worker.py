@@ -358,7 +358,6 @@ def run_worker(
 ) -> None:
     """Run a worker with its own DHT node until SIGINT or SIGTERM (the CLI's and test subprocesses' entry); peers
     reach both at ``public_host`` (``addresses``), ``dht_host`` by default."""
-    from client.pipeline.addresses import announced_dht
     from client.pipeline.discovery import start_dht
 
     if torch_threads:
@@ -366,8 +365,7 @@ def run_worker(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    dht_port, announce = announced_dht(dht_host, 0, public_host)
-    dht = start_dht(initial_peers, dht_host, dht_port, announce=announce)
+    dht = start_dht(initial_peers, dht_host, public_host=public_host)
     worker = StageWorker(config, stage, keypair=keypair, dht=dht, public_host=public_host,
                          **worker_options)  # type: ignore[arg-type]
     try:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from client.swarm.launcher import Swarm, free_port
 from coordinator_program.spec.state import CoordinatorState, Phase
-from tests.benchmarks.link_emulator import Link, Relay, parse_link
+from tests.benchmarks.link_emulator import ROUTER, Link, Relay, parse_link
 from tests.integration.test_swarm import watch
 
 STAGES = ("head", "body1", "tail")
@@ -91,18 +91,15 @@ class Outcome:
     training_seconds: list[float]  # the trainer's, each round: its calls through the pipeline, from its log
 
 
-PUBLIC = "127.0.0.2"
-
-
 def behind_router(link: Link | None, routers: list[Relay]) -> tuple[str, ...]:
     """``join-run`` options for a worker behind a router of its own on ``link`` (appended to ``routers``, for the
     caller to stop); none without a link."""
     if link is None:
         return ()
     grpc_port, dht_port = free_port(), free_port()
-    routers.append(Relay(f"127.0.0.1:{grpc_port}", link, listen=f"{PUBLIC}:{grpc_port}").start())
-    routers[-1].forward(f"{PUBLIC}:{dht_port}", f"127.0.0.1:{dht_port}")
-    return "--port", str(grpc_port), "--dht-port", str(dht_port), "--public-host", PUBLIC
+    routers.append(Relay(f"127.0.0.1:{grpc_port}", link, listen=f"{ROUTER}:{grpc_port}").start())
+    routers[-1].forward(f"{ROUTER}:{dht_port}", f"127.0.0.1:{dht_port}")
+    return "--port", str(grpc_port), "--dht-port", str(dht_port), "--public-host", ROUTER
 
 
 def run(name: str, toml: str, timeout: float, link: Link | None) -> Outcome:

@@ -12,8 +12,9 @@ out of the client package: only benchmarks and their tests use it.
 
 ``RelayedDirectory`` puts a relay in front of every worker a trainer's directory lists, so a trainer on this
 machine talks to its workers as if over the internet while the workers announce their real addresses.
-``dht_behind_relay`` starts a DHT that announces a relay in front of it, so that its peers, and its averagers'
-groupmates, reach it only through its link.
+``dht_behind_relay`` starts a DHT behind a "router" on ``ROUTER``, a relay that forwards its port, and announces that
+address (``start_dht(public_host=...)``, as a contributor's ``--public-host``), so that its peers, and its
+averagers' groupmates, reach it only through its link.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from client.pipeline.discovery import WorkerRecord, start_dht
 
 CHUNK = 16 * 1024
 MAX_QUEUED = 64  # chunks per connection and direction: 1 MiB, above 100 Mbit/s × 50 ms
+ROUTER = "127.0.0.2"  # where relays stand for the routers of workers behind a link: loopback, but not 127.0.0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,10 +214,9 @@ class RelayedDirectory:
 
 
 def dht_behind_relay(initial_peers: Sequence[str], link: Link, relays: list[Relay]) -> hivemind.DHT:
-    """A DHT on a free loopback port that announces a relay on ``link`` in front of it (appended to ``relays``, for
-    the caller to stop after the DHT): whoever connects to it, its averagers' groupmates included, comes in through
-    the link and is answered the same way."""
+    """A DHT on a free port of 127.0.0.1 that announces ``ROUTER``, where a relay on ``link`` forwards that port to
+    it (appended to ``relays``, for the caller to stop after the DHT): whoever connects to it, its averagers'
+    groupmates included, comes in through the link and is answered the same way."""
     port = free_port()
-    relays.append(Relay(f"127.0.0.1:{port}", link).start())
-    _, _, relay_port = relays[-1].address.rpartition(":")
-    return start_dht(initial_peers, port=port, announce=[f"/ip4/127.0.0.1/tcp/{relay_port}"])
+    relays.append(Relay(f"127.0.0.1:{port}", link, listen=f"{ROUTER}:{port}").start())
+    return start_dht(initial_peers, port=port, public_host=ROUTER)

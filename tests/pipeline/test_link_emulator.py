@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from client.pipeline.discovery import start_dht
-from tests.benchmarks.link_emulator import Link, Relay, dht_behind_relay
+from tests.benchmarks.link_emulator import ROUTER, Link, Relay, dht_behind_relay
 
 
 class _Echo(socketserver.BaseRequestHandler):
@@ -120,8 +120,9 @@ def test_a_dht_behind_a_relay_announces_the_relay_and_its_peers_come_in_through_
         hidden = dht_behind_relay([str(a) for a in bootstrap.get_visible_maddrs()], Link(1e9, 0.0), relays)
         dhts.append(hidden)
         announced = [str(a) for a in hidden.get_visible_maddrs()]
-        relay_port = relays[0].address.rpartition(":")[2]
-        assert announced and all(f"/tcp/{relay_port}/" in a for a in announced), announced
+        router, _, port = relays[0].address.rpartition(":")
+        assert router == ROUTER
+        assert announced and all(a.startswith(f"/ip4/{ROUTER}/tcp/{port}/") for a in announced), announced
         carried = relays[0].busiest_direction_bytes
         dhts.append(start_dht(announced))  # a peer that knows only the announced address
         assert relays[0].busiest_direction_bytes > carried

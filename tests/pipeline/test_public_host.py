@@ -27,10 +27,9 @@ def forwarded(port: int) -> Relay:
 
 def test_a_worker_behind_a_router_is_reached_at_its_public_host(dht, start_worker, directory,
                                                                 make_trainer) -> None:  # noqa: F811
-    dht_port, announce = announced_dht(PRIVATE, 0, PUBLIC)
-    grpc_port = free_port()
+    dht_port, grpc_port = free_port(), free_port()
     router = [forwarded(dht_port), forwarded(grpc_port)]
-    hidden = start_dht([str(a) for a in dht.get_visible_maddrs()], PRIVATE, dht_port, announce=announce)
+    hidden = start_dht([str(a) for a in dht.get_visible_maddrs()], PRIVATE, dht_port, PUBLIC)
     try:
         announced = [str(a) for a in hidden.get_visible_maddrs()]
         assert announced and all(a.startswith(f"/ip4/{PUBLIC}/tcp/{dht_port}/") for a in announced), announced
