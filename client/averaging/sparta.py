@@ -345,7 +345,8 @@ class SpartaAverager:
         total = sum(float(g.get("weight", 0.0)) for g in gathered.values())
         if total == 0:
             return result(AveragingStatus.SKIPPED, "every weight in the group is 0", group, total, delta)
-        return result(AveragingStatus.AVERAGED, "", group, total, delta)
+        partial = "partial: some peer's parts did not arrive, and those elements kept values without them"
+        return result(AveragingStatus.AVERAGED, partial if self._averager.last_partial else "", group, total, delta)
 
     def _claim_round(self) -> bool:
         """Mark a round (or an anchors' install) under way; False if one already is."""

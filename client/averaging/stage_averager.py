@@ -95,6 +95,7 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
         self._round = mp.Value(ctypes.c_int64, -1, lock=False)
         self._group_size = mp.Value(ctypes.c_int32, 0, lock=False)
         self._refused = mp.Value(ctypes.c_int32, 0, lock=False)
+        self._partial = mp.Value(ctypes.c_bool, False, lock=False)
         self._membership = membership
         self._roster = Roster(-1, frozenset())  # the averaging process's copy, sent with each round
         self._received = mp.Value(ctypes.c_int64, 0, lock=False)
@@ -130,6 +131,7 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
         self._outer_pipe.send(("_set_roster", [roster], {}))
         self._round.value = averaging_index
         self._group_size.value = self._refused.value = 0
+        self._partial.value = False
         self.set_group_bits(format(averaging_index % 256, "08b"))
         return seal(self._membership, self.prefix, self.peer_id.to_bytes(), roster.epoch, declaration)
 
@@ -137,6 +139,12 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
     def last_group_size(self) -> int:
         """Admitted peers in the group of the last step, this one included (0: no group formed)."""
         return int(self._group_size.value)
+
+    @property
+    def last_partial(self) -> bool:
+        """Whether an all-reduce of the last step missed a sender's or a reducer's parts (hivemind drops a peer that
+        fails or stalls and goes on: those elements keep this peer's own values, or an average without it)."""
+        return bool(self._partial.value)
 
     @property
     def last_refused(self) -> int:
@@ -346,6 +354,8 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
             tensor.lerp_(averaged, self._averaging_alpha)  # at alpha 1 (every round here) exactly the average
             self.last_updated = get_dht_time()
             self._state_updated.set()
+        if not self._complete(group_id):
+            self._partial.value = True
 
     def _close_group(self, group_info: GroupInfo) -> None:
         """Mark a group that will run no all-reduce as finished, so a groupmate's stray request is turned away."""

@@ -92,6 +92,7 @@ def test_a_peer_killed_mid_allreduce_is_dropped_and_the_others_keep_partial_resu
     results = stall_victim(averagers, weights, kill=True)
 
     assert [results[i].status for i in (0, 1)] == [AveragingStatus.AVERAGED] * 2
+    assert all(results[i].reason.startswith("partial:") for i in (0, 1)), [results[i].reason for i in (0, 1)]
     assert all(results[i].group_size == 3 for i in (0, 1))  # the victim was in the group when it died
     for i in (0, 1):
         averaged, kept = classify(values(peers[i]), reference, local[i])
@@ -103,7 +104,7 @@ def test_a_peer_killed_mid_allreduce_is_dropped_and_the_others_keep_partial_resu
     # No retry, no lingering state: the survivors' next round is a normal one.
     before = [values(peers[0]), values(peers[1])]
     again = average_together(averagers[:2], 1, [1.0, 1.0])
-    assert [r.status for r in again] == [AveragingStatus.AVERAGED] * 2
+    assert [(r.status, r.reason) for r in again] == [(AveragingStatus.AVERAGED, "")] * 2
     for p in peers[:2]:
         for now, a, b in zip(values(p), before[0], before[1], strict=True):
             torch.testing.assert_close(now, (a + b) / 2, rtol=0, atol=1e-6)
