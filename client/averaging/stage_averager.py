@@ -130,8 +130,7 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
         roster = self._membership.roster()
         self._outer_pipe.send(("_set_roster", [roster], {}))
         self._round.value = averaging_index
-        self._group_size.value = self._refused.value = 0
-        self._partial.value = False
+        self._group_size.value = self._refused.value = self._partial.value = 0
         self.set_group_bits(format(averaging_index % 256, "08b"))
         return seal(self._membership, self.prefix, self.peer_id.to_bytes(), roster.epoch, declaration)
 
@@ -142,8 +141,7 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
 
     @property
     def last_partial(self) -> bool:
-        """Whether an all-reduce of the last step missed a sender's or a reducer's parts (hivemind drops a peer that
-        fails or stalls and goes on: those elements keep this peer's own values, or an average without it)."""
+        """Whether an all-reduce of the last step went on without some peer's parts (hivemind drops one that fails)."""
         return bool(self._partial.value)
 
     @property
@@ -354,8 +352,7 @@ class StageAverager(StateTransfer, Auditor, DecentralizedAverager):
             tensor.lerp_(averaged, self._averaging_alpha)  # at alpha 1 (every round here) exactly the average
             self.last_updated = get_dht_time()
             self._state_updated.set()
-        if not self._complete(group_id):
-            self._partial.value = True
+        self._partial.value = self._partial.value or not self._complete(group_id)
 
     def _close_group(self, group_info: GroupInfo) -> None:
         """Mark a group that will run no all-reduce as finished, so a groupmate's stray request is turned away."""
