@@ -11,6 +11,8 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
+import time
+from collections.abc import Callable
 
 MAX_NAME = 240
 """The longest DNS name taken: its worker's address (``name:port``) must fit a record's 255 characters."""
@@ -99,3 +101,88 @@ def announced_dht(host: str, port: int, public: str | None) -> tuple[int, list[s
         return port, []
     port = port or free_port(host)
     return port, [multiaddr(public, port)]
+
+
+LOOPBACK, PRIVATE, GLOBAL = "loopback", "private", "global"
+"""The scopes of a dialable address: this machine; a private network (RFC 1918, unique-local, shared and
+documentation ranges: whatever is neither this machine nor the internet); the internet."""
+_PLACES = {LOOPBACK: "this machine", PRIVATE: "a private network", GLOBAL: "the internet"}
+RESOLVED_FOR = 60.0
+"""Seconds a DNS name's resolution is kept before it is looked up again."""
+
+
+def split_endpoint(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``) as a worker's record names it, split; ValueError unless the host is an IP address
+    or DNS name that names one machine and the port is 1 to 65535 (a gRPC target such as ``unix:/path`` or
+    ``dns:///name`` is no endpoint)."""
+    host, colon, port = address.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    if not colon or not re.fullmatch(r"[1-9][0-9]{0,4}", port) or int(port) > 65535:
+        raise ValueError(f"{address!r} is not host:port with a port from 1 to 65535")
+    try:
+        named = public_host(host)
+    except ValueError:
+        named = None
+    if named != host or bracketed != (":" in host) or host.endswith("."):
+        raise ValueError(f"{address!r} does not name one machine by its IP address or DNS name")
+    return host, int(port)
+
+
+def scope(host: str) -> str | None:
+    """Where IP address ``host`` is (``LOOPBACK``, ``PRIVATE``, ``GLOBAL``), or None for an address no worker is
+    dialled at: link-local, multicast, reserved or unspecified."""
+    address = ipaddress.ip_address(host)
+    if address.is_loopback:
+        return LOOPBACK
+    if address.is_link_local or address.is_multicast or address.is_reserved or address.is_unspecified:
+        return None
+    return GLOBAL if address.is_global else PRIVATE
+
+
+def reach_of(own_hosts: list[str]) -> frozenset[str]:
+    """The scopes a client whose DHT node is reached at ``own_hosts`` dials workers in: every scope in a run on this
+    machine alone (its node on loopback only); private and global on a private network; global on the internet. A
+    record naming this machine or a private network in a run across the internet is a member pointing trainers
+    at services of theirs, never a worker: one an honest worker's --public-host would not make."""
+    scopes = {GLOBAL if _is_dns_name(h) else scope(h) for h in own_hosts}
+    if scopes == {LOOPBACK}:
+        return frozenset({LOOPBACK, PRIVATE, GLOBAL})
+    return frozenset({PRIVATE, GLOBAL}) if PRIVATE in scopes else frozenset({GLOBAL})
+
+
+class Dialing:
+    """Which worker addresses a client dials, and at what IP address (``reach_of``). A DNS name is resolved here,
+    and dialled at the address checked, so that a name resolving elsewhere a moment later (DNS rebinding) cannot
+    redirect the call."""
+
+    def __init__(self, reach: frozenset[str], resolve: Callable[..., list] = socket.getaddrinfo,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.reach = reach
+        self._resolve = resolve
+        self._clock = clock
+        self._resolved: dict[str, tuple[float, str]] = {}
+
+    def target(self, address: str) -> str:
+        """The endpoint to dial for a record's ``address``; ValueError saying why it is not dialled."""
+        host, port = split_endpoint(address)
+        ip = self._ip(host) if _is_dns_name(host) else host
+        where = scope(ip)
+        if where not in self.reach:
+            named = address if host == ip else f"{address} ({ip})"
+            place = "link-local, multicast or reserved" if where is None else f"on {_PLACES[where]}"
+            raise ValueError(f"its address {named} is {place}, and this client dials workers only on "
+                             f"{' or '.join(_PLACES[s] for s in _PLACES if s in self.reach)}")
+        return endpoint(ip, port)
+
+    def _ip(self, name: str) -> str:
+        now = self._clock()
+        kept = self._resolved.get(name)
+        if kept is None or kept[0] < now:
+            try:
+                found = self._resolve(name, None, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                raise ValueError(f"its address's name {name} does not resolve ({exc})") from None
+            kept = (now + RESOLVED_FOR, str(ipaddress.ip_address(found[0][4][0].partition("%")[0])))
+            self._resolved[name] = kept
+        return kept[1]

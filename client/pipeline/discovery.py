@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from solders.keypair import Keypair
 
 from client.identity import verify
+from client.pipeline.addresses import Dialing, announced_dht, reach_of, split_endpoint
 from client.stages import HAND_PICKED_INDICES, default_index
 
 if TYPE_CHECKING:
@@ -61,6 +62,14 @@ def _text(limit: int) -> Callable[[object], bool]:
 
 def _hex(nbytes: int) -> Callable[[object], bool]:
     return lambda v: isinstance(v, str) and re.fullmatch(f"[0-9a-f]{{{2 * nbytes}}}", v) is not None
+
+
+def _endpoint(v: str) -> bool:
+    try:
+        split_endpoint(v)
+    except ValueError:
+        return False
+    return True
 
 
 def _count(v: object) -> bool:
@@ -122,7 +131,7 @@ _FIELD_RULES: dict[str, Callable[[object], bool]] = {
     "run_id": _text(64),
     "stage": _text(64),
     "uid": _text(128),
-    "address": _text(255),
+    "address": lambda v: _text(255)(v) and _endpoint(v),
     "sync_phase": lambda v: _count(v) and v in SYNC_PHASES,
     "load": _count,
     "throughput": _finite,
@@ -215,10 +224,15 @@ class Announcer:
 class WorkerDirectory:
     """Reads the verified, live, routable workers of each stage from the DHT."""
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, model_fingerprint: str) -> None:
+    def __init__(self, dht: hivemind.DHT, run_id: str, model_fingerprint: str,
+                 dialing: Dialing | None = None) -> None:
+        """``dialing``: which addresses a listed worker may have, each listed at the IP address to dial; by default
+        those the DHT node's own addresses reach (``addresses.reach_of``: a run on this machine alone dials
+        anything, one across the internet only internet addresses)."""
         self.dht = dht
         self.run_id = run_id
         self.model_fingerprint = model_fingerprint
+        self._dialing = dialing
         self._warned: set[str] = set()
 
     def records(self, stage: str) -> list[WorkerRecord]:
@@ -237,6 +251,10 @@ class WorkerDirectory:
                 self._warn(f"{stage}/{subkey!r}", f"ignoring a malformed record in stage {stage}: {exc}")
                 continue
             problem = self._problem(record, subkey, stage, item.expiration_time, now)
+            try:
+                record = replace(record, address=self.dialing.target(record.address)) if not problem else record
+            except ValueError as exc:
+                problem = str(exc)
             if problem:
                 self._warn(f"{record.uid}/{record.pubkey}", f"ignoring worker {record.uid}: {problem}")
                 continue
@@ -245,6 +263,12 @@ class WorkerDirectory:
         for uid in (uid for uid, n in claims.items() if n > 1):
             self._warn(f"{uid}/contested", f"ignoring worker {uid}: {claims[uid]} identities announce this uid")
         return sorted((r for r in valid if claims[r.uid] == 1), key=lambda r: r.uid)
+
+    @property
+    def dialing(self) -> Dialing:
+        if self._dialing is None:
+            self._dialing = Dialing(reach_of([str(m).split("/")[2] for m in self.dht.get_visible_maddrs()]))
+        return self._dialing
 
     def workers(self, stage: str) -> list[WorkerRecord]:
         """Workers a trainer may route to: up and not in sync phase 1."""
@@ -281,7 +305,6 @@ def start_dht(initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: 
     ``public_host``, peers are told to reach it there at the same port instead, as behind a router that forwards
     it (``addresses.announced_dht``); its averagers share its daemon, so their traffic comes in that way too."""
     from client.helper_processes import forking_helpers
-    from client.pipeline.addresses import announced_dht
     from client.pipeline.dht_node import DHTNode
     from client.sealed import SealValidator
 
