@@ -59,10 +59,15 @@ def worker_host(listen_host: str, public: str | None) -> str:
 
 
 def _unspecified(host: str) -> bool:
+    return _is_ip(host) and ipaddress.ip_address(host).is_unspecified
+
+
+def _is_ip(host: str) -> bool:
     try:
-        return ipaddress.ip_address(host).is_unspecified
+        ipaddress.ip_address(host)
     except ValueError:
         return False
+    return True
 
 
 def _is_dns_name(name: str) -> bool:
@@ -145,7 +150,7 @@ def reach_of(own_hosts: list[str]) -> frozenset[str]:
     machine alone (its node on loopback only); private and global on a private network; global on the internet. A
     record naming this machine or a private network in a run across the internet is a member pointing trainers
     at services of theirs, never a worker: one an honest worker's --public-host would not make."""
-    scopes = {GLOBAL if _is_dns_name(h) else scope(h) for h in own_hosts}
+    scopes = {GLOBAL if _is_dns_name(h) else scope(h) if _is_ip(h) else None for h in own_hosts}
     if scopes == {LOOPBACK}:
         return frozenset({LOOPBACK, PRIVATE, GLOBAL})
     return frozenset({PRIVATE, GLOBAL}) if PRIVATE in scopes else frozenset({GLOBAL})

@@ -131,6 +131,8 @@ def test_a_record_naming_no_host_and_port_is_malformed(dht, run_id, target: str)
     (["2606:4700::1"], {GLOBAL}),
     (["node.example.org"], {GLOBAL}),  # announced by name (--public-host): reached across the internet
     ([], {GLOBAL}),
+    (["127.0.0.1", "0.0.0.0"], {GLOBAL}),  # an address it cannot be reached at says nothing of its network
+    (["127.0.0.1", "not an address"], {GLOBAL}),
 ])
 def test_a_client_dials_the_scopes_its_own_node_is_reached_in(own: list[str], dials: set[str]) -> None:
     assert reach_of(own) == dials
