@@ -16,7 +16,10 @@ prints each rule's loss against one process trained on the same batches, per see
 - ``ownv:R``: each replica on its own half, Adam's first moment fed the pair's rank-R PowerSGD mean as ``powersgd:R``
   makes it and its second moment the replica's own half's gradient (``OwnMoment``; R 0: the exact mean), one more
   candidate for PowerSGD at small widths; ``ownv-check:R`` feeds the mean to both, and ``ownv-check:0`` must match
-  ``full`` (up to rounding), the check that ``OwnMoment`` is the stages' AdamW.
+  ``full`` (up to rounding), the check that ``OwnMoment`` is the stages' AdamW;
+- ``gossip:R``: each replica on its own half, and every step the pair's parameters mixed along the rank-R directions
+  in which they differ most (``Gossip``: PowerGossip's power iteration on the difference of their parameters, its
+  factors in float32, or in ``:float16`` or ``:int8``), the candidate for PowerSGD at small widths that holds.
 
 A rule ending in ``*SCALE`` (``sparta:1/17:int8*1.414``) runs its replicas at SCALE × the learning rate: a replica
 stepping Adam on half the batch sees gradients twice as noisy, so its second moment is larger and its steps smaller
@@ -44,6 +47,7 @@ Run::
     python tests/benchmarks/bench_seeds.py --model tiny-llama --seeds 6 full powersgd:4 sparta:1/17:int8 none
     python tests/benchmarks/bench_seeds.py --seeds 10 sparta:1/17:int8 sparta:1/9:int4
     python tests/benchmarks/bench_seeds.py --seeds 10 sparta:1/10:int4 "sparta:1/20:int4+rank2" "none+rank4"
+    python tests/benchmarks/bench_seeds.py --seeds 10 gossip:1 gossip:2:float16 gossip:4:int8 sparta:1/10:int4 none
     python tests/benchmarks/bench_seeds.py --model tiny-llama --seeds 6 "sparta:1/10:int4+moment" \\
         "sparta:1/10:int4+moment+uneven" "sparta:1/10:int4+moment+crossed"
 """
@@ -67,7 +71,7 @@ from hivemind.utils.math import orthogonalize_
 
 from client.averaging.powersgd import compressed_shape, seeded_matrix
 from client.averaging.sparta import SpartaMasks
-from client.averaging.values import GradValues, round_trip
+from client.averaging.values import GradValues, encoded_bytes, round_trip
 from client.data import SampleDataset, open_byte_dataset
 from client.pipeline.data import microbatches
 from client.pipeline.local import LocalTrainer, accumulate
@@ -154,6 +158,57 @@ class Subspace(Phases):
             for o, m, q in zip(out, ms, local, strict=True):
                 o.append((m + p @ (self.qs[i] - q).t()).reshape(grads[0][i].shape))
         return out
+
+
+VECTOR_SLICES = 8
+
+
+class Gossip:
+    """PowerGossip (Vogels et al., 2020) for two replicas: PowerSGD's power iteration run on the difference of their
+    parameters, not on their gradients. What SPARTA found the pair lacks is mixing of parameters; this spends
+    PowerSGD's factors on the directions in which the two differ most.
+
+    Every step, for each matrix, the pair averages ±M_r q (the first replica's sign +, the second's −: the mean is
+    D q, D = (M_0 − M_1) / 2) with q warm-started and the same for both, orthonormalises it to P̂, averages ±M_rᵀ P̂
+    to Dᵀ P̂, and the first replica steps by −P̂ (Dᵀ P̂)ᵀ, the second by +: both meet on the pair's mean along P̂.
+    Sending the signed values, not M_r q itself, gives both the very same P̂ and moves them by exactly opposite
+    steps, so a codec's rounding never moves the pair's mean, only how far apart the two stay (a plain mean's
+    rounding, applied to both, was noise added to the model every step: +5.8% in float16). Dᵀ P̂ warm-starts the
+    next q. Vectors (norms' gains, biases) are averaged an eighth a step, every eighth entry in turn, in float32."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], rank: int, values: GradValues) -> None:
+        self.values = values
+        self.factors = [compressed_shape(shape, rank, 2.0) for shape in shapes]
+        self.qs = [None if f is None else seeded_matrix(0, str(i), f[1], rank) for i, f in enumerate(self.factors)]
+        self.rank = rank
+        self.steps = 0
+
+    def bytes_per_step(self, shapes: Sequence[tuple[int, ...]]) -> int:
+        """What one replica sends a step: both factors of every matrix in ``values``, every vector in float32."""
+        return sum(4 * -(-math.prod(shape) // VECTOR_SLICES) if f is None
+                   else encoded_bytes(self.values, f[0] * self.rank) + encoded_bytes(self.values, f[1] * self.rank)
+                   for shape, f in zip(shapes, self.factors, strict=True))
+
+    def __call__(self, params: list[list[torch.Tensor]]) -> None:
+        """Mix ``params`` (per replica, per tensor) in place."""
+        self.steps += 1
+        for i, factor in enumerate(self.factors):
+            if factor is None:
+                flats = [ps[i].data.view(-1) for ps in params]
+                part = slice(self.steps % VECTOR_SLICES, None, VECTOR_SLICES)
+                mean = (flats[0][part] + flats[1][part]) / 2
+                for flat in flats:
+                    flat[part] = mean
+                continue
+            first, second = (ps[i].data.view(factor) for ps in params)
+            orthogonalize_(self.qs[i])
+            p = reduced([first @ self.qs[i], -(second @ self.qs[i])], self.values)
+            orthogonalize_(p)
+            q = reduced([first.t() @ p, -(second.t() @ p)], self.values)
+            first -= p @ q.t()
+            second += p @ q.t()
+            if q.norm() > 0:
+                self.qs[i] = q
 
 
 class OwnMoment:
@@ -260,7 +315,7 @@ def owners(deal: Deal, rng: random.Random, microbatches: int, stages: int) -> li
 
 def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int, values: GradValues,
              lr_scale: float = 1.0, moment: bool = False, deal: Deal = Deal.HALVES,
-             rank: int = 0) -> tuple[list[float], float]:
+             rank: int = 0, gossip: tuple[int, GradValues] | None = None) -> tuple[list[float], float]:
     """Two replicas each stepping on its share of each batch (``deal``) at ``lr_scale`` × the rate (with ``moment``,
     on the whole batch's estimated second moment; with ``rank``, on its gradient with a rank-``rank`` subspace
     averaged: ``Subspace``); every ``every`` steps one slice averaged, in ``values``."""
@@ -268,6 +323,7 @@ def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int, 
     pair = [bench.trainer(spec, lr_scale, args.batch_size if moment else 0) for _ in range(2)]
     params = [[o.params for o in t.optimizers] for t in pair]
     subspaces = [Subspace([tuple(p.shape) for p in ps], rank) for ps in params[0]] if rank else []
+    gossips = [Gossip([tuple(p.shape) for p in ps], *gossip) for ps in params[0]] if gossip else []
     masks = [SpartaMasks([(f"{s}.{i}", p.numel()) for i, p in enumerate(ps)], partitions, spec.seed)
              for s, ps in enumerate(params[0])]
     anchors = [[p.detach().clone().reshape(-1) for p in ps] for ps in params[0]]
@@ -293,6 +349,9 @@ def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int, 
             for s, optimizer in enumerate(trainer.optimizers):
                 optimizer.step(samples[r][s])
         losses.append(statistics.fmean(got))
+        with torch.no_grad():
+            for s, mix in enumerate(gossips):
+                mix([ps[s] for ps in params])
         if every is None or (round_ + 1) % every:
             continue
         partition = (round_ + 1) // every % partitions
@@ -324,7 +383,8 @@ def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
     lr_scale = float(scale or 1.0)
     kind, _, setting = name.partition(":")
     if (scale or moment or rank or deal is not Deal.HALVES) and kind in ("full", "powersgd", "ownv", "ownv-check"):
-        raise SystemExit(f"{name!r}: *SCALE, +moment, +rankR and deals apply to the replicas' rules (sparta, none)")
+        raise SystemExit(f"{name!r}: *SCALE, +moment, +rankR and deals apply to the replicas' rules "
+                         "(sparta, gossip, none)")
     if kind in ("ownv", "ownv-check"):
         if not setting.isdigit():
             raise SystemExit(f"{name!r}: expected ownv:R with R a whole number (0: the exact mean)")
@@ -343,7 +403,17 @@ def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
                         deal, rank)
     if kind == "none":
         return replicas(bench, spec, None, 1, GradValues.FLOAT32, lr_scale, moment, deal, rank)
-    raise SystemExit(f"{name!r}: expected full, powersgd:R, ownv:R, sparta:EVERY/P[:int8|:int4] or none")
+    if kind == "gossip":
+        got_rank, _, codec = setting.partition(":")
+        if not got_rank.isdigit() or codec not in ("", "int8", "float16"):
+            raise SystemExit(f"{name!r}: expected gossip:R[:int8|:float16], with R a whole number")
+        gossip = (int(got_rank), GradValues(codec or "float32"))
+        shapes = [[tuple(p.shape) for p in stage.parameters() if p.requires_grad] for stage in build_all_stages(spec)]
+        sent = sum(Gossip(stage, *gossip).bytes_per_step(stage) for stage in shapes)
+        print(f"  {name}: {sent:,} bytes a step, 1/{4 * sum(math.prod(p) for st in shapes for p in st) / sent:.1f} of "
+              "full averaging's", flush=True)
+        return replicas(bench, spec, None, 1, GradValues.FLOAT32, lr_scale, moment, deal, rank, gossip)
+    raise SystemExit(f"{name!r}: expected full, powersgd:R, ownv:R, sparta:EVERY/P[:int8|:int4], gossip:R or none")
 
 
 def spread(values: Sequence[float]) -> float:
@@ -352,7 +422,8 @@ def spread(values: Sequence[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("rules", nargs="+", help="full, powersgd:R, ownv:R, sparta:EVERY/P[:int8|:int4], none; "
+    parser.add_argument("rules", nargs="+", help="full, powersgd:R, ownv:R, sparta:EVERY/P[:int8|:int4], "
+                                                 "gossip:R[:float16|:int8], none; "
                                                  "replicas' rules may end in *SCALE (the learning rate × SCALE), "
                                                  "+moment, +rankR (a rank-R subspace of the gradients averaged), and "
                                                  "+uneven or +crossed (how microbatches are dealt)")
