@@ -266,6 +266,8 @@ class WorkerDirectory:
 
     @property
     def dialing(self) -> Dialing:
+        """Which workers' addresses this directory lists, and at what IP address: the scopes its DHT node is
+        reached at, read from the node at first use unless given."""
         if self._dialing is None:
             self._dialing = Dialing(reach_of([str(m).split("/")[2] for m in self.dht.get_visible_maddrs()]))
         return self._dialing
