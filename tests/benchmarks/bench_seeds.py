@@ -19,7 +19,10 @@ prints each rule's loss against one process trained on the same batches, per see
   ``full`` (up to rounding), the check that ``OwnMoment`` is the stages' AdamW;
 - ``gossip:R``: each replica on its own half, and every step the pair's parameters mixed along the rank-R directions
   in which they differ most (``Gossip``: PowerGossip's power iteration on the difference of their parameters, its
-  factors in float32, or in ``:float16`` or ``:int8``), the candidate for PowerSGD at small widths that holds.
+  factors in float32, or in ``:float16`` or ``:int8``), the candidate for PowerSGD at small widths that holds;
+- ``crowd:N`` and ``crowd:N:gossip:R[:codec]``: N replicas (N even), each on every N-th microbatch of each batch,
+  never mixed, or mixed by ``gossip`` every step in pairs drawn at random, as a stage's replicas would gossip in
+  groups of two (``crowd``).
 
 A rule ending in ``*SCALE`` (``sparta:1/17:int8*1.414``) runs its replicas at SCALE × the learning rate: a replica
 stepping Adam on half the batch sees gradients twice as noisy, so its second moment is larger and its steps smaller
@@ -48,6 +51,7 @@ Run::
     python tests/benchmarks/bench_seeds.py --seeds 10 sparta:1/17:int8 sparta:1/9:int4
     python tests/benchmarks/bench_seeds.py --seeds 10 sparta:1/10:int4 "sparta:1/20:int4+rank2" "none+rank4"
     python tests/benchmarks/bench_seeds.py --seeds 10 gossip:1 gossip:2:float16 gossip:4:int8 sparta:1/10:int4 none
+    python tests/benchmarks/bench_seeds.py --seeds 6 crowd:4:gossip:4:int8 crowd:4
     python tests/benchmarks/bench_seeds.py --model tiny-llama --seeds 6 "sparta:1/10:int4+moment" \\
         "sparta:1/10:int4+moment+uneven" "sparta:1/10:int4+moment+crossed"
 """
@@ -370,6 +374,35 @@ def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int, 
     return losses, statistics.fmean(bench.held_out_loss(t) for t in pair)
 
 
+def crowd(bench: Bench, spec: ModelSpec, size: int, gossip: tuple[int, GradValues] | None,
+          moment: bool) -> tuple[list[float], float]:
+    """``size`` replicas, each stepping on every ``size``-th microbatch of each batch (with ``moment``, on the whole
+    batch's estimated second moment), and with ``gossip`` mixed every step in pairs drawn at random (``Gossip``, one
+    warm-started q per tensor for every pair): how a stage's replicas would gossip in groups of two."""
+    args = bench.args
+    crowd_ = [bench.trainer(spec, 1.0, args.batch_size if moment else 0) for _ in range(size)]
+    params = [[o.params for o in t.optimizers] for t in crowd_]
+    mixers = [Gossip([tuple(p.shape) for p in ps], *gossip) for ps in params[0]] if gossip else []
+    rng = random.Random(spec.seed)
+    losses = []
+    for round_ in range(args.rounds):
+        chunks = microbatches(range(round_ * args.batch_size, (round_ + 1) * args.batch_size), args.microbatch_size)
+        if len(chunks) % size:
+            raise SystemExit(f"crowd:{size}: a batch of {len(chunks)} microbatches does not deal evenly to {size}")
+        got = [accumulate(crowd_[m % size].stages, crowd_[m % size].optimizers, bench.dataset.batch(chunk))
+               for m, chunk in enumerate(chunks)]
+        for trainer in crowd_:
+            for optimizer in trainer.optimizers:
+                optimizer.step(args.batch_size // size)
+        losses.append(statistics.fmean(got))
+        order = rng.sample(range(size), size)
+        with torch.no_grad():
+            for first, second in zip(order[::2], order[1::2], strict=True):
+                for s, mix in enumerate(mixers):
+                    mix([params[first][s], params[second][s]])
+    return losses, statistics.fmean(bench.held_out_loss(t) for t in crowd_)
+
+
 def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
     """The training losses and held-out loss of rule ``name`` (the module docstring) from ``spec``'s weights."""
     deal = next((d for d in Deal if name.endswith(f"+{d.value}")), Deal.HALVES)
@@ -403,6 +436,14 @@ def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
                         deal, rank)
     if kind == "none":
         return replicas(bench, spec, None, 1, GradValues.FLOAT32, lr_scale, moment, deal, rank)
+    if kind == "crowd":
+        if scale or rank or deal is not Deal.HALVES:
+            raise SystemExit(f"{name!r}: a crowd takes +moment alone (each replica runs every N-th microbatch)")
+        size, _, rest = setting.partition(":")
+        if not size.isdigit() or int(size) % 2 or (rest and not rest.startswith("gossip:")):
+            raise SystemExit(f"{name!r}: expected crowd:N or crowd:N:gossip:R[:codec], with N even")
+        got_rank, _, codec = rest.removeprefix("gossip:").partition(":")
+        return crowd(bench, spec, int(size), (int(got_rank), GradValues(codec or "float32")) if rest else None, moment)
     if kind == "gossip":
         got_rank, _, codec = setting.partition(":")
         if not got_rank.isdigit() or codec not in ("", "int8", "float16"):
@@ -413,7 +454,8 @@ def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
         print(f"  {name}: {sent:,} bytes a step, 1/{4 * sum(math.prod(p) for st in shapes for p in st) / sent:.1f} of "
               "full averaging's", flush=True)
         return replicas(bench, spec, None, 1, GradValues.FLOAT32, lr_scale, moment, deal, rank, gossip)
-    raise SystemExit(f"{name!r}: expected full, powersgd:R, ownv:R, sparta:EVERY/P[:int8|:int4], gossip:R or none")
+    raise SystemExit(f"{name!r}: expected full, powersgd:R, ownv:R, sparta:EVERY/P[:int8|:int4], gossip:R, "
+                     "crowd:N[:gossip:R] or none")
 
 
 def spread(values: Sequence[float]) -> float:
@@ -423,7 +465,7 @@ def spread(values: Sequence[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rules", nargs="+", help="full, powersgd:R, ownv:R, sparta:EVERY/P[:int8|:int4], "
-                                                 "gossip:R[:float16|:int8], none; "
+                                                 "gossip:R[:float16|:int8], crowd:N[:gossip:R[:codec]], none; "
                                                  "replicas' rules may end in *SCALE (the learning rate × SCALE), "
                                                  "+moment, +rankR (a rank-R subspace of the gradients averaged), and "
                                                  "+uneven or +crossed (how microbatches are dealt)")
