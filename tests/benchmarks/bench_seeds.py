@@ -106,12 +106,17 @@ def reduced(parts: list[torch.Tensor], values: GradValues = GradValues.INT8) -> 
     return round_trip(sum(round_trip(p.contiguous(), values) for p in parts) / len(parts), values)
 
 
+def first_factors(shapes: Sequence[tuple[int, ...]], rank: int) -> tuple[list, list]:
+    """Each tensor's PowerSGD factor shape (None: sent whole) and its first Q, drawn as the client draws it."""
+    factors = [compressed_shape(shape, rank, 2.0) for shape in shapes]
+    return factors, [None if f is None else seeded_matrix(0, str(i), f[1], rank) for i, f in enumerate(factors)]
+
+
 class Phases:
     """Two replicas' rank-``rank`` PowerSGD phases in int8, Q warm-started from the last round's mean."""
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], rank: int) -> None:
-        self.factors = [compressed_shape(shape, rank, 2.0) for shape in shapes]
-        self.qs = [None if f is None else seeded_matrix(0, str(i), f[1], rank) for i, f in enumerate(self.factors)]
+        self.factors, self.qs = first_factors(shapes, rank)
 
     def phases(self, i: int, ms: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Tensor ``i``'s P̂ from the replicas' matrices ``ms`` and each one's own Mᵀ P̂; the Q kept is their mean."""
@@ -181,25 +186,23 @@ class Gossip:
     next q. Vectors (norms' gains, biases) are averaged an eighth a step, every eighth entry in turn, in float32."""
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], rank: int, values: GradValues) -> None:
-        self.values = values
-        self.factors = [compressed_shape(shape, rank, 2.0) for shape in shapes]
-        self.qs = [None if f is None else seeded_matrix(0, str(i), f[1], rank) for i, f in enumerate(self.factors)]
-        self.rank = rank
-        self.steps = 0
+        self.shapes, self.rank, self.values = shapes, rank, values
+        self.factors, self.qs = first_factors(shapes, rank)
 
-    def bytes_per_step(self, shapes: Sequence[tuple[int, ...]]) -> int:
-        """What one replica sends a step: both factors of every matrix in ``values``, every vector in float32."""
+    def bytes_per_step(self) -> int:
+        """What one replica sends a step: both factors of every matrix in ``values``, every vector's eighth in
+        float32."""
         return sum(4 * -(-math.prod(shape) // VECTOR_SLICES) if f is None
                    else encoded_bytes(self.values, f[0] * self.rank) + encoded_bytes(self.values, f[1] * self.rank)
-                   for shape, f in zip(shapes, self.factors, strict=True))
+                   for shape, f in zip(self.shapes, self.factors, strict=True))
 
-    def __call__(self, params: list[list[torch.Tensor]]) -> None:
-        """Mix ``params`` (per replica, per tensor) in place."""
-        self.steps += 1
+    def __call__(self, params: list[list[torch.Tensor]], step: int) -> None:
+        """Mix ``params`` (per replica, per tensor) in place after optimizer step ``step`` (which eighth of each
+        vector: the same for every pair of a step)."""
         for i, factor in enumerate(self.factors):
             if factor is None:
                 flats = [ps[i].data.view(-1) for ps in params]
-                part = slice(self.steps % VECTOR_SLICES, None, VECTOR_SLICES)
+                part = slice(step % VECTOR_SLICES, None, VECTOR_SLICES)
                 mean = (flats[0][part] + flats[1][part]) / 2
                 for flat in flats:
                     flat[part] = mean
@@ -355,7 +358,7 @@ def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int, 
         losses.append(statistics.fmean(got))
         with torch.no_grad():
             for s, mix in enumerate(gossips):
-                mix([ps[s] for ps in params])
+                mix([ps[s] for ps in params], round_ + 1)
         if every is None or (round_ + 1) % every:
             continue
         partition = (round_ + 1) // every % partitions
@@ -399,7 +402,7 @@ def crowd(bench: Bench, spec: ModelSpec, size: int, gossip: tuple[int, GradValue
         with torch.no_grad():
             for first, second in zip(order[::2], order[1::2], strict=True):
                 for s, mix in enumerate(mixers):
-                    mix([params[first][s], params[second][s]])
+                    mix([params[first][s], params[second][s]], round_ + 1)
     return losses, statistics.fmean(bench.held_out_loss(t) for t in crowd_)
 
 
@@ -450,7 +453,7 @@ def rule(bench: Bench, name: str, spec: ModelSpec) -> tuple[list[float], float]:
             raise SystemExit(f"{name!r}: expected gossip:R[:int8|:float16], with R a whole number")
         gossip = (int(got_rank), GradValues(codec or "float32"))
         shapes = [[tuple(p.shape) for p in stage.parameters() if p.requires_grad] for stage in build_all_stages(spec)]
-        sent = sum(Gossip(stage, *gossip).bytes_per_step(stage) for stage in shapes)
+        sent = sum(Gossip(stage, *gossip).bytes_per_step() for stage in shapes)
         print(f"  {name}: {sent:,} bytes a step, 1/{4 * sum(math.prod(p) for st in shapes for p in st) / sent:.1f} of "
               "full averaging's", flush=True)
         return replicas(bench, spec, None, 1, GradValues.FLOAT32, lr_scale, moment, deal, rank, gossip)
