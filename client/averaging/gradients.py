@@ -453,6 +453,8 @@ class GradientAverager:
     """
 
     process_class: type[GradientProcess] = GradientProcess
+    kind = "grad"  # its rounds' DHT prefix (``averager_prefix``)
+    rounds = "gradient"  # what its log calls its rounds
 
     def __init__(self, named_parameters: Sequence[tuple[str, torch.Tensor]], dht: hivemind.DHT, *, run_id: str,
                  stage: str, seed: int, settings: GradientSettings, membership: Membership) -> None:
@@ -483,7 +485,7 @@ class GradientAverager:
             backup=self.backup, qs=qs, factor=settings.factor, demo_chunks=self.demo_chunks, momenta=self.momenta,
             indices=self.indices, chunk=chunk, topk=settings.topk, beta=settings.beta, values=settings.values,
             max_weight=settings.max_weight,
-            membership=membership, prefix=averager_prefix(run_id, stage, "grad"), min_group_size=t.min_group_size,
+            membership=membership, prefix=averager_prefix(run_id, stage, self.kind), min_group_size=t.min_group_size,
             work=WorkRule(run_id, stage, settings.round_samples) if settings.round_samples else None,
             target_group_size=t.target_group_size, min_matchmaking_time=t.min_matchmaking_time,
             request_timeout=t.request_timeout, allreduce_timeout=t.allreduce_timeout,
@@ -527,7 +529,7 @@ class GradientAverager:
                 consecutive_failures=self.consecutive_failures)
             self.last = outcome
             log.log(logging.WARNING if status == AveragingStatus.FAILED else logging.INFO,
-                    "%s gradient round %d: %s%s, group of %d, %.1f s", self.stage, index, status.value,
+                    "%s %s round %d: %s%s, group of %d, %.1f s", self.stage, self.rounds, index, status.value,
                     f" ({reason})" if reason else "", outcome.group_size, outcome.seconds)
             return outcome
 

@@ -32,6 +32,7 @@ from typing import Any
 from solders.keypair import Keypair
 
 from client.averaging.audit import proven_liar
+from client.averaging.gossip import PAIR_WEIGHT
 from client.averaging.membership import falsehood
 from client.averaging.sparta import averager_prefix
 from client.averaging.work import WorkRule
@@ -131,6 +132,8 @@ def _averaging_limits(state: CoordinatorState, member: bytes, prefix: object
         return float(batch), WorkRule(namespace, stage, batch)
     if prefix == averager_prefix(namespace, stage, "sparta"):
         return REPLICA_WEIGHT, None
+    if prefix == averager_prefix(namespace, stage, "gossip"):
+        return PAIR_WEIGHT, None
     return None
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from solders.keypair import Keypair
 
+from client.averaging.gossip import GossipAverager
 from client.averaging.gradients import GradAveraging, GradientAverager, GradientSettings
 from client.averaging.membership import Roster
 from client.averaging.sparta import AveragingResult, AveragingStatus, SpartaAverager, SpartaSettings, averaging_index
@@ -136,6 +137,19 @@ def gradient_averager(state: CoordinatorState, worker: StageWorker, dht,
     return GradientAverager.for_worker(worker, dht, seed=state.model.init_seed, settings=settings, roster=roster)
 
 
+def gossip_averager(state: CoordinatorState, worker: StageWorker, dht,
+                    roster: Callable[[], Roster]) -> GossipAverager | None:
+    """The worker's PowerGossip averager if the run mixes its replicas by it (``gossip_rank``) in place of SPARTA's
+    slices, else None: at that rank, in the run's codec, with SPARTA's timeouts."""
+    if not state.model.gossip_rank:
+        return None
+    settings = GradientSettings(GradAveraging.POWERSGD, rank=state.model.gossip_rank, values=averaged_values(state),
+                                timeouts=sparta_settings(state))
+    averager = GossipAverager.for_worker(worker, dht, seed=state.model.init_seed, settings=settings, roster=roster)
+    assert isinstance(averager, GossipAverager)
+    return averager
+
+
 REPLICA_WEIGHT = 1.0
 """What a replica that trained since the last SPARTA round weighs in it, and the most any groupmate may declare.
 SPARTA averages parameters, each replica's a model in its own right, and the method's mean weighs them alike;
@@ -159,8 +173,11 @@ class StageReplica:
 
     def __init__(self, worker: StageWorker, averager: SpartaAverager, tracker: SyncTracker,
                  directory: WorkerDirectory, *, every: int, gradients: GradientAverager | None = None,
-                 learning_rate: Callable[[int], float] | None = None) -> None:
+                 learning_rate: Callable[[int], float] | None = None, gossip: GossipAverager | None = None) -> None:
+        """``gossip``: the run's PowerGossip averager, whose rounds replace SPARTA's (whose averager still serves
+        state to joiners)."""
         self.worker, self.averager, self.tracker, self.directory = worker, averager, tracker, directory
+        self.gossip = gossip
         self.every = every
         self.learning_rate = learning_rate  # the run's schedule: the rate of each swarm step
         self.gradients = gradients
@@ -200,7 +217,8 @@ class StageReplica:
         replica = cls(worker, averager, SyncTracker(SyncPolicy.from_model(state.model), say=say),
                       WorkerDirectory(dht, namespace, config.fingerprint()), every=state.model.sparta_every,
                       gradients=gradient_averager(state, worker, dht, roster),
-                      learning_rate=functools.partial(learning_rate, state.model, state.config.total_steps))
+                      learning_rate=functools.partial(learning_rate, state.model, state.config.total_steps),
+                      gossip=gossip_averager(state, worker, dht, roster))
         return replica
 
     @property
@@ -405,7 +423,8 @@ class StageReplica:
         return stats
 
     def average(self, completed_step: int) -> AveragingResult | None:
-        """Run the SPARTA round due once the swarm completed ``completed_step`` steps, if one is due."""
+        """Run the SPARTA round (or the PowerGossip round) due once the swarm completed ``completed_step`` steps, if
+        one is due."""
         index = averaging_index(completed_step, self.every)
         if index is None:
             return None
@@ -413,19 +432,35 @@ class StageReplica:
         self.samples_since_average = 0
         peers = self.peers()
         with self.worker.batches_held():  # averaging happens outside training, even when it outlasts RoundWitness
-            result = self.averager.average(index, weight, peers=peers)
+            result = self.averager.average(index, weight, peers=peers) if self.gossip is None else self._mix(
+                index, peers)
         if result.status == AveragingStatus.FAILED and result.remove:
             log.error("stage %s: %d averaging rounds in a row failed", self.stage, result.consecutive_failures)
         return result
 
+    def _mix(self, index: int, peers: int) -> AveragingResult:
+        """PowerGossip's round ``index`` with one same-stage peer. A syncing worker sits it out: a pair member
+        weighs alike, and a stale model would pull its partner as far as a current one (it catches up from the
+        state it loaded and its own training)."""
+        gossip = self.gossip
+        assert gossip is not None
+        compute = self.worker.compute
+        params = [p for p in compute.module.parameters() if p.requires_grad]
+        found = gossip.mix(params, index, peers=peers if self.tracker.shares_state else 0, lock=compute.lock)
+        return found.averaging(gossip.settings.timeouts.max_failures, gossip.payload_bytes, gossip.settings.values)
+
     def drain_lies(self) -> list[dict[str, object]]:
-        """The proven lies this replica's averagers found since the last drain (SPARTA's and the gradients',
-        ``StageAverager.drain_lies``: refused declarations, false reductions), to publish as accusations."""
+        """The proven lies this replica's averagers found since the last drain (SPARTA's, the gradients' and
+        PowerGossip's, ``StageAverager.drain_lies``: refused declarations, false reductions), to publish as
+        accusations."""
         lies = self.averager.averager.drain_lies()
-        return lies + self.gradients.process.drain_lies() if self.gradients is not None else lies
+        for other in (self.gradients, self.gossip):
+            lies += other.process.drain_lies() if other is not None else []
+        return lies
 
     def stop(self) -> None:
         self.worker.stop()
         self.averager.shutdown()
-        if self.gradients is not None:
-            self.gradients.shutdown()
+        for other in (self.gradients, self.gossip):
+            if other is not None:
+                other.shutdown()

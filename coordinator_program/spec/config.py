@@ -126,6 +126,7 @@ class Model:
     wire_codec: WireCodec = WireCodec.Float32
     whole_batch_moment: bool = False  # each replica's Adam on the whole batch's estimated second moment
     audit_permille: int = 250  # how often, in thousandths, a peer audits each other reducer of its averaging rounds
+    gossip_rank: int = 0  # 0: SPARTA's slices; 1..64: PowerGossip at that rank mixes the parameters in pairs
 
 
 MODEL_LAYOUT = Struct(Model, [
@@ -161,6 +162,7 @@ MODEL_LAYOUT = Struct(Model, [
     Field("wire_codec", Enum8(WireCodec)),
     Field("whole_batch_moment", BOOL),
     Field("audit_permille", U16),
+    Field("gossip_rank", U8),
 ], doc="The model and training hyperparameters every client shares.")
 
 
@@ -339,6 +341,21 @@ def validate_grad_averaging(m: Model) -> None:
     validate_demo(m)
     validate_grad_values(m)
     validate_whole_batch_moment(m)
+    validate_gossip(m)
+
+
+def validate_gossip(m: Model) -> None:
+    """PowerGossip (``client.averaging.gossip``) mixes replicas that each step on their own share of the batch, in
+    place of SPARTA's slices; with per-step gradient averaging the replicas are one model already. Its factors travel
+    in float32, float16 or int8 (int4 is measured for SPARTA's slices alone)."""
+    _need(0 <= m.gossip_rank <= limits.MAX_POWERSGD_RANK, "gossip_rank",
+          f"must be between 0 (SPARTA's slices) and {limits.MAX_POWERSGD_RANK}")
+    if m.gossip_rank:
+        _need(m.grad_averaging == GradAveraging.Off, "gossip_rank",
+              f"applies only with grad_averaging off: with {m.grad_averaging.name.lower()} the replicas step on one "
+              "averaged gradient and hold one model")
+        _need(m.grad_values != GradValues.Int4, "grad_values",
+              "int4 carries SPARTA's slices only; with gossip_rank choose float32, float16 or int8")
 
 
 def validate_whole_batch_moment(m: Model) -> None:

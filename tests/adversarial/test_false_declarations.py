@@ -140,6 +140,8 @@ def test_each_lie_convicts_its_sealer() -> None:
         assert declaration_lie(piece(keys[liar], state, body), state) == liar, why
     sparta = piece(keys[liar], state, {"round": 3, "weight": 2.0}, kind="sparta")
     assert declaration_lie(sparta, state) == liar, "a SPARTA weight above a replica's"
+    gossip = piece(keys[liar], state, {"round": 3, "weight": 2.0, "norm": 1.0}, kind="gossip")
+    assert declaration_lie(gossip, state) == liar, "a PowerGossip weight above a pair member's"
 
 
 def test_nothing_an_honest_worker_declares_convicts_it() -> None:
@@ -162,6 +164,8 @@ def test_nothing_an_honest_worker_declares_convicts_it() -> None:
     for why, body in honest.items():
         assert declaration_lie(piece(keys[worker], state, body), state) is None, why
     assert declaration_lie(piece(keys[worker], state, {"round": 3, "weight": 1.0}, kind="sparta"), state) is None
+    assert declaration_lie(piece(keys[worker], state, {"round": 3, "weight": 1.0, "norm": 1.0}, kind="gossip"),
+                           state) is None
 
 
 def test_an_accusation_proves_only_what_its_sealer_sealed() -> None:

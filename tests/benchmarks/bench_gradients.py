@@ -6,8 +6,9 @@ tests/benchmarks/bench_sparta.py sets it up (in-process gRPC workers, a routing 
 side by side:
 
 - one process (``client/pipeline/local.py``), the reference;
-- 2 workers per stage, no averaging; SPARTA only (``--sparta``); full gradient averaging; PowerSGD (rank
-  ``--rank``) and DeMo (``--demo CHUNK/TOPK``, momentum ``--demo-beta``), each with the SPARTA of
+- 2 workers per stage, no averaging; SPARTA only (``--sparta``); PowerGossip (``--gossip RANK[:CODEC]``: the
+  parameters of each stage's pair mixed after every step, ``client.averaging.gossip``); full gradient averaging;
+  PowerSGD (rank ``--rank``) and DeMo (``--demo CHUNK/TOPK``, momentum ``--demo-beta``), each with the SPARTA of
   ``--grad-sparta`` beside it (default 20/20, a run's default) in its own codec, as a run's ``grad_values`` sends
   both; with ``--undefended``, each gradient-averaging setting also without the averaging layer's defences
   (hivemind's weighted mean of the declared weights, where the defended runs reduce each part robustly and weigh
@@ -61,6 +62,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from link_emulator import parse_link  # this directory
 
 from client.averaging import demo
+from client.averaging.gossip import sent_shapes
 from client.averaging.gradients import GradAveraging, GradientSettings, round_payload
 from client.averaging.sparta import SpartaSettings
 from client.averaging.values import GradValues
@@ -78,13 +80,16 @@ def quick(matchmaking: float) -> SpartaSettings:
                                matchmaking_timeout=5.0)
 
 
-def gradient_bytes(config: ModelConfig, settings: GradientSettings, group_size: int) -> dict[str, tuple[int, int]]:
-    """Per stage: (parameters, bytes one worker sends per step) averaging its gradients with ``settings``."""
+def gradient_bytes(config: ModelConfig, settings: GradientSettings, group_size: int,
+                   gossip: bool = False) -> dict[str, tuple[int, int]]:
+    """Per stage: (parameters, bytes one worker sends per step) averaging its gradients with ``settings`` (with
+    ``gossip``: mixing its parameters by PowerGossip at PowerSGD's ``settings``, in a pair)."""
     out = {}
     for name in stage_names(config.num_stages):
         shapes = [tuple(p.shape) for p in build_stage(config, name).parameters() if p.requires_grad]
+        carried = sent_shapes(shapes, settings) if gossip else shapes
         sent = sum(allreduce_bytes_sent([torch.zeros(n) for n in phase], group_size, settings.values)
-                   for phase in round_payload(shapes, settings, group_size))
+                   for phase in round_payload(carried, settings, group_size))
         out[name] = (sum(torch.Size(s).numel() for s in shapes), sent)
     return out
 
@@ -135,6 +140,19 @@ def parse_demo(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected CHUNK/TOPK such as 64/4") from None
 
 
+def parse_gossip(text: str) -> tuple[int, GradValues]:
+    """``RANK[:CODEC]``, such as ``4:int8``: PowerGossip's rank and how its factors travel (float32 by default)."""
+    rank, _, values = text.partition(":")
+    try:
+        parsed = int(rank), GradValues(values or "float32")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected RANK[:CODEC] such as 4:int8 (codec float32, float16 "
+                                         "or int8)") from None
+    if not 1 <= parsed[0] <= 64 or parsed[1] == GradValues.INT4:
+        raise argparse.ArgumentTypeError(f"{text!r}: the rank must be 1..64 and the codec float32, float16 or int8")
+    return parsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=120, help="optimizer steps")
@@ -150,6 +168,11 @@ def main() -> None:
     parser.add_argument("--values", type=GradValues, action="append",
                         help="how PowerSGD's and DeMo's values travel: float32, float16, int8 or int4 (repeatable, "
                              "each with every --rank and --demo; default float32)")
+    parser.add_argument("--gossip", type=parse_gossip, action="append", default=[],
+                        help="RANK[:CODEC]: also run each stage's workers mixing their parameters by PowerGossip at "
+                             "that rank after every step, in float32 or that codec (a run's gossip_rank and "
+                             "grad_values; repeatable; with --whole-batch-moment, each replica's Adam on the whole "
+                             "batch's moment)")
     parser.add_argument("--sparta", type=parse_sparta, default=(5, 20),
                         help="EVERY/P of the SPARTA-only runs (default 5/20: Node0's 5%% every 5 steps)")
     parser.add_argument("--grad-sparta", type=parse_sparta, default=(20, 20),
@@ -218,6 +241,10 @@ def main() -> None:
     if args.crossed:
         runs.append(on_link(config, dataset, args, held_out, every, partitions, values=args.sparta_values,
                            moment=args.whole_batch_moment, lanes=False))
+    gossips = [GradientSettings(GradAveraging.POWERSGD, rank=rank, timeouts=quick(args.matchmaking), values=values)
+               for rank, values in args.gossip]
+    for settings in gossips:
+        runs.append(on_link(config, dataset, args, held_out, None, 1, moment=args.whole_batch_moment, gossip=settings))
     grad_every, grad_partitions = args.grad_sparta
     for sparta, gradients in [(None, full), *((grad_every, p) for p in [*powersgd, *demos])]:
         beside = {"every": sparta, "partitions": grad_partitions if sparta else 1, "values": gradients.values}
@@ -237,6 +264,7 @@ def main() -> None:
                  f"s of it stepping and averaging" if run.seconds else "")
               + (f", {run.link_bytes:,} B on the busiest link" if run.link_bytes else "")
               + (f"  {sum(run.shared)}/{len(run.shared)} gradient rounds shared" if run.shared else "")
+              + (f"  {sum(run.mixed)}/{len(run.mixed)} gossip rounds moved their worker" if run.mixed else "")
               + (f"  [{run.lost} rounds lost]" if run.lost else ""))
         if run.busiest:
             print(f"  {'':96s} {run.deals()}")
@@ -257,6 +285,10 @@ def main() -> None:
         total = sum(b for _, b in compressed.values())
         print(f"  all stages: full {total_full:,} B, {what} {total:,} B (1/{total_full / total:.1f})"
               + with_sparta(config, args.grad_sparta, group, settings.values, total, total_full))
+    for settings in gossips:
+        sent = sum(b for _, b in gradient_bytes(config, settings, 2, gossip=True).values())
+        print(f"  all stages: full {total_full:,} B, PowerGossip rank {settings.rank} in {settings.values.value} in a "
+              f"pair {sent:,} B a step (1/{total_full / sent:.1f})")
     for settings in demos[:: len(args.demo_beta or [GradientSettings.beta])]:  # bytes do not depend on beta
         compressed, declared = gradient_bytes(config, settings, group), declared_index_bytes(config, settings)
         what = f"DeMo {settings.chunk}/{settings.topk} in {settings.values.value}"

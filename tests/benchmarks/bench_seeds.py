@@ -19,7 +19,9 @@ prints each rule's loss against one process trained on the same batches, per see
   ``full`` (up to rounding), the check that ``OwnMoment`` is the stages' AdamW;
 - ``gossip:R``: each replica on its own half, and every step the pair's parameters mixed along the rank-R directions
   in which they differ most (``Gossip``: PowerGossip's power iteration on the difference of their parameters, its
-  factors in float32, or in ``:float16`` or ``:int8``), the candidate for PowerSGD at small widths that holds;
+  factors in float32, or in ``:float16`` or ``:int8``), the candidate for PowerSGD at small widths that holds, each
+  move bounded as the client bounds it (``--bound``: ``MOVE_BOUND`` × the replica's own change since its last mix by
+  default, ``inf`` for none; the run prints how many moves the bound shortened);
 - ``crowd:N`` and ``crowd:N:gossip:R[:codec]``: N replicas (N even), each on every N-th microbatch of each batch,
   never mixed, or mixed by ``gossip`` every step in pairs drawn at random, as a stage's replicas would gossip in
   groups of two (``crowd``).
@@ -73,6 +75,7 @@ from bench_gradients import tiny_llama_run  # this directory
 from bench_sparta import evaluate  # this directory
 from hivemind.utils.math import orthogonalize_
 
+from client.averaging.gossip_rule import MOVE_BOUND, bounded, part_size, vector_part
 from client.averaging.powersgd import compressed_shape, seeded_matrix
 from client.averaging.sparta import SpartaMasks
 from client.averaging.values import GradValues, encoded_bytes, round_trip
@@ -169,9 +172,6 @@ class Subspace(Phases):
         return out
 
 
-VECTOR_SLICES = 8
-
-
 class Gossip:
     """PowerGossip (Vogels et al., 2020) for two replicas: PowerSGD's power iteration run on the difference of their
     parameters, not on their gradients. What SPARTA found the pair lacks is mixing of parameters; this spends
@@ -183,39 +183,61 @@ class Gossip:
     Sending the signed values, not M_r q itself, gives both the very same P̂ and moves them by exactly opposite
     steps, so a codec's rounding never moves the pair's mean, only how far apart the two stay (a plain mean's
     rounding, applied to both, was noise added to the model every step: +5.8% in float16). Dᵀ P̂ warm-starts the
-    next q. Vectors (norms' gains, biases) are averaged an eighth a step, every eighth entry in turn, in float32."""
+    next q. Vectors (norms' gains, biases) are averaged an eighth a step, every eighth entry in turn, in float32.
+    Each move is bounded as the client bounds it (``gossip_rule.bounded``: ``bound`` × the replica's own change
+    since it last mixed; ``math.inf``: unbounded), and ``clipped`` counts the moves the bound shortened."""
 
-    def __init__(self, shapes: Sequence[tuple[int, ...]], rank: int, values: GradValues) -> None:
-        self.shapes, self.rank, self.values = shapes, rank, values
+    def __init__(self, shapes: Sequence[tuple[int, ...]], rank: int, values: GradValues, bound: float = MOVE_BOUND,
+                 replicas: Sequence[Sequence[torch.Tensor]] = ()) -> None:
+        """``replicas``: every replica's tensors of this stage, whose values now are where their own change starts."""
+        self.shapes, self.rank, self.values, self.bound = shapes, rank, values, bound
         self.factors, self.qs = first_factors(shapes, rank)
+        self.anchors = {id(t): t.detach().clone() for ts in replicas for t in ts}
+        self.moves = self.clipped = 0
 
     def bytes_per_step(self) -> int:
         """What one replica sends a step: both factors of every matrix in ``values``, every vector's eighth in
         float32."""
-        return sum(4 * -(-math.prod(shape) // VECTOR_SLICES) if f is None
+        return sum(4 * part_size(math.prod(shape)) if f is None
                    else encoded_bytes(self.values, f[0] * self.rank) + encoded_bytes(self.values, f[1] * self.rank)
                    for shape, f in zip(self.shapes, self.factors, strict=True))
+
+    def _move(self, tensor: torch.Tensor, move: torch.Tensor, part: slice | None = None) -> None:
+        """Move ``tensor`` (``part`` of its flat view) by ``move``, bounded by its own change since its last mix."""
+        anchor = self.anchors[id(tensor)]  # keyed by the parameter itself: each ``.data`` is a new object
+        now, then = (tensor.data, anchor) if part is None else (tensor.view(-1)[part], anchor.view(-1)[part])
+        if self.bound < math.inf:
+            move, clipped = bounded(move, now - then, self.bound)
+            self.clipped += clipped
+        self.moves += 1
+        now += move
+        then.copy_(now)
 
     def __call__(self, params: list[list[torch.Tensor]], step: int) -> None:
         """Mix ``params`` (per replica, per tensor) in place after optimizer step ``step`` (which eighth of each
         vector: the same for every pair of a step)."""
         for i, factor in enumerate(self.factors):
             if factor is None:
-                flats = [ps[i].data.view(-1) for ps in params]
-                part = slice(step % VECTOR_SLICES, None, VECTOR_SLICES)
-                mean = (flats[0][part] + flats[1][part]) / 2
-                for flat in flats:
-                    flat[part] = mean
+                part = vector_part(params[0][i].numel(), step)
+                half = (params[0][i].data.view(-1)[part] - params[1][i].data.view(-1)[part]) / 2
+                self._move(params[0][i], -half, part)
+                self._move(params[1][i], half, part)
                 continue
             first, second = (ps[i].data.view(factor) for ps in params)
             orthogonalize_(self.qs[i])
             p = reduced([first @ self.qs[i], -(second @ self.qs[i])], self.values)
             orthogonalize_(p)
             q = reduced([first.t() @ p, -(second.t() @ p)], self.values)
-            first -= p @ q.t()
-            second += p @ q.t()
+            self._move(params[0][i], -(p @ q.t()).view(params[0][i].shape))
+            self._move(params[1][i], (p @ q.t()).view(params[1][i].shape))
             if q.norm() > 0:
                 self.qs[i] = q
+
+
+def report_clipped(mixers: Sequence[Gossip]) -> None:
+    moves = sum(m.moves for m in mixers)
+    if moves:
+        print(f"    the bound shortened {sum(m.clipped for m in mixers):,} of {moves:,} moves", flush=True)
 
 
 class OwnMoment:
@@ -330,7 +352,8 @@ def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int, 
     pair = [bench.trainer(spec, lr_scale, args.batch_size if moment else 0) for _ in range(2)]
     params = [[o.params for o in t.optimizers] for t in pair]
     subspaces = [Subspace([tuple(p.shape) for p in ps], rank) for ps in params[0]] if rank else []
-    gossips = [Gossip([tuple(p.shape) for p in ps], *gossip) for ps in params[0]] if gossip else []
+    gossips = [Gossip([tuple(p.shape) for p in ps], *gossip, args.bound, [r[s] for r in params])
+               for s, ps in enumerate(params[0])] if gossip else []
     masks = [SpartaMasks([(f"{s}.{i}", p.numel()) for i, p in enumerate(ps)], partitions, spec.seed)
              for s, ps in enumerate(params[0])]
     anchors = [[p.detach().clone().reshape(-1) for p in ps] for ps in params[0]]
@@ -374,6 +397,7 @@ def replicas(bench: Bench, spec: ModelSpec, every: int | None, partitions: int, 
                     for flat in flats:
                         flat[idx] = new
                     anchor[idx] = new
+    report_clipped(gossips)
     return losses, statistics.fmean(bench.held_out_loss(t) for t in pair)
 
 
@@ -385,7 +409,8 @@ def crowd(bench: Bench, spec: ModelSpec, size: int, gossip: tuple[int, GradValue
     args = bench.args
     crowd_ = [bench.trainer(spec, 1.0, args.batch_size if moment else 0) for _ in range(size)]
     params = [[o.params for o in t.optimizers] for t in crowd_]
-    mixers = [Gossip([tuple(p.shape) for p in ps], *gossip) for ps in params[0]] if gossip else []
+    mixers = [Gossip([tuple(p.shape) for p in ps], *gossip, args.bound, [r[s] for r in params])
+              for s, ps in enumerate(params[0])] if gossip else []
     rng = random.Random(spec.seed)
     losses = []
     for round_ in range(args.rounds):
@@ -403,6 +428,7 @@ def crowd(bench: Bench, spec: ModelSpec, size: int, gossip: tuple[int, GradValue
             for first, second in zip(order[::2], order[1::2], strict=True):
                 for s, mix in enumerate(mixers):
                     mix([params[first][s], params[second][s]], round_ + 1)
+    report_clipped(mixers)
     return losses, statistics.fmean(bench.held_out_loss(t) for t in crowd_)
 
 
@@ -472,6 +498,9 @@ def main() -> None:
                                                  "replicas' rules may end in *SCALE (the learning rate × SCALE), "
                                                  "+moment, +rankR (a rank-R subspace of the gradients averaged), and "
                                                  "+uneven or +crossed (how microbatches are dealt)")
+    parser.add_argument("--bound", type=float, default=MOVE_BOUND,
+                        help="gossip: the most a round moves a tensor, in multiples of the replica's own change since "
+                             "its last mix (the client's, by default; inf: unbounded)")
     parser.add_argument("--seeds", type=int, default=10, help="initialisations: N seeds from --first-seed on")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--model", choices=["psyswarm", "tiny-llama"], default="psyswarm",

@@ -33,8 +33,9 @@ import statistics
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from bench_robust import weighted_mean  # this directory
@@ -42,6 +43,7 @@ from link_emulator import Link, Relay, dht_behind_relay  # this directory
 from solders.keypair import Keypair
 
 from client.averaging import runner
+from client.averaging.gossip import GossipAverager
 from client.averaging.gradients import GradientAverager, GradientSettings
 from client.averaging.membership import Roster
 from client.averaging.sparta import (
@@ -66,6 +68,8 @@ SETTINGS = SpartaSettings(min_matchmaking_time=1.0, request_timeout=0.5, matchma
                           allreduce_timeout=20.0, chunk_timeout=5.0)
 
 
+T = TypeVar("T")
+
 @dataclass
 class Run:
     name: str
@@ -79,6 +83,7 @@ class Run:
     averaging: list[float] = field(default_factory=list)  # of which stepping (gradients averaged) and SPARTA
     link_bytes: int = 0  # with a link: the most any worker's link carried in one direction
     shared: list[bool] = field(default_factory=list)  # per worker and step: whether its gradient round was shared
+    mixed: list[bool] = field(default_factory=list)  # per worker and step: whether its gossip round moved it
     busiest: list[float] = field(default_factory=list)  # per stage and step: the busiest replica's share of it
     even: list[bool] = field(default_factory=list)  # per stage-step: no replica over a microbatch ahead of another
     lanes: list[bool] = field(default_factory=list)  # per microbatch: every stage ran on its replicas' same position
@@ -146,7 +151,7 @@ def crossed() -> Iterator[None]:
 def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
            every: int | None, partitions: int, gradients: GradientSettings | None = None,
            defended: bool = True, values: GradValues = GradValues.FLOAT32, moment: bool = False,
-           lanes: bool = True, link: Link | None = None) -> Run:
+           lanes: bool = True, link: Link | None = None, gossip: GradientSettings | None = None) -> Run:
     """The pipeline with ``--workers-per-stage`` replicas per stage; SPARTA p = 1/``partitions`` every ``every``
     steps (None: never); with ``gradients``, the stage's workers also average their gradients before every step
     (``client.averaging.gradients``, used by tests/benchmarks/bench_gradients.py), with the averaging layer's
@@ -155,9 +160,12 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
     replica's Adam steps on the whole batch's estimated second moment (a run's ``whole_batch_moment``); without
     ``lanes`` each stage's microbatches are dealt by runtime alone (``crossed``); with ``link``, every worker's
     averaging traffic comes in through its own emulated link (``link_emulator``: its DHT, whose daemon its averagers
-    share, announces a relay in front of it), while the pipeline's stays on loopback."""
+    share, announces a relay in front of it), while the pipeline's stays on loopback; with ``gossip`` (PowerSGD's
+    settings: the rank and codec), each stage's workers mix their parameters in pairs after every step
+    (``client.averaging.gossip``), as a run with ``gossip_rank`` does."""
     with contextlib.nullcontext() if defended else undefended(), contextlib.nullcontext() if lanes else crossed():
-        run = _system(config, dataset, args, held_out, every, partitions, gradients, defended, values, moment, link)
+        run = _system(config, dataset, args, held_out, every, partitions, gradients, defended, values, moment, link,
+                      gossip)
     if not lanes:
         run.name += ", crossed"
     return run
@@ -165,7 +173,7 @@ def system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, 
 
 def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace, held_out: list[int],
             every: int | None, partitions: int, gradients: GradientSettings | None, defended: bool,
-            values: GradValues, moment: bool, link: Link | None) -> Run:
+            values: GradValues, moment: bool, link: Link | None, gossip: GradientSettings | None = None) -> Run:
     replicas_name = f"{args.workers_per_stage} workers/stage"
     if gradients is not None:
         rank = (f" rank {gradients.rank}" if gradients.rank else
@@ -177,8 +185,11 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
         else:
             replicas_name += " (undefended)"
     in_codec = "" if values == GradValues.FLOAT32 else f" in {values.value}"
+    if gossip is not None:
+        sent_as = "" if gossip.values == GradValues.FLOAT32 else f" in {gossip.values.value}"
+        replicas_name += f", PowerGossip rank {gossip.rank} every step{sent_as}"
     run = Run((f"{replicas_name}, SPARTA 1/{partitions} every {every}{in_codec}" if every else
-               f"{replicas_name}, no SPARTA" if gradients else f"{replicas_name}, no averaging")
+               f"{replicas_name}, no SPARTA" if gradients or gossip else f"{replicas_name}, no averaging")
               + (", whole-batch moment" if moment else ""))
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     bootstrap = start_dht()
@@ -201,6 +212,9 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
                                                       settings=SETTINGS, values=values)
                      for s, replicas in workers.items() for w in replicas}
     grad_averagers: list[GradientAverager] = []
+    gossipers = {w.uid: GossipAverager.for_worker(w, w.dht, seed=config.seed, settings=gossip,
+                                                  roster=functools.partial(lambda s: rosters[s], s))
+                 for s, replicas in workers.items() for w in replicas} if gossip is not None else {}
     current = {"round": 0}
     if gradients is not None:
         for replicas in workers.values():
@@ -246,9 +260,14 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
                     run.busiest.append(max(counts) / sum(counts))
                     run.even.append(max(counts) - min(counts) < 2 * args.microbatch_size)
             run.shared += [a.last is not None and a.last.round == round_ and a.last.shared for a in grad_averagers]
+            if gossipers:
+                run.mixed += [found.moved for found in all_at_once(workers, lambda w, peers, i=round_ + 1: gossipers[
+                    w.uid].mix([p for p in w.compute.module.parameters() if p.requires_grad], i, peers=peers,
+                                                  lock=w.compute.lock))]
             index = averaging_index(round_ + 1, every) if every else None
             if index is not None:
-                run.rounds += average_all(workers, averagers, samples, index)
+                run.rounds += all_at_once(workers, lambda w, peers, i=index, got=samples: averagers[
+                    w.uid].average(i, float(got[w.uid]), peers=peers))
                 samples = dict.fromkeys(samples, 0)
             run.seconds.append(time.perf_counter() - round_started)
             run.averaging.append(time.perf_counter() - averaging_started)
@@ -269,7 +288,7 @@ def _system(config: ModelConfig, dataset: ByteDataset, args: argparse.Namespace,
         for replicas in workers.values():
             for worker in replicas:
                 worker.stop(grace=0)
-        for averager in [*averagers.values(), *grad_averagers]:
+        for averager in [*averagers.values(), *grad_averagers, *gossipers.values()]:
             averager.shutdown()
         for dht in dhts:
             dht.shutdown()
@@ -295,14 +314,14 @@ def step_all(workers: list[StageWorker]) -> dict[str, StepStats]:
     return stepped
 
 
-def average_all(workers: dict[str, list[StageWorker]], averagers: dict[str, SpartaAverager],
-                samples: dict[str, int], index: int) -> list[AveragingResult]:
-    """Every stage averages at once, as the swarm does between rounds; weight: samples since the last round."""
-    results: list[AveragingResult] = []
+def all_at_once(workers: dict[str, list[StageWorker]], round_of: Callable[[StageWorker, int], T]) -> list[T]:
+    """Every worker of every stage runs its round (``round_of(worker, its stage's other workers)``) at once, as the
+    swarm's do between rounds."""
+    results: list[T] = []
     lock = threading.Lock()
 
     def one(worker: StageWorker, peers: int) -> None:
-        outcome = averagers[worker.uid].average(index, float(samples[worker.uid]), peers=peers)
+        outcome = round_of(worker, peers)
         with lock:
             results.append(outcome)
 

@@ -17,6 +17,7 @@ from solders.keypair import Keypair
 from client.averaging.auditor import AUDIT_RATE
 from client.averaging.membership import Roster
 from client.averaging.sparta import AveragingStatus
+from client.averaging.values import GradValues
 from client.contributor.run_model import model_config
 from client.join.checkpoints import save_snapshot, save_stage, snapshot_root
 from client.join.stage_replica import REPLICA_WEIGHT, StageReplica, StateSources
@@ -318,3 +319,38 @@ def test_a_replica_audits_at_its_run_s_rate(make_replica, run_id: str) -> None:
     replica = make_replica(state)
     assert replica.gradients is not None
     assert replica.averager.averager.audit_rate == replica.gradients.process.audit_rate == 0.6
+
+
+def test_a_gossip_run_mixes_its_replicas_in_pairs_in_place_of_sparta_s_slices(make_replica, run_id: str) -> None:
+    """With ``gossip_rank`` set, the round due every ``sparta_every`` steps is PowerGossip's: two replicas that
+    stepped on different gradients move by exactly opposite amounts (their sum kept, in int8 too), come closer, and
+    report a round of the factors' bytes in the run's codec."""
+    spec = {**SPEC, "run_id": run_id, "model": {**SPEC["model"], "gossip_rank": 2, "grad_values": "int8"}}
+    state = dataclasses.replace(run_state(run_id, 0), model=parse_run_spec(spec).model)
+    replicas = [make_replica(state) for _ in range(2)]
+    for seed, replica in enumerate(replicas):
+        replica.load(state, 1, StateSources(), lambda: None)
+        replica.begin(0)
+        replica.start()
+        generator = torch.Generator().manual_seed(seed)
+        compute = replica.worker.compute
+        for param in compute.module.parameters():
+            param.grad = torch.randn(param.shape, generator=generator)
+        compute.samples_accumulated = 4
+        assert replica.step(0).applied
+    wait_until(lambda: all(r.peers() == 1 for r in replicas), timeout=20)
+    params = [list(r.worker.compute.module.parameters()) for r in replicas]
+    before = [[p.detach().clone() for p in ps] for ps in params]
+    every = SPEC["model"]["sparta_every"]
+    results = at_once([functools.partial(r.average, every) for r in replicas], timeout=60, what="a gossip round")
+    assert [(r.status, r.group_size) for r in results] == [(AveragingStatus.AVERAGED, 2)] * 2, results
+    assert all(r.delta_norm > 0 and r.payload_values == GradValues.INT8 for r in results)
+    whole = sum(4 * p.numel() for p in params[0])
+    assert 0 < results[0].payload_bytes < whole / 2
+    for first, second, was_first, was_second in zip(*params, *before, strict=True):
+        torch.testing.assert_close(first + second, was_first + was_second, rtol=0, atol=1e-5)
+
+    def apart(tensors: list[list[torch.Tensor]]) -> float:
+        return sum(float((a - b).norm()) ** 2 for a, b in zip(*tensors, strict=True)) ** 0.5
+
+    assert apart(params) < 0.95 * apart(before)  # rank 2 of random differences, an eighth of each vector

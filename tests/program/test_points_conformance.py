@@ -129,6 +129,12 @@ DEMO = dataclasses.replace(LLAMA, grad_averaging=GradAveraging.DeMo, powersgd_ra
     (dataclasses.replace(MODEL, whole_batch_moment=True, grad_values=GradValues.Int4), None),
     (dataclasses.replace(LLAMA, whole_batch_moment=True), errors.InvalidConfig),  # with gradient averaging
     (dataclasses.replace(DEMO, whole_batch_moment=True), errors.InvalidConfig),
+    (dataclasses.replace(MODEL, gossip_rank=4, grad_values=GradValues.Int8), None),
+    (dataclasses.replace(MODEL, gossip_rank=64), None),
+    (dataclasses.replace(MODEL, gossip_rank=65), errors.InvalidConfig),
+    (dataclasses.replace(MODEL, gossip_rank=255), errors.InvalidConfig),
+    (dataclasses.replace(MODEL, gossip_rank=4, grad_values=GradValues.Int4), errors.InvalidConfig),
+    (dataclasses.replace(LLAMA, gossip_rank=4), errors.InvalidConfig),  # with gradient averaging
     (dataclasses.replace(MODEL, audit_permille=0), None),
     (dataclasses.replace(MODEL, audit_permille=1000), None),
     (dataclasses.replace(MODEL, audit_permille=1001), errors.InvalidConfig),

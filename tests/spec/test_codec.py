@@ -175,7 +175,7 @@ def test_account_with_1024_clients_fits_190848_bytes() -> None:
     reveals in its first warmup, so that no joiner foresees the warmup's election (issue 23): 65,536 bytes. How
     averaged gradient values travel (grad_values): 1 byte. Whether each replica steps Adam on the whole batch's
     second moment (whole_batch_moment): 1 byte. How often each peer audits each other reducer (audit_permille): 2
-    bytes, 190,811 in all."""
+    bytes. PowerGossip's rank (gossip_rank): 1 byte, 190,812 in all."""
     assert limits.MAX_CLIENTS == 1024
     assert ACCOUNT_LAYOUT.offsets()["ledger"][1] == 40 * limits.MAX_CLIENTS
     assert ACCOUNT_LAYOUT.offsets()["checkpoints"][1] == 161 * limits.MAX_STAGES

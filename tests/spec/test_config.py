@@ -236,6 +236,11 @@ def test_valid_model_descriptions_are_accepted(model: Model) -> None:
     ("demo_topk", {"grad_averaging": GradAveraging.PowerSGD, "powersgd_rank": 4, "demo_topk": 4}),
     ("demo_beta_permille", {"demo_beta_permille": 900}),
     ("demo_chunk", {**DEMO, "grad_averaging": GradAveraging.PowerSGD, "powersgd_rank": 4}),
+    ("gossip_rank", {"gossip_rank": 65}),
+    ("gossip_rank", {"gossip_rank": -1}),
+    ("gossip_rank", {"gossip_rank": 4, "grad_averaging": GradAveraging.Full}),
+    ("gossip_rank", {"gossip_rank": 4, "grad_averaging": GradAveraging.PowerSGD, "powersgd_rank": 4}),
+    ("grad_values", {"gossip_rank": 4, "grad_values": GradValues.Int4}),
 ])
 def test_model_description_rule_names_the_field(field: str, changes: dict) -> None:
     with pytest.raises(InvalidConfig, match=f"^InvalidConfig: {field}:"):
@@ -393,6 +398,18 @@ def test_the_audit_rate_is_the_run_s_in_thousandths() -> None:
         assert info.value.detail == f"audit_rate: {message}"
     with pytest.raises(InvalidConfig, match="must be at most 1000"):
         validate_model(Model(audit_permille=1001), GOOD)
+
+
+def test_a_run_may_mix_its_replicas_by_powergossip_in_place_of_sparta_s_slices() -> None:
+    assert Model().gossip_rank == 0
+    model = parse_run_spec({"run_id": "ok", "model": {"gossip_rank": 4, "grad_values": "int8"}}).model
+    assert (model.gossip_rank, model.grad_values) == (4, GradValues.Int8)
+    with pytest.raises(InvalidConfig) as info:
+        parse_run_spec({"run_id": "ok", "model": {"gossip_rank": 4, "grad_averaging": "full"}})
+    assert info.value.detail == ("gossip_rank: applies only with grad_averaging off: with full the replicas step on "
+                                 "one averaged gradient and hold one model")
+    with pytest.raises(InvalidConfig, match="gossip_rank: must be an integer"):
+        parse_run_spec({"run_id": "ok", "model": {"gossip_rank": "4"}})
 
 
 def test_each_replica_may_step_on_the_whole_batch_s_second_moment_with_gradient_averaging_off() -> None:

@@ -162,10 +162,19 @@ static bool valid_whole_batch_moment(const uint8_t *m) {
   return !PSY_MODEL_WHOLE_BATCH_MOMENT_GET(m) || PSY_MODEL_GRAD_AVERAGING_GET(m) == PSY_GRAD_AVERAGING_OFF;
 }
 
+/* config.validate_gossip: a rank up to PowerSGD's most, and only with gradient averaging off and not in int4 */
+static bool valid_gossip(const uint8_t *m) {
+  uint64_t rank = PSY_MODEL_GOSSIP_RANK_GET(m);
+  return rank <= PSY_MAX_POWERSGD_RANK &&
+         (rank == 0 || (PSY_MODEL_GRAD_AVERAGING_GET(m) == PSY_GRAD_AVERAGING_OFF &&
+                        PSY_MODEL_GRAD_VALUES_GET(m) != PSY_GRAD_VALUES_INT4));
+}
+
 /* config.validate_grad_averaging: each compressed mode's settings in range with it, 0 without it; the codec
    suits what it carries */
 static bool valid_grad_averaging(const uint8_t *m) {
-  return valid_powersgd(m) && valid_demo(m) && valid_grad_values(m) && valid_whole_batch_moment(m);
+  return valid_powersgd(m) && valid_demo(m) && valid_grad_values(m) && valid_whole_batch_moment(m) &&
+         valid_gossip(m);
 }
 
 uint64_t psy_validate_model(const uint8_t *m, const uint8_t *c) {
