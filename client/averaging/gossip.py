@@ -154,6 +154,12 @@ class GossipAverager(GradientAverager):
         self.bound = bound
         self._anchors = [p.detach().to("cpu", torch.float32).clone() for _, p in named_parameters]
 
+    def start_from(self, params: Sequence[torch.Tensor]) -> None:
+        """Count this worker's own change from ``params`` as they are now (a state it loaded, not trained)."""
+        with torch.no_grad():
+            for anchor, param in zip(self._anchors, params, strict=True):
+                anchor.copy_(param.detach().reshape(anchor.shape).to("cpu", torch.float32))
+
     @property
     def payload_bytes(self) -> int:
         """What this worker sends in a round: both factors of every matrix and every other tensor's part."""

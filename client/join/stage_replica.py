@@ -339,10 +339,14 @@ class StageReplica:
 
     def _take(self, found: StageState) -> None:
         """Load ``found`` into the worker, and the SPARTA anchors its donor served with it into the averager: with
-        them this worker's first slices travel in the run's codec instead of float32 (``client.averaging.anchored``)."""
+        them this worker's first slices travel in the run's codec instead of float32 (``client.averaging.anchored``).
+        PowerGossip's own change starts again from the state loaded: loading is no training a partner may match."""
         compute = self.worker.compute
         load_stage_state(compute.module, found, compute.lock, compute.optimizer.optimizer)
         self.local_step = found.step
+        if self.gossip is not None:
+            with compute.lock:
+                self.gossip.start_from(self._trainable())
         if found.anchors is not None and self.averager.install_anchors(found.anchors):
             log.info("stage %s took its donor's anchors for %d of %d partitions", self.stage,
                      len(found.anchors.partitions), self.averager.masks.partitions)
@@ -445,9 +449,12 @@ class StageReplica:
         gossip = self.gossip
         assert gossip is not None
         compute = self.worker.compute
-        params = [p for p in compute.module.parameters() if p.requires_grad]
-        found = gossip.mix(params, index, peers=peers if self.tracker.shares_state else 0, lock=compute.lock)
+        found = gossip.mix(self._trainable(), index, peers=peers if self.tracker.shares_state else 0, lock=compute.lock)
         return found.averaging(gossip.settings.timeouts.max_failures, gossip.payload_bytes, gossip.settings.values)
+
+    def _trainable(self) -> list[torch.Tensor]:
+        """The stage's trainable parameters, in the order its averagers were built with."""
+        return [p for p in self.worker.compute.module.parameters() if p.requires_grad]
 
     def drain_lies(self) -> list[dict[str, object]]:
         """The proven lies this replica's averagers found since the last drain (SPARTA's, the gradients' and

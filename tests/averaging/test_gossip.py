@@ -154,3 +154,17 @@ def test_a_group_of_three_mixes_nothing(make_grad_averager) -> None:
     assert [r.round.group_size for r in results] == [3] * 3  # the group did form: the pair check refused it
     for p, m in zip(params, models, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(p, m, strict=True))
+
+
+def test_a_state_loaded_is_no_training_a_liar_may_match(make_grad_averager) -> None:
+    """A worker that loads a state far from the one it was built with (a joiner taking its peers') starts counting
+    its own change there: a lying partner's first round moves it by nothing, not by twice the distance loaded."""
+    first, _ = pair_models(9)
+    honest = make_grad_averager(named(first), RANK2, cls=GossipAverager)
+    liar = make_grad_averager(named(first), RANK2, cls=_Liar)
+    loaded = [t + 5.0 for t in first]
+    honest.start_from(loaded)
+    params = [[t.clone() for t in loaded], [t.clone() for t in first]]
+    results = mix_together([honest, liar], params, index=0)
+    assert results[0].moved and results[0].clipped == 2, results[0].round.reason
+    assert all(torch.equal(p, t) for p, t in zip(params[0], loaded, strict=True))
