@@ -412,6 +412,21 @@ def test_a_run_may_mix_its_replicas_by_powergossip_in_place_of_sparta_s_slices()
         parse_run_spec({"run_id": "ok", "model": {"gossip_rank": "4"}})
 
 
+def test_the_example_s_commented_powergossip_lines_make_a_valid_run(tmp_path: Path) -> None:
+    """``examples/state.toml`` offers PowerGossip in commented lines after SPARTA's; uncommented (and SPARTA's own
+    settings taken out), they describe a run the coordinator takes."""
+    lines = EXAMPLE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if "(PowerGossip," in line)
+    block = [i for i in range(start, len(lines)) if lines[i].startswith("# ") and " = " in lines[i]][:3]
+    for i in block:
+        lines[i] = lines[i].removeprefix("# ")
+    kept = [line for line in lines if not line.startswith(("sparta_every = 20", "sparta_partitions"))]
+    path = tmp_path / "state.toml"
+    path.write_text("\n".join(kept) + "\n")
+    model = load_run_spec(path).model
+    assert (model.gossip_rank, model.sparta_every, model.grad_values) == (4, 1, GradValues.Int8)
+
+
 def test_each_replica_may_step_on_the_whole_batch_s_second_moment_with_gradient_averaging_off() -> None:
     assert not Model().whole_batch_moment
     model = parse_run_spec({"run_id": "ok", "model": {"whole_batch_moment": True, "grad_values": "int4"}}).model
