@@ -63,7 +63,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -493,7 +493,7 @@ class GradientAverager:
 
     @classmethod
     def for_worker(cls, worker: StageWorker, dht: hivemind.DHT, *, seed: int, settings: GradientSettings,
-                   roster: Callable[[], Roster]) -> GradientAverager:
+                   roster: Callable[[], Roster]) -> Self:
         """The averager of a ``StageWorker``'s gradients, in its run's namespace, averaging with the workers
         ``roster`` lists under the worker's key."""
         named = [(n, p) for n, p in worker.compute.module.named_parameters() if p.requires_grad]

@@ -145,9 +145,7 @@ def gossip_averager(state: CoordinatorState, worker: StageWorker, dht,
         return None
     settings = GradientSettings(GradAveraging.POWERSGD, rank=state.model.gossip_rank, values=averaged_values(state),
                                 timeouts=sparta_settings(state))
-    averager = GossipAverager.for_worker(worker, dht, seed=state.model.init_seed, settings=settings, roster=roster)
-    assert isinstance(averager, GossipAverager)
-    return averager
+    return GossipAverager.for_worker(worker, dht, seed=state.model.init_seed, settings=settings, roster=roster)
 
 
 REPLICA_WEIGHT = 1.0
