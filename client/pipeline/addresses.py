@@ -11,8 +11,10 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 
 MAX_NAME = 240
 """The longest DNS name taken: its worker's address (``name:port``) must fit a record's 255 characters."""
@@ -114,6 +116,15 @@ documentation ranges: whatever is neither this machine nor the internet); the in
 _PLACES = {LOOPBACK: "this machine", PRIVATE: "a private network", GLOBAL: "the internet"}
 RESOLVED_FOR = 60.0
 """Seconds a DNS name's resolution is kept before it is looked up again."""
+RETRY_AFTER = 10.0
+"""Seconds a name that did not resolve is left unresolved before it is looked up again."""
+RESOLVE_WAIT = 0.2
+"""Seconds a caller waits for a lookup it starts: a name a fast resolver answers is dialled at once, and one whose
+resolver is slow (a member's choice) delays a directory refresh by no more, once a lookup."""
+
+
+class Resolving(ValueError):
+    """A name whose lookup has not answered yet: its record is left out until it has, without a warning."""
 
 
 def split_endpoint(address: str) -> tuple[str, int]:
@@ -159,17 +170,21 @@ def reach_of(own_hosts: list[str]) -> frozenset[str]:
 class Dialing:
     """Which worker addresses a client dials, and at what IP address (``reach_of``). A DNS name is resolved here,
     and dialled at the address checked, so that a name resolving elsewhere a moment later (DNS rebinding) cannot
-    redirect the call."""
+    redirect the call. Lookups run on threads of their own: a caller waits ``RESOLVE_WAIT`` at most for one, and
+    meanwhile dials a name at the address its last lookup checked, or not at all (``Resolving``)."""
 
     def __init__(self, reach: frozenset[str], resolve: Callable[..., list] = socket.getaddrinfo,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.reach = reach
         self._resolve = resolve
         self._clock = clock
-        self._resolved: dict[str, tuple[float, str]] = {}
+        self._resolved: dict[str, tuple[float, str | None, str]] = {}  # name -> (until, IP, or why none)
+        self._pending: dict[str, Future[str]] = {}
+        self._lock = threading.Lock()
 
     def target(self, address: str) -> str:
-        """The endpoint to dial for a record's ``address``; ValueError saying why it is not dialled."""
+        """The endpoint to dial for a record's ``address``; ValueError saying why it is not dialled (``Resolving``
+        while its name's first lookup has not answered)."""
         host, port = split_endpoint(address)
         ip = self._ip(host) if _is_dns_name(host) else host
         where = scope(ip)
@@ -181,13 +196,45 @@ class Dialing:
         return endpoint(ip, port)
 
     def _ip(self, name: str) -> str:
-        now = self._clock()
-        kept = self._resolved.get(name)
-        if kept is None or kept[0] < now:
-            try:
-                found = self._resolve(name, None, type=socket.SOCK_STREAM)
-            except OSError as exc:
-                raise ValueError(f"its address's name {name} does not resolve ({exc})") from None
-            kept = (now + RESOLVED_FOR, str(ipaddress.ip_address(found[0][4][0].partition("%")[0])))
-            self._resolved[name] = kept
+        with self._lock:
+            kept = self._resolved.get(name)
+            pending = self._pending.get(name)
+            started = pending is None and (kept is None or kept[0] < self._clock())
+            if started:
+                pending = self._pending[name] = self._look_up(name)
+        if pending is not None:
+            wait([pending], timeout=RESOLVE_WAIT if started else 0)
+            if pending.done():
+                kept = self._settle(name, pending)
+        if kept is None:
+            raise Resolving(f"its address's name {name} is being looked up")
+        if kept[1] is None:
+            raise ValueError(kept[2])
         return kept[1]
+
+    def _look_up(self, name: str) -> Future[str]:
+        """Resolve ``name`` on a daemon thread of its own (a resolver that never answers holds up neither this
+        client's refreshes nor its exit); its first IP address, or the error, in the future returned."""
+        found: Future[str] = Future()
+
+        def run() -> None:
+            try:
+                answers = self._resolve(name, None, type=socket.SOCK_STREAM)
+                found.set_result(str(ipaddress.ip_address(answers[0][4][0].partition("%")[0])))
+            except BaseException as exc:  # a resolver's failure, of whatever kind, is this name's, not the caller's
+                found.set_exception(exc)
+
+        threading.Thread(target=run, name="psyswarm-dns", daemon=True).start()
+        return found
+
+    def _settle(self, name: str, lookup: Future[str]) -> tuple[float, str | None, str]:
+        """Keep what a finished lookup found: the address for ``RESOLVED_FOR``, or why none for ``RETRY_AFTER``."""
+        try:
+            kept: tuple[float, str | None, str] = (self._clock() + RESOLVED_FOR, lookup.result(), "")
+        except Exception as exc:  # OSError, or a malformed answer: either way the name does not resolve
+            kept = (self._clock() + RETRY_AFTER, None, f"its address's name {name} does not resolve ({exc})")
+        with self._lock:
+            if self._pending.get(name) is lookup:
+                del self._pending[name]
+                self._resolved[name] = kept
+            return self._resolved.get(name, kept)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from solders.keypair import Keypair
 
 from client.identity import verify
-from client.pipeline.addresses import Dialing, announced_dht, reach_of, split_endpoint
+from client.pipeline.addresses import Dialing, Resolving, announced_dht, reach_of, split_endpoint
 from client.stages import HAND_PICKED_INDICES, default_index
 
 if TYPE_CHECKING:
@@ -253,6 +253,8 @@ class WorkerDirectory:
             problem = self._problem(record, subkey, stage, item.expiration_time, now)
             try:
                 record = replace(record, address=self.dialing.target(record.address)) if not problem else record
+            except Resolving:  # listed once its name's lookup answers, a refresh or two later
+                continue
             except ValueError as exc:
                 problem = str(exc)
             if problem:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 
@@ -23,8 +24,11 @@ from client.pipeline.addresses import (
     GLOBAL,
     LOOPBACK,
     PRIVATE,
+    RESOLVE_WAIT,
     RESOLVED_FOR,
+    RETRY_AFTER,
     Dialing,
+    Resolving,
     endpoint,
     reach_of,
     split_endpoint,
@@ -175,3 +179,75 @@ def test_records_keep_their_signature_unless_a_name_was_resolved(dht, run_id) ->
     named = announce(dht, run_id, "body1", "localhost:7000")
     [resolved] = wait_until(lambda: directory.records("body1"), what="the named record")
     assert resolved.address == "127.0.0.1:7000" and resolved == replace(named, address="127.0.0.1:7000")
+
+
+class SlowResolver:
+    """A resolver that answers only when told to (``answer``), counting its lookups."""
+
+    def __init__(self, ip: str = "8.8.8.8") -> None:
+        self.ip, self.go, self.lookups = ip, threading.Event(), 0
+
+    def __call__(self, name: str, port: object, type: int) -> list:
+        self.lookups += 1
+        assert self.go.wait(30)
+        return [(0, type, 0, "", (self.ip, 0))]
+
+
+def test_a_slow_resolver_holds_a_caller_up_no_longer_than_the_wait_and_its_name_is_dialled_once_it_answers() -> None:
+    """A member names its worker by a DNS name whose resolver it controls and answers slowly: the lookup runs on a
+    thread of its own, the caller waits ``RESOLVE_WAIT`` at most, and the record waits (``Resolving``) until the
+    answer, which is then checked and dialled as any other."""
+    now, resolver = [0.0], SlowResolver()
+    dialing = Dialing(frozenset({GLOBAL}), resolve=resolver, clock=lambda: now[0])
+    started = time.monotonic()
+    for _ in range(3):
+        with pytest.raises(Resolving):
+            dialing.target("slow.example.org:7000")
+    assert time.monotonic() - started < RESOLVE_WAIT + 1.0  # one wait, by the call that started the lookup
+    resolver.go.set()
+    assert wait_until(lambda: _dialled(dialing, "slow.example.org:7000"), what="the answer") == "8.8.8.8:7000"
+    resolver.go.clear()  # its next lookup is slow again: meanwhile the name is dialled where it was checked
+    now[0] = RESOLVED_FOR + 1
+    assert dialing.target("slow.example.org:7000") == "8.8.8.8:7000"
+    assert resolver.lookups == 2
+    resolver.go.set()
+
+
+def _dialled(dialing: Dialing, address: str) -> str | None:
+    try:
+        return dialing.target(address)
+    except Resolving:
+        return None
+
+
+def test_a_name_that_does_not_resolve_is_looked_up_again_only_after_a_while() -> None:
+    now, calls = [0.0], []
+
+    def fails(*_: object, **__: object) -> list:
+        calls.append(1)
+        raise socket.gaierror("Name or service not known")
+
+    dialing = Dialing(frozenset({GLOBAL}), resolve=fails, clock=lambda: now[0])
+    for _ in range(3):
+        with pytest.raises(ValueError, match="does not resolve"):
+            dialing.target("gone.example.org:7000")
+    assert len(calls) == 1
+    now[0] = RETRY_AFTER + 1
+    with pytest.raises(ValueError, match="does not resolve"):
+        dialing.target("gone.example.org:7000")
+    assert len(calls) == 2
+
+
+def test_a_directory_lists_a_named_worker_once_its_slow_lookup_answers_without_waiting_for_it(dht, run_id) -> None:
+    resolver = SlowResolver("127.0.0.1")
+    directory = WorkerDirectory(dht, run_id, TINY.fingerprint(), dialing=Dialing(frozenset({LOOPBACK}),
+                                                                                 resolve=resolver))
+    announce(dht, run_id, "head", "127.0.0.1:7000")
+    announce(dht, run_id, "head", "slow.example.org:7001")
+    wait_until(lambda: directory.records("head"), what="the record named by its address")
+    started = time.monotonic()
+    listed = directory.records("head")
+    assert time.monotonic() - started < 1.0 and [r.address for r in listed] == ["127.0.0.1:7000"]
+    resolver.go.set()
+    wait_until(lambda: len(directory.records("head")) == 2, what="the named record")
+    assert sorted(r.address for r in directory.records("head")) == ["127.0.0.1:7000", "127.0.0.1:7001"]
