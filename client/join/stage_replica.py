@@ -425,8 +425,7 @@ class StageReplica:
         return stats
 
     def average(self, completed_step: int) -> AveragingResult | None:
-        """Run the SPARTA round (or the PowerGossip round) due once the swarm completed ``completed_step`` steps, if
-        one is due."""
+        """Run the SPARTA (or PowerGossip) round due once the swarm completed ``completed_step`` steps, if any."""
         index = averaging_index(completed_step, self.every)
         if index is None:
             return None
@@ -441,13 +440,12 @@ class StageReplica:
         return result
 
     def _mix(self, index: int, peers: int) -> AveragingResult:
-        """PowerGossip's round ``index`` with one same-stage peer. A syncing worker sits it out: a pair member
-        weighs alike, and a stale model would pull its partner as far as a current one (it catches up from the
-        state it loaded and its own training)."""
+        """PowerGossip's round ``index`` with one same-stage peer. A syncing worker sits it out: pair members weigh
+        alike, and a stale model would pull its partner as far as a current one."""
         gossip = self.gossip
         assert gossip is not None
-        compute = self.worker.compute
-        found = gossip.mix(self._trainable(), index, peers=peers if self.tracker.shares_state else 0, lock=compute.lock)
+        found = gossip.mix(self._trainable(), index, peers=peers if self.tracker.shares_state else 0,
+                           lock=self.worker.compute.lock)
         return found.averaging(gossip.settings.timeouts.max_failures, gossip.payload_bytes, gossip.settings.values)
 
     def _trainable(self) -> list[torch.Tensor]:
@@ -455,9 +453,8 @@ class StageReplica:
         return [p for p in self.worker.compute.module.parameters() if p.requires_grad]
 
     def drain_lies(self) -> list[dict[str, object]]:
-        """The proven lies this replica's averagers found since the last drain (SPARTA's, the gradients' and
-        PowerGossip's, ``StageAverager.drain_lies``: refused declarations, false reductions), to publish as
-        accusations."""
+        """The proven lies this replica's averagers found since the last drain (``StageAverager.drain_lies``: refused
+        declarations, false reductions), to publish as accusations."""
         lies = self.averager.averager.drain_lies()
         for other in (self.gradients, self.gossip):
             lies += other.process.drain_lies() if other is not None else []
