@@ -195,6 +195,10 @@ class Gossip:
         self.anchors = {id(t): t.detach().clone() for ts in replicas for t in ts}
         self.moves = self.clipped = 0
 
+    def drawn(self, step: int) -> list:
+        """Each tensor's q drawn afresh for ``step``, as the client draws one for a pair without a common q."""
+        return [None if f is None else seeded_matrix(step, str(i), f[1], self.rank) for i, f in enumerate(self.factors)]
+
     def bytes_per_step(self) -> int:
         """What one replica sends a step: both factors of every matrix in ``values``, every vector's eighth in
         float32."""
@@ -405,7 +409,8 @@ def crowd(bench: Bench, spec: ModelSpec, size: int, gossip: tuple[int, GradValue
           moment: bool) -> tuple[list[float], float]:
     """``size`` replicas, each stepping on every ``size``-th microbatch of each batch (with ``moment``, on the whole
     batch's estimated second moment), and with ``gossip`` mixed every step in pairs drawn at random (``Gossip``, one
-    warm-started q per tensor for every pair): how a stage's replicas would gossip in groups of two."""
+    warm-started q per tensor for every pair; with ``--client-q``, as the client keeps q: a pair that met last round
+    warm-starts from its own, any other from one drawn afresh): how a stage's replicas would gossip in groups of two."""
     args = bench.args
     crowd_ = [bench.trainer(spec, 1.0, args.batch_size if moment else 0) for _ in range(size)]
     params = [[o.params for o in t.optimizers] for t in crowd_]
@@ -413,6 +418,8 @@ def crowd(bench: Bench, spec: ModelSpec, size: int, gossip: tuple[int, GradValue
               for s, ps in enumerate(params[0])] if gossip else []
     rng = random.Random(spec.seed)
     losses = []
+    partner: list[int | None] = [None] * size  # each replica's partner in the last round
+    pair_qs: dict[tuple[int, int], list[list]] = {}  # each pair's qs, per stage, as it left them
     for round_ in range(args.rounds):
         chunks = microbatches(range(round_ * args.batch_size, (round_ + 1) * args.batch_size), args.microbatch_size)
         if len(chunks) % size:
@@ -426,8 +433,13 @@ def crowd(bench: Bench, spec: ModelSpec, size: int, gossip: tuple[int, GradValue
         order = rng.sample(range(size), size)
         with torch.no_grad():
             for first, second in zip(order[::2], order[1::2], strict=True):
+                met = partner[first] == second
                 for s, mix in enumerate(mixers):
+                    if args.client_q:  # the pair's own q if it met last round, else one drawn afresh
+                        mix.qs = pair_qs[first, second][s] if met else mix.drawn(round_ + 1)
                     mix([params[first][s], params[second][s]], round_ + 1)
+                pair_qs[first, second] = pair_qs[second, first] = [mix.qs for mix in mixers]
+                partner[first], partner[second] = second, first
     report_clipped(mixers)
     return losses, statistics.fmean(bench.held_out_loss(t) for t in crowd_)
 
@@ -501,6 +513,9 @@ def main() -> None:
     parser.add_argument("--bound", type=float, default=MOVE_BOUND,
                         help="gossip: the most a round moves a tensor, in multiples of the replica's own change since "
                              "its last mix (the client's, by default; inf: unbounded)")
+    parser.add_argument("--client-q", action="store_true",
+                        help="crowds keep q as the client does: a pair that met last round warm-starts from its own, "
+                             "any other from one drawn afresh (default: one warm q for every pair)")
     parser.add_argument("--seeds", type=int, default=10, help="initialisations: N seeds from --first-seed on")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--model", choices=["psyswarm", "tiny-llama"], default="psyswarm",
