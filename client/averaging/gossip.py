@@ -53,7 +53,7 @@ from client.averaging.gradients import (
 from client.averaging.membership import Declared, Membership
 from client.averaging.powersgd import compressed_shape
 from client.averaging.sparta import AveragingResult, AveragingStatus
-from client.averaging.values import GradValues, encoded_bytes
+from client.averaging.values import encoded_bytes
 
 log = logging.getLogger("psyswarm.gossip")
 
@@ -115,21 +115,6 @@ class GossipResult:
     clipped: int  # tensors whose move the bound shortened (``gossip_rule.bounded``)
     delta_norm: float = 0.0  # L2 norm of the move applied to the parameters
 
-    def averaging(self, max_failures: int, payload_bytes: int, values: GradValues) -> AveragingResult:
-        """The round as a stage's parameter-averaging round reports it (SPARTA's form): averaged only if it moved
-        this worker; a worker whose own averaging process failed ``max_failures`` times in a row should leave."""
-        r = self.round
-        status = r.status if self.moved or r.status != AveragingStatus.AVERAGED else AveragingStatus.SKIPPED
-        reason = r.reason or ("" if self.moved or status != AveragingStatus.SKIPPED else "the pair's round did not "
-                              "complete, so nothing moved")
-        return AveragingResult(
-            averaging_index=r.round, partition=r.round % VECTOR_SLICES, status=status, reason=reason, weight=r.weight,
-            group_size=r.group_size, refused=r.refused, total_weight=float(r.samples) if self.moved else math.nan,
-            elements=0, payload_bytes=payload_bytes if r.group_size else 0,
-            payload_values=values if r.group_size else None, delta_norm=self.delta_norm, seconds=r.seconds,
-            consecutive_failures=r.consecutive_failures, remove=r.consecutive_failures >= max_failures)
-
-
 class GossipAverager(GradientAverager):
     """Mixes a stage's parameters with one same-stage peer at a round (host side). Create it before the worker
     serves gRPC: it forks hivemind's averaging process. ``settings``: PowerSGD's (the rank, timeouts, codec); groups
@@ -138,7 +123,6 @@ class GossipAverager(GradientAverager):
     process_class = GossipProcess
     kind = "gossip"
     rounds = "gossip"
-    weight = PAIR_WEIGHT  # what this member declares (a class attribute so that a test's liar can declare another)
     group_size = 2  # the group matchmaking forms (a class attribute so that a test can form a larger one)
 
     def __init__(self, named_parameters: Sequence[tuple[str, torch.Tensor]], dht: Any, *, run_id: str, stage: str,
@@ -153,19 +137,15 @@ class GossipAverager(GradientAverager):
         super().__init__(packed, dht, run_id=run_id, stage=stage, seed=seed, settings=settings, membership=membership)
         self.bound = bound
         self._anchors = [p.detach().to("cpu", torch.float32).clone() for _, p in named_parameters]
+        self.elements = sum(math.prod(shape) for shape in sent)  # what a round mixes: each matrix, vectors' parts
+        self.payload_bytes = sum(encoded_bytes(settings.values, count) for phase in round_payload(sent, settings)
+                                 for count in phase)  # what this worker sends in a round: factors and parts
 
     def start_from(self, params: Sequence[torch.Tensor]) -> None:
         """Count this worker's own change from ``params`` as they are now (a state it loaded, not trained)."""
         with torch.no_grad():
             for anchor, param in zip(self._anchors, params, strict=True):
                 anchor.copy_(param.detach().reshape(anchor.shape).to("cpu", torch.float32))
-
-    @property
-    def payload_bytes(self) -> int:
-        """What this worker sends in a round: both factors of every matrix and every other tensor's part."""
-        shapes = [tuple(buffer.shape) for buffer in self._buffers]
-        return sum(encoded_bytes(self.settings.values, count)
-                   for phase in round_payload(shapes, self.settings) for count in phase)
 
     def _part(self, i: int, numel: int, index: int) -> slice:
         """The elements of tensor ``i`` (flattened) that round ``index`` mixes: all of a factored matrix."""
@@ -192,7 +172,7 @@ class GossipAverager(GradientAverager):
         lock = lock if lock is not None else contextlib.nullcontext()
         with lock, torch.no_grad():
             values = self._packed(params, index)
-        result = self.average(values, 1, index, self.weight, peers=peers)
+        result = self.average(values, 1, index, PAIR_WEIGHT, peers=peers)
         sign = self._process.sign
         if result.status != AveragingStatus.AVERAGED or not result.complete or sign == 0:
             return GossipResult(result, moved=False, clipped=0)
@@ -211,3 +191,17 @@ class GossipAverager(GradientAverager):
             log.info("%s gossip round %d: the bound shortened the move of %d of %d tensors", self.stage, index,
                      clipped, len(params))
         return GossipResult(result, moved=True, clipped=clipped, delta_norm=math.sqrt(squared))
+
+    def report(self, found: GossipResult) -> AveragingResult:
+        """``found`` as a stage's parameter-averaging round reports it (SPARTA's form): averaged only if it moved this
+        worker; a worker whose own averaging process failed ``max_failures`` times in a row should leave."""
+        r = found.round
+        status = AveragingStatus.SKIPPED if r.status == AveragingStatus.AVERAGED and not found.moved else r.status
+        return AveragingResult(
+            averaging_index=r.round, partition=r.round % VECTOR_SLICES, status=status, reason=r.reason,
+            weight=r.weight, group_size=r.group_size, refused=r.refused,
+            total_weight=float(r.samples) if found.moved else math.nan, elements=self.elements,
+            payload_bytes=self.payload_bytes if r.group_size else 0,
+            payload_values=self.settings.values if r.group_size else None, delta_norm=found.delta_norm,
+            seconds=r.seconds, consecutive_failures=r.consecutive_failures,
+            remove=r.consecutive_failures >= self.settings.timeouts.max_failures)

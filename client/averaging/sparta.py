@@ -191,8 +191,8 @@ class SpartaSettings:
 
 
 def averager_prefix(run_id: str, stage: str, kind: str = "sparta") -> str:
-    """The DHT prefix of a stage's averagers of one ``kind`` (``sparta``, ``grad``, ``gossip``): one per run, stage and
-    kind, so stages, runs and the two kinds of rounds never mix.
+    """The DHT prefix of a stage's averagers of one ``kind`` (``sparta``, ``grad``, ``gossip``): one per run, stage
+    and kind, so stages, runs and kinds of rounds never mix.
 
     hivemind forbids '.' in prefixes and run ids may hold one, hence the hash; the stage stays readable.
     """

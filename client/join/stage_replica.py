@@ -210,8 +210,9 @@ class StageReplica:
         averager = SpartaAverager.for_worker(
             worker, dht, partitions=state.model.sparta_partitions, seed=state.model.init_seed,
             roster=roster, settings=sparta_settings(state),
-            state_provider=worker_state_provider(worker, lambda: replica.local_step or 0),
-            max_weight=REPLICA_WEIGHT, values=averaged_values(state))
+            state_provider=worker_state_provider(worker, lambda: replica.local_step or 0),  # in a gossip run its
+            # rounds never run and it only serves state: in float32 it keeps no anchors (a copy of the stage)
+            max_weight=REPLICA_WEIGHT, values=GradValues.FLOAT32 if state.model.gossip_rank else averaged_values(state))
         replica = cls(worker, averager, SyncTracker(SyncPolicy.from_model(state.model), say=say),
                       WorkerDirectory(dht, namespace, config.fingerprint()), every=state.model.sparta_every,
                       gradients=gradient_averager(state, worker, dht, roster),
@@ -444,9 +445,8 @@ class StageReplica:
         alike, and a stale model would pull its partner as far as a current one."""
         gossip = self.gossip
         assert gossip is not None
-        found = gossip.mix(self._trainable(), index, peers=peers if self.tracker.shares_state else 0,
-                           lock=self.worker.compute.lock)
-        return found.averaging(gossip.settings.timeouts.max_failures, gossip.payload_bytes, gossip.settings.values)
+        return gossip.report(gossip.mix(self._trainable(), index, peers=peers if self.tracker.shares_state else 0,
+                                         lock=self.worker.compute.lock))
 
     def _trainable(self) -> list[torch.Tensor]:
         """The stage's trainable parameters, in the order its averagers were built with."""

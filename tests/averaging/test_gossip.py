@@ -117,7 +117,21 @@ def test_a_lying_partner_moves_an_honest_worker_no_farther_than_its_own_training
 
 
 class _WeightZero(GossipAverager):
-    weight = 0.0
+    """A partner that declares weight 0 (and sends its parts so)."""
+
+    def average(self, grads, samples, index, weight, **kwargs):  # type: ignore[no-untyped-def]
+        return super().average(grads, samples, index, 0.0, **kwargs)
+
+
+class _Poisoner(GossipAverager):
+    """A partner that declares its honest values' norm and sends NaN in their place."""
+
+    def _load(self, grads, index, weight, work=()):  # type: ignore[no-untyped-def]
+        declared = super()._load(grads, index, weight)
+        with self._locked():
+            for buffer in self._buffers:
+                buffer.fill_(float("nan"))
+        return declared
 
 
 def test_a_partner_declaring_another_weight_than_one_mixes_nothing(make_grad_averager) -> None:
@@ -127,6 +141,17 @@ def test_a_partner_declaring_another_weight_than_one_mixes_nothing(make_grad_ave
     averagers = [unbounded(make_grad_averager, first), unbounded(make_grad_averager, second, cls=_WeightZero)]
     results = mix_together(averagers, params, index=0)
     assert not results[0].moved
+    assert all(torch.equal(p, t) for p, t in zip(params[0], first, strict=True))
+
+
+def test_a_partner_sending_non_finite_values_moves_nothing(make_grad_averager) -> None:
+    """Its parts are refused as non-finite, so the round is incomplete, and an incomplete round moves nothing (the
+    local values an all-reduce keeps for a refused part would otherwise read as a move toward zero)."""
+    first, second = pair_models(10)
+    params = [[t.clone() for t in first], [t.clone() for t in second]]
+    averagers = [unbounded(make_grad_averager, first), unbounded(make_grad_averager, second, cls=_Poisoner)]
+    results = mix_together(averagers, params, index=0)
+    assert not results[0].moved and results[0].round.status != AveragingStatus.SKIPPED, results[0].round
     assert all(torch.equal(p, t) for p, t in zip(params[0], first, strict=True))
 
 

@@ -206,15 +206,21 @@ class Gossip:
                    else encoded_bytes(self.values, f[0] * self.rank) + encoded_bytes(self.values, f[1] * self.rank)
                    for shape, f in zip(self.shapes, self.factors, strict=True))
 
-    def _move(self, tensor: torch.Tensor, move: torch.Tensor, part: slice | None = None) -> None:
-        """Move ``tensor`` (``part`` of its flat view) by ``move``, bounded by its own change since its last mix."""
+    def _move(self, tensor: torch.Tensor, move: torch.Tensor, part: slice | None = None,
+              target: torch.Tensor | None = None) -> None:
+        """Move ``tensor`` (``part`` of its flat view) by ``move``, bounded by its own change since its last mix; or,
+        given ``target`` (unbounded runs), set it there, as the rule did before the bound, whose figures ``--bound
+        inf`` reproduces to the digit."""
         anchor = self.anchors[id(tensor)]  # keyed by the parameter itself: each ``.data`` is a new object
         now, then = (tensor.data, anchor) if part is None else (tensor.view(-1)[part], anchor.view(-1)[part])
         if self.bound < math.inf:
             move, clipped = bounded(move, now - then, self.bound)
             self.clipped += clipped
         self.moves += 1
-        now += move
+        if target is not None:
+            now.copy_(target)
+        else:
+            now += move
         then.copy_(now)
 
     def __call__(self, params: list[list[torch.Tensor]], step: int) -> None:
@@ -223,9 +229,10 @@ class Gossip:
         for i, factor in enumerate(self.factors):
             if factor is None:
                 part = vector_part(params[0][i].numel(), step)
-                half = (params[0][i].data.view(-1)[part] - params[1][i].data.view(-1)[part]) / 2
-                self._move(params[0][i], -half, part)
-                self._move(params[1][i], half, part)
+                first, second = (ps[i].data.view(-1)[part] for ps in params)
+                half, mean = (first - second) / 2, (first + second) / 2 if self.bound == math.inf else None
+                self._move(params[0][i], -half, part, mean)
+                self._move(params[1][i], half, part, mean)
                 continue
             first, second = (ps[i].data.view(factor) for ps in params)
             orthogonalize_(self.qs[i])

@@ -344,7 +344,7 @@ def test_a_gossip_run_mixes_its_replicas_in_pairs_in_place_of_sparta_s_slices(ma
     every = SPEC["model"]["sparta_every"]
     results = at_once([functools.partial(r.average, every) for r in replicas], timeout=60, what="a gossip round")
     assert [(r.status, r.group_size) for r in results] == [(AveragingStatus.AVERAGED, 2)] * 2, results
-    assert all(r.delta_norm > 0 and r.payload_values == GradValues.INT8 for r in results)
+    assert all(r.delta_norm > 0 and r.elements > 0 and r.payload_values == GradValues.INT8 for r in results)
     whole = sum(4 * p.numel() for p in params[0])
     assert 0 < results[0].payload_bytes < whole / 2
     for first, second, was_first, was_second in zip(*params, *before, strict=True):
