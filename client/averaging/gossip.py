@@ -138,8 +138,8 @@ class GossipAverager(GradientAverager):
         self.bound = bound
         self._anchors = [p.detach().to("cpu", torch.float32).clone() for _, p in named_parameters]
         self.elements = sum(math.prod(shape) for shape in sent)  # what a round mixes: each matrix, vectors' parts
-        self.payload_bytes = sum(encoded_bytes(settings.values, count) for phase in round_payload(sent, settings)
-                                 for count in phase)  # what this worker sends in a round: factors and parts
+        self.payload_bytes = sum(encoded_bytes(settings.values, count) for phase in round_payload(
+            sent, settings, self.group_size) for count in phase)  # what it sends in a round: factors and parts
 
     def start_from(self, params: Sequence[torch.Tensor]) -> None:
         """Count this worker's own change from ``params`` as they are now (a state it loaded, not trained)."""

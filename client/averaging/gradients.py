@@ -77,7 +77,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.math import orthogonalize_
 
-from client.averaging import demo
+from client.averaging import demo, packing
 from client.averaging.membership import Declared, Membership, Roster
 from client.averaging.powersgd import compressed_shape, seeded_matrix
 from client.averaging.rounds import GRACE, Wedged, holding, run_round
@@ -145,20 +145,24 @@ class GradientSettings:
 
 
 def round_payload(shapes: Sequence[Sequence[int]], settings: GradientSettings, group_size: int = 1) -> list[list[int]]:
-    """Elements of each tensor that the all-reduces of one round carry, one list per all-reduce (PowerSGD: the
-    P factors, then the Q factors with the tensors sent in full; DeMo: the most a union of ``group_size`` peers'
-    picks can hold, with the tensors sent in full), for gradients of ``shapes``."""
+    """The sizes of the tensors each all-reduce of one round hands hivemind, one list per all-reduce, for gradients
+    of ``shapes`` in a group of ``group_size`` equal peers: full averaging's gradients as they are; PowerSGD's P
+    factors, then its Q factors with the tensors sent in full, and DeMo's picks (the most a union of the group's can
+    hold) with the tensors sent in full, each laid end to end in a piece per reducer (``packing``)."""
+    def pieces(sizes: list[int]) -> list[int]:
+        return packing.piece_sizes(sum(sizes), [1.0] * group_size)
+
     if settings.mode == GradAveraging.DEMO:
         union = min(settings.chunk, settings.topk * group_size)
         counts = [demo.chunk_count(shape, settings.chunk) for shape in shapes]
-        return [[math.prod(shape) if n is None else n * union for shape, n in zip(shapes, counts, strict=True)]]
+        return [pieces([math.prod(shape) if n is None else n * union for shape, n in zip(shapes, counts, strict=True)])]
     rank = settings.rank if settings.mode == GradAveraging.POWERSGD else 0
     factors = [compressed_shape(shape, rank, settings.min_compression) for shape in shapes]
     full = [math.prod(shape) for shape, factor in zip(shapes, factors, strict=True) if factor is None]
     compressed = [factor for factor in factors if factor is not None]
     if not compressed:
         return [full]
-    return [[rows * rank for rows, _ in compressed], [cols * rank for _, cols in compressed] + full]
+    return [pieces([rows * rank for rows, _ in compressed]), pieces([cols * rank for _, cols in compressed] + full)]
 
 
 @dataclass(frozen=True)
@@ -377,7 +381,7 @@ class _GradientRounds(StageAverager):
             orthogonalize_(q)  # keeps each part of M Q within M's norm, which the peers' limits rely on
         ps = [m @ q for m, q in zip(ms, self._qs, strict=True)]
         phase_p = group_info.group_id + AllReducePhases.PHASE_P.name.encode()
-        await self._run_allreduce_inplace_(ps, group_info, phase_p, peer_fractions=fractions, **kwargs)
+        await self._run_packed_(ps, group_info, phase_p, fractions, kwargs)
         for p in ps:
             orthogonalize_(p)
         for q, m, p in zip(self._qs, ms, ps, strict=True):
@@ -386,14 +390,21 @@ class _GradientRounds(StageAverager):
             for error, m, p, q in zip(self._errors, ms, ps, self._qs, strict=True):
                 error.copy_(m - p @ q.t())
         phase_q = group_info.group_id + AllReducePhases.PHASE_Q.name.encode()
-        await self._run_allreduce_inplace_([*self._qs, *full], group_info, phase_q, peer_fractions=fractions,
-                                           **kwargs)
+        await self._run_packed_([*self._qs, *full], group_info, phase_q, fractions, kwargs)
         for (g, _, _), p, q in zip(compressed, ps, self._qs, strict=True):
             g.copy_((p @ q.t()).reshape(g.shape))
         complete = self._complete(phase_p) and self._complete(phase_q)
         if complete:
             self._tag.raw = phase_q[:_TAG_BYTES].ljust(_TAG_BYTES, b"\0")
         return complete
+
+    async def _run_packed_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes,
+                           fractions: Any, kwargs: dict[str, Any]) -> None:
+        """One in-place all-reduce of ``tensors`` as a piece per reducer (``client.averaging.packing``)."""
+        flat = packing.laid_end_to_end(tensors)
+        pieces = list(flat.split(packing.piece_sizes(flat.numel(), fractions)))
+        await self._run_allreduce_inplace_(pieces, group_info, group_id, peer_fractions=fractions, **kwargs)
+        packing.put_back(flat, tensors)
 
     # ----- DeMo -----
 
@@ -404,7 +415,7 @@ class _GradientRounds(StageAverager):
         full = [g for g, n in zip(grads, self._demo_chunks, strict=True) if n is None]
         declared = [self._declared_indices(blob) for blob in group_info.gathered]
         sending = demo.Sending.of(chunked, self._momenta, declared, self._chunk, self._topk, self._beta)
-        await self._run_allreduce_inplace_([*sending.sent, *full], group_info, peer_fractions=fractions, **kwargs)
+        await self._run_packed_([*sending.sent, *full], group_info, group_info.group_id, fractions, kwargs)
         complete = self._complete(group_info.group_id)
         if complete and float(kwargs["weight"]) > 0:  # a weight-0 peer's coefficients went into no average
             sending.keep_unsent(chunked, self._momenta)
