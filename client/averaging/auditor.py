@@ -18,14 +18,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 
 from client.averaging.audit import Place, evidence, false_block
 from client.averaging.runner import Reductions
-from client.averaging.values import GradValues, decode
+from client.averaging.values import GradValues, codec, decode
 
 logger = get_logger(__name__)
 
@@ -96,8 +95,9 @@ class Auditor:
         statement, result = reductions.returned[reducer, part]
         try:
             timeout = self.next_chunk_timeout or self.request_timeout
-            inputs = await asyncio.wait_for(self._inputs(group_id, reducer, part, len(statement.entries)),
-                                            timeout * (len(statement.entries) + 1))
+            inputs = await asyncio.wait_for(
+                self._inputs(group_id, reducer, part, len(statement.entries), reductions.values),
+                timeout * (len(statement.entries) + 1))
             block = await asyncio.get_running_loop().run_in_executor(None, false_block, statement, inputs, result)
         except Exception as exc:  # noqa: BLE001 - a groupmate's answer: any failure proves nothing against it
             logger.info(f"audit of {reducer}'s part {part}: no conclusion ({type(exc).__name__}: {exc})")
@@ -108,15 +108,17 @@ class Auditor:
             place = Place(self.prefix, group_id, reducer.to_bytes(), part)
             self._keep(evidence(place, reductions.keys[reducer], statement, inputs, result, block))
 
-    async def _inputs(self, group_id: bytes, reducer: PeerID, part: int, count: int) -> list[torch.Tensor]:
-        """The first ``count`` inputs ``reducer`` serves for its part ``part``, none larger than a part."""
+    async def _inputs(self, group_id: bytes, reducer: PeerID, part: int, count: int,
+                      values: GradValues) -> list[torch.Tensor]:
+        """The first ``count`` inputs ``reducer`` serves for its part ``part``, in the all-reduce's codec ``values``
+        (``rpc_audit_part``), none larger than a part."""
         stub = self.get_stub(self._p2p, reducer, namespace=self.prefix)
         stream = await stub.rpc_audit_part(averaging_pb2.AveragingData(group_id=group_id, weight=float(part)))
         inputs: list[torch.Tensor] = []
         async for message in stream:
             if message.tensor_part.ByteSize() > MAX_PART_BYTES:
                 raise ValueError("an input larger than any part")
-            inputs.append(decode(message.tensor_part, GradValues.FLOAT32))  # served as reduced: float32
+            inputs.append(decode(message.tensor_part, values))
             if len(inputs) == count:
                 break  # all it listed: more would be no input of its statement
         return inputs
@@ -124,10 +126,13 @@ class Auditor:
     async def rpc_audit_part(self, request: averaging_pb2.AveragingData,
                              context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
         """The inputs this reducer listed in its statement of one part (group id and part index in the request:
-        the index travels as its ``weight``), in order, for a sender of that all-reduce to audit."""
+        the index travels as its ``weight``), in order, for a sender of that all-reduce to audit. They travel in the
+        all-reduce's codec, as they came: each input is a part as decoded from it, which the codec encodes back to
+        the very same values (an input that did not would fail its digest at the auditor, and prove nothing), so an
+        audit of an int8 round costs a quarter of float32's bytes."""
         reductions = self._reductions.get(request.group_id)
         part = int(request.weight) if math.isfinite(request.weight) else -1
         if reductions is None or context.remote_id not in reductions.senders or part not in reductions.mine:
             return
         for values in reductions.mine[part][1]:
-            yield averaging_pb2.AveragingData(tensor_part=serialize_torch_tensor(values))
+            yield averaging_pb2.AveragingData(tensor_part=codec(reductions.values).compress(values, None))

@@ -109,6 +109,7 @@ class Reductions:
 
     senders: frozenset[PeerID]
     keys: dict[PeerID, bytes]  # every groupmate's key, by peer id
+    values: GradValues = GradValues.FLOAT32  # the all-reduce's codec, in which its audits travel too (``auditor``)
     mine: dict[int, tuple[Statement, list[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
     returned: dict[tuple[PeerID, int], tuple[Statement, torch.Tensor]] = field(default_factory=dict)
     forgeries: list[tuple[PeerID, Place, Statement]] = field(default_factory=list)  # statements signed
@@ -150,11 +151,11 @@ class RobustRunner(AllReduceRunner):
         # that it "received 0.0% of input tensors"
         self.tensor_part_reducer = self.reducer_class(tuple(part.shape for part in self.parts_for_local_averaging),
                                                       len(self.sender_peer_ids))
-        self.reductions = Reductions(frozenset(self.sender_peer_ids), self.keys)
-        self._sent: dict[tuple[PeerID, int], Entry] = {}  # this peer's signed input to each reducer's part
-        self._answers: dict[int, tuple[Any, torch.Tensor, Statement]] = {}  # this reducer's, by part
         container = self.tensor_part_container
         self.values = values_of(container.compression)
+        self.reductions = Reductions(frozenset(self.sender_peer_ids), self.keys, self.values)
+        self._sent: dict[tuple[PeerID, int], Entry] = {}  # this peer's signed input to each reducer's part
+        self._answers: dict[int, tuple[Any, torch.Tensor, Statement]] = {}  # this reducer's, by part
         container.return_deltas = False  # a failed reducer's shard is filled with the local parts, not zeros
         own = self.ordered_peer_ids.index(self.peer_id)
         register = container.register_processed_part

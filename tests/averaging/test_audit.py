@@ -46,7 +46,7 @@ from client.averaging.gradients import GradAveraging, GradientAverager, Gradient
 from client.averaging.runner import RobustReducer, RobustRunner
 from client.averaging.sparta import averager_prefix
 from client.averaging.stage_averager import PART_BYTES
-from client.averaging.values import GradValues
+from client.averaging.values import GradValues, encoded_bytes
 from client.contributor.accusing import (
     FALSE_DECLARATION,
     false_declaration_accuser,
@@ -276,6 +276,12 @@ class _ShiftingRunner(RobustRunner):
     reducer_class = _ShiftedReducer
 
 
+def shifting_by(shift: float) -> type[RobustRunner]:
+    """A reducer that returns its shard's robust mean plus ``shift``, and signs that."""
+    return type("_ShiftingRunner", (RobustRunner,), {
+        "reducer_class": type("_ShiftedReducer", (_ShiftedReducer,), {"shift": shift})})
+
+
 class _FarShiftingRunner(_ShiftingRunner):
     """A reducer that returns its shard's robust mean plus 10, far above any honest average's norm, and signs that."""
 
@@ -316,13 +322,14 @@ def lies_after(averagers: list[GradientAverager], expected: int, wait: float = 1
     return found
 
 
-def trio(make_grad_averager, liar: type[RobustRunner],
-         audit_rate: float = 1.0) -> tuple[list[GradientAverager], list[Any], list[Any]]:
-    """A round of three, the third reducing with ``liar``; each peer audits each other reducer at ``audit_rate`` (the
-    run's: every one, unless a test says otherwise)."""
+def trio(make_grad_averager, liar: type[RobustRunner], audit_rate: float = 1.0,
+         values: GradValues = GradValues.FLOAT32) -> tuple[list[GradientAverager], list[Any], list[Any]]:
+    """A round of three in the codec ``values``, the third reducing with ``liar``; each peer audits each other
+    reducer at ``audit_rate`` (the run's: every one, unless a test says otherwise)."""
     timeouts = dataclasses.replace(TRIO, audit_rate=audit_rate)
-    settings = GradientSettings(GradAveraging.FULL, timeouts=timeouts, max_weight=16.0)
-    shared = shared_gradient(384, 256)  # six parts of 64 KiB: every peer reduces a shard
+    settings = GradientSettings(GradAveraging.FULL, timeouts=timeouts, max_weight=16.0, values=values)
+    per_value = encoded_bytes(values, 1 << 16) / (1 << 16)  # bytes a value takes in the codec
+    shared = shared_gradient(384, int(256 * 4 / per_value))  # six parts of 64 KiB: every peer reduces a shard
     pairs = [gradient_pairs(i, shared) for i in (1, 2, 3)]
     keys = [Keypair() for _ in range(3)]
     classes = [averager_class(), averager_class(), averager_class(liar)]
@@ -333,16 +340,22 @@ def trio(make_grad_averager, liar: type[RobustRunner],
     return averagers, results, [values, keys]
 
 
-def test_an_honest_group_s_audits_keep_no_evidence_and_change_no_result(make_grad_averager) -> None:
-    averagers, results, (values, _) = trio(make_grad_averager, RobustRunner)
+@pytest.mark.parametrize("codec", [GradValues.FLOAT32, GradValues.INT8])
+def test_an_honest_group_s_audits_keep_no_evidence_and_change_no_result(make_grad_averager,
+                                                                        codec: GradValues) -> None:
+    averagers, results, (values, _) = trio(make_grad_averager, RobustRunner, values=codec)
     assert all(r is not None and r.complete and r.group_size == 3 for r in results)
     assert lies_after(averagers, expected=1, wait=6.0) == []
     assert all(torch.equal(a, b) for a, b in zip(values[0], values[1], strict=True))  # bit-identical replicas
 
 
+@pytest.mark.parametrize(("codec", "shift"), [(GradValues.FLOAT32, 0.01), (GradValues.INT8, 0.1),
+                                              (GradValues.INT4, 1.0)])
 def test_a_reducer_shifting_its_shard_is_caught_by_an_audit_and_convicted_by_its_own_statement(
-        make_grad_averager) -> None:
-    averagers, results, (values, keys) = trio(make_grad_averager, _ShiftingRunner)
+        make_grad_averager, codec: GradValues, shift: float) -> None:
+    """Audits travel in the round's codec (the inputs as the reducer decoded them, encoded back): they still
+    convict, of any shift beyond what the codec's rounding of the result may move it (``audit.false_block``)."""
+    averagers, results, (values, keys) = trio(make_grad_averager, shifting_by(shift), values=codec)
     assert all(r is not None and r.complete for r in results[:2]), results  # within the bound: taken, as on the
     # old code
     lies = lies_after(averagers[:2], expected=2)
