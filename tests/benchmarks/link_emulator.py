@@ -94,6 +94,11 @@ class Relay:
         self._tasks: set[asyncio.Task] = set()
 
     @property
+    def bytes_each_way(self) -> tuple[int, int]:
+        """Bytes carried so far toward the upstream, and back."""
+        return self._up.bytes, self._down.bytes
+
+    @property
     def busiest_direction_bytes(self) -> int:
         """Bytes carried so far in the direction that carried more."""
         return max(self._up.bytes, self._down.bytes)
