@@ -104,17 +104,31 @@ class SpartaMasks:
         self.partitions = partitions
         self.names = names
         self.numels = [numel for _, numel in shapes]
-        # Partition of each element; int32 keeps the memory at 4 bytes per parameter.
-        self._assignment = [
-            (element_ranks(seed, name, numel) % partitions).astype(np.int32) for name, numel in shapes
-        ]
         self.slice_sizes = [-(-numel // partitions) for numel in self.numels]  # the largest partition per tensor
+        self._seed = seed
+        self._assignment: list[np.ndarray] | None = None
+
+    @property
+    def drawn(self) -> bool:
+        """Whether each element's partition has been drawn (``draw``)."""
+        return self._assignment is not None
+
+    def draw(self) -> SpartaMasks:
+        """Draw each element's partition, if not yet drawn (int32: 4 bytes a parameter). It costs about a second
+        per 3 million parameters (SHA-256 in counter mode), so it waits for its first use: an averager that only
+        serves state, as a PowerGossip run's does, never draws it."""
+        if self._assignment is None:
+            self._assignment = [(element_ranks(self._seed, name, numel) % self.partitions).astype(np.int32)
+                                for name, numel in zip(self.names, self.numels, strict=True)]
+        return self
 
     def indices(self, partition: int) -> list[torch.Tensor]:
         """Flat element indices of ``partition`` in each tensor, ascending (so every peer packs them alike)."""
         if not 0 <= partition < self.partitions:
             raise ValueError(f"partition must be in 0..{self.partitions - 1}, got {partition}")
-        return [torch.from_numpy(np.flatnonzero(a == partition)) for a in self._assignment]
+        assignment = self.draw()._assignment
+        assert assignment is not None
+        return [torch.from_numpy(np.flatnonzero(a == partition)) for a in assignment]
 
 
 def averaging_index(step: int, every: int) -> int | None:
@@ -222,12 +236,14 @@ class SpartaAverager:
         state_provider: Callable[[], SharedState] | None = None,
         max_weight: float = math.inf,
         values: GradValues = GradValues.FLOAT32,
+        serving_only: bool = False,
     ) -> None:
         """``membership`` is this peer's key and the stage's roster (who may average with it); ``lock`` guards
         the live parameters (a worker's ``compute.lock``); ``state_provider`` is what this peer serves to
         joiners once ``sharing`` is on; ``max_weight`` the most weight any peer may claim in a round (the
         module docstring); ``values`` the run's codec, in which slices travel as changes since their last
-        average (``client.averaging.anchored``) unless it is float32."""
+        average (``client.averaging.anchored``) unless it is float32; ``serving_only``: it will run no rounds, only
+        serve state (a PowerGossip run's), so SPARTA's partition is not drawn."""
         if not max_weight > 0:
             raise ValueError(f"max_weight must be positive, got {max_weight}")
         self.settings = settings or SpartaSettings()
@@ -236,6 +252,8 @@ class SpartaAverager:
         if not self.parameters:
             raise ValueError("a stage with no parameters has nothing to average")
         self.masks = SpartaMasks([(n, p.numel()) for n, p in named_parameters], partitions, seed)
+        if not serving_only:
+            self.masks.draw()  # now, before the averaging process forks: it reads the partition too
         self.lock = lock if lock is not None else nullcontext()
         self.run_id, self.stage = run_id, stage
         self.prefix = averager_prefix(run_id, stage)
@@ -270,13 +288,14 @@ class SpartaAverager:
     def for_worker(cls, worker: StageWorker, dht: hivemind.DHT, *, partitions: int, seed: int,
                    roster: Callable[[], Roster], settings: SpartaSettings | None = None,
                    state_provider: Callable[[], SharedState] | None = None,
-                   max_weight: float = math.inf, values: GradValues = GradValues.FLOAT32) -> SpartaAverager:
+                   max_weight: float = math.inf, values: GradValues = GradValues.FLOAT32,
+                   serving_only: bool = False) -> SpartaAverager:
         """The averager of a ``StageWorker``'s parameters, under its lock, in its run's namespace, averaging
         with the workers ``roster`` lists under the worker's key."""
         return cls(list(worker.compute.module.named_parameters()), dht, run_id=worker.run_id, stage=worker.stage,
                    partitions=partitions, seed=seed, membership=Membership(worker.keypair, roster),
                    lock=worker.compute.lock, settings=settings, state_provider=state_provider,
-                   max_weight=max_weight, values=values)
+                   max_weight=max_weight, values=values, serving_only=serving_only)
 
     # ----- the round -----
 

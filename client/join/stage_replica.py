@@ -212,7 +212,8 @@ class StageReplica:
             roster=roster, settings=sparta_settings(state),
             state_provider=worker_state_provider(worker, lambda: replica.local_step or 0),  # in a gossip run its
             # rounds never run and it only serves state: in float32 it keeps no anchors (a copy of the stage)
-            max_weight=REPLICA_WEIGHT, values=GradValues.FLOAT32 if state.model.gossip_rank else averaged_values(state))
+            max_weight=REPLICA_WEIGHT, values=GradValues.FLOAT32 if state.model.gossip_rank else averaged_values(state),
+            serving_only=bool(state.model.gossip_rank))
         replica = cls(worker, averager, SyncTracker(SyncPolicy.from_model(state.model), say=say),
                       WorkerDirectory(dht, namespace, config.fingerprint()), every=state.model.sparta_every,
                       gradients=gradient_averager(state, worker, dht, roster),

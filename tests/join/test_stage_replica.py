@@ -354,3 +354,4 @@ def test_a_gossip_run_mixes_its_replicas_in_pairs_in_place_of_sparta_s_slices(ma
         return sum(float((a - b).norm()) ** 2 for a, b in zip(*tensors, strict=True)) ** 0.5
 
     assert apart(params) < 0.95 * apart(before)  # rank 2 of random differences, an eighth of each vector
+    assert not any(r.averager.masks.drawn for r in replicas)  # SPARTA's averager served state only: no partition
