@@ -338,15 +338,17 @@ def allreduce_bytes_sent(buffers: list[torch.Tensor], group_size: int,
                         values: GradValues = GradValues.FLOAT32) -> int:
     """Bytes of the all-reduce messages one peer sends in a group of ``group_size`` equal peers, its values in the
     codec ``values``: its parts to every other reducer, and the averaged parts of its own shard back to every other
-    peer."""
-    from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, TensorPartContainer
+    peer (in parts of the averagers' ``PART_BYTES``)."""
+    from hivemind.averaging.partition import TensorPartContainer
     from hivemind.proto import averaging_pb2
+
+    from client.averaging.stage_averager import PART_BYTES
 
     compression = codec(values)
 
     def sizes(peer: int) -> list[int]:
         container = TensorPartContainer(buffers, (1.0,) * group_size, compression=compression,
-                                        part_size_bytes=DEFAULT_PART_SIZE_BYTES)
+                                        part_size_bytes=PART_BYTES)
         return [averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"\0" * 20,
                                             tensor_part=compression.compress(part, None), weight=1.0).ByteSize()
                 for part in container.get_raw_input_parts(peer)]
