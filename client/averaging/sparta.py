@@ -113,22 +113,20 @@ class SpartaMasks:
         """Whether each element's partition has been drawn (``draw``)."""
         return self._assignment is not None
 
-    def draw(self) -> SpartaMasks:
-        """Draw each element's partition, if not yet drawn (int32: 4 bytes a parameter). It costs about a second
+    def draw(self) -> list[np.ndarray]:
+        """Each element's partition (int32: 4 bytes a parameter), drawn on the first call. It costs about a second
         per 3 million parameters (SHA-256 in counter mode), so it waits for its first use: an averager that only
         serves state, as a PowerGossip run's does, never draws it."""
         if self._assignment is None:
             self._assignment = [(element_ranks(self._seed, name, numel) % self.partitions).astype(np.int32)
                                 for name, numel in zip(self.names, self.numels, strict=True)]
-        return self
+        return self._assignment
 
     def indices(self, partition: int) -> list[torch.Tensor]:
         """Flat element indices of ``partition`` in each tensor, ascending (so every peer packs them alike)."""
         if not 0 <= partition < self.partitions:
             raise ValueError(f"partition must be in 0..{self.partitions - 1}, got {partition}")
-        assignment = self.draw()._assignment
-        assert assignment is not None
-        return [torch.from_numpy(np.flatnonzero(a == partition)) for a in assignment]
+        return [torch.from_numpy(np.flatnonzero(a == partition)) for a in self.draw()]
 
 
 def averaging_index(step: int, every: int) -> int | None:

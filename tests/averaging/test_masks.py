@@ -55,7 +55,8 @@ def test_another_process_with_other_seeds_derives_the_same_masks() -> None:
 
 def test_the_partition_is_drawn_on_first_use_and_is_the_same_drawn_late() -> None:
     shapes = [("a.weight", 3000), ("a.bias", 40)]
-    late, early = SpartaMasks(shapes, 7, 5), SpartaMasks(shapes, 7, 5).draw()
+    late, early = SpartaMasks(shapes, 7, 5), SpartaMasks(shapes, 7, 5)
+    early.draw()
     assert not late.drawn and early.drawn and late.slice_sizes == early.slice_sizes
     for partition in range(7):
         assert all(torch.equal(x, y) for x, y in zip(late.indices(partition), early.indices(partition), strict=True))
