@@ -109,7 +109,7 @@ class Reductions:
 
     senders: frozenset[PeerID]
     keys: dict[PeerID, bytes]  # every groupmate's key, by peer id
-    values: GradValues = GradValues.FLOAT32  # the all-reduce's codec, in which its audits travel too (``auditor``)
+    values: GradValues  # the all-reduce's codec, in which its audits travel too (``auditor``)
     mine: dict[int, tuple[Statement, list[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
     returned: dict[tuple[PeerID, int], tuple[Statement, torch.Tensor]] = field(default_factory=dict)
     forgeries: list[tuple[PeerID, Place, Statement]] = field(default_factory=list)  # statements signed

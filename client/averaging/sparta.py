@@ -108,11 +108,6 @@ class SpartaMasks:
         self._seed = seed
         self._assignment: list[np.ndarray] | None = None
 
-    @property
-    def drawn(self) -> bool:
-        """Whether each element's partition has been drawn (``draw``)."""
-        return self._assignment is not None
-
     def draw(self) -> list[np.ndarray]:
         """Each element's partition (int32: 4 bytes a parameter), drawn on the first call. It costs about a second
         per 3 million parameters (SHA-256 in counter mode), so it waits for its first use: an averager that only
@@ -241,7 +236,8 @@ class SpartaAverager:
         joiners once ``sharing`` is on; ``max_weight`` the most weight any peer may claim in a round (the
         module docstring); ``values`` the run's codec, in which slices travel as changes since their last
         average (``client.averaging.anchored``) unless it is float32; ``serving_only``: it will run no rounds, only
-        serve state (a PowerGossip run's), so SPARTA's partition is not drawn."""
+        serve state (a PowerGossip run's), so it keeps no anchors (a float32 copy of the stage) whatever ``values``,
+        and draws no partition."""
         if not max_weight > 0:
             raise ValueError(f"max_weight must be positive, got {max_weight}")
         self.settings = settings or SpartaSettings()
@@ -279,7 +275,7 @@ class SpartaAverager:
             allow_state_sharing=False,
             max_weight=self.max_weight,
             masks=self.masks,
-            values=values,
+            values=GradValues.FLOAT32 if serving_only else values,
         )
 
     @classmethod

@@ -210,9 +210,8 @@ class StageReplica:
         averager = SpartaAverager.for_worker(
             worker, dht, partitions=state.model.sparta_partitions, seed=state.model.init_seed,
             roster=roster, settings=sparta_settings(state), serving_only=bool(state.model.gossip_rank),
-            state_provider=worker_state_provider(worker, lambda: replica.local_step or 0),  # in a gossip run its
-            # rounds never run and it only serves state: in float32 it keeps no anchors (a copy of the stage)
-            max_weight=REPLICA_WEIGHT, values=GradValues.FLOAT32 if state.model.gossip_rank else averaged_values(state))
+            state_provider=worker_state_provider(worker, lambda: replica.local_step or 0),
+            max_weight=REPLICA_WEIGHT, values=averaged_values(state))
         replica = cls(worker, averager, SyncTracker(SyncPolicy.from_model(state.model), say=say),
                       WorkerDirectory(dht, namespace, config.fingerprint()), every=state.model.sparta_every,
                       gradients=gradient_averager(state, worker, dht, roster),

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from client.averaging import sparta
 from client.averaging.sparta import SpartaMasks, SpartaSettings, averager_prefix, averaging_index, element_ranks
 
 SHAPES = [("layers.1.qkv.weight", 3 * 32 * 32), ("layers.1.qkv.bias", 96), ("norm.weight", 7), ("tiny", 1)]
@@ -53,14 +54,18 @@ def test_another_process_with_other_seeds_derives_the_same_masks() -> None:
     assert there == here
 
 
-def test_the_partition_is_drawn_on_first_use_and_is_the_same_drawn_late() -> None:
+def test_the_partition_is_drawn_on_first_use_once_and_is_the_same_drawn_late(monkeypatch) -> None:
+    ranked: list[str] = []  # the tensors whose elements were ranked (SHA-256), in order
+    monkeypatch.setattr(sparta, "element_ranks", lambda seed, name, numel: ranked.append(name) or
+                        element_ranks(seed, name, numel))
     shapes = [("a.weight", 3000), ("a.bias", 40)]
     late, early = SpartaMasks(shapes, 7, 5), SpartaMasks(shapes, 7, 5)
+    assert ranked == [] and late.slice_sizes == early.slice_sizes
     early.draw()
-    assert not late.drawn and early.drawn and late.slice_sizes == early.slice_sizes
+    assert ranked == ["a.weight", "a.bias"]
     for partition in range(7):
         assert all(torch.equal(x, y) for x, y in zip(late.indices(partition), early.indices(partition), strict=True))
-    assert late.drawn
+    assert ranked == ["a.weight", "a.bias"] * 2  # the late one drew once, for all seven partitions
 
 
 def test_masks_depend_on_run_seed_and_parameter_name() -> None:
