@@ -1,15 +1,23 @@
-"""A phase's tensors cut once per reducer land whole, one piece on each, in hivemind's own partitioner."""
+"""A phase's tensors cut once per reducer land whole, one piece on each, in hivemind's own partitioner; a real
+PowerSGD round sends that and puts every tensor's values back in its place."""
 
 from __future__ import annotations
+
+import multiprocessing as mp
+from typing import Any
 
 import torch
 from hivemind.averaging.partition import TensorPartContainer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from client.averaging.gradients import GradAveraging, GradientAverager, GradientProcess, GradientSettings
 from client.averaging.packing import laid_end_to_end, piece_sizes, put_back
+from client.averaging.runner import RobustRunner
+from client.averaging.sparta import AveragingStatus
 from client.averaging.stage_averager import PART_BYTES
 from client.averaging.values import GradValues, codec
+from tests.averaging.test_gradients import QUICK, together
 
 fractions = st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8).filter(lambda f: sum(f) > 0.01)
 
@@ -43,3 +51,34 @@ def test_put_back_restores_every_tensor_in_place() -> None:
         t.zero_()
     put_back(flat * 2, tensors)
     assert all(torch.equal(t, 2 * b) for t, b in zip(tensors, before, strict=True))
+
+
+PARTS_SENT = mp.Value("i", 0)  # input parts the test's all-reduce runners cut: shared with the processes they fork
+
+
+class _CountingRunner(RobustRunner):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        with PARTS_SENT.get_lock():
+            PARTS_SENT.value += sum(self.tensor_part_container.num_parts_by_peer)
+
+
+def test_a_powersgd_round_of_many_tensors_sends_a_part_per_reducer_and_puts_each_back(make_grad_averager) -> None:
+    """Twelve layers' matrices and vectors: each phase is one part per reducer, four a peer in all, where one per
+    tensor would be 12 (P) and 24 (Q); both peers end with the same result, each vector (sent in full) the mean."""
+    generator = torch.Generator().manual_seed(3)
+    models = [[(f"layers.{i}.{kind}", torch.randn(*shape, generator=generator)) for i in range(12)
+               for kind, shape in (("weight", (24, 32)), ("bias", (24,)))] for _ in range(2)]
+    process = type("GradientProcess", (GradientProcess,), {"runner_class": _CountingRunner})
+    counting = type("GradientAverager", (GradientAverager,), {"process_class": process})
+    settings = GradientSettings(GradAveraging.POWERSGD, rank=2, timeouts=QUICK)
+    averagers = [make_grad_averager(pairs, settings, cls=counting) for pairs in models]
+    values = [[t.clone() for _, t in pairs] for pairs in models]
+    PARTS_SENT.value = 0
+    results = together(averagers, values, 0, [1.0, 1.0])
+    assert [(r.status, r.complete) for r in results] == [(AveragingStatus.AVERAGED, True)] * 2
+    assert PARTS_SENT.value == 2 * 2 * 2  # two peers, two phases, a piece for each reducer
+    assert all(torch.equal(a, b) for a, b in zip(*values, strict=True))
+    for i in range(1, 24, 2):
+        torch.testing.assert_close(values[0][i], (models[0][i][1] + models[1][i][1]) / 2)
+    assert all(torch.linalg.matrix_rank(values[0][i]) <= 2 for i in range(0, 24, 2))
