@@ -5,7 +5,7 @@ hivemind's partitioner never joins tensors: each one smaller than a part travels
 part is also signed by its sender, reduced, returned with a statement signed by its reducer, and open to an audit
 (``client.averaging.audit``). PowerSGD's factors of a model of a hundred small matrices were a hundred such parts a
 phase, their framing a seventh of the bytes. Cut where hivemind's load balancing splits the whole, the pieces land one
-on each reducer, and an audit's one part drawn at random is one reducer's whole shard.
+on each reducer, and an audit's one part drawn at random is one reducer's whole shard (where it fits in a part).
 
 Nothing of the checks changes: a piece's norm is within the sender's declared norm (that of everything it sends), as
 each tensor's was.
